@@ -1,0 +1,109 @@
+"""`gb.apply`: g-net parameters in, every p-net parameter out, as a pure function."""
+
+import functools
+import math
+
+import torch
+from torch import Tensor
+
+from ._checks import check_gparams
+from ._genome import stack_codes
+from ._plan import Generated, Plan, Stack
+from ._tilemlp import reference, tile_mlp
+
+GParams = dict[str, dict]
+
+
+def apply(gparams: GParams, plan: Plan, *, check: bool = False) -> dict[str, Tensor]:
+    """Generate every parameter of the p-net described by `plan`.
+
+    Each stack's g-nets are evaluated on their tiles in one batched call; tiles are laid out
+    on each weight's grid, cut to its shape and scaled. Free parameters pass through. Pure:
+    no module is touched, so it composes with `torch.func.grad`, `vmap` and `torch.compile`.
+
+    Args:
+        gparams: From `gb.init(plan, ...)` (or trained from it).
+        plan: The plan that made `gparams`.
+        check: Also reject NaN or inf in `gparams` (reads values: not for compiled code).
+
+    Returns:
+        `{name: tensor}` for every parameter, ready for
+        `torch.func.functional_call(model, params, args)`.
+
+    Example:
+        >>> model = nn.Linear(64, 32)
+        >>> plan = gb.plan(model, tile=(16, 16))
+        >>> params = gb.apply(gb.init(plan), plan)
+        >>> torch.func.functional_call(model, params, (torch.randn(2, 64),)).shape
+        torch.Size([2, 32])
+    """
+    check_gparams(gparams, plan, "gb.apply", values=check)
+    stacks = gparams["stacks"]
+    tiles = [evaluate_stack(stack, stacks[stack.key]) for stack in plan.stacks]
+    out: dict[str, Tensor] = {}
+    for p in plan.params:
+        if isinstance(p, Generated):
+            out[p.name] = assemble(p, plan.stacks[p.stack], tiles[p.stack])
+        else:
+            out[p.name] = gparams["free" if p.trainable else "frozen"][p.name]
+    return out
+
+
+def evaluate_stack(stack: Stack, leaves: dict[str, Tensor], *, recompute: bool = True) -> Tensor:
+    """Every tile of a stack, `(T, TH, TW * K)`: one batched g-net evaluation.
+
+    Args:
+        stack: The stack's description.
+        leaves: Its parameters, `gparams["stacks"][stack.key]`.
+        recompute: Use the recomputing backward (`tile_mlp`); False runs plain autograd.
+    """
+    w_in = leaves["w_in"]
+    row, col = _codes(stack, w_in.dtype, w_in.device)
+    r = stack.row_width
+    a = row @ w_in[:, :r]  # (G, TH, H)
+    b = col @ w_in[:, r:]  # (G, Q, H)
+    c = leaves["b_in"]  # (G, H)
+    w_hidden, b_hidden = leaves.get("w_hidden"), leaves.get("b_hidden")
+    w_out, b_out = leaves["w_out"], leaves["b_out"]
+    if stack.genome.share:
+        index = _gnet_of_tile(stack, w_in.device)
+        w_embed = leaves["w_embed"][index]  # (T, E, H)
+        c = c[index] + torch.einsum("te,teh->th", leaves["tile_embed"], w_embed)
+        a, b, w_out, b_out = a[index], b[index], w_out[index], b_out[index]
+        if w_hidden is not None:
+            w_hidden, b_hidden = w_hidden[index], b_hidden[index]
+    fn = tile_mlp if recompute else reference
+    y = fn(a, b, c, w_hidden, b_hidden, w_out, b_out, stack.genome.activation)  # (T, TH, Q, P)
+    return y.reshape(y.shape[0], y.shape[1], -1)
+
+
+def assemble(p: Generated, stack: Stack, tiles: Tensor) -> Tensor:
+    """Lay a parameter's tiles out on its grid, cut to its shape and scale it."""
+    th, tw = stack.tile
+    taps = math.prod(stack.kernel)
+    parts = []
+    for block in p.blocks:
+        rows, cols = block.grid
+        t = tiles[block.first_tile : block.first_tile + block.num_tiles]
+        t = t.reshape(rows, cols, th, tw, taps).permute(0, 2, 1, 3, 4)
+        t = t.reshape(rows * th, cols * tw, taps)[: block.rows, : block.cols]
+        parts.append(t)
+    weight = parts[0] if len(parts) == 1 else torch.cat(parts, dim=p.split_dim)
+    return weight.reshape(p.shape) * p.scale
+
+
+def _codes(stack: Stack, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+    args = (stack.tile, stack.kernel, stack.genome, stack.columns, dtype, device)
+    if torch.compiler.is_compiling():
+        return stack_codes(*args)  # traced once into constants
+    return _cached_codes(*args)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_codes(*args) -> tuple[Tensor, Tensor]:
+    return stack_codes(*args)
+
+
+def _gnet_of_tile(stack: Stack, device: torch.device) -> Tensor:
+    index = [g for g, n in enumerate(stack.tiles_per_gnet) for _ in range(n)]
+    return torch.tensor(index, device=device)
