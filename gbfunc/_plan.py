@@ -365,11 +365,27 @@ def _tile_for(name: str, opts: dict[str, object], rows: int, cols: int, outputs:
     return th, -(-tw // outputs) * outputs  # a whole number of evaluations per row
 
 
+def _genome_for(opts: dict[str, object], kernel: tuple[int, ...]) -> Genome:
+    genome = Genome(**{k: opts[k] for k in _GENOME_OPTIONS})
+    if math.prod(kernel) > 1:
+        genome = replace(genome, outputs=1)  # `outputs` is for matrices; kernels use `kernel`
+    return genome
+
+
+def _block_cost(genome: Genome, kernel: tuple[int, ...], rows: int, cols: int, tile: tuple[int, int]) -> int:
+    """G-net parameters that generate one block (as `_build` would lay it out)."""
+    outputs, _, row_width, col_width = _stack_geometry(genome, tile, kernel)
+    tiles = -(-rows // tile[0]) * -(-cols // tile[1])
+    per_gnet = genome.param_count(row_width + col_width, outputs)
+    return per_gnet + tiles * genome.embed_dim if genome.share else tiles * per_gnet
+
+
 def _build(entries: list[_Entry], options: list[dict[str, object]], embeddings: bool) -> Plan:
     params: list[Generated | Free] = []
     stack_index: dict[tuple, int] = {}
-    stack_tiles: list[list[int]] = []
+    stack_tiles: list[list[int]] = []  # tiles per g-net, per stack
     stack_specs: list[tuple] = []
+    stack_counts: list[int] = []
     for entry, opts in zip(entries, options, strict=True):
         name, shape, dtype, _, module, local, layout = entry
         reason = _free_reason(entry, opts, embeddings)
@@ -377,25 +393,24 @@ def _build(entries: list[_Entry], options: list[dict[str, object]], embeddings: 
             init = free_init(module, local, shape)
             params.append(Free(name, shape, dtype, init, trainable=entry[3], reason=reason))
             continue
-        genome = Genome(**{k: opts[k] for k in _GENOME_OPTIONS})
         kernel = shape[2:]
-        if math.prod(kernel) > 1 or genome.kernel == "output":
-            genome = replace(genome, outputs=1)  # `outputs` is for matrices; kernels use `kernel`
+        genome = _genome_for(opts, kernel)
         blocks = []
         stack_id = None
         for rows, cols in _block_shapes(shape, layout):
-            probe = 1 if math.prod(kernel) > 1 else genome.outputs
-            tile = _tile_for(name, opts, rows, cols, probe)
+            tile = _tile_for(name, opts, rows, cols, genome.outputs)
             geometry = _stack_geometry(genome, tile, kernel)
             key = (genome, tile, kernel, geometry)
             if key not in stack_index:
                 stack_index[key] = len(stack_specs)
                 stack_specs.append(key)
                 stack_tiles.append([])
+                stack_counts.append(0)
             stack_id = stack_index[key]
             grid = (-(-rows // tile[0]), -(-cols // tile[1]))
-            first = sum(stack_tiles[stack_id])
+            first = stack_counts[stack_id]
             n = grid[0] * grid[1]
+            stack_counts[stack_id] += n
             stack_tiles[stack_id].extend([n] if genome.share else [1] * n)
             blocks.append(Block(rows, cols, grid, first))
         split_dim = layout.split_dim if layout.splits > 1 else 0
@@ -429,28 +444,56 @@ def compression_of(p: Plan) -> float:
 
 
 def _search_tile(entries, options, rules, target: float, embeddings: bool) -> list[dict[str, object]]:
+    """Pick the `(TH, TW)` whose generated-weights / g-net-params ratio is closest to `target`.
+
+    Costs are counted per distinct block shape, so the search over a few thousand candidate
+    tiles (sizes that split some weight dimension evenly, plus powers of two) takes well
+    under a second even for GPT-2-sized plans.
+    """
     if not (isinstance(target, int | float) and not isinstance(target, bool) and target > 0):
         raise ValueError(f"gb.plan: compression must be a positive number, got {target!r}.")
-    largest = max(max(e[1][:2]) if len(e[1]) >= 2 else 1 for e in entries)
-    sizes = sorted({s for s in range(1, min(largest, 256) + 1)} | {int(256 * 1.02**k) for k in range(400)})
-    sizes = [s for s in sizes if s <= largest]
-    best: tuple[float, int, float] | None = None
-    ratios = []
-    for size in sizes:
-        trial = [{**o, "tile": (size, size)} if not o.get("explicit_tile") else o for o in options]
-        p = _build(entries, trial, embeddings)
-        if not p.generated:
-            break
-        ratio = compression_of(p)
-        ratios.append(ratio)
-        err = abs(ratio / target - 1)
-        if best is None or err < best[0]:
-            best = (err, size, ratio)
-    if best is None or best[0] > 0.10:
-        lo, hi = (min(ratios), max(ratios)) if ratios else (0.0, 0.0)
+    weights = 0
+    fixed = 0  # g-net parameters of blocks whose tile the caller fixed
+    searched: dict[tuple, int] = {}  # (genome, kernel, rows, cols) -> count
+    for entry, opts in zip(entries, options, strict=True):
+        name, shape, *_, layout = entry
+        if _free_reason(entry, opts, embeddings) is not None:
+            continue
+        genome = _genome_for(opts, shape[2:])
+        weights += math.prod(shape)
+        for rows, cols in _block_shapes(shape, layout):
+            if opts.get("explicit_tile"):
+                tile = _tile_for(name, opts, rows, cols, genome.outputs)
+                fixed += _block_cost(genome, shape[2:], rows, cols, tile)
+            else:
+                key = (genome, shape[2:], rows, cols)
+                searched[key] = searched.get(key, 0) + 1
+    if not searched:
+        raise ValueError("gb.plan: compression= has no parameter to choose a tile for.")
+    dims = {d for (_, _, rows, cols) in searched for d in (rows, cols)}
+    sizes = sorted({-(-d // n) for d in dims for n in range(1, 65)} | {2**k for k in range(13)})
+    sizes = [s for s in sizes if s <= max(dims)]
+    best: tuple[bool, float, tuple[int, int]] | None = None
+    lo, hi, best_err = math.inf, 0.0, math.inf
+    for th in sizes:
+        for tw in sizes:
+            cost = fixed
+            for (genome, kernel, rows, cols), count in searched.items():
+                tile = (min(th, rows), -(-min(tw, cols) // genome.outputs) * genome.outputs)
+                cost += count * _block_cost(genome, kernel, rows, cols, tile)
+            ratio = weights / cost
+            lo, hi = min(lo, ratio), max(hi, ratio)
+            err = abs(ratio / target - 1)
+            # Within 2% of the target, prefer the squarest tile; otherwise the closest ratio.
+            rank = (err > 0.02, abs(math.log(th / tw)) if err <= 0.02 else err, (th, tw))
+            if best is None or rank[:2] < best[:2]:
+                best, best_err = rank, err
+    assert best is not None
+    if best_err > 0.10:
         raise ValueError(
-            f"gb.plan: compression={target} cannot be reached within 10% with these g-nets: square "
-            f"tiles give {lo:.2f}x to {hi:.2f}x. Change hidden/depth, use share=True for higher "
+            f"gb.plan: compression={target} cannot be reached within 10% with these g-nets: tiles "
+            f"give {lo:.2f}x to {hi:.2f}x. Change hidden/depth, use share=True for higher "
             "ratios, or pass tile= directly."
         )
-    return [{**o, "tile": (best[1], best[1])} if not o.get("explicit_tile") else o for o in options]
+    tile = best[2]
+    return [o if o.get("explicit_tile") else {**o, "tile": tile} for o in options]

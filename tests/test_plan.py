@@ -1,0 +1,208 @@
+"""gb.plan and gb.report: which parameters are generated, tiling, counts, options, errors."""
+
+import math
+import types
+
+import pytest
+import torch
+from torch import nn
+
+import gbfunc as gb
+
+
+def per_tile_params(rows_bits: int, col_width: int, hidden: int = 32, outputs: int = 1) -> int:
+    """A default g-net by hand: first layer, its bias, output layer and its bias."""
+    return (rows_bits + col_width) * hidden + hidden + hidden * outputs + outputs
+
+
+def test_linear_counts_match_a_hand_count():
+    plan = gb.plan(nn.Linear(256, 128), tile=(32, 32))
+    (stack,) = plan.stacks
+    assert stack.num_tiles == (128 // 32) * (256 // 32) == 32
+    rep = gb.report(plan)
+    assert rep.gnet_params == 32 * per_tile_params(5, 5) == 32 * 385
+    assert rep.generated_weights == 256 * 128
+    assert rep.free_params == 128  # the bias
+    assert rep.dense_params == 256 * 128 + 128
+    assert rep.generated_compression == pytest.approx(256 * 128 / (32 * 385))
+    assert rep.compression == pytest.approx(rep.dense_params / (32 * 385 + 128))
+    bias = next(r for r in rep.rows if r.name == "bias")
+    assert (bias.kind, bias.tiles, bias.gnet_params) == ("free", 0, 128)
+
+
+def test_conv_kernel_in_code_and_in_output():
+    conv = nn.Conv2d(16, 8, 3)
+    in_code = gb.plan(conv, tile=(4, 4))
+    (stack,) = in_code.stacks
+    # grid 2 x 4; row code 2 bits; column code 2 bits + one-hot 3 + 3; one output.
+    assert (stack.num_tiles, stack.row_width, stack.col_width, stack.outputs) == (8, 2, 8, 1)
+    assert gb.report(in_code).gnet_params == 8 * per_tile_params(2, 8)
+    in_out = gb.plan(conv, tile=(4, 4), kernel="output")
+    (stack,) = in_out.stacks
+    assert (stack.col_width, stack.outputs, stack.columns) == (2, 9, 4)
+    assert gb.report(in_out).gnet_params == 8 * per_tile_params(2, 2, outputs=9)
+
+
+def test_ragged_weights_take_exactly_the_tiles_they_need():
+    model = nn.Sequential(nn.Linear(50, 70), nn.Linear(70, 9), nn.Conv1d(5, 11, 3))
+    plan = gb.plan(model, tile=(16, 16))
+    needed = {"0.weight": 5 * 4, "1.weight": 1 * 5, "2.weight": 1 * 1}
+    got = {p.name: sum(b.num_tiles for b in p.blocks) for p in plan.generated}
+    assert got == needed
+    # The evaluated tiles are exactly the needed ones: no padding tiles in any stack.
+    assert sum(s.num_tiles for s in plan.stacks) == sum(needed.values())
+    gparams = gb.init(plan)
+    for stack in plan.stacks:
+        tiles = gb._apply.evaluate_stack(stack, gparams["stacks"][stack.key])
+        assert tiles.shape[0] == stack.num_tiles
+
+
+def test_small_weights_clip_the_tile():
+    plan = gb.plan(nn.Linear(100, 10), tile=(64, 64))
+    (stack,) = plan.stacks
+    assert stack.tile == (10, 64)
+
+
+def test_attention_splits_q_k_v_and_transformer_layers_are_covered():
+    layer = nn.TransformerEncoderLayer(64, 4, 96)
+    plan = gb.plan(layer, tile=(32, 32))
+    generated = {p.name: p for p in plan.generated}
+    assert set(generated) == {
+        "self_attn.in_proj_weight",
+        "self_attn.out_proj.weight",
+        "linear1.weight",
+        "linear2.weight",
+    }
+    in_proj = generated["self_attn.in_proj_weight"]
+    assert [(b.rows, b.cols, b.grid) for b in in_proj.blocks] == [(64, 64, (2, 2))] * 3
+    free = {p.name for p in plan.free}
+    assert {"norm1.weight", "linear1.bias", "self_attn.in_proj_bias"} <= free
+
+
+def test_embeddings_only_when_asked():
+    model = nn.Sequential(nn.Embedding(100, 32), nn.Linear(32, 16))
+    assert {p.name for p in gb.plan(model, tile=(16, 16)).generated} == {"1.weight"}
+    asked = gb.plan(model, tile=(16, 16), embeddings=True)
+    assert {p.name for p in asked.generated} == {"0.weight", "1.weight"}
+
+
+def test_huggingface_conv1d_is_generated_and_c_attn_split():
+    mod = types.ModuleType("transformers.pytorch_utils")
+
+    class Conv1D(nn.Module):  # the shape of transformers' Conv1D: weight (in, out), nf = out
+        def __init__(self, nf: int, nx: int) -> None:
+            super().__init__()
+            self.nf = nf
+            self.weight = nn.Parameter(torch.randn(nx, nf) * 0.02)
+            self.bias = nn.Parameter(torch.zeros(nf))
+
+    Conv1D.__module__, Conv1D.__qualname__ = mod.__name__, "Conv1D"
+    model = nn.ModuleDict({"c_attn": Conv1D(3 * 48, 48), "c_proj": Conv1D(48, 48)})
+    plan = gb.plan(model, tile=(16, 16))
+    gen = {p.name: p for p in plan.generated}
+    assert set(gen) == {"c_attn.weight", "c_proj.weight"}
+    assert gen["c_attn.weight"].split_dim == 1 and len(gen["c_attn.weight"].blocks) == 3
+    assert gen["c_attn.weight"].scale == pytest.approx(0.02)
+
+
+def test_plan_works_on_meta_models_and_is_hashable():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(300, 200), nn.ReLU(), nn.Linear(200, 10))
+    a = gb.plan(model, tile=(32, 32))
+    b = gb.plan(nn.Sequential(nn.Linear(300, 200), nn.ReLU(), nn.Linear(200, 10)), tile=(32, 32))
+    assert a == b and hash(a) == hash(b) and a.fingerprint() == b.fingerprint()
+    assert {a: 1}[b] == 1
+    c = gb.plan(model, tile=(16, 32))
+    assert c != a and c.fingerprint() != a.fingerprint()
+
+
+def test_overrides_by_pattern_apply_in_order():
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 10))
+    plan = gb.plan(
+        model,
+        tile=(32, 32),
+        overrides={"*.weight": {"hidden": 8}, "1.weight": {"tile": (16, 64), "depth": 2}, "2.*": "free"},
+    )
+    gen = {p.name: plan.stacks[p.stack] for p in plan.generated}
+    assert set(gen) == {"0.weight", "1.weight"}
+    assert (gen["0.weight"].genome.hidden, gen["0.weight"].tile) == (8, (32, 32))
+    assert (gen["1.weight"].genome.hidden, gen["1.weight"].genome.depth) == (8, 2)
+    assert gen["1.weight"].tile == (16, 64)
+    assert next(p for p in plan.free if p.name == "2.weight").reason == "left free by the caller"
+    assert {p.name for p in gb.plan(model, tile=(32, 32), free=["0.*"]).generated} == {"1.weight", "2.weight"}
+
+
+def test_register_rule_for_a_new_module_type():
+    class Bilinear(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.core = nn.Parameter(torch.randn(20, 30))
+
+    with pytest.raises(ValueError, match="no parameter to generate"):
+        gb.plan(Bilinear(), tile=(8, 8))
+    gb.register_rule(Bilinear, lambda m: {"core": gb.Layout(init_std=0.5)})
+    plan = gb.plan(Bilinear(), tile=(8, 8))
+    assert [p.name for p in plan.generated] == ["core"]
+    assert gb.apply(gb.init(plan), plan)["core"].std().item() == pytest.approx(0.5, rel=0.1)
+
+
+@pytest.mark.parametrize("target", [5, 20, 60])
+def test_compression_is_reached_within_ten_percent(target):
+    model = nn.Sequential(nn.Linear(784, 512), nn.Linear(512, 512), nn.Linear(512, 10))
+    rep = gb.report(gb.plan(model, compression=target))
+    assert rep.generated_compression == pytest.approx(target, rel=0.10)
+
+
+def test_compression_with_shared_gnets_reaches_hundreds():
+    model = nn.Sequential(nn.Linear(784, 512), nn.Linear(512, 512))
+    rep = gb.report(gb.plan(model, compression=300, share=True))
+    assert rep.generated_compression == pytest.approx(300, rel=0.10)
+
+
+def test_report_table_has_every_parameter_and_totals():
+    model = nn.Sequential(nn.Linear(40, 30), nn.LayerNorm(30))
+    text = str(gb.report(gb.plan(model, tile=(8, 8))))
+    for name in ("0.weight", "0.bias", "1.weight", "1.bias", "generated", "whole model"):
+        assert name in text
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"tile": (0, 8)}, ValueError, r"tile must be \(th, tw\) with positive integers"),
+        ({"tile": (8,)}, ValueError, "tile must be"),
+        ({"tile": "big"}, ValueError, "tile must be"),
+        ({"tile": (8, 8), "compression": 10}, ValueError, "either tile or compression"),
+        ({"hidden": 0}, ValueError, "hidden must be an integer >= 1"),
+        ({"activation": "swish"}, ValueError, "activation must be one of"),
+        ({"encoding": "ascii"}, ValueError, "encoding must be one of"),
+        ({"overrides": {"0.weight": {"tiles": (4, 4)}}}, ValueError, r"unknown option\(s\) \['tiles'\]"),
+        ({"overrides": {"nothing.*": {"hidden": 4}}}, ValueError, "pattern 'nothing.*' matches no parameter"),
+        ({"overrides": {"0.weight": {"tile": (64, 8)}}}, ValueError, r"larger than 0.weight's weight matrix \(30, 40\)"),
+        ({"compression": 1e6}, ValueError, r"compression=1000000.0 cannot be reached"),
+        ({"compression": -2}, ValueError, "compression must be a positive number"),
+        ({"overrides": {"0.bias": {"generate": True}}}, ValueError, "no rule covers Linear.bias"),
+    ],
+)
+def test_bad_options_name_the_culprit(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        gb.plan(nn.Sequential(nn.Linear(40, 30)), **kwargs)
+
+
+def test_models_without_generatable_parameters_are_rejected():
+    with pytest.raises(ValueError, match="LayerNorm has no parameter to generate"):
+        gb.plan(nn.LayerNorm(8))
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        gb.plan(torch.zeros(3))
+
+
+def test_frozen_parameters_stay_free_and_untrained():
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 4))
+    model[1].requires_grad_(False)
+    plan = gb.plan(model, tile=(16, 16))
+    frozen = {p.name for p in plan.free if not p.trainable}
+    assert frozen == {"1.weight", "1.bias"}
+    gparams = gb.init(plan)
+    assert set(gparams["frozen"]) == frozen
+    assert not any(t.requires_grad for t in gparams["frozen"].values())
+    assert math.prod(gparams["frozen"]["1.weight"].shape) == 128
