@@ -12,6 +12,7 @@ g-nets are trained and stored.
 from ._apply import apply as apply
 from ._genome import Genome as Genome
 from ._init import init as init
+from ._memory import saved_bytes as saved_bytes
 from ._plan import (
     OPTIONS as OPTIONS,
     Block as Block,
@@ -23,5 +24,6 @@ from ._plan import (
 )
 from ._report import Report as Report, Row as Row, report as report
 from ._rules import Layout as Layout, register_rule as register_rule
+from . import optim as optim
 
 __version__ = "0.1.0"
