@@ -15,6 +15,7 @@ def init(
     *,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
+    requires_grad: bool = True,
 ) -> GParams:
     """Draw g-net parameters for `plan` so generated weights start at the p-net's own scale.
 
@@ -28,18 +29,21 @@ def init(
         seed: Same seed, same tensors, bitwise (drawn on the CPU, then moved).
         dtype: Floating dtype of every leaf.
         device: Where the leaves live.
+        requires_grad: Mark trainable leaves `requires_grad` (for `torch.optim` and
+            `.backward()`); pass False for purely functional training with `torch.func`.
 
     Returns:
-        `{"stacks": {key: {leaf: Tensor}}, "free": {name: Tensor}, "frozen": {name: Tensor}}`;
-        trainable leaves have `requires_grad=True`.
+        `{"stacks": {key: {leaf: Tensor}}, "free": {name: Tensor}, "frozen": {name: Tensor}}`.
 
     Example:
         >>> gparams = gb.init(gb.plan(nn.Linear(64, 32), tile=(16, 16)), seed=0)
         >>> sorted(gparams)
         ['free', 'frozen', 'stacks']
     """
-    if not dtype.is_floating_point:
-        raise TypeError(f"gb.init: dtype must be a floating dtype, got {dtype}.")
+    if not isinstance(plan, Plan):
+        raise TypeError(f"gb.init: plan must be a gb.Plan (from gb.plan), got {type(plan).__name__}.")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"gb.init: dtype must be a floating torch.dtype, got {dtype!r}.")
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"gb.init: seed must be an int, got {seed!r}.")
     gen = torch.Generator().manual_seed(seed)
@@ -50,7 +54,7 @@ def init(
         (free if p.trainable else frozen)[p.name] = _draw_free(p.init, p.shape, gen)
 
     def finish(x: Tensor, trainable: bool) -> Tensor:
-        return x.to(dtype=dtype, device=device).requires_grad_(trainable)
+        return x.to(dtype=dtype, device=device).requires_grad_(trainable and requires_grad)
 
     return {
         "stacks": {k: {n: finish(v, True) for n, v in s.items()} for k, s in stacks.items()},
@@ -79,7 +83,8 @@ def _init_stack(stack: Stack, gen: torch.Generator) -> dict[str, Tensor]:
             leaves[name] = _normal(shape, 1.0, gen)
         else:
             leaves[name] = torch.zeros(shape, dtype=torch.float64)
-    _make_odd(leaves, stack.row_width)
+    if genome.depth == 1 and genome.activation != "tanh":
+        _make_odd(leaves, stack.row_width)
     _normalise_outputs(stack, leaves)
     return leaves
 
@@ -97,12 +102,13 @@ def _make_odd(leaves: dict[str, Tensor], row_width: int) -> None:
     symmetric codes every row and column of a tile then sums to zero at init. Without it, a
     tile's weights are mostly additive row + column effects (~90% of the variance at init),
     whose correlated row sums inflate the p-net's activations (step-0 loss 6% above dense).
-    A g-net is free to leave this structure as it trains.
+    A g-net is free to leave this structure as it trains. Only for one hidden layer (deeper
+    g-nets mix units again) and non-odd activations (for an odd `f` the four terms cancel).
     """
     w_in, w_out = leaves["w_in"], leaves["w_out"]  # (G, R + C, H), (G, H, P)
     groups = w_in.shape[-1] // 4
-    if groups == 0 or "w_hidden" in leaves:
-        return  # deeper g-nets mix units again after the first layer
+    if groups == 0:
+        return
     for unit in range(4 * groups, w_in.shape[-1]):
         w_out[:, unit] = 0.0  # units left over from the fours stay silent at init
     for s in range(1, 4):

@@ -1,0 +1,135 @@
+"""gb.apply composes with torch.func.grad, vmap and torch.compile(fullgraph=True)."""
+
+import pytest
+import torch
+from naive import naive_apply
+from torch import nn
+from torch.func import functional_call, grad, grad_and_value, vmap
+from torch.utils._pytree import tree_leaves, tree_map
+
+import gbfunc as gb
+
+GENOMES = {
+    "default": {"tile": (4, 4)},
+    "deep-gelu": {"tile": (4, 3), "depth": 2, "activation": "gelu", "hidden": 6},
+    "shared-fourier": {"tile": (3, 4), "share": True, "encoding": "fourier", "hidden": 8},
+    "outputs": {"tile": (4, 4), "outputs": 2, "hidden": 8, "activation": "tanh"},
+    "conv-output": {"tile": (2, 2), "kernel": "output", "hidden": 8},
+}
+
+
+def tiny_model(conv: bool) -> nn.Module:
+    if conv:
+        return nn.Sequential(nn.Conv2d(3, 5, 2), nn.ReLU(), nn.Flatten(), nn.Linear(5 * 3 * 3, 4))
+    return nn.Sequential(nn.Linear(7, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+def loss_fn(model, plan, apply=gb.apply):
+    def loss(gparams, x, y):
+        out = functional_call(model, apply(gparams, plan), (x,))
+        return nn.functional.cross_entropy(out, y)
+
+    return loss
+
+
+def batch(conv: bool, n: int = 5, dtype=torch.float64):
+    x = torch.randn(n, 3, 4, 4, dtype=dtype) if conv else torch.randn(n, 7, dtype=dtype)
+    return x, torch.randint(0, 4 if conv else 3, (n,))
+
+
+@pytest.mark.parametrize("genome", list(GENOMES))
+def test_grad_matches_finite_differences(genome):
+    conv = genome.startswith("conv")
+    model = tiny_model(conv).double()
+    plan = gb.plan(model, **GENOMES[genome])
+    gparams = gb.init(plan, dtype=torch.float64)
+    leaves, spec = torch.utils._pytree.tree_flatten(gparams)
+    x, y = batch(conv)
+    loss = loss_fn(model, plan)
+
+    def flat_loss(*flat):
+        return loss(torch.utils._pytree.tree_unflatten(list(flat), spec), x, y)
+
+    inputs = [t.detach().requires_grad_(t.requires_grad) for t in leaves]
+    assert torch.autograd.gradcheck(flat_loss, inputs, eps=1e-6, atol=1e-6, fast_mode=True)
+
+
+@pytest.mark.parametrize("genome", list(GENOMES))
+def test_grad_matches_the_unstacked_reference(genome):
+    conv = genome.startswith("conv")
+    model = tiny_model(conv).double()
+    plan = gb.plan(model, **GENOMES[genome])
+    gparams = gb.init(plan, dtype=torch.float64)
+    x, y = batch(conv)
+    fast = grad(loss_fn(model, plan))(gparams, x, y)
+    slow = grad(loss_fn(model, plan, naive_apply))(gparams, x, y)
+    for a, b in zip(tree_leaves(fast), tree_leaves(slow), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def stack_genomes(plan, seeds, dtype=torch.float32):
+    trees = [gb.init(plan, seed=s, dtype=dtype) for s in seeds]
+    return trees, tree_map(lambda *xs: torch.stack(xs), *trees)
+
+
+@pytest.mark.parametrize("genome", list(GENOMES))
+def test_vmap_over_genomes_equals_the_loop(genome):
+    conv = genome.startswith("conv")
+    model = tiny_model(conv)
+    plan = gb.plan(model, **GENOMES[genome])
+    trees, stacked = stack_genomes(plan, range(3))
+    out = vmap(gb.apply, in_dims=(0, None))(stacked, plan)
+    for name, value in out.items():
+        loop = torch.stack([gb.apply(t, plan)[name] for t in trees])
+        torch.testing.assert_close(value, loop, rtol=1e-6, atol=1e-7, msg=name)
+    # Population training: per-genome gradients in one call.
+    x, y = batch(conv, dtype=torch.float32)
+    loss = loss_fn(model, plan)
+    grads = vmap(grad(loss), in_dims=(0, None, None))(stacked, x, y)
+    for k, tree in enumerate(trees):
+        one = grad(loss)(tree, x, y)
+        for a, b in zip(tree_leaves(grads), tree_leaves(one), strict=True):
+            torch.testing.assert_close(a[k], b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def compiled_step():
+    """One whole training step (generate, forward, loss, grad, AdamW), compiled once."""
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.LayerNorm(16), nn.Linear(16, 5))
+    plan = gb.plan(model, tile=(8, 8))
+    loss = loss_fn(model, plan)
+
+    def step(gparams, state, x, y):
+        grads, value = grad_and_value(loss)(gparams, x, y)
+        gparams, state = gb.optim.adamw_update(gparams, grads, state, lr=1e-2, weight_decay=0.01)
+        return gparams, state, value, grads
+
+    return plan, step, torch.compile(step, fullgraph=True)
+
+
+@pytest.mark.slow
+def test_compiled_training_step_has_no_graph_breaks_and_matches_eager(compiled_step):
+    plan, step, compiled = compiled_step
+    fresh = gb.init(plan, requires_grad=False)
+    explanation = torch._dynamo.explain(step)(fresh, gb.optim.adamw_init(fresh), *batch_xy())
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    eager_g, comp_g = fresh, fresh
+    eager_s, comp_s = gb.optim.adamw_init(eager_g), gb.optim.adamw_init(comp_g)
+    for i in range(3):
+        x, y = batch_xy(seed=i)
+        eager_g, eager_s, eager_loss, eager_grads = step(eager_g, eager_s, x, y)
+        comp_g, comp_s, comp_loss, comp_grads = compiled(comp_g, comp_s, x, y)
+        torch.testing.assert_close(comp_loss, eager_loss, rtol=1e-5, atol=1e-6)
+        for a, b in zip(tree_leaves(comp_grads), tree_leaves(eager_grads), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+    # Adam turns rounding noise on near-zero gradients into steps of up to lr, so the
+    # parameters agree to lr rather than to rounding.
+    for a, b in zip(tree_leaves(comp_g), tree_leaves(eager_g), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-2)
+    assert eager_loss < step(fresh, gb.optim.adamw_init(fresh), x, y)[2]
+
+
+def batch_xy(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(32, 12, generator=gen), torch.randint(0, 5, (32,), generator=gen)
