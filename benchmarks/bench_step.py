@@ -1,0 +1,163 @@
+"""One training step of gbfunc vs the same model trained directly, eager and compiled.
+
+A step is: generate the weights (gbfunc only), forward, loss, backward, AdamW update. Both
+sides use the same optimizer maths: `torch.optim.AdamW(foreach=True)` eagerly, and the
+functional `gb.optim.adamw_update` inside one `torch.compile(fullgraph=True)` step when
+compiled. Timings are medians over interleaved rounds, printed as ratios to the plain model
+in the same mode, from one run.
+
+    python benchmarks/bench_step.py            # MLP 784-512-512-10 and the main job's transformer
+    python benchmarks/bench_step.py --quick    # fewer rounds
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad_and_value
+
+import gbfunc as gb
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+Step = Callable[[], object]
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+
+
+def dense_steps(model: nn.Module, batch: tuple, loss_of) -> tuple[Step, Step]:
+    """(eager, compiled) steps of the model trained directly."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+
+    def eager() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss_of(model(*batch[:-1]), batch[-1]).backward()
+        opt.step()
+
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    tree = {"stacks": {}, "free": params, "frozen": {}}
+    state = [tree, gb.optim.adamw_init(tree)]
+
+    def loss(tree, *batch):
+        return loss_of(functional_call(model, tree["free"], batch[:-1]), batch[-1])
+
+    def step(tree, opt_state, *batch):
+        grads, value = grad_and_value(loss)(tree, *batch)
+        tree, opt_state = gb.optim.adamw_update(tree, grads, opt_state, lr=1e-3)
+        return tree, opt_state, value
+
+    compiled_step = torch.compile(step, fullgraph=True)
+
+    def compiled() -> None:
+        state[0], state[1], _ = compiled_step(state[0], state[1], *batch)
+
+    return eager, compiled
+
+
+def gb_steps(model: nn.Module, plan: gb.Plan, batch: tuple, loss_of) -> tuple[Step, Step]:
+    """(eager, compiled) steps of the same model with generated weights."""
+    gparams = gb.init(plan)
+    opt = torch.optim.AdamW(torch.utils._pytree.tree_leaves(gparams), lr=1e-3, foreach=True)
+
+    def eager() -> None:
+        opt.zero_grad(set_to_none=True)
+        out = functional_call(model, gb.apply(gparams, plan), batch[:-1])
+        loss_of(out, batch[-1]).backward()
+        opt.step()
+
+    fresh = gb.init(plan, requires_grad=False)
+    state = [fresh, gb.optim.adamw_init(fresh)]
+
+    def loss(tree, *batch):
+        return loss_of(functional_call(model, gb.apply(tree, plan), batch[:-1]), batch[-1])
+
+    def step(tree, opt_state, *batch):
+        grads, value = grad_and_value(loss)(tree, *batch)
+        tree, opt_state = gb.optim.adamw_update(tree, grads, opt_state, lr=1e-3)
+        return tree, opt_state, value
+
+    compiled_step = torch.compile(step, fullgraph=True)
+
+    def compiled() -> None:
+        state[0], state[1], _ = compiled_step(state[0], state[1], *batch)
+
+    return eager, compiled
+
+
+def median_ms(steps: dict[str, Step], rounds: int, inner: int) -> dict[str, float]:
+    """Median time per call of every step, measured in interleaved rounds."""
+    for fn in steps.values():  # warm up (and compile)
+        for _ in range(3):
+            fn()
+    samples: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(rounds):
+        for name, fn in steps.items():
+            start = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            samples[name].append((time.perf_counter() - start) / inner * 1e3)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def run(title: str, model: nn.Module, batch: tuple, genomes: dict[str, dict], rounds: int, inner: int) -> None:
+    steps: dict[str, Step] = {}
+    steps["plain eager"], steps["plain compiled"] = dense_steps(model, batch, cross_entropy)
+    ratios = {}
+    for label, kwargs in genomes.items():
+        plan = gb.plan(model, **kwargs)
+        rep = gb.report(plan)
+        ratios[label] = rep.generated_compression
+        steps[f"{label} eager"], steps[f"{label} compiled"] = gb_steps(model, plan, batch, cross_entropy)
+    times = median_ms(steps, rounds, inner)
+    print(f"\n## {title}  (torch {torch.__version__}, {torch.get_num_threads()} threads)")
+    print(f"{'variant':<34}{'compression':>12}{'eager ms':>10}{'x plain':>9}{'compiled ms':>13}{'x plain':>9}")
+    print(f"{'plain model':<34}{'1.0x':>12}{times['plain eager']:>10.2f}{1:>9.2f}{times['plain compiled']:>13.2f}{1:>9.2f}")
+    for label in genomes:
+        e, c = times[f"{label} eager"], times[f"{label} compiled"]
+        print(
+            f"{label:<34}{ratios[label]:>11.1f}x{e:>10.2f}{e / times['plain eager']:>9.2f}"
+            f"{c:>13.2f}{c / times['plain compiled']:>9.2f}"
+        )
+
+
+MLP_GENOMES = {
+    "default genome (torchGB), tile 128": {"tile": (128, 128)},
+    "default genome, compression=10": {"compression": 10},
+    "hidden 8, tile 64": {"tile": (64, 64), "hidden": 8},
+    "outputs 16, tile 128": {"tile": (128, 128), "outputs": 16},
+    "shared + embeddings, tile 64": {"tile": (64, 64), "share": True, "hidden": 16},
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    rounds, inner = (5, 5) if args.quick else (15, 10)
+    batch = (torch.randn(128, 784), torch.randint(0, 10, (128,)))
+    run("MLP 784-512-512-10, batch 128", mlp(), batch, MLP_GENOMES, rounds, inner)
+    try:
+        from models import CharTransformer, charlm_bench_config
+    except ImportError:
+        print("\n(examples/models.py not found: transformer benchmark skipped)")
+        return
+    model, batch, genomes = charlm_bench_config()
+    run("main job's character transformer", model, batch, genomes, rounds, inner)
+
+
+if __name__ == "__main__":
+    main()
