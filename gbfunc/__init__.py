@@ -10,6 +10,17 @@ g-nets are trained and stored.
 """
 
 from ._apply import apply as apply
+from ._checkpoint import (
+    Checkpoint as Checkpoint,
+    CheckpointCorruptError as CheckpointCorruptError,
+    CheckpointError as CheckpointError,
+    CheckpointMismatchError as CheckpointMismatchError,
+    CheckpointNotFoundError as CheckpointNotFoundError,
+    CheckpointVersionError as CheckpointVersionError,
+    load as load,
+    save as save,
+)
+from ._export import export as export, save_dense as save_dense
 from ._genome import Genome as Genome
 from ._init import init as init
 from ._memory import saved_bytes as saved_bytes
@@ -22,8 +33,9 @@ from ._plan import (
     Stack as Stack,
     plan as plan,
 )
+from ._replicated import save_replicated as save_replicated
 from ._report import Report as Report, Row as Row, report as report
 from ._rules import Layout as Layout, register_rule as register_rule
-from . import optim as optim
+from . import compat as compat, optim as optim
 
 __version__ = "0.1.0"

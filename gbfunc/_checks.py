@@ -32,6 +32,7 @@ def check_gparams(gparams: object, plan: Plan, where: str, *, values: bool = Fal
         raise TypeError(f"{where}: gparams must be the dict made by gb.init with keys {list(_GROUPS)}, got {got}.")
     hint = "Were these gparams made by gb.init with a different plan?"
     expected = expected_shapes(plan)
+    stack_first: dict[str, tuple[tuple[str, ...], Tensor]] = {}
     for keys, shape in expected.items():
         node: object = gparams
         for depth, key in enumerate(keys):
@@ -44,6 +45,16 @@ def check_gparams(gparams: object, plan: Plan, where: str, *, values: bool = Fal
             raise ValueError(f"{where}: {_path(keys)} has shape {tuple(node.shape)}; expected {shape}. {hint}")
         if not node.is_floating_point():
             raise TypeError(f"{where}: {_path(keys)} has dtype {node.dtype}; expected a floating dtype.")
+        if keys[0] == "stacks":  # one batched evaluation: one dtype, one device
+            first_keys, first = stack_first.setdefault(keys[1], (keys, node))
+            if (node.dtype, node.device) != (first.dtype, first.device):
+                raise ValueError(
+                    f"{where}: {_path(keys)} is {node.dtype} on {node.device} but "
+                    f"{_path(first_keys)} is {first.dtype} on {first.device}; the leaves of a "
+                    "stack must share dtype and device."
+                )
+        if values and node.is_meta:
+            raise ValueError(f"{where}: {_path(keys)} is on the meta device: it has no values.")
         if values and not bool(torch.isfinite(node).all()):
             raise ValueError(f"{where}: {_path(keys)} contains NaN or inf.")
     for group in _GROUPS:
@@ -53,3 +64,14 @@ def check_gparams(gparams: object, plan: Plan, where: str, *, values: bool = Fal
             for k in keys:
                 if k not in expected:
                     raise ValueError(f"{where}: {_path(k)} is not in the plan. {hint}")
+
+
+def leaves(gparams: dict, plan: Plan) -> dict[str, Tensor]:
+    """Every leaf that `plan` expects in `gparams` (already checked), by its path for messages."""
+    out: dict[str, Tensor] = {}
+    for keys in expected_shapes(plan):
+        node = gparams
+        for key in keys:
+            node = node[key]
+        out[_path(keys)] = node
+    return out

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from torch import nn
 
 from ._genome import Genome, bits
+from ._model import check_module
 from ._rules import Layout, free_init, rule_for
 
 DEFAULT_TILE = (64, 64)
@@ -194,8 +195,7 @@ def plan(
         >>> plan.stacks[0].num_tiles
         32
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"gb.plan: model must be an nn.Module, got {type(model).__name__}.")
+    check_module(model, "gb.plan")
     if tile is not None and compression is not None:
         raise ValueError("gb.plan: pass either tile or compression, not both.")
     base = {

@@ -3,6 +3,8 @@
 import math
 from dataclasses import dataclass
 
+from torch import nn
+
 from ._plan import Free, Generated, Plan
 
 
@@ -103,6 +105,9 @@ def report(plan: Plan) -> Report:
         >>> rep.generated_weights, rep.gnet_params
         (32768, 12320)
     """
+    if not isinstance(plan, Plan):
+        hint = " Pass gb.plan(model) instead." if isinstance(plan, nn.Module) else ""
+        raise TypeError(f"gb.report: plan must be a gb.Plan, got {type(plan).__name__}.{hint}")
     rows = []
     for p in plan.params:
         if isinstance(p, Generated):

@@ -1,0 +1,441 @@
+"""Malformed inputs across the public API: each raises its own exception naming the culprit.
+
+Plus the inputs that look suspicious but are valid: tied and duplicated parameters are
+generated once and stay tied; frozen parameters pass through untouched.
+"""
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import safetensors.torch
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.func import functional_call
+
+import gbfunc as gb
+from gbfunc.compat import GenomicBottleneck
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 4))
+
+
+def frozen_linear() -> nn.Module:
+    model = nn.Linear(8, 4)
+    model.weight.requires_grad_(False)
+    return model
+
+
+PLAN = gb.plan(mlp(), tile=(4, 4))
+S0 = PLAN.stacks[0].key
+
+
+def gparams(**kwargs) -> dict:
+    return gb.init(PLAN, **kwargs)
+
+
+def replace_leaf(group: str, key: str, leaf: str | None, value: object) -> dict:
+    """`gb.init(PLAN)` with one leaf replaced."""
+    g = gparams()
+    node = g[group] if leaf is None else g[group][key]
+    node[leaf if leaf is not None else key] = value
+    return g
+
+
+def with_stack_leaf(leaf: str, fn: Callable[[torch.Tensor], object]) -> dict:
+    g = gparams()
+    g["stacks"][S0][leaf] = fn(g["stacks"][S0][leaf].detach())
+    return g
+
+
+def without(leaf: str) -> dict:
+    g = gparams()
+    del g["stacks"][S0][leaf]
+    return g
+
+
+def nan_in(t: torch.Tensor) -> torch.Tensor:
+    t = t.clone()
+    t.view(-1)[0] = float("nan")
+    return t
+
+
+def with_extra_free() -> dict:
+    g = gparams()
+    g["free"]["ghost.bias"] = torch.zeros(3)
+    return g
+
+
+@dataclass(frozen=True)
+class Case:
+    call: Callable[[], object]
+    error: type[Exception]
+    match: str
+
+
+def cases(tmp) -> dict[str, Case]:
+    """`tmp` is a folder with `ok.safetensors` (a checkpoint of `mlp()`) and `dense.safetensors`."""
+    meta_g = gparams(device="meta")
+    return {
+        # gb.plan
+        "plan-not-a-module": Case(
+            lambda: gb.plan("mlp"), TypeError, "gb.plan: model must be an nn.Module, got str"
+        ),
+        "plan-empty-model": Case(
+            lambda: gb.plan(nn.Sequential()), ValueError, "Sequential has no parameter to generate"
+        ),
+        "plan-nothing-generatable": Case(
+            lambda: gb.plan(nn.LayerNorm(4)),
+            ValueError,
+            "LayerNorm has no parameter to generate.*no rule for LayerNorm",
+        ),
+        "plan-all-frozen": Case(
+            lambda: gb.plan(frozen_linear()),
+            ValueError,
+            r"no parameter to generate.*frozen \(requires_grad=False\)",
+        ),
+        "plan-zero-tile": Case(
+            lambda: gb.plan(mlp(), tile=(0, 4)), ValueError, r"tile must be .*got \(0, 4\)"
+        ),
+        "plan-float-tile": Case(
+            lambda: gb.plan(mlp(), tile=(2.0, 4)), ValueError, r"tile must be .*got \(2.0, 4\)"
+        ),
+        "plan-bad-hidden": Case(
+            lambda: gb.plan(mlp(), hidden=0), ValueError, "hidden must be an integer >= 1, got 0"
+        ),
+        "plan-unmatched-pattern": Case(
+            lambda: gb.plan(mlp(), free=["decoder.*"]),
+            ValueError,
+            r"pattern 'decoder\.\*' matches no parameter",
+        ),
+        "plan-negative-compression": Case(
+            lambda: gb.plan(mlp(), compression=-1),
+            ValueError,
+            "compression must be a positive number, got -1",
+        ),
+        "plan-dataparallel": Case(
+            lambda: gb.plan(nn.DataParallel(mlp())),
+            TypeError,
+            "wrapped in DataParallel; pass model.module",
+        ),
+        "plan-compiled": Case(
+            lambda: gb.plan(torch.compile(mlp())),
+            TypeError,
+            r"torch.compile'd OptimizedModule; pass model._orig_mod",
+        ),
+        # gb.init
+        "init-not-a-plan": Case(
+            lambda: gb.init(mlp()), TypeError, "gb.init: plan must be a gb.Plan .*got Sequential"
+        ),
+        "init-int-dtype": Case(
+            lambda: gparams(dtype=torch.int32), TypeError, "floating torch.dtype, got torch.int32"
+        ),
+        "init-str-dtype": Case(
+            lambda: gparams(dtype="float32"), TypeError, "floating torch.dtype, got 'float32'"
+        ),
+        "init-float-seed": Case(
+            lambda: gparams(seed=1.5), TypeError, "seed must be an int, got 1.5"
+        ),
+        # gb.apply
+        "apply-not-a-plan": Case(
+            lambda: gb.apply(gparams(), "plan"), TypeError, "gb.apply: plan must be a gb.Plan"
+        ),
+        "apply-list-gparams": Case(
+            lambda: gb.apply([], PLAN), TypeError, "gparams must be the dict made by gb.init"
+        ),
+        "apply-wrong-shape": Case(
+            lambda: gb.apply(with_stack_leaf("w_in", lambda t: t[:, :1]), PLAN),
+            ValueError,
+            rf"gparams\['stacks'\]\['{S0}'\]\['w_in'\] has shape \(\d+, 1, 32\); "
+            r"expected \(\d+, 4, 32\)",
+        ),
+        "apply-int-dtype": Case(
+            lambda: gb.apply(with_stack_leaf("b_in", lambda t: t.long()), PLAN),
+            TypeError,
+            rf"\['{S0}'\]\['b_in'\] has dtype torch.int64; expected a floating dtype",
+        ),
+        "apply-mixed-dtypes": Case(
+            lambda: gb.apply(with_stack_leaf("w_out", lambda t: t.double()), PLAN),
+            ValueError,
+            rf"\['{S0}'\]\['w_out'\] is torch.float64 on cpu but .*\['w_in'\] is torch.float32 "
+            "on cpu",
+        ),
+        "apply-one-meta-leaf": Case(
+            lambda: gb.apply(with_stack_leaf("w_out", lambda t: t.to("meta")), PLAN),
+            ValueError,
+            rf"\['{S0}'\]\['w_out'\] is torch.float32 on meta but",
+        ),
+        "apply-check-meta": Case(
+            lambda: gb.apply(meta_g, PLAN, check=True),
+            ValueError,
+            r"\['w_in'\] is on the meta device: it has no values",
+        ),
+        "apply-check-nan": Case(
+            lambda: gb.apply(with_stack_leaf("w_in", nan_in), PLAN, check=True),
+            ValueError,
+            rf"gparams\['stacks'\]\['{S0}'\]\['w_in'\] contains NaN or inf",
+        ),
+        "apply-check-inf-free": Case(
+            lambda: gb.apply(
+                replace_leaf("free", "0.bias", None, torch.full((6,), float("inf"))),
+                PLAN,
+                check=True,
+            ),
+            ValueError,
+            r"gparams\['free'\]\['0.bias'\] contains NaN or inf",
+        ),
+        "apply-free-not-tensor": Case(
+            lambda: gb.apply(replace_leaf("free", "0.bias", None, [0.0] * 6), PLAN),
+            TypeError,
+            r"gparams\['free'\]\['0.bias'\] must be a Tensor, got list",
+        ),
+        "apply-missing-leaf": Case(
+            lambda: gb.apply(without("b_out"), PLAN),
+            ValueError,
+            rf"gparams\['stacks'\]\['{S0}'\]\['b_out'\] is missing",
+        ),
+        "apply-extra-leaf": Case(
+            lambda: gb.apply(with_extra_free(), PLAN),
+            ValueError,
+            r"gparams\['free'\]\['ghost.bias'\] is not in the plan",
+        ),
+        "apply-other-plan": Case(
+            lambda: gb.apply(gparams(), gb.plan(mlp(), tile=(2, 2))),
+            ValueError,
+            "Were these gparams made by gb.init with a different plan",
+        ),
+        # gb.report
+        "report-model": Case(
+            lambda: gb.report(mlp()), TypeError, r"got Sequential. Pass gb.plan\(model\) instead"
+        ),
+        "report-none": Case(
+            lambda: gb.report(None), TypeError, "gb.report: plan must be a gb.Plan, got NoneType"
+        ),
+        # gb.save / gb.load
+        "save-meta-gparams": Case(
+            lambda: gb.save(tmp / "x.safetensors", meta_g, PLAN),
+            ValueError,
+            r"gb.save: gparams\['stacks'\].* is on the meta device",
+        ),
+        "save-negative-step": Case(
+            lambda: gb.save(tmp / "x.safetensors", gparams(), PLAN, step=-1),
+            TypeError,
+            "step must be an int >= 0 or None, got -1",
+        ),
+        "save-meta-not-json": Case(
+            lambda: gb.save(tmp / "x.safetensors", gparams(), PLAN, meta={"f": object()}),
+            TypeError,
+            "meta must be JSON-serialisable",
+        ),
+        "save-opt-state-function": Case(
+            lambda: gb.save(
+                tmp / "x.safetensors", gparams(), PLAN, opt_state={"state": {0: {"fn": print}}}
+            ),
+            TypeError,
+            r"gb.save: opt_state\['state'\]\[0\]\['fn'\] is a builtin_function_or_method",
+        ),
+        "save-opt-state-tuple-key": Case(
+            lambda: gb.save(tmp / "x.safetensors", gparams(), PLAN, opt_state={(1, 2): 0}),
+            TypeError,
+            r"opt_state has key \(1, 2\); only str and int keys",
+        ),
+        "load-missing-file": Case(
+            lambda: gb.load(tmp / "none.safetensors", mlp()),
+            gb.CheckpointNotFoundError,
+            "none.safetensors: no such file",
+        ),
+        "load-directory": Case(
+            lambda: gb.load(tmp, mlp()), gb.CheckpointNotFoundError, "is a directory"
+        ),
+        "load-dense-file": Case(
+            lambda: gb.load(tmp / "dense.safetensors", mlp()),
+            gb.CheckpointCorruptError,
+            "dense.safetensors: not a gbfunc checkpoint",
+        ),
+        "load-garbage": Case(
+            lambda: gb.load(tmp / "garbage.bin", mlp()),
+            gb.CheckpointCorruptError,
+            "garbage.bin: the file is truncated",
+        ),
+        "load-not-a-model": Case(
+            lambda: gb.load(tmp / "ok.safetensors", "mlp"),
+            TypeError,
+            "gb.load: model must be an nn.Module, got str",
+        ),
+        "load-dataparallel": Case(
+            lambda: gb.load(tmp / "ok.safetensors", nn.DataParallel(mlp())),
+            TypeError,
+            "gb.load: model is wrapped in DataParallel",
+        ),
+        "load-other-model": Case(
+            lambda: gb.load(
+                tmp / "ok.safetensors", nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 5))
+            ),
+            gb.CheckpointMismatchError,
+            r"ok.safetensors: parameter '2.weight' has shape \(4, 6\) in the checkpoint "
+            r"but \(5, 6\) in the model",
+        ),
+        # gb.export / gb.save_dense
+        "export-other-model": Case(
+            lambda: gb.export(gparams(), PLAN, model=nn.Linear(8, 6)),
+            ValueError,
+            r"gb.export: parameter #0 is '0.weight' \(6, 8\) in the plan "
+            r"but 'weight' \(6, 8\) in the model",
+        ),
+        "export-meta-gparams": Case(
+            lambda: gb.export(meta_g, PLAN), ValueError, "gb.export: .* is on the meta device"
+        ),
+        "save-dense-bad-metadata": Case(
+            lambda: gb.save_dense(tmp / "d.safetensors", gparams(), PLAN, metadata={"epoch": 3}),
+            TypeError,
+            "metadata must map str to str",
+        ),
+        # gbfunc.compat
+        "compat-not-a-module": Case(
+            lambda: GenomicBottleneck(None), TypeError, "model must be an nn.Module, got NoneType"
+        ),
+        "compat-bad-num-batches": Case(
+            lambda: GenomicBottleneck(mlp(), "100"),
+            TypeError,
+            "num_batches must be an int or None, got '100'",
+        ),
+        "compat-nothing-generatable": Case(
+            lambda: GenomicBottleneck(nn.LayerNorm(3)),
+            ValueError,
+            "LayerNorm has no parameter to generate",
+        ),
+        "compat-backward-first": Case(
+            lambda: GenomicBottleneck(mlp(), tile=(4, 4)).backward(),
+            RuntimeError,
+            r"call predict_weights\(\) before backward\(\)",
+        ),
+        "compat-no-grad-predict": Case(
+            _no_grad_then_backward, RuntimeError, r"predict_weights\(\) ran without gradients"
+        ),
+    }
+
+
+def _no_grad_then_backward() -> None:
+    gnets = GenomicBottleneck(mlp(), tile=(4, 4))
+    with torch.no_grad():
+        gnets.predict_weights()
+    gnets.backward()
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bad")
+    gb.save(tmp / "ok.safetensors", gparams(), PLAN)
+    safetensors.torch.save_file(mlp().state_dict(), tmp / "dense.safetensors")
+    (tmp / "garbage.bin").write_bytes(b"\x01\x02")
+    return tmp
+
+
+NAMES = list(cases(None))
+
+
+def test_the_table_is_large_enough():
+    assert len(NAMES) >= 25
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bad_input(name, files):
+    case = cases(files)[name]
+    with pytest.raises(case.error, match=case.match):
+        case.call()
+
+
+@pytest.fixture
+def process_group(tmp_path, monkeypatch):
+    """A 1-process gloo group on loopback, rendezvous through a FileStore."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("call", ["plan", "load", "export"])
+def test_ddp_wrapped_model(process_group, files, call):
+    ddp = nn.parallel.DistributedDataParallel(mlp())
+    fn = {
+        "plan": lambda: gb.plan(ddp),
+        "load": lambda: gb.load(files / "ok.safetensors", ddp),
+        "export": lambda: gb.export(gparams(), PLAN, model=ddp),
+    }[call]
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            f"gb.{call}: model is wrapped in DistributedDataParallel; pass model.module"
+        ),
+    ):
+        fn()
+
+
+class TiedLM(nn.Module):
+    """GPT-2-style: the output head reuses the embedding table."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(12, 8)
+        self.mix = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 12, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mix(self.emb(ids))))
+
+
+def test_tied_weights_are_generated_once_and_stay_tied():
+    model = TiedLM()
+    plan = gb.plan(model, tile=(4, 4), embeddings=True)
+    names = [p.name for p in plan.params]
+    assert names.count("emb.weight") == 1
+    assert "head.weight" not in names
+    assert "emb.weight" in [p.name for p in plan.generated]
+    gparams = gb.init(plan)
+    params = gb.apply(gparams, plan)
+    ids = torch.tensor([[1, 5, 7]])
+    out = functional_call(model, params, (ids,))
+    table = params["emb.weight"]
+    manual = (
+        torch.tanh(nn.functional.linear(table[ids], params["mix.weight"], params["mix.bias"]))
+        @ table.T
+    )
+    torch.testing.assert_close(out, manual, rtol=0, atol=0)  # the head used the generated table
+    sd = gb.export(gparams, plan, model=model)
+    assert sd["head.weight"] is sd["emb.weight"]
+
+
+def test_a_module_registered_twice_is_planned_once():
+    shared = nn.Linear(6, 6)
+    model = nn.Sequential(shared, nn.ReLU(), shared)
+    plan = gb.plan(model, tile=(3, 3))
+    assert [p.name for p in plan.params] == ["0.weight", "0.bias"]
+    params = gb.apply(gb.init(plan), plan)
+    x = torch.randn(2, 6)
+    want = nn.functional.linear(
+        torch.relu(nn.functional.linear(x, params["0.weight"], params["0.bias"])),
+        params["0.weight"],
+        params["0.bias"],
+    )
+    torch.testing.assert_close(functional_call(model, params, (x,)), want, rtol=0, atol=0)
+
+
+def test_frozen_parameters_pass_through_untouched():
+    model = mlp()
+    model[2].weight.requires_grad_(False)
+    plan = gb.plan(model, tile=(4, 4))
+    frozen = next(p for p in plan.free if p.name == "2.weight")
+    assert not frozen.trainable
+    assert "frozen" in frozen.reason
+    gparams = gb.init(plan)
+    assert not gparams["frozen"]["2.weight"].requires_grad
+    params = gb.apply(gparams, plan)
+    assert params["2.weight"] is gparams["frozen"]["2.weight"]
+    functional_call(model, params, (torch.randn(3, 8),)).sum().backward()
+    assert gparams["frozen"]["2.weight"].grad is None

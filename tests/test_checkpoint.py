@@ -1,0 +1,367 @@
+"""gb.save / gb.load: bitwise round trips, exact resumption, validation, atomicity, size."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import safetensors.torch
+import torch
+from torch import nn
+from torch.func import functional_call
+
+import gbfunc as gb
+from gbfunc._checkpoint import content_hash
+from gbfunc._serial import plan_from_json, plan_to_json
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 6))
+
+
+def leaves(gparams: dict) -> list[torch.Tensor]:
+    """Trainable leaves in gb.init order, for torch.optim."""
+    stacks = [t for s in gparams["stacks"].values() for t in s.values()]
+    return stacks + list(gparams["free"].values())
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def assert_trees_equal(a: object, b: object, path: str = "") -> None:
+    """Same structure, same types, tensors bitwise equal (dtype included)."""
+    assert type(a) is type(b), path
+    if isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), path
+        assert torch.equal(_bytes(a), _bytes(b)), path
+    elif isinstance(a, dict):
+        assert list(a) == list(b), path
+        for k in a:
+            assert_trees_equal(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_trees_equal(x, y, f"{path}[{i}]")
+    else:
+        assert a == b or (a != a and b != b), path  # NaN == NaN here
+
+
+@pytest.mark.parametrize(
+    ("model", "kwargs"),
+    [
+        (mlp(), {"tile": (8, 8)}),
+        (nn.Conv2d(3, 8, 3), {"tile": (4, 2), "kernel": "output", "depth": 2}),
+        (nn.MultiheadAttention(16, 2), {"tile": (4, 8), "share": True, "encoding": "fourier"}),
+        (nn.Sequential(nn.Embedding(10, 6), nn.Linear(6, 9)), {"tile": "full", "embeddings": True}),
+    ],
+    ids=["mlp", "conv", "attention-shared", "embedding-full"],
+)
+def test_plan_json_round_trip_gives_an_equal_plan(model, kwargs):
+    plan = gb.plan(model, **kwargs)
+    again = plan_from_json(plan_to_json(plan))
+    assert again == plan
+    assert hash(again) == hash(plan)
+    assert again.fingerprint() == plan.fingerprint()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_round_trip_is_bitwise(tmp_path, dtype):
+    model = mlp()
+    model[0].bias.requires_grad_(False)  # a frozen leaf too
+    plan = gb.plan(model, tile=(8, 8))
+    gparams = gb.init(plan, seed=3, dtype=dtype)
+    opt = torch.optim.Adam(leaves(gparams), lr=1e-2)
+    params = gb.apply(gparams, plan)
+    functional_call(
+        model, params, (torch.randn(5, 24, dtype=dtype),)
+    ).float().square().mean().backward()
+    opt.step()
+    meta = {"run": "test", "lr": 1e-2, "tags": ["a", "b"], "nested": {"x": None}}
+    gb.save(
+        tmp_path / "c.safetensors", gparams, plan, opt_state=opt.state_dict(), step=7, meta=meta
+    )
+
+    ckpt = gb.load(tmp_path / "c.safetensors", model)
+    loaded, plan2, opt_state, step, meta2 = ckpt  # unpackable
+    assert (plan2, step, meta2) == (plan, 7, meta)
+    assert_trees_equal(loaded, gparams)
+    for group in ("stacks", "free", "frozen"):
+        for t in torch.utils._pytree.tree_leaves(loaded[group]):
+            assert t.is_leaf
+            assert t.requires_grad == (group != "frozen")
+    assert_trees_equal(opt_state, opt.state_dict())
+
+
+def test_a_plain_pytree_opt_state_round_trips(tmp_path):
+    plan = gb.plan(mlp(), tile=(8, 8))
+    gparams = gb.init(plan)
+    state = {
+        "adamw": gb.optim.adamw_init(gparams),
+        3: (torch.arange(4), [1, 2.5, None, True, "s", float("inf")]),
+        "empty": (torch.zeros(0, 3), {}, [], ()),
+        "scalar": torch.tensor(2.0, dtype=torch.float64),
+    }
+    gb.save(tmp_path / "c.safetensors", gparams, plan, opt_state=state)
+    assert_trees_equal(gb.load(tmp_path / "c.safetensors", mlp()).opt_state, state)
+
+
+def _train(model, plan, gparams, opt, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(16, 24, generator=gen), torch.randn(16, 6, generator=gen)
+        opt.zero_grad()
+        loss = (functional_call(model, gb.apply(gparams, plan), (x,)) - y).square().mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_resumed_training_follows_the_uninterrupted_trajectory_exactly(tmp_path):
+    model = mlp()
+    plan = gb.plan(model, tile=(8, 8))
+
+    straight = gb.init(plan, seed=1)
+    opt = torch.optim.Adam(leaves(straight), lr=3e-3)
+    straight_losses = _train(model, plan, straight, opt, range(6))
+
+    first = gb.init(plan, seed=1)
+    opt = torch.optim.Adam(leaves(first), lr=3e-3)
+    losses = _train(model, plan, first, opt, range(3))
+    gb.save(tmp_path / "c.safetensors", first, plan, opt_state=opt.state_dict(), step=3)
+    del first, opt
+
+    resumed, plan2, opt_state, step, _ = gb.load(tmp_path / "c.safetensors", mlp())
+    opt = torch.optim.Adam(leaves(resumed), lr=3e-3)
+    opt.load_state_dict(opt_state)
+    losses += _train(model, plan2, resumed, opt, range(step, 6))
+
+    assert losses == straight_losses
+    assert_trees_equal(resumed, straight)
+
+
+@pytest.mark.parametrize(
+    ("tile", "hidden"), [((64, 64), 32), ((128, 128), 16)], ids=["torchGB-like", "large-tiles"]
+)
+def test_compressed_checkpoint_is_about_compression_times_smaller(tmp_path, capsys, tile, hidden):
+    model = nn.Sequential(
+        nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512)
+    )
+    plan = gb.plan(model, tile=tile, hidden=hidden)
+    gparams = gb.init(plan)
+    gb.save(tmp_path / "c.safetensors", gparams, plan)
+    gb.save_dense(tmp_path / "d.safetensors", gparams, plan, model=model)
+    compressed, dense = (os.path.getsize(tmp_path / f) for f in ("c.safetensors", "d.safetensors"))
+    rep = gb.report(plan)
+    ratio = dense / compressed
+    with capsys.disabled():
+        print(
+            f"\n{tile} tiles, hidden {hidden}: checkpoint {compressed:,} B vs dense state_dict "
+            f"{dense:,} B: {ratio:.1f}x smaller "
+            f"(report: whole model {rep.compression:.1f}x, "
+            f"generated part {rep.generated_compression:.1f}x)"
+        )
+    assert ratio == pytest.approx(rep.compression, rel=0.1)
+
+
+def _corrupt(path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture
+def saved(tmp_path):
+    plan = gb.plan(mlp(), tile=(8, 8))
+    path = tmp_path / "c.safetensors"
+    gb.save(path, gb.init(plan), plan, step=1)
+    return path
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "nope.safetensors"
+    with pytest.raises(gb.CheckpointNotFoundError, match=f"gb.load: {path}: no such file") as e:
+        gb.load(path, mlp())
+    assert isinstance(e.value, FileNotFoundError)
+    assert isinstance(e.value, gb.CheckpointError)
+
+
+@pytest.mark.parametrize("keep", [0, 5, 100, -1])
+def test_truncated_file(saved, keep):
+    data = saved.read_bytes()
+    saved.write_bytes(data[: keep if keep >= 0 else len(data) - 1])
+    with pytest.raises(gb.CheckpointCorruptError, match=f"{saved}: the file is truncated"):
+        gb.load(saved, mlp())
+
+
+def test_bit_flip_in_the_tensor_data(saved):
+    _corrupt(saved, saved.stat().st_size - 10)
+    with pytest.raises(gb.CheckpointCorruptError, match=f"{saved}: SHA-256 mismatch"):
+        gb.load(saved, mlp())
+
+
+def test_bit_flip_in_the_json_metadata(saved):
+    data = saved.read_bytes()
+    _corrupt(saved, data.index(b'\\"scale\\":') + 4)  # inside the plan's JSON
+    with pytest.raises(
+        gb.CheckpointCorruptError, match=f"{saved}: (SHA-256 mismatch|the header is damaged)"
+    ):
+        gb.load(saved, mlp())
+
+
+def _rewrite_metadata(path, **changes) -> None:
+    with safetensors.safe_open(path, "pt") as f:
+        metadata = {**f.metadata(), **changes}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+    safetensors.torch.save_file(tensors, path, metadata)
+
+
+def test_unknown_format_version(saved):
+    _rewrite_metadata(saved, format_version="2", gbfunc_version="9.0")
+    with pytest.raises(
+        gb.CheckpointVersionError, match=f"{saved}: format version 2 .*gbfunc 9.0.*reads version 1"
+    ):
+        gb.load(saved, mlp())
+
+
+def test_a_forged_file_with_a_valid_hash_but_a_missing_tensor(saved):
+    with safetensors.safe_open(saved, "pt") as f:
+        metadata = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys() if k != "free/0.bias"}  # noqa: SIM118
+    metadata["sha256"] = content_hash(tensors, metadata)
+    safetensors.torch.save_file(tensors, saved, metadata)
+    with pytest.raises(
+        gb.CheckpointCorruptError,
+        match=f"{saved}: inconsistent contents \\(tensor 'free/0.bias' is missing",
+    ):
+        gb.load(saved, mlp())
+
+
+def test_not_a_gbfunc_checkpoint(tmp_path):
+    path = tmp_path / "dense.safetensors"
+    safetensors.torch.save_file(mlp().state_dict(), path)
+    with pytest.raises(gb.CheckpointCorruptError, match=f"{path}: not a gbfunc checkpoint"):
+        gb.load(path, mlp())
+
+
+def test_checkpoint_of_a_different_model_names_the_parameter(saved):
+    other = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 7))
+    with pytest.raises(
+        gb.CheckpointMismatchError,
+        match=r"parameter '2.weight' has shape \(6, 40\) in the checkpoint but \(7, 40\)",
+    ):
+        gb.load(saved, other)
+    renamed = nn.Sequential(nn.Linear(24, 40), nn.Linear(40, 6))
+    with pytest.raises(
+        gb.CheckpointMismatchError,
+        match=r"parameter #2 is '2.weight' \(6, 40\) in the checkpoint but '1.weight'",
+    ):
+        gb.load(saved, renamed)
+    longer = nn.Sequential(*mlp(), nn.Linear(6, 2))
+    with pytest.raises(
+        gb.CheckpointMismatchError,
+        match=r"the model's parameter '3.weight' \(2, 6\) is not in the checkpoint",
+    ):
+        gb.load(saved, longer)
+
+
+def test_a_failed_save_leaves_the_previous_file_and_no_temporary(saved, monkeypatch):
+    before = saved.read_bytes()
+
+    def half_write(tensors, path, metadata):
+        with open(path, "wb") as f:
+            f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", half_write)
+    plan = gb.plan(mlp(), tile=(8, 8))
+    with pytest.raises(OSError, match="disk full"):
+        gb.save(saved, gb.init(plan, seed=5), plan)
+    assert saved.read_bytes() == before
+    assert sorted(os.listdir(saved.parent)) == [saved.name]
+
+
+_SAVER = textwrap.dedent(
+    """
+    import sys, torch, gbfunc as gb
+    from torch import nn
+    path = sys.argv[1]
+    plan = gb.plan(nn.Linear(32, 32), tile=(8, 8))
+    gparams = gb.init(plan)
+    gb.save(path, gparams, plan, step=0)
+    print("saved", flush=True)
+    big = {"blob": torch.randn(8_000_000)}  # 32 MB per save: a wide window to be killed in
+    step = 1
+    while True:
+        gb.save(path, gparams, plan, opt_state=big, step=step)
+        step += 1
+    """
+)
+
+
+def test_sigkill_during_save_leaves_a_loadable_checkpoint(tmp_path):
+    path = tmp_path / "c.safetensors"
+    cmd = [sys.executable, "-c", _SAVER, str(path)]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            assert proc.stdout.readline().strip() == "saved"
+            deadline = time.monotonic() + 30
+            while not any(
+                n.endswith(".tmp") and os.path.getsize(tmp_path / n) > 0
+                for n in os.listdir(tmp_path)
+            ):
+                assert time.monotonic() < deadline, "the saver never started a second save"
+                time.sleep(0.002)
+            proc.send_signal(signal.SIGKILL)  # mid-save: a temporary file is being written
+        finally:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    assert any(n.endswith(".tmp") for n in os.listdir(tmp_path))  # the interrupted write
+    ckpt = gb.load(path, nn.Linear(32, 32))  # hash verified: the previous file, whole
+    assert ckpt.step is not None
+    assert ckpt.plan == gb.plan(nn.Linear(32, 32), tile=(8, 8))
+
+
+_RANK = textwrap.dedent(
+    """
+    import sys, json, torch, torch.distributed as dist, gbfunc as gb
+    from torch import nn
+    rank, store_path, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    model = nn.Linear(16, 8)
+    plan = gb.plan(model, tile=(4, 4))
+    gparams = gb.init(plan, seed=0)  # bitwise the same replica on every rank
+    gb.save_replicated(path, gparams, plan, step=5, meta={"writer": rank})
+    ckpt = gb.load(path, model)  # every rank reads, right after the collective
+    same = all(torch.equal(a, b) for a, b in zip(
+        torch.utils._pytree.tree_leaves(ckpt.gparams), torch.utils._pytree.tree_leaves(gparams)))
+    out = {"rank": rank, "meta": ckpt.meta, "step": ckpt.step, "same": same}
+    print(json.dumps(out), flush=True)
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_replicated_save_rank0_writes_all_ranks_read(tmp_path):
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    args = [str(tmp_path / "store"), str(tmp_path / "c.safetensors")]
+    outs = []
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RANK, str(r), *args], stdout=subprocess.PIPE, text=True, env=env
+        )
+        for r in range(2)
+    ]
+    for p in procs:
+        with p:
+            out, _ = p.communicate(timeout=60)
+        assert p.returncode == 0
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    for rank, out in enumerate(outs):
+        assert out == {"rank": rank, "meta": {"writer": 0}, "step": 5, "same": True}

@@ -1,0 +1,196 @@
+"""gbfunc.compat.GenomicBottleneck: torchGB's training loop on plain and DDP-wrapped models."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.func import functional_call
+
+import gbfunc as gb
+from gbfunc.compat import GenomicBottleneck
+
+
+class Encoder(nn.Module):
+    """A small nn.TransformerEncoder classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 32)
+        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(32, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.inp(x)).mean(1))
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 3)
+    )
+
+
+def cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(64, 3),
+    )  # fmt: skip
+
+
+CASES = {
+    "mlp": (mlp, (16,), {"tile": (16, 16)}),
+    "cnn": (cnn, (1, 8, 8), {"tile": (8, 4)}),
+    "transformer": (Encoder, (5, 6), {"tile": (16, 16), "ignore_layers": ["norm"]}),
+}
+
+
+def batch(shape: tuple[int, ...], n: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fixed, learnable classification batch."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(n, *shape, generator=gen)
+    return x, (x.flatten(1)[:, :3].argmax(1))
+
+
+def torchgb_loop(model, gnets, optimizer, x, y, steps: int) -> list[float]:
+    """torchGB's canonical loop, verbatim."""
+    criterion = nn.CrossEntropyLoss()
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        gnets.zero_grad()
+        gnets.predict_weights()
+        loss = criterion(model(x), y)
+        loss.backward()
+        gnets.backward()
+        optimizer.step()
+        gnets.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_torchgb_loop_trains(name):
+    build, shape, kwargs = CASES[name]
+    model = build()
+    gnets = GenomicBottleneck(model, lr=1e-2, **kwargs)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = batch(shape)
+    losses = torchgb_loop(model, gnets, optimizer, x, y, steps=25)
+    assert losses[-1] < 0.5 * losses[0], losses
+    generated = [dict(model.named_parameters())[p.name] for p in gnets.plan.generated]
+    assert all(p.grad is None and p not in optimizer.state for p in generated)  # no p-net state
+    free = [dict(model.named_parameters())[p.name] for p in gnets.plan.free]
+    assert free
+    assert all(p in optimizer.state for p in free)  # trained by the user's optimizer
+
+
+def test_gnet_gradients_equal_end_to_end_autograd():
+    model = mlp()
+    gnets = GenomicBottleneck(model, tile=(16, 16))
+    x, y = batch((16,))
+    gnets.predict_weights()
+    nn.functional.cross_entropy(model(x), y).backward()
+    gnets.backward()
+
+    def loss(stacks):
+        params = gb.apply({**gnets.gparams, "stacks": stacks}, gnets.plan)
+        return nn.functional.cross_entropy(functional_call(model, params, (x,)), y)
+
+    want = torch.func.grad(loss)(gnets.gparams["stacks"])
+    for key, leaves in gnets.gparams["stacks"].items():
+        for leaf, value in leaves.items():
+            torch.testing.assert_close(value.grad, want[key][leaf], msg=f"{key}/{leaf}")
+
+
+def test_one_optimizer_over_the_stacks_and_an_honest_repr():
+    model = mlp()
+    gnets = GenomicBottleneck(model, tile=(16, 16), hidden_dim=8, ignore_layers=["4."])
+    assert isinstance(gnets.optimizer, torch.optim.AdamW)
+    assert len(gnets.optimizer.param_groups) == 1
+    assert len(gnets.optimizer.param_groups[0]["params"]) == sum(
+        len(s) for s in gnets.gparams["stacks"].values()
+    )
+    assert "4.weight" in [p.name for p in gnets.plan.free]  # ignore_layers substring
+    assert gnets.compression() == pytest.approx(gb.report(gnets.plan).compression)
+    assert f"compression {gnets.compression():.2f}x" in repr(gnets)
+    assert gnets.eval() is gnets
+    assert not model.training
+    gnets.train()
+    assert model.training
+
+
+def test_compiled_model_is_unwrapped():
+    model = mlp()
+    gnets = GenomicBottleneck(torch.compile(model), tile=(16, 16))
+    assert [p.name for p in gnets.plan.params] == [n for n, _ in model.named_parameters()]
+
+
+def test_save_load_resumes_exactly(tmp_path):
+    x, y = batch((16,))
+    torch.manual_seed(0)
+    model = mlp()
+    gnets = GenomicBottleneck(model, tile=(16, 16), lr=3e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    torchgb_loop(model, gnets, optimizer, x, y, steps=3)
+    gnets.save(tmp_path / "g.safetensors")
+    torch.save(optimizer.state_dict(), tmp_path / "opt.pt")  # the user's own, as in torchGB
+    straight = torchgb_loop(model, gnets, optimizer, x, y, steps=3)
+
+    other = mlp()  # fresh weights everywhere
+    gnets2 = GenomicBottleneck(other, tile=(16, 16), lr=3e-3, seed=7)
+    gnets2.load(tmp_path / "g.safetensors")
+    optimizer2 = torch.optim.AdamW(other.parameters(), lr=3e-3)
+    optimizer2.load_state_dict(torch.load(tmp_path / "opt.pt"))
+    assert torchgb_loop(other, gnets2, optimizer2, x, y, steps=3) == straight
+
+
+def test_load_rejects_a_checkpoint_with_other_gnets_and_changes_nothing(tmp_path):
+    GenomicBottleneck(mlp(), tile=(16, 16)).save(tmp_path / "g.safetensors")
+    model = mlp()
+    gnets = GenomicBottleneck(model, tile=(8, 8))
+    before = [t.clone() for t in gnets.optimizer.param_groups[0]["params"]]
+    weights = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(
+        gb.CheckpointMismatchError,
+        match=r"parameter '0.weight' is generated on 16x16 tiles .* but generated on 8x8",
+    ):
+        gnets.load(tmp_path / "g.safetensors")
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(before, gnets.optimizer.param_groups[0]["params"], strict=True)
+    )
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
+
+
+@pytest.fixture
+def process_group(tmp_path, monkeypatch):
+    """A 1-process gloo group on loopback, rendezvous through a FileStore."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
+    yield
+    dist.destroy_process_group()
+
+
+def test_torchgb_loop_on_a_ddp_model(process_group, tmp_path):
+    model = mlp()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    gnets = GenomicBottleneck(ddp, tile=(32, 32), hidden_dim=16, lr=1e-2)
+    plain = GenomicBottleneck(mlp(), tile=(32, 32), hidden_dim=16)
+    assert gnets.compression() == plain.compression() > 1  # torchGB reports < 1 here
+    assert [p.name for p in gnets.plan.params] == [n for n, _ in model.named_parameters()]
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    x, y = batch((16,))
+    losses = torchgb_loop(ddp, gnets, optimizer, x, y, steps=20)
+    assert losses[-1] < 0.6 * losses[0], losses
+
+    gnets.save(tmp_path / "g.safetensors")  # rank 0 writes; every rank returns after
+    again = GenomicBottleneck(
+        nn.parallel.DistributedDataParallel(mlp()), tile=(32, 32), hidden_dim=16
+    )
+    again.load(tmp_path / "g.safetensors")  # loads and predicts
+    with torch.no_grad():
+        gnets.predict_weights()  # the last gnets.step() is not yet in ddp's weights
+    for a, b in zip(again.model.parameters(), ddp.parameters(), strict=True):
+        assert torch.equal(a, b)

@@ -1,0 +1,125 @@
+"""gb.export / gb.save_dense: an ordinary state_dict that loads strictly and computes the same."""
+
+import pytest
+import safetensors.torch
+import torch
+from torch import nn
+from torch.func import functional_call
+
+import gbfunc as gb
+
+
+def cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 5)
+    )
+
+
+def trained(model: nn.Module, **kwargs) -> tuple[dict, gb.Plan]:
+    """gparams after one optimizer step, so that nothing is at its init value."""
+    plan = gb.plan(model, **kwargs)
+    gparams = gb.init(plan, seed=2)
+    leaves = [t for s in gparams["stacks"].values() for t in s.values()] + list(
+        gparams["free"].values()
+    )
+    opt = torch.optim.SGD(leaves, lr=0.1)
+    x = torch.randn(4, *_input_shape(model))
+    functional_call(model, gb.apply(gparams, plan), (x,)).square().mean().backward()
+    opt.step()
+    return gparams, plan
+
+
+def _input_shape(model: nn.Module) -> tuple[int, ...]:
+    return (3, 8, 8) if isinstance(model[0], nn.Conv2d) else (model[0].in_features,)
+
+
+def test_export_without_model_is_the_plan_parameters_detached():
+    model = nn.Sequential(nn.Linear(10, 12), nn.Tanh(), nn.Linear(12, 3))
+    gparams, plan = trained(model, tile=(4, 4))
+    sd = gb.export(gparams, plan)
+    params = gb.apply(gparams, plan)
+    assert list(sd) == [p.name for p in plan.params]
+    for name, value in sd.items():
+        assert not value.requires_grad
+        assert value.dtype == torch.float32
+        assert torch.equal(value, params[name])
+    sd["0.bias"].add_(1.0)  # a copy: gparams are untouched
+    assert not torch.equal(sd["0.bias"], gparams["free"]["0.bias"])
+
+
+def test_export_with_model_loads_strictly_with_buffers_and_same_outputs(tmp_path):
+    model = cnn()
+    gparams, plan = trained(model, tile=(4, 3))
+    model.eval()
+    x = torch.randn(2, 3, 8, 8)
+    want = functional_call(model, gb.apply(gparams, plan), (x,))
+
+    sd = gb.export(gparams, plan, model=model)
+    assert list(sd) == list(model.state_dict())  # running stats and num_batches_tracked too
+    fresh = cnn().eval()
+    fresh.load_state_dict(sd, strict=True)
+    torch.testing.assert_close(fresh(x), want, rtol=0, atol=0)
+
+    gb.save_dense(tmp_path / "m.safetensors", gparams, plan, model=model, metadata={"note": "cnn"})
+    other = cnn().eval()
+    other.load_state_dict(safetensors.torch.load_file(tmp_path / "m.safetensors"), strict=True)
+    torch.testing.assert_close(other(x), want, rtol=0, atol=0)
+    with safetensors.safe_open(tmp_path / "m.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt", "note": "cnn"}
+
+
+def test_export_casts_to_the_model_dtype():
+    model = nn.Linear(6, 4)
+    plan = gb.plan(model, tile=(2, 2))
+    sd = gb.export(gb.init(plan, dtype=torch.float64), plan, model=model)
+    assert {v.dtype for v in sd.values()} == {torch.float32}
+    model.load_state_dict(sd, strict=True)
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        vocab_size=64,
+        n_positions=16,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return transformers, config
+
+
+def test_gpt2_generated_weights_export_into_a_fresh_model_and_transformers(
+    gpt2, tmp_path, monkeypatch
+):
+    transformers, config = gpt2
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    # Conv1D weights and the tied wte/lm_head are generated; wte appears once in the plan.
+    plan = gb.plan(model, tile=(16, 16), embeddings=True)
+    names = [p.name for p in plan.generated]
+    assert "transformer.h.0.attn.c_attn.weight" in names
+    assert "transformer.wte.weight" in names
+    assert "lm_head.weight" not in [p.name for p in plan.params]
+    gparams = gb.init(plan, seed=1)
+    ids = torch.randint(0, 64, (2, 10))
+    with torch.no_grad():
+        want = functional_call(model, gb.apply(gparams, plan), (ids,)).logits
+
+    sd = gb.export(gparams, plan, model=model)
+    assert sd["lm_head.weight"] is sd["transformer.wte.weight"]
+    fresh = transformers.GPT2LMHeadModel(config).eval()
+    fresh.load_state_dict(sd, strict=True)
+    assert fresh.lm_head.weight is fresh.transformer.wte.weight  # still tied
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(ids).logits, want, rtol=0, atol=0)
+
+    # The same weights served by transformers' own loader, from a local folder.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config.save_pretrained(tmp_path)
+    gb.save_dense(tmp_path / "model.safetensors", gparams, plan, model=model)
+    served = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(served(ids).logits, want, rtol=0, atol=0)
