@@ -1,0 +1,85 @@
+"""Faults on real gloo ranks: a rank with another plan, a rank that dies, a child that raises."""
+
+import os
+import time
+
+import pytest
+import torch
+from torch.func import functional_call
+from torch.multiprocessing import ProcessRaisedException
+
+import gbfunc as gb
+import gbfunc.dist as gbd
+from gbfunc.dist.gpt import GPT, GPTConfig, loss_fn
+from gbfunc.dist.testing import spawn
+
+CFG = GPTConfig(vocab=64, dim=32, layers=2, heads=4, seq=16)
+PG_TIMEOUT = 5.0
+
+
+def faults_worker(rank: int, world: int) -> dict:
+    mesh = gbd.init_mesh()
+    with torch.device("meta"):
+        model = GPT(CFG)
+    out: dict = {}
+
+    # A rank whose plan differs: every rank fails at start-up, naming the parameter.
+    overrides = {"blocks.1.mlp.fc2.weight": {"hidden": 16}} if rank == 1 else None
+    try:
+        gbd.check_plan(gb.plan(model, tile=(16, 16), overrides=overrides))
+    except ValueError as error:
+        out["plan_error"] = str(error)
+
+    # A rank that dies mid-step: the survivor's gradient all-reduce fails instead of hanging.
+    plan = gb.plan(model, tile=(16, 16))
+    gparams = gb.init(plan, seed=0)
+    sync = gbd.GradSync(gbd.trainable_leaves(gparams), mesh)
+    x = torch.randint(0, CFG.vocab, (2, CFG.seq))
+    loss = loss_fn(functional_call(model, gb.apply(gparams, plan), (x,)), x)
+    if rank == 1:
+        os._exit(0)  # dies after its forward pass, before any gradient is exchanged
+    start = time.monotonic()
+    try:
+        loss.backward()
+        sync.wait()
+    except gbd.CollectiveError as error:
+        out["dead_error"] = str(error)
+    out["dead_seconds"] = time.monotonic() - start
+    return out
+
+
+def raising_worker(rank: int, world: int) -> None:
+    if rank == 1:
+        raise KeyError("rank 1 is broken")
+    time.sleep(60)  # must be terminated once rank 1 fails
+
+
+def sleeping_worker(rank: int, world: int) -> None:
+    time.sleep(60)
+
+
+@pytest.mark.slow
+def test_mismatched_plan_and_dead_rank_fail_with_clear_errors():
+    survivor, dead = spawn(faults_worker, 2, pg_timeout=PG_TIMEOUT)
+    assert dead is None  # exited without a result
+    assert (
+        "rank 1's plan differs from rank 0's at parameter 'blocks.1.mlp.fc2.weight'"
+        in survivor["plan_error"]
+    )
+    assert "a peer rank probably died" in survivor["dead_error"]
+    assert survivor["dead_seconds"] < PG_TIMEOUT + 5
+
+
+@pytest.mark.slow
+def test_child_exception_is_reraised_with_its_traceback_and_peers_stopped():
+    start = time.monotonic()
+    with pytest.raises(ProcessRaisedException, match="rank 1 is broken") as info:
+        spawn(raising_worker, 2)
+    assert "raising_worker" in str(info.value)  # the child's traceback
+    assert time.monotonic() - start < 30  # rank 0 was terminated, not waited for
+
+
+@pytest.mark.slow
+def test_spawn_kills_ranks_past_the_global_timeout():
+    with pytest.raises(TimeoutError, match=r"ran over 3\.0 s"):
+        spawn(sleeping_worker, 1, timeout=3.0)

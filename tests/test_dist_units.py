@@ -1,0 +1,255 @@
+"""Single-process logic of gbfunc.dist: mesh sizes, tile selection, ownership, traffic."""
+
+import math
+from dataclasses import dataclass
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given
+from torch import nn
+
+import gbfunc as gb
+import gbfunc.dist as gbd
+from gbfunc.dist._select import cuts_tiles, evaluate_tiles, full_region, region_tiles
+from gbfunc.dist.gpt import GPT, GPTConfig
+
+# ---------------------------------------------------------------- mesh sizes
+
+
+def test_mesh_shape_fills_in_dp():
+    assert gbd.mesh_shape(8, tp=2) == gbd.MeshShape(dp=4, tp=2, pp=1)
+    assert gbd.mesh_shape(8, tp=2, pp=2).world_size == 8
+
+
+def test_mesh_shape_rejects_a_world_not_divisible_by_tp_and_pp():
+    with pytest.raises(ValueError, match=r"world size 6 is not divisible by tp x pp = 2 x 2 = 4"):
+        gbd.mesh_shape(6, tp=2, pp=2)
+
+
+def test_mesh_shape_rejects_sizes_whose_product_is_not_the_world():
+    with pytest.raises(
+        ValueError, match=r"dp x tp x pp = 3 x 2 x 1 = 6 does not equal the world size 8"
+    ):
+        gbd.mesh_shape(8, dp=3, tp=2)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_mesh_shape_rejects_bad_sizes(bad):
+    with pytest.raises(ValueError, match="tp must be an integer >= 1"):
+        gbd.mesh_shape(8, tp=bad)
+
+
+# ---------------------------------------------------------------- tile selection
+
+
+@dataclass(frozen=True)
+class Case:
+    rows: int
+    cols: int
+    tile: tuple[int, int]
+    share: bool
+    region: tuple[tuple[int, int], tuple[int, int]]
+
+
+@st.composite
+def cases(draw) -> Case:
+    rows, cols = draw(st.integers(3, 40)), draw(st.integers(3, 40))
+    tile = (draw(st.integers(1, 16)), draw(st.integers(1, 16)))
+    r0 = draw(st.integers(0, rows - 1))
+    c0 = draw(st.integers(0, cols - 1))
+    region = ((r0, draw(st.integers(r0 + 1, rows))), (c0, draw(st.integers(c0 + 1, cols))))
+    return Case(rows, cols, tile, draw(st.booleans()), region)
+
+
+def _model(case: Case) -> nn.Module:
+    # A plain weight, a Q/K/V weight split in 3 blocks along rows, and a bias.
+    dim = 3 * max(1, case.rows // 3)
+    return nn.Sequential(nn.Linear(case.cols, case.rows), nn.MultiheadAttention(dim, 1))
+
+
+@given(cases())
+def test_a_selected_region_is_the_same_slice_of_gb_apply(case):
+    model = _model(case)
+    plan = gb.plan(model, tile=case.tile, share=case.share)
+    gparams = gb.init(plan, seed=0)
+    full = gb.apply(gparams, plan)
+    qkv = plan.params[2].shape
+    regions = {
+        "0.weight": case.region,
+        "0.bias": (case.region[0],),
+        "1.in_proj_weight": (
+            (case.region[0][0] % qkv[0], qkv[0]),
+            (0, min(case.region[1][1], qkv[1])),
+        ),
+    }
+    out = gbd.Selection(plan, regions).apply(gparams)
+    for name, region in regions.items():
+        expected = full[name][tuple(slice(a, b) for a, b in region)]
+        torch.testing.assert_close(out[name], expected, rtol=1e-6, atol=1e-6)
+
+
+def test_whole_regions_reproduce_gb_apply_bitwise():
+    with torch.device("meta"):
+        model = GPT(GPTConfig())
+    for share in (False, True):
+        plan = gb.plan(model, tile=(16, 8), share=share, embeddings=True)
+        gparams = gb.init(plan, seed=1)
+        full = gb.apply(gparams, plan)
+        out = gbd.Selection(plan, {p.name: full_region(p.shape) for p in plan.params}).apply(
+            gparams
+        )
+        assert all(torch.equal(out[k], full[k]) for k in full)
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_evaluate_tiles_picks_rows_of_the_whole_stack(share):
+    plan = gb.plan(nn.Linear(40, 24), tile=(8, 8), share=share)
+    stack = plan.stacks[0]
+    leaves = gb.init(plan, seed=0)["stacks"][stack.key]
+    picked = [1, 4, 5, 14]
+    everything = evaluate_tiles(stack, leaves, range(stack.num_tiles))
+    torch.testing.assert_close(evaluate_tiles(stack, leaves, picked), everything[picked])
+
+
+def test_region_tiles_and_alignment():
+    plan = gb.plan(nn.Linear(32, 64), tile=(16, 8))
+    p, stack = plan.generated[0], plan.stacks[0]  # grid 4 x 4
+    assert region_tiles(p, stack, ((16, 32), (0, 32))) == list(range(4, 8))
+    assert not cuts_tiles(p, stack, ((16, 32), (0, 32)))
+    assert region_tiles(p, stack, ((10, 20), (4, 12))) == [0, 1, 4, 5]
+    assert cuts_tiles(p, stack, ((10, 20), (4, 12)))
+    # A region ending at the weight's edge inside a partial last tile does not cut a tile.
+    ragged = gb.plan(nn.Linear(30, 20), tile=(16, 16))
+    assert not cuts_tiles(ragged.generated[0], ragged.stacks[0], ((16, 20), (0, 30)))
+
+
+def test_selection_rejects_unknown_names_and_bad_regions():
+    plan = gb.plan(nn.Linear(8, 8), tile=(4, 4))
+    with pytest.raises(ValueError, match="'nope' is not a parameter of the plan"):
+        gbd.Selection(plan, {"nope": ((0, 1),)})
+    with pytest.raises(
+        ValueError, match=r"region \(\(0, 9\), \(0, 8\)\) does not fit weight of shape \(8, 8\)"
+    ):
+        gbd.Selection(plan, {"weight": ((0, 9), (0, 8))})
+
+
+# ---------------------------------------------------------------- ownership
+
+
+def _gpt_plan(share: bool = False) -> gb.Plan:
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab=64, dim=48, layers=3, heads=4, seq=16))
+    return gb.plan(model, tile=(16, 16), share=share, overrides={"blocks.2.*": {"tile": (8, 24)}})
+
+
+@pytest.mark.parametrize("world", [1, 3, 8])
+@pytest.mark.parametrize("share", [False, True])
+def test_ownership_covers_every_gnet_once_and_balances(world, share):
+    plan = _gpt_plan(share)
+    own = gbd.assign(plan, world)
+    for s, stack in enumerate(plan.stacks):
+        tiles = [t for r in range(world) for t in own.tiles(plan, s, r)]
+        assert sorted(tiles) == list(range(stack.num_tiles))
+    costs = [n * gbd._owned.tile_cost(s) for s in plan.stacks for n in s.tiles_per_gnet]
+    # LPT: the busiest rank exceeds the mean by at most one g-net.
+    assert max(own.loads) <= sum(costs) / world + max(costs) + 1e-6
+    assert own == gbd.assign(plan, world)  # deterministic on every rank
+
+
+def test_ownership_is_balanced_on_gpt2_small_at_8_ranks():
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab=50304, dim=768, layers=12, heads=12, seq=1024))
+    own = gbd.assign(gb.plan(model, tile=(100, 100)), 8)
+    assert own.imbalance < 1.01
+
+
+def test_ownership_rejects_a_bad_world_size():
+    with pytest.raises(ValueError, match="world_size must be an integer >= 1"):
+        gbd.assign(_gpt_plan(), 0)
+
+
+# ---------------------------------------------------------------- traffic
+
+
+def test_traffic_of_a_small_plan_by_hand():
+    plan = gb.plan(nn.Linear(32, 32), tile=(16, 16))  # 4 tiles of 256 weights; bias of 32 free
+    gnet = plan.stacks[0].num_params
+    assert gbd.replicated_traffic(plan, 2).payload == 4 * (gnet + 32)
+    owned = dict(gbd.rank_owned_traffic(plan, 2).collectives)
+    assert owned == {"all_gather": 4 * 4 * 256, "reduce_scatter": 4 * 4 * 256, "all_reduce": 4 * 32}
+    torchgb = gbd.torchgb_traffic(plan, 2)
+    assert dict(torchgb.collectives) == {"broadcast": 4 * 1024, "all_reduce": 4 * (1024 + 32)}
+    assert torchgb.per_rank == pytest.approx(0.5 * 4 * 1024 + 2 * 0.5 * 4 * 1056)
+
+
+def test_torchgb_broadcast_of_gpt2_small_is_324_mib():
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab=50304, dim=768, layers=12, heads=12, seq=1024))
+    broadcast = dict(gbd.torchgb_traffic(gb.plan(model, tile=(100, 100)), 8).collectives)[
+        "broadcast"
+    ]
+    assert broadcast == 4 * 12 * 12 * 768 * 768
+    assert math.isclose(broadcast / 2**20, 324, rel_tol=0.01)
+
+
+# ---------------------------------------------------------------- plan check
+
+
+def test_plan_difference_names_the_first_differing_parameter():
+    with torch.device("meta"):
+        model = GPT(GPTConfig())
+    base = gb.plan(model, tile=(16, 16))
+    assert gbd.plan_difference(base, gb.plan(model, tile=(16, 16))) is None
+    other = gb.plan(model, tile=(16, 16), overrides={"blocks.1.attn.v.weight": {"tile": (8, 8)}})
+    assert gbd.plan_difference(base, other).startswith(
+        "parameter 'blocks.1.attn.v.weight', field 'stack'"
+    )
+    fewer = gb.plan(model, tile=(16, 16), free=["blocks.1.*"])
+    assert (
+        gbd.plan_difference(base, fewer)
+        == "parameter 'blocks.1.attn.q.weight', field 'kind': Generated vs Free"
+    )
+    assert "stack 's0_16x16'" in gbd.plan_difference(base, gb.plan(model, tile=(16, 16), hidden=8))
+
+
+# ---------------------------------------------------------------- pipeline stage, one process
+
+
+def test_stage_generator_fills_the_stage_and_backpropagates_its_grads():
+    cfg = GPTConfig(vocab=32, dim=32, layers=2, heads=2, seq=8)
+    with torch.device("meta"):
+        plan = gb.plan(GPT(cfg), tile=(16, 16))
+    stage = GPT(cfg, stage=(1, 2))  # block 1, ln_f and the tied head
+    generator = gbd.StageGenerator(plan, stage)
+    gparams = gb.init(plan, seed=0)
+    generator.load(gparams)
+    full = gb.apply(gparams, plan)
+    for name, param in stage.named_parameters():
+        assert torch.equal(param.detach(), full[name])
+    hidden = torch.randn(2, 8, cfg.dim)
+    stage(hidden).square().mean().backward()
+    generator.backward(gparams)
+    via_stage = [t.grad.clone() for t in gbd.trainable_leaves(gparams) if t.grad is not None]
+    for t in gbd.trainable_leaves(gparams):
+        t.grad = None
+    # The same gradient, straight through gb.apply.
+    names = dict(stage.named_parameters())
+    torch.func.functional_call(
+        stage, {n: full[n] for n in names}, (hidden,)
+    ).square().mean().backward()
+    direct = [t.grad for t in gbd.trainable_leaves(gparams) if t.grad is not None]
+    assert len(via_stage) == len(direct)
+    for a, b in zip(via_stage, direct, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_stage_generator_rejects_misnamed_or_meta_parameters():
+    with torch.device("meta"):
+        plan = gb.plan(GPT(GPTConfig()), tile=(16, 16))
+    with pytest.raises(ValueError, match=r"stage parameter '0\.weight' is not in the plan"):
+        gbd.StageGenerator(plan, nn.Sequential(nn.Linear(4, 4)))
+    with torch.device("meta"):
+        stage = GPT(GPTConfig(), stage=(0, 2))
+    with pytest.raises(ValueError, match="expected a real tensor"):
+        gbd.StageGenerator(plan, stage)
