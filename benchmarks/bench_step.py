@@ -23,13 +23,15 @@ from torch.func import functional_call, grad_and_value
 
 import gbfunc as gb
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 Step = Callable[[], object]
 
 
 def mlp() -> nn.Module:
-    return nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+    return nn.Sequential(
+        nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
+    )
 
 
 def dense_steps(model: nn.Module, batch: tuple, loss_of) -> tuple[Step, Step]:
@@ -110,7 +112,9 @@ def cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
-def run(title: str, model: nn.Module, batch: tuple, genomes: dict[str, dict], rounds: int, inner: int) -> None:
+def run(
+    title: str, model: nn.Module, batch: tuple, genomes: dict[str, dict], rounds: int, inner: int
+) -> None:
     steps: dict[str, Step] = {}
     steps["plain eager"], steps["plain compiled"] = dense_steps(model, batch, cross_entropy)
     ratios = {}
@@ -118,11 +122,15 @@ def run(title: str, model: nn.Module, batch: tuple, genomes: dict[str, dict], ro
         plan = gb.plan(model, **kwargs)
         rep = gb.report(plan)
         ratios[label] = rep.generated_compression
-        steps[f"{label} eager"], steps[f"{label} compiled"] = gb_steps(model, plan, batch, cross_entropy)
+        steps[f"{label} eager"], steps[f"{label} compiled"] = gb_steps(
+            model, plan, batch, cross_entropy
+        )
     times = median_ms(steps, rounds, inner)
     print(f"\n## {title}  (torch {torch.__version__}, {torch.get_num_threads()} threads)")
-    print(f"{'variant':<34}{'compression':>12}{'eager ms':>10}{'x plain':>9}{'compiled ms':>13}{'x plain':>9}")
-    print(f"{'plain model':<34}{'1.0x':>12}{times['plain eager']:>10.2f}{1:>9.2f}{times['plain compiled']:>13.2f}{1:>9.2f}")
+    head = ("variant", "compression", "eager ms", "x plain", "compiled ms", "x plain")
+    print(f"{head[0]:<34}{head[1]:>12}{head[2]:>10}{head[3]:>9}{head[4]:>13}{head[5]:>9}")
+    e, c = times["plain eager"], times["plain compiled"]
+    print(f"{'plain model':<34}{'1.0x':>12}{e:>10.2f}{1:>9.2f}{c:>13.2f}{1:>9.2f}")
     for label in genomes:
         e, c = times[f"{label} eager"], times[f"{label} compiled"]
         print(
@@ -139,6 +147,11 @@ MLP_GENOMES = {
     "shared + embeddings, tile 64": {"tile": (64, 64), "share": True, "hidden": 16},
 }
 
+TRANSFORMER_GENOMES = {
+    "default genome, compression=20": {"compression": 20},
+    "hidden 8, compression=20": {"compression": 20, "hidden": 8},
+}
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -150,14 +163,14 @@ def main() -> None:
     rounds, inner = (5, 5) if args.quick else (15, 10)
     batch = (torch.randn(128, 784), torch.randint(0, 10, (128,)))
     run("MLP 784-512-512-10, batch 128", mlp(), batch, MLP_GENOMES, rounds, inner)
-    try:
-        from models import CharTransformer, charlm_bench_config
-    except ImportError:
-        print("\n(examples/models.py not found: transformer benchmark skipped)")
-        return
-    model, batch, genomes = charlm_bench_config()
-    run("main job's character transformer", model, batch, genomes, rounds, inner)
+    from examples.main_job import CharLMConfig
+    from examples.models import CharTransformer
 
+    cfg = CharLMConfig()
+    model = CharTransformer(96, cfg.context, cfg.width, cfg.depth, cfg.heads)
+    idx = torch.randint(0, 96, (cfg.batch, cfg.context + 1))
+    title = f"main job's character transformer (width {cfg.width}, batch {cfg.batch}x{cfg.context})"
+    run(title, model, (idx[:, :-1], idx[:, 1:]), TRANSFORMER_GENOMES | {"main job's plan": dict(cfg.plan)}, rounds, inner)
 
 if __name__ == "__main__":
     main()

@@ -41,7 +41,9 @@ def init(
         ['free', 'frozen', 'stacks']
     """
     if not isinstance(plan, Plan):
-        raise TypeError(f"gb.init: plan must be a gb.Plan (from gb.plan), got {type(plan).__name__}.")
+        raise TypeError(
+            f"gb.init: plan must be a gb.Plan (from gb.plan), got {type(plan).__name__}."
+        )
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"gb.init: dtype must be a floating torch.dtype, got {dtype!r}.")
     if not isinstance(seed, int) or isinstance(seed, bool):
@@ -112,8 +114,12 @@ def _make_odd(leaves: dict[str, Tensor], row_width: int) -> None:
     for unit in range(4 * groups, w_in.shape[-1]):
         w_out[:, unit] = 0.0  # units left over from the fours stay silent at init
     for s in range(1, 4):
-        w_in[:, :row_width, s : 4 * groups : 4] = _ROW_SIGNS[s] * w_in[:, :row_width, 0 : 4 * groups : 4]
-        w_in[:, row_width:, s : 4 * groups : 4] = _COL_SIGNS[s] * w_in[:, row_width:, 0 : 4 * groups : 4]
+        w_in[:, :row_width, s : 4 * groups : 4] = (
+            _ROW_SIGNS[s] * w_in[:, :row_width, 0 : 4 * groups : 4]
+        )
+        w_in[:, row_width:, s : 4 * groups : 4] = (
+            _COL_SIGNS[s] * w_in[:, row_width:, 0 : 4 * groups : 4]
+        )
         w_out[:, s : 4 * groups : 4] = _ROW_SIGNS[s] * _COL_SIGNS[s] * w_out[:, 0 : 4 * groups : 4]
         for name in ("b_in", "w_embed"):
             if name in leaves:
@@ -128,8 +134,12 @@ def _normalise_outputs(stack: Stack, leaves: dict[str, Tensor]) -> None:
         if y.shape[1] < 2 and stack.num_tiles == stack.num_gnets:
             return  # a single position per g-net: nothing to standardise against
         counts = torch.tensor(stack.tiles_per_gnet, dtype=y.dtype) * y.shape[1]  # (G,)
-        owner = torch.repeat_interleave(torch.arange(stack.num_gnets), torch.tensor(stack.tiles_per_gnet))
-        sums = torch.zeros(stack.num_gnets, stack.outputs, dtype=y.dtype).index_add_(0, owner, y.sum(1))
+        owner = torch.repeat_interleave(
+            torch.arange(stack.num_gnets), torch.tensor(stack.tiles_per_gnet)
+        )
+        sums = torch.zeros(stack.num_gnets, stack.outputs, dtype=y.dtype).index_add_(
+            0, owner, y.sum(1)
+        )
         mean = sums / counts[:, None]  # (G, P)
         sq = (y - mean[owner][:, None, :]).square().sum((1, 2))  # (T,)
         var = torch.zeros(stack.num_gnets, dtype=y.dtype).index_add_(0, owner, sq)

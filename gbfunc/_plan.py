@@ -238,7 +238,9 @@ def _check_tile(where: str, tile: object) -> tuple[int, int] | str:
         and all(isinstance(t, int) and not isinstance(t, bool) and t > 0 for t in tile)
     )
     if not ok:
-        raise ValueError(f"gb.plan: {where} must be (th, tw) with positive integers or 'full', got {tile!r}.")
+        raise ValueError(
+            f"gb.plan: {where} must be (th, tw) with positive integers or 'full', got {tile!r}."
+        )
     return (tile[0], tile[1])
 
 
@@ -253,10 +255,16 @@ def _normalise_overrides(
             rules.append((pattern, {"generate": False}))
             continue
         if not isinstance(opts, Mapping):
-            raise TypeError(f"gb.plan: overrides[{pattern!r}] must be a dict of options or 'free', got {opts!r}.")
+            raise TypeError(
+                f"gb.plan: overrides[{pattern!r}] must be a dict of options or 'free', "
+                f"got {opts!r}."
+            )
         unknown = sorted(set(opts) - set(OPTIONS))
         if unknown:
-            raise ValueError(f"gb.plan: overrides[{pattern!r}] has unknown option(s) {unknown}; known: {OPTIONS}.")
+            raise ValueError(
+                f"gb.plan: overrides[{pattern!r}] has unknown option(s) {unknown}; "
+                f"known: {OPTIONS}."
+            )
         opts = dict(opts)
         if "tile" in opts:
             opts["tile"] = _check_tile(f"overrides[{pattern!r}]['tile']", opts["tile"])
@@ -269,10 +277,14 @@ def _check_patterns(rules: list[tuple[str, dict[str, object]]], names: list[str]
     for pattern, _ in rules:
         if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
             shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
-            raise ValueError(f"gb.plan: pattern {pattern!r} matches no parameter (parameters: {shown}).")
+            raise ValueError(
+                f"gb.plan: pattern {pattern!r} matches no parameter (parameters: {shown})."
+            )
 
 
-def _resolve(name: str, base: dict[str, object], rules: list[tuple[str, dict[str, object]]]) -> dict[str, object]:
+def _resolve(
+    name: str, base: dict[str, object], rules: list[tuple[str, dict[str, object]]]
+) -> dict[str, object]:
     opts = dict(base)
     for pattern, over in rules:
         if fnmatch.fnmatchcase(name, pattern):
@@ -297,7 +309,9 @@ def _collect(model: nn.Module) -> list[_Entry]:
             name = f"{prefix}.{local}" if prefix else local
             dtype = str(param.dtype).removeprefix("torch.")
             layout = layouts.get(local)
-            entries.append((name, tuple(param.shape), dtype, param.requires_grad, module, local, layout))
+            entries.append(
+                (name, tuple(param.shape), dtype, param.requires_grad, module, local, layout)
+            )
     return entries
 
 
@@ -332,7 +346,9 @@ def _block_shapes(shape: tuple[int, ...], layout: Layout) -> list[tuple[int, int
     return [(rows, cols // layout.splits)] * layout.splits
 
 
-def _stack_geometry(genome: Genome, tile: tuple[int, int], kernel: tuple[int, ...]) -> tuple[int, int, int, int]:
+def _stack_geometry(
+    genome: Genome, tile: tuple[int, int], kernel: tuple[int, ...]
+) -> tuple[int, int, int, int]:
     """(outputs P, columns Q, row width R, column width C) of a stack."""
     taps = math.prod(kernel)
     th, tw = tile
@@ -350,7 +366,9 @@ def _stack_geometry(genome: Genome, tile: tuple[int, int], kernel: tuple[int, ..
     return outputs, columns, width(th), col_width
 
 
-def _tile_for(name: str, opts: dict[str, object], rows: int, cols: int, outputs: int) -> tuple[int, int]:
+def _tile_for(
+    name: str, opts: dict[str, object], rows: int, cols: int, outputs: int
+) -> tuple[int, int]:
     tile = opts["tile"]
     if tile == "full":
         th, tw = rows, cols
@@ -372,7 +390,9 @@ def _genome_for(opts: dict[str, object], kernel: tuple[int, ...]) -> Genome:
     return genome
 
 
-def _block_cost(genome: Genome, kernel: tuple[int, ...], rows: int, cols: int, tile: tuple[int, int]) -> int:
+def _block_cost(
+    genome: Genome, kernel: tuple[int, ...], rows: int, cols: int, tile: tuple[int, int]
+) -> int:
     """G-net parameters that generate one block (as `_build` would lay it out)."""
     outputs, _, row_width, col_width = _stack_geometry(genome, tile, kernel)
     tiles = -(-rows // tile[0]) * -(-cols // tile[1])
@@ -414,7 +434,9 @@ def _build(entries: list[_Entry], options: list[dict[str, object]], embeddings: 
             stack_tiles[stack_id].extend([n] if genome.share else [1] * n)
             blocks.append(Block(rows, cols, grid, first))
         split_dim = layout.split_dim if layout.splits > 1 else 0
-        params.append(Generated(name, shape, dtype, stack_id, tuple(blocks), split_dim, layout.init_std))
+        params.append(
+            Generated(name, shape, dtype, stack_id, tuple(blocks), split_dim, layout.init_std)
+        )
     stacks = tuple(
         Stack(
             key=f"s{i}_{tile[0]}x{tile[1]}" + (f"k{'x'.join(map(str, kernel))}" if kernel else ""),
@@ -443,7 +465,9 @@ def compression_of(p: Plan) -> float:
     return weights / max(1, sum(s.num_params for s in p.stacks))
 
 
-def _search_tile(entries, options, rules, target: float, embeddings: bool) -> list[dict[str, object]]:
+def _search_tile(
+    entries, options, rules, target: float, embeddings: bool
+) -> list[dict[str, object]]:
     """Pick the `(TH, TW)` whose generated-weights / g-net-params ratio is closest to `target`.
 
     Costs are counted per distinct block shape, so the search over a few thousand candidate

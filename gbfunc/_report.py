@@ -82,14 +82,39 @@ class Report:
     def __str__(self) -> str:
         header = ("parameter", "shape", "kind", "tiles", "stored", "ratio", "note")
         lines = [
-            (r.name, "x".join(map(str, r.shape)) or "scalar", r.kind, str(r.tiles),
-             f"{r.gnet_params:,}", f"{r.ratio:.1f}x", r.note)
+            (
+                r.name,
+                "x".join(map(str, r.shape)) or "scalar",
+                r.kind,
+                str(r.tiles),
+                f"{r.gnet_params:,}",
+                f"{r.ratio:.1f}x",
+                r.note,
+            )
             for r in self.rows
         ]
-        lines.append(("generated", f"{self.generated_weights:,}", "", "", f"{self.gnet_params:,}",
-                      f"{self.generated_compression:.1f}x", "weights / g-net params"))
-        lines.append(("whole model", f"{self.dense_params:,}", "", "", f"{self.stored_params:,}",
-                      f"{self.compression:.1f}x", "dense / stored params"))
+        lines.append(
+            (
+                "generated",
+                f"{self.generated_weights:,}",
+                "",
+                "",
+                f"{self.gnet_params:,}",
+                f"{self.generated_compression:.1f}x",
+                "weights / g-net params",
+            )
+        )
+        lines.append(
+            (
+                "whole model",
+                f"{self.dense_params:,}",
+                "",
+                "",
+                f"{self.stored_params:,}",
+                f"{self.compression:.1f}x",
+                "dense / stored params",
+            )
+        )
         widths = [max(len(row[i]) for row in [header, *lines]) for i in range(len(header))]
         fmt = "  ".join(f"{{:{'<' if i in (0, 2, 6) else '>'}{w}}}" for i, w in enumerate(widths))
         rule = "-" * (sum(widths) + 2 * (len(widths) - 1))

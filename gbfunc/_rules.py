@@ -48,7 +48,9 @@ def register_rule(module_type: type, rule: Rule) -> None:
         >>> gb.register_rule(Bilinear2, lambda m: {"weight": gb.Layout(init_std=0.1)})
     """
     if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
-        raise TypeError(f"gb.register_rule: module_type must be an nn.Module subclass, got {module_type!r}.")
+        raise TypeError(
+            f"gb.register_rule: module_type must be an nn.Module subclass, got {module_type!r}."
+        )
     if not callable(rule):
         raise TypeError(f"gb.register_rule: rule must be callable, got {rule!r}.")
     _RULES[module_type] = rule

@@ -196,7 +196,11 @@ class _TileMLP(torch.autograd.Function):
             for lo, hi in parts
         ]
         grads = [
-            None if parts_of[0] is None else torch.cat(parts_of) if len(parts_of) > 1 else parts_of[0]
+            None
+            if parts_of[0] is None
+            else torch.cat(parts_of)
+            if len(parts_of) > 1
+            else parts_of[0]
             for parts_of in zip(*results, strict=True)
         ]
         return (*grads, None)
@@ -212,7 +216,7 @@ class _TileMLP(torch.autograd.Function):
             x = x.unsqueeze(0).expand(size, *x.shape) if dim is None else x.movedim(dim, 0)
             return x.reshape(size * x.shape[1], *x.shape[2:])
 
-        args = [fold(x, d) for x, d in zip((a, b, c, w_hidden, b_hidden, w_out, b_out), in_dims)]
+        args = [fold(x, d) for x, d in zip((a, b, c, w_hidden, b_hidden, w_out, b_out), in_dims, strict=False)]
         out = _TileMLP.apply(*args, activation)
         return out.reshape(size, -1, *out.shape[1:]), 0
 

@@ -26,7 +26,11 @@ def _trainable(tree: dict) -> dict:
 def adamw_init(gparams: dict) -> AdamState:
     """Zero moments for every trainable leaf and a step counter."""
     zeros = tree_map(lambda p: torch.zeros_like(p, requires_grad=False), _trainable(gparams))
-    return {"step": torch.zeros((), dtype=torch.float32), "m": zeros, "v": tree_map(torch.clone, zeros)}
+    return {
+        "step": torch.zeros((), dtype=torch.float32),
+        "m": zeros,
+        "v": tree_map(torch.clone, zeros),
+    }
 
 
 def adamw_update(

@@ -12,12 +12,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import hypothesis  # noqa: E402
-import pytest  # noqa: E402
+import hypothesis
+import pytest
 
 hypothesis.settings.register_profile("dev", max_examples=15, deadline=None)
 hypothesis.settings.register_profile("ci", max_examples=25, deadline=None, print_blob=True)
-hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+hypothesis.settings.load_profile(
+    os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev")
+)
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 

@@ -24,9 +24,15 @@ def naive_apply(gparams: dict, plan: Plan) -> dict[str, Tensor]:
         leaves = gparams["stacks"][stack.key]
         th, tw = stack.tile
         taps = math.prod(stack.kernel)
-        row, col = stack_codes(stack.tile, stack.kernel, stack.genome, stack.columns, leaves["w_in"].dtype, None)
+        row, col = stack_codes(
+            stack.tile, stack.kernel, stack.genome, stack.columns, leaves["w_in"].dtype, None
+        )
         codes = torch.cat(
-            [row[:, None, :].expand(-1, col.shape[0], -1), col[None, :, :].expand(row.shape[0], -1, -1)], -1
+            [
+                row[:, None, :].expand(-1, col.shape[0], -1),
+                col[None, :, :].expand(row.shape[0], -1, -1),
+            ],
+            -1,
         )  # (TH, Q, R + C)
         owner = [g for g, n in enumerate(stack.tiles_per_gnet) for _ in range(n)]
         blocks = []
@@ -40,11 +46,20 @@ def naive_apply(gparams: dict, plan: Plan) -> dict[str, Tensor]:
                     h = h + leaves["tile_embed"][t] @ leaves["w_embed"][g]
                 h = activate(h, stack.genome.activation)
                 for layer in range(stack.genome.depth - 1):
-                    h = activate(h @ leaves["w_hidden"][g, layer] + leaves["b_hidden"][g, layer], stack.genome.activation)
-                y = (h @ leaves["w_out"][g] + leaves["b_out"][g]).reshape(th, tw, taps)  # (TH, Q, P) -> tile
+                    h = activate(
+                        h @ leaves["w_hidden"][g, layer] + leaves["b_hidden"][g, layer],
+                        stack.genome.activation,
+                    )
+                y = (h @ leaves["w_out"][g] + leaves["b_out"][g]).reshape(
+                    th, tw, taps
+                )  # (TH, Q, P) -> tile
                 r, c = divmod(k, block.grid[1])
                 full = full.index_put(
-                    (torch.arange(r * th, (r + 1) * th)[:, None], torch.arange(c * tw, (c + 1) * tw)[None, :]), y
+                    (
+                        torch.arange(r * th, (r + 1) * th)[:, None],
+                        torch.arange(c * tw, (c + 1) * tw)[None, :],
+                    ),
+                    y,
                 )
             blocks.append(full[: block.rows, : block.cols])
         weight = torch.cat(blocks, dim=p.split_dim) if len(blocks) > 1 else blocks[0]

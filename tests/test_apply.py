@@ -19,9 +19,18 @@ def models() -> dict[str, tuple[nn.Module, dict]]:
             nn.Sequential(nn.Conv2d(3, 10, 3), nn.Conv3d(2, 3, (1, 2, 2))),
             {"tile": (4, 3), "kernel": "output", "share": True, "depth": 3, "activation": "gelu"},
         ),
-        "attention": (nn.MultiheadAttention(12, 3), {"tile": (5, 5), "outputs": 2, "encoding": "gray"}),
-        "fourier-shared": (nn.Linear(20, 30), {"tile": (8, 8), "encoding": "fourier", "share": True}),
-        "transformer": (nn.TransformerEncoderLayer(16, 2, 24, dropout=0.0), {"tile": (8, 8), "activation": "silu"}),
+        "attention": (
+            nn.MultiheadAttention(12, 3),
+            {"tile": (5, 5), "outputs": 2, "encoding": "gray"},
+        ),
+        "fourier-shared": (
+            nn.Linear(20, 30),
+            {"tile": (8, 8), "encoding": "fourier", "share": True},
+        ),
+        "transformer": (
+            nn.TransformerEncoderLayer(16, 2, 24, dropout=0.0),
+            {"tile": (8, 8), "activation": "silu"},
+        ),
         "tanh-deep": (nn.Linear(9, 11), {"tile": (4, 4), "depth": 2, "activation": "tanh"}),
     }
 
@@ -56,9 +65,17 @@ def test_functional_call_runs_every_model():
             out = functional_call(model, params, (x, x, x))[0]
         elif name.startswith("cnn"):
             first = model[0]
-            out = functional_call(first, {k[2:]: v for k, v in params.items() if k.startswith("0.")}, (torch.randn(2, 3, 8, 8),))
+            out = functional_call(
+                first,
+                {k[2:]: v for k, v in params.items() if k.startswith("0.")},
+                (torch.randn(2, 3, 8, 8),),
+            )
         else:
-            x = torch.randn(3, 5, model.self_attn.embed_dim) if name == "transformer" else torch.randn(3, 9 if name == "tanh-deep" else 20)
+            x = (
+                torch.randn(3, 5, model.self_attn.embed_dim)
+                if name == "transformer"
+                else torch.randn(3, 9 if name == "tanh-deep" else 20)
+            )
             out = functional_call(model, params, (x,))
         assert torch.isfinite(out).all(), name
 
@@ -115,18 +132,24 @@ def test_step_zero_loss_matches_the_dense_classifier():
     dense_losses, gb_losses = [], []
     for seed in range(3):
         torch.manual_seed(seed)
-        model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+        model = nn.Sequential(
+            nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)
+        )
         plan = gb.plan(model, tile=(32, 32))
         dense_losses.append(nn.functional.cross_entropy(model(x), y).item())
         params = gb.apply(gb.init(plan, seed=seed), plan)
-        gb_losses.append(nn.functional.cross_entropy(functional_call(model, params, (x,)), y).item())
+        gb_losses.append(
+            nn.functional.cross_entropy(functional_call(model, params, (x,)), y).item()
+        )
     dense, ours = sum(dense_losses) / 3, sum(gb_losses) / 3
     assert ours == pytest.approx(dense, rel=0.05)
     assert dense == pytest.approx(math.log(10), rel=0.05)
 
 
 def test_saved_bytes_per_generated_weight_stay_at_or_under_16():
-    model = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+    model = nn.Sequential(
+        nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
+    )
     plan = gb.plan(model, tile=(64, 64))
     gparams = gb.init(plan)
     saved = gb.saved_bytes(lambda: gb.apply(gparams, plan))
@@ -134,5 +157,9 @@ def test_saved_bytes_per_generated_weight_stay_at_or_under_16():
     assert per_weight <= 16, per_weight
     # The plain-autograd path (what torchGB's per-tile MLPs amount to) saves ~H*4 B per weight.
     stacks = plan.stacks
-    plain = gb.saved_bytes(lambda: [gb._apply.evaluate_stack(s, gparams["stacks"][s.key], recompute=False) for s in stacks])
+    plain = gb.saved_bytes(
+        lambda: [
+            gb._apply.evaluate_stack(s, gparams["stacks"][s.key], recompute=False) for s in stacks
+        ]
+    )
     assert plain / gb.report(plan).generated_weights > 100
