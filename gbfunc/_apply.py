@@ -6,6 +6,7 @@ import math
 import torch
 from torch import Tensor
 
+from ._backend import fused_weights, use_triton
 from ._checks import check_gparams
 from ._genome import stack_codes
 from ._plan import Generated, Plan, Stack
@@ -14,7 +15,9 @@ from ._tilemlp import reference, tile_mlp
 GParams = dict[str, dict]
 
 
-def apply(gparams: GParams, plan: Plan, *, check: bool = False) -> dict[str, Tensor]:
+def apply(
+    gparams: GParams, plan: Plan, *, check: bool = False, backend: str = "auto"
+) -> dict[str, Tensor]:
     """Generate every parameter of the p-net described by `plan`.
 
     Each stack's g-nets are evaluated on their tiles in one batched call; tiles are laid out
@@ -25,6 +28,8 @@ def apply(gparams: GParams, plan: Plan, *, check: bool = False) -> dict[str, Ten
         gparams: From `gb.init(plan, ...)` (or trained from it).
         plan: The plan that made `gparams`.
         check: Also reject NaN or inf in `gparams` (reads values: not for compiled code).
+        backend: `"torch"`, `"triton"` (fused kernels, `gbfunc.kernels`; through Triton's
+            interpreter on CPU) or `"auto"`: Triton for CUDA tensors, torch otherwise.
 
     Returns:
         `{name: tensor}` for every parameter, ready for
@@ -39,11 +44,17 @@ def apply(gparams: GParams, plan: Plan, *, check: bool = False) -> dict[str, Ten
     """
     check_gparams(gparams, plan, "gb.apply", values=check)
     stacks = gparams["stacks"]
-    tiles = [evaluate_stack(stack, stacks[stack.key]) for stack in plan.stacks]
+    if use_triton(backend, plan, stacks):
+        generated = fused_weights(plan, [stack_inputs(s, stacks[s.key]) for s in plan.stacks])
+    else:
+        tiles = [evaluate_stack(s, stacks[s.key]) for s in plan.stacks]
+        generated = {
+            p.name: assemble(p, plan.stacks[p.stack], tiles[p.stack]) for p in plan.generated
+        }
     out: dict[str, Tensor] = {}
     for p in plan.params:
         if isinstance(p, Generated):
-            out[p.name] = assemble(p, plan.stacks[p.stack], tiles[p.stack])
+            out[p.name] = generated[p.name]
         else:
             out[p.name] = gparams["free" if p.trainable else "frozen"][p.name]
     return out
@@ -56,6 +67,17 @@ def evaluate_stack(stack: Stack, leaves: dict[str, Tensor], *, recompute: bool =
         stack: The stack's description.
         leaves: Its parameters, `gparams["stacks"][stack.key]`.
         recompute: Use the recomputing backward (`tile_mlp`); False runs plain autograd.
+    """
+    fn = tile_mlp if recompute else reference
+    y = fn(*stack_inputs(stack, leaves), stack.genome.activation)  # (T, TH, Q, P)
+    return y.reshape(y.shape[0], y.shape[1], -1)
+
+
+def stack_inputs(stack: Stack, leaves: dict[str, Tensor]) -> tuple[Tensor | None, ...]:
+    """Per-tile g-net terms `(a, b, c, w_hidden, b_hidden, w_out, b_out)` of a stack.
+
+    `a` `(T, TH, H)` and `b` `(T, Q, H)` are the row and column parts of the separable first
+    layer, `c` `(T, H)` its bias (plus the tile embedding when g-nets are shared).
     """
     w_in = leaves["w_in"]
     row, col = _codes(stack, w_in.dtype, w_in.device)
@@ -72,9 +94,7 @@ def evaluate_stack(stack: Stack, leaves: dict[str, Tensor], *, recompute: bool =
         a, b, w_out, b_out = a[index], b[index], w_out[index], b_out[index]
         if w_hidden is not None:
             w_hidden, b_hidden = w_hidden[index], b_hidden[index]
-    fn = tile_mlp if recompute else reference
-    y = fn(a, b, c, w_hidden, b_hidden, w_out, b_out, stack.genome.activation)  # (T, TH, Q, P)
-    return y.reshape(y.shape[0], y.shape[1], -1)
+    return a, b, c, w_hidden, b_hidden, w_out, b_out
 
 
 def assemble(p: Generated, stack: Stack, tiles: Tensor) -> Tensor:

@@ -1,0 +1,261 @@
+"""Microbenchmark of weight generation per stack size: how close each path gets to the roofline.
+
+One stack of default g-nets (tile 64 x 64, 32 hidden ReLU units) generates an `nn.Linear`
+weight. On the CPU it times the torch path eagerly and `torch.compile`d, forward and
+forward+backward, beside a naive baseline (vmapped per-tile MLPs with batched matmuls that
+materialise `(T, TH*TW, H)`). Each row prints weights/s, bytes saved for backward per weight
+(`torch.autograd.graph.saved_tensors_hooks`) and the fraction of this machine's roofline,
+
+    roofline time = max(flops / sgemm FLOP/s, bytes written / write bandwidth),
+
+with both peaks measured by this script in the same run. With CUDA it also times the Triton
+kernels (`triton.testing.do_bench`) in TFLOP/s and GB/s against peaks measured the same way
+on the GPU.
+
+    python benchmarks/bench_generation.py                 # CPU, one thread: ~1 minute
+    python benchmarks/bench_generation.py --threads 2 --sizes 512 2048 --hidden 64 --depth 2
+"""
+
+import argparse
+import importlib.util
+import time
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+from torch.func import vmap
+
+import gbfunc as gb
+from gbfunc._apply import assemble, stack_inputs
+from gbfunc._genome import stack_codes
+from gbfunc._tilemlp import activate
+
+
+def best_times(fns: dict[str, Callable[[], object]], budget: float) -> dict[str, float]:
+    """Best wall time of each function, timed in rounds (one run of each per round).
+
+    Two warm-up runs each (compilation), then rounds for about `budget` seconds per function.
+    The best run, not the median, and round-robin: on a shared machine the other runs time
+    the neighbours, and a burst of their load hits every path alike.
+    """
+    for fn in fns.values():
+        fn()
+        fn()
+    best = dict.fromkeys(fns, float("inf"))
+    start, rounds = time.perf_counter(), 0
+    while rounds < 3 or (time.perf_counter() - start < budget * len(fns) and rounds < 30):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t)
+        rounds += 1
+    return best
+
+
+def cpu_peaks() -> tuple[float, float]:
+    """Measured sgemm FLOP/s (1024^3 fp32 matmul) and write bandwidth (fill of 256 MiB), B/s."""
+    x, y = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    buffer = torch.empty(64 * 2**20)
+    t = best_times({"mm": lambda: torch.mm(x, y), "fill": lambda: buffer.fill_(1.0)}, budget=1.0)
+    return 2 * 1024**3 / t["mm"], buffer.nbytes / t["fill"]
+
+
+def forward_flops(stack: gb.Stack) -> float:
+    """FLOPs of one forward: the two small first-layer matmuls per tile, then per position
+    the separable sum (2H), activation (H), hidden layers (2H^2 each) and output (2HP)."""
+    t, (th, _), h, p = stack.num_tiles, stack.tile, stack.genome.hidden, stack.outputs
+    positions = t * th * stack.columns
+    first = 2 * t * h * (th * stack.row_width + stack.columns * stack.col_width)
+    per_position = 3 * h + 2 * h * h * (stack.genome.depth - 1) + 2 * h * p
+    return first + positions * per_position
+
+
+def saved_bytes(fn: Callable[[], Tensor]) -> int:
+    """Bytes of the distinct storages autograd saves for backward while `fn` runs."""
+    storages: dict[int, int] = {}
+
+    def pack(x: Tensor) -> Tensor:
+        storage = x.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        fn()
+    return sum(storages.values())
+
+
+def naive(plan: gb.Plan, gparams: dict) -> Tensor:
+    """Baseline: one plain MLP per tile over the full code matrix, vmapped (batched matmuls)."""
+    (stack,), (param,) = plan.stacks, plan.generated
+    leaves = gparams["stacks"][stack.key]
+    row, col = stack_codes(
+        stack.tile, stack.kernel, stack.genome, stack.columns, torch.float32, None
+    )
+    codes = torch.cat(
+        [row[:, None].expand(-1, col.shape[0], -1), col[None].expand(row.shape[0], -1, -1)], -1
+    ).flatten(0, 1)  # (TH * Q, R + C)
+    act = stack.genome.activation
+
+    def tile(w_in, b_in, w_hidden, b_hidden, w_out, b_out):
+        h = activate(codes @ w_in + b_in, act)  # (TH * Q, H): materialised for every tile
+        for layer in range(0 if w_hidden is None else w_hidden.shape[0]):
+            h = activate(h @ w_hidden[layer] + b_hidden[layer], act)
+        return h @ w_out + b_out
+
+    args = [leaves.get(n) for n in ("w_in", "b_in", "w_hidden", "b_hidden", "w_out", "b_out")]
+    in_dims = tuple(None if x is None else 0 for x in args)
+    tiles = vmap(tile, in_dims=in_dims)(*args)  # (T, TH * Q, P)
+    return assemble(param, stack, tiles.reshape(stack.num_tiles, stack.tile[0], -1))
+
+
+def gradients(weight: Tensor, leaves: list[Tensor]) -> tuple[Tensor, ...]:
+    return torch.autograd.grad(weight, leaves, torch.ones_like(weight))
+
+
+def run_cpu(args: argparse.Namespace) -> None:
+    # First: without CUDA the kernels need the interpreter, set before torch.compile imports triton.
+    has_triton = importlib.util.find_spec("triton") is not None
+    triton_saved = saved_by_triton(args) if has_triton else None
+    flops_peak, write_peak = cpu_peaks()
+    print(
+        f"CPU ({torch.get_num_threads()} threads): sgemm {flops_peak / 1e9:.1f} GFLOP/s, ", end=""
+    )
+    print(f"write bandwidth {write_peak / 1e9:.1f} GB/s (measured now)")
+    header = f"{'weights':>9} {'pass':<8} {'path':<13} {'ms':>9} {'Mweights/s':>11}"
+    print(header + f" {'saved B/w':>10} {'roofline':>9} {'vs naive':>9}")
+    for size in args.sizes:
+        plan, gparams = setup(size, args, "cpu")
+        leaves = list(gparams["stacks"][plan.stacks[0].key].values())
+        numel = plan.generated[0].numel
+        flops = forward_flops(plan.stacks[0])
+        tiles = plan.stacks[0].num_tiles
+        print(f"-- Linear({size}, {size}): {tiles} tiles, {flops / numel:.0f} FLOPs/weight forward")
+        paths = cpu_paths(plan, gparams)
+        for label, work, written in (
+            ("fwd", 1, numel * 4),
+            ("fwd+bwd", 3, numel * 4 + sum(x.nbytes for x in leaves)),
+        ):
+            times = best_times(
+                {k: timed(fn, label, leaves) for k, fn in paths.items()}, args.budget
+            )
+            for name, fn in paths.items():
+                t = times[name]
+                roofline = max(work * flops / flops_peak, written / write_peak) / t
+                saved = saved_bytes(fn) / numel
+                print(
+                    f"{numel:>9} {label:<8} {name:<13} {t * 1e3:>9.2f} {numel / t / 1e6:>11.1f} "
+                    f"{saved:>10.1f} {roofline:>8.1%} {times['naive vmap'] / t:>8.2f}x"
+                )
+    if triton_saved is not None:
+        print(f"Triton path (interpreted here, untimed): saves {triton_saved:.1f} B/weight", end="")
+        print(" for backward")
+
+
+def saved_by_triton(args: argparse.Namespace) -> float:
+    """Bytes per weight the Triton path saves for backward (interpreted on CPU: not timed)."""
+    plan, gparams = setup(128, args, "cpu")
+    return saved_bytes(lambda: gb.apply(gparams, plan, backend="triton")["weight"]) / 128**2
+
+
+def timed(fn: Callable[[], Tensor], label: str, leaves: list[Tensor]) -> Callable[[], object]:
+    """The forward alone, or the forward and the gradients of every g-net leaf."""
+    return fn if label == "fwd" else lambda: gradients(fn(), leaves)
+
+
+def cpu_paths(plan: gb.Plan, gparams: dict) -> dict[str, Callable[[], Tensor]]:
+    """The generated weight by the torch path (eager, compiled) and by the naive baseline."""
+    compiled = torch.compile(lambda g: gb.apply(g, plan, backend="torch")["weight"], fullgraph=True)
+    return {
+        "torch eager": lambda: gb.apply(gparams, plan, backend="torch")["weight"],
+        "torch compile": lambda: compiled(gparams),
+        "naive vmap": lambda: naive(plan, gparams),
+    }
+
+
+def setup(size: int, args: argparse.Namespace, device: str) -> tuple[gb.Plan, dict]:
+    model = nn.Linear(size, size, device="meta")
+    plan = gb.plan(model, tile=(args.tile, args.tile), hidden=args.hidden, depth=args.depth)
+    return plan, gb.init(plan, seed=0, device=device)
+
+
+def run_gpu(args: argparse.Namespace) -> None:
+    import triton.testing  # only with CUDA
+
+    from gbfunc.kernels.generate import kernel
+
+    def ms(fn: Callable[[], object]) -> float:
+        return triton.testing.do_bench(fn)
+
+    x, y = torch.randn(8192, 8192, device="cuda"), torch.randn(8192, 8192, device="cuda")
+    flops_peak = 2 * 8192**3 / ms(lambda: torch.mm(x, y)) * 1e3
+    buffer = torch.empty(256 * 2**20, device="cuda")
+    write_peak = buffer.nbytes / ms(lambda: buffer.fill_(1.0)) * 1e3
+    name = torch.cuda.get_device_name()
+    print(
+        f"\n{name}: fp32 sgemm {flops_peak / 1e12:.1f} TFLOP/s, write {write_peak / 1e9:.0f} GB/s"
+    )
+    header = f"{'weights':>10} {'pass':<8} {'path':<14} {'ms':>8} {'TFLOP/s':>8} {'GB/s':>7}"
+    print(header + f" {'roofline':>9} {'vs torch':>9}")
+    for size in args.gpu_sizes:
+        plan, gparams = setup(size, args, "cuda")
+        leaves = list(gparams["stacks"][plan.stacks[0].key].values())
+        numel, flops = plan.generated[0].numel, forward_flops(plan.stacks[0])
+        for label, fns in gpu_paths(plan, gparams, kernel.generate).items():
+            work, written = (
+                (1, numel * 4) if label == "fwd" else (3, numel * 4 + sum(x.nbytes for x in leaves))
+            )
+            times = {path: ms(fn) * 1e-3 for path, fn in fns.items()}
+            for path, t in times.items():
+                roofline = max(work * flops / flops_peak, written / write_peak) / t
+                tflops, gbps = work * flops / t / 1e12, written / t / 1e9
+                row = f"{numel:>10} {label:<8} {path:<14} {t * 1e3:>8.3f} {tflops:>8.2f}"
+                print(row + f" {gbps:>7.0f} {roofline:>8.1%} {times['torch'] / t:>8.2f}x")
+
+
+def gpu_paths(plan: gb.Plan, gparams: dict, launch: Callable) -> dict[str, dict[str, Callable]]:
+    """Eager `gb.apply` per backend, forward and forward+backward; also the bare forward launch."""
+    stack, params = plan.stacks[0], plan.generated
+    leaves = gparams["stacks"][stack.key]
+    terms = [None if t is None else t.detach().contiguous() for t in stack_inputs(stack, leaves)]
+
+    def fwd_bwd(backend: str) -> tuple[Tensor, ...]:
+        return gradients(gb.apply(gparams, plan, backend=backend)["weight"], list(leaves.values()))
+
+    return {
+        "fwd": {
+            "triton kernel": lambda: launch(*terms, stack, params),
+            "triton": lambda: gb.apply(gparams, plan, backend="triton")["weight"],
+            "torch": lambda: gb.apply(gparams, plan, backend="torch")["weight"],
+        },
+        "fwd+bwd": {"triton": lambda: fwd_bwd("triton"), "torch": lambda: fwd_bwd("torch")},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--sizes", type=int, nargs="+", default=[256, 1024], help="CPU: Linear(n, n)"
+    )
+    parser.add_argument("--gpu-sizes", type=int, nargs="+", default=[1024, 4096, 8192])
+    parser.add_argument("--tile", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=32)
+    parser.add_argument("--depth", type=int, default=1)
+    parser.add_argument("--budget", type=float, default=1.5, help="seconds of timing per CPU row")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads; on a shared machine, parallel regions wait for descheduled threads",
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    run_cpu(args)
+    if torch.cuda.is_available():
+        run_gpu(args)
+    else:
+        print("\nNo CUDA device: Triton kernels not timed (they run only interpreted here).")
+
+
+if __name__ == "__main__":
+    main()

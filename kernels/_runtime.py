@@ -1,0 +1,78 @@
+"""How the kernels run on this machine: compiled for CUDA, or through Triton's interpreter.
+
+`@triton.jit` reads `TRITON_INTERPRET` when a kernel is defined, so the mode is fixed when
+`gbfunc.kernels` is imported (see its `__init__`). The autotune configs, the device check and
+the backward's parallelism follow from it.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+if INTERPRETED and not isinstance(tl.sum, InterpretedFunction):
+    # Triton's own library (tl.sum, tl.cdiv, ...) was defined compiled-only.
+    raise ImportError(
+        "gbfunc.kernels: the kernels need Triton's interpreter here (no CUDA), but triton was "
+        "imported before TRITON_INTERPRET=1 was set (torch.compile imports it), so Triton's "
+        "library functions cannot be interpreted. Set TRITON_INTERPRET=1 before anything "
+        "imports triton, or import gbfunc.kernels first."
+    )
+
+# The dtypes the kernels load and store; arithmetic is always float32.
+DTYPES = (
+    (torch.float32, torch.float16)
+    if INTERPRETED
+    else (torch.float32, torch.float16, torch.bfloat16)
+)
+
+# A (BLOCK_N, H) block of hidden activations lives in registers: wider g-nets spill.
+MAX_HIDDEN = 256
+MAX_OUTPUTS = 128
+# Elements of one (BLOCK_N, BLOCK_H) float32 block the autotuner may try (64 KiB).
+REGISTER_BLOCK = 16384
+
+
+def configs(blocks: tuple[int, ...], warps: tuple[int, ...]) -> list[triton.Config]:
+    """Autotune configs over positions per block and warps; one under the interpreter.
+
+    Multi-config autotune needs a GPU to time the candidates.
+    """
+    if INTERPRETED:
+        return [triton.Config({"BLOCK_N": 32})]
+    return [triton.Config({"BLOCK_N": n}, num_warps=w) for n in blocks for w in warps]
+
+
+def fit_registers(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """Autotune pruning: drop blocks whose `(BLOCK_N, BLOCK_H)` activations would spill.
+
+    Keeps the smallest block when nothing fits, so the tuner always has a candidate.
+    """
+    fits = [c for c in configs if c.kwargs["BLOCK_N"] * kwargs["BLOCK_H"] <= REGISTER_BLOCK]
+    smallest = min(c.kwargs["BLOCK_N"] for c in configs)
+    return fits or [c for c in configs if c.kwargs["BLOCK_N"] == smallest]
+
+
+def target_programs(device: torch.device) -> int:
+    """Programs worth launching at once: enough to fill every SM a few times over.
+
+    Under the interpreter programs run one after another; a small target still exercises
+    the split reductions of the backward on tiny test stacks.
+    """
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """`tl.dot` input precision: IEEE fp32 when torch itself would use it, else TF32.
+
+    Follows `torch.get_float32_matmul_precision()`, so the kernels round like the torch path.
+    Half-precision inputs carry fewer mantissa bits than TF32, so TF32 loses nothing there.
+    """
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"

@@ -1,0 +1,150 @@
+"""`gb.apply(..., backend=...)`: the fused Triton path equals the torch path, under grad and vmap.
+
+On CPU the Triton backend runs through Triton's interpreter, so the model stays tiny.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+from torch.utils._pytree import tree_map
+
+import gbfunc as gb
+
+requires_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (compiled Triton kernels)"
+)
+
+
+def tiny_net() -> nn.Module:
+    # A conv (kernel folded into the codes or the outputs), a ragged linear, free biases.
+    return nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Flatten(0), nn.Linear(12, 5))
+
+
+INPUT = torch.randn(2, 4, 4, generator=torch.Generator().manual_seed(0))
+
+
+@st.composite
+def genomes(draw) -> dict:
+    return {
+        "tile": (draw(st.sampled_from([2, 3, 4])), draw(st.sampled_from([2, 3, 5]))),
+        "hidden": draw(st.sampled_from([2, 5, 8])),
+        "depth": draw(st.integers(1, 3)),
+        "activation": draw(st.sampled_from(["relu", "gelu", "tanh", "silu"])),
+        "kernel": draw(st.sampled_from(["code", "output"])),
+        "outputs": draw(st.sampled_from([1, 2])),
+        "share": draw(st.booleans()),
+    }
+
+
+def loss(gparams: dict, plan: gb.Plan, model: nn.Module, backend: str, x: Tensor = INPUT) -> Tensor:
+    out = functional_call(model, gb.apply(gparams, plan, backend=backend), (x,))
+    return out.square().mean()
+
+
+def node_names(t: Tensor) -> set[str]:
+    """Names of every autograd node behind `t`."""
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node.name() not in seen:
+            seen.add(node.name())
+            todo.extend(n for n, _ in node.next_functions)
+    return seen
+
+
+def assert_trees_close(got: dict, want: dict, what: str) -> None:
+    """Nested dicts of tensors: same paths, close values."""
+    flat_got, flat_want = {}, {}
+    for tree, flat in ((got, flat_got), (want, flat_want)):
+        stack = [((), tree)]
+        while stack:
+            path, node = stack.pop()
+            if isinstance(node, dict):
+                stack.extend(((*path, k), v) for k, v in node.items())
+            else:
+                flat[path] = node
+    assert flat_got.keys() == flat_want.keys(), what
+    for path, x in flat_got.items():
+        torch.testing.assert_close(
+            x, flat_want[path], rtol=1e-5, atol=2e-6, msg=lambda m, p=path: f"{what}{list(p)}: {m}"
+        )
+
+
+@settings(max_examples=8)
+@given(genomes(), st.integers(0, 2**16))
+def test_triton_backend_equals_torch_backend_under_grad(genome, seed):
+    model = tiny_net()
+    plan = gb.plan(model, **genome)
+    gparams = gb.init(plan, seed=seed)
+    assert_trees_close(
+        gb.apply(gparams, plan, backend="triton"),
+        gb.apply(gparams, plan, backend="torch"),
+        "weights",
+    )
+    got = grad(loss)(gparams, plan, model, "triton")
+    want = grad(loss)(gparams, plan, model, "torch")
+    assert_trees_close(got, want, "grad gparams")
+
+
+def test_vmap_over_genomes_equals_loop_and_torch():
+    model = tiny_net()
+    plan = gb.plan(model, tile=(2, 3), depth=2, activation="tanh")
+    population = [gb.init(plan, seed=s) for s in range(3)]
+    stacked = tree_map(lambda *xs: torch.stack(xs), *population)
+    fused = vmap(lambda g: gb.apply(g, plan, backend="triton"))(stacked)
+    for k, gparams in enumerate(population):
+        one = gb.apply(gparams, plan, backend="triton")
+        for name, weight in one.items():
+            torch.testing.assert_close(fused[name][k], weight, rtol=0, atol=0)
+    grads = vmap(grad(loss), in_dims=(0, None, None, None))(stacked, plan, model, "triton")
+    want = vmap(grad(loss), in_dims=(0, None, None, None))(stacked, plan, model, "torch")
+    assert_trees_close(grads, want, "vmap grad")
+
+
+def test_backend_auto_is_torch_on_cpu_and_triton_is_the_fused_op():
+    model = tiny_net()
+    plan = gb.plan(model, tile=(4, 4))
+    gparams = gb.init(plan)
+    assert "_GenerateBackward" not in node_names(gb.apply(gparams, plan)["0.weight"])
+    assert "_GenerateBackward" in node_names(gb.apply(gparams, plan, backend="triton")["0.weight"])
+
+
+class TestBadInput:
+    model = tiny_net()
+    plan = gb.plan(model, tile=(4, 4))
+
+    def test_unknown_backend(self):
+        with pytest.raises(
+            ValueError, match=r"backend must be one of \('auto', 'torch', 'triton'\), got 'cuda'"
+        ):
+            gb.apply(gb.init(self.plan), self.plan, backend="cuda")
+
+    def test_dtype_the_kernels_lack(self):
+        gparams = gb.init(self.plan, dtype=torch.float64)
+        with pytest.raises(
+            TypeError, match=r"has dtype torch.float64; backend='triton' takes float32, float16"
+        ):
+            gb.apply(gparams, self.plan, backend="triton")
+
+    @pytest.mark.slow
+    def test_triton_on_cpu_cannot_be_compiled(self):
+        gparams = gb.init(self.plan)
+        compiled = torch.compile(lambda g: gb.apply(g, self.plan, backend="triton"), fullgraph=True)
+        with pytest.raises(Exception, match=r"backend='triton' on CPU runs Triton's interpreter"):
+            compiled(gparams)
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_auto_picks_triton_and_compiles_fullgraph():
+    model = tiny_net().cuda()
+    plan = gb.plan(model, tile=(4, 4), depth=2)
+    gparams = gb.init(plan, device="cuda")
+    assert "_GenerateBackward" in node_names(gb.apply(gparams, plan)["0.weight"])
+    x = INPUT.cuda()
+    eager = grad(loss)(gparams, plan, model, "auto", x)
+    compiled = torch.compile(grad(loss), fullgraph=True)(gparams, plan, model, "triton", x)
+    assert_trees_close(compiled, eager, "compiled grad")
+    assert_trees_close(eager, grad(loss)(gparams, plan, model, "torch", x), "triton vs torch")

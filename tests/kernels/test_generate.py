@@ -1,0 +1,423 @@
+"""The fused g-net kernels against their references: outputs, every gradient, vmap, errors.
+
+Off the GPU the kernels run through Triton's interpreter (tests/conftest.py), so shapes stay
+tiny. References run in float64; the kernels in the dtype under test, compared through a
+per-dtype tolerance table whose absolute part grows with the length of the reduction.
+"""
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+import triton
+from hypothesis import given, settings, strategies as st
+from torch import Tensor, nn
+from torch.func import grad, vmap
+
+import gbfunc as gb
+from gbfunc import kernels
+from gbfunc._apply import assemble, stack_inputs
+from gbfunc.kernels import _placement, _runtime
+from gbfunc.kernels.generate import kernel as forward_kernel, reference as forward_reference
+from gbfunc.kernels.generate_backward import (
+    kernel as backward_kernel,
+    reference as backward_reference,
+)
+
+NAMES = ("a", "b", "c", "w_hidden", "b_hidden", "w_out", "b_out")
+GRAD_NAMES = tuple(f"grad_{n}" for n in NAMES)
+
+# (rtol, atol per sqrt(reduction length)), relative to the largest expected magnitude.
+TOLERANCE = {
+    torch.float32: (1e-5, 2e-6),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+
+requires_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (compiled Triton kernels)"
+)
+
+
+class ColumnSplit(nn.Module):
+    """Three matrices side by side on columns (like GPT-2's fused `c_attn`), tiled separately."""
+
+    def __init__(self, rows: int, cols: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, 3 * cols))
+
+
+gb.register_rule(ColumnSplit, lambda m: {"weight": gb.Layout(0.02, splits=3, split_dim=1)})
+
+
+@dataclass(frozen=True)
+class Case:
+    """A tiny p-net layer and g-net genome; `stack` is the first stack of its plan."""
+
+    layer: str
+    size: tuple[int, int]
+    window: int
+    tile: tuple[int, int]
+    hidden: int
+    depth: int
+    activation: str
+    outputs: int
+    kernel: str
+    seed: int
+
+    def model(self) -> nn.Module:
+        out, inp = self.size
+        if self.layer == "linear":
+            return nn.Linear(inp, out)
+        if self.layer == "pair":  # two parameters in one stack
+            return nn.Sequential(nn.Linear(inp, out), nn.Linear(inp, out))
+        if self.layer == "conv1d":
+            return nn.Conv1d(inp, out, self.window)
+        if self.layer == "conv2d":
+            return nn.Conv2d(inp, out, (self.window, 2))
+        if self.layer == "attention":  # in_proj split in three row blocks
+            return nn.MultiheadAttention(out, 1)
+        return ColumnSplit(out, inp)
+
+    def plan(self) -> gb.Plan:
+        opts = {"hidden": self.hidden, "depth": self.depth, "activation": self.activation}
+        return gb.plan(
+            self.model(), tile=self.tile, outputs=self.outputs, kernel=self.kernel, **opts
+        )
+
+    def stack(self) -> tuple[gb.Stack, tuple[gb.Generated, ...], gb.Plan]:
+        plan = self.plan()
+        return plan.stacks[0], tuple(p for p in plan.generated if p.stack == 0), plan
+
+    def terms(self, dtype: torch.dtype, genomes: int = 0) -> dict[str, Tensor | None]:
+        """The first stack's g-net terms from perturbed `gb.init` leaves (biases made nonzero)."""
+        stack, _, plan = self.stack()
+        gen = torch.Generator().manual_seed(self.seed)
+        leaves = gb.init(plan, seed=self.seed, dtype=torch.float64)["stacks"][stack.key]
+
+        def draw() -> dict[str, Tensor | None]:
+            noisy = {
+                k: v.detach() + 0.2 * torch.randn(v.shape, generator=gen, dtype=v.dtype)
+                for k, v in leaves.items()
+            }
+            return dict(zip(NAMES, stack_inputs(stack, noisy), strict=True))
+
+        draws = [draw() for _ in range(max(genomes, 1))]
+        stacked = {
+            n: None if draws[0][n] is None else torch.stack([d[n] for d in draws]) for n in NAMES
+        }
+        return {
+            n: None if x is None else (x if genomes else x[0]).to(dtype).contiguous()
+            for n, x in stacked.items()
+        }
+
+
+@st.composite
+def cases(draw) -> Case:
+    """A layer covered by a 1-3 x 1-3 grid of tiles, ragged at its far edges."""
+    layer = draw(st.sampled_from(["linear", "pair", "conv1d", "conv2d", "attention", "columns"]))
+    conv = layer.startswith("conv")
+    tile = (draw(st.sampled_from([1, 2, 3, 4, 8])), draw(st.sampled_from([1, 2, 3, 4, 5])))
+    rows, cols = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    size = (
+        draw(st.integers((rows - 1) * tile[0] + 1, rows * tile[0])),
+        draw(st.integers((cols - 1) * tile[1] + 1, cols * tile[1])),
+    )
+    if layer == "attention":  # (3E, E) in three blocks, plus out_proj: keep E small
+        size = (min(size[0], 6), size[1])
+    return Case(
+        layer=layer,
+        size=size,
+        window=draw(st.integers(1, 3)),
+        tile=tile,
+        hidden=draw(st.sampled_from([1, 3, 8, 17])),
+        depth=draw(st.integers(1, 3)),
+        activation=draw(st.sampled_from(["relu", "gelu", "tanh", "silu"])),
+        outputs=1 if conv else draw(st.sampled_from([1, 1, 2, 3])),
+        kernel=draw(st.sampled_from(["code", "output"])) if conv else "code",
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def assert_close(actual: Tensor | None, expected: Tensor | None, reduction: int, name: str) -> None:
+    """Compare with the dtype's tolerance; `reduction`: length of the longest sum behind a value."""
+    assert (actual is None) == (expected is None), name
+    if actual is None:
+        return
+    rtol, atol = TOLERANCE[actual.dtype]
+    scale = max(1.0, expected.abs().max().item()) if expected.numel() else 1.0
+    torch.testing.assert_close(
+        actual.double(),
+        expected.double(),
+        rtol=rtol,
+        atol=atol * math.sqrt(reduction) * scale,
+        msg=lambda m: f"{name}: {m}",
+    )
+
+
+def reductions(stack: gb.Stack) -> tuple[int, int]:
+    """Longest sums behind an output (hidden units, layers) and a gradient (positions too)."""
+    forward = stack.genome.hidden * stack.genome.depth
+    return forward, forward * stack.tile[0] * stack.columns * max(1, stack.outputs)
+
+
+def as64(terms: dict[str, Tensor | None]) -> dict[str, Tensor | None]:
+    return {n: None if x is None else x.double() for n, x in terms.items()}
+
+
+def split(terms: dict[str, Tensor | None]) -> tuple[dict[str, Tensor], dict[str, None]]:
+    """Tensors to differentiate, and the `None` hidden layers of a one-layer g-net, apart."""
+    return {n: x for n, x in terms.items() if x is not None}, {
+        n: None for n, x in terms.items() if x is None
+    }
+
+
+@given(cases())
+def test_forward_kernel_matches_reference(case):
+    stack, params, _ = case.stack()
+    terms = case.terms(torch.float32)
+    out = forward_kernel.generate(**terms, stack=stack, params=params)
+    expected = forward_reference.generate(**as64(terms), stack=stack, params=params)
+    assert out.shape == (sum(p.numel for p in params),)
+    assert_close(out, expected, reductions(stack)[0], "out")
+
+
+@given(cases())
+def test_backward_kernel_matches_reference(case):
+    stack, params, _ = case.stack()
+    terms = case.terms(torch.float32)
+    del terms["b_out"]
+    cotangent = torch.randn(
+        sum(p.numel for p in params), generator=torch.Generator().manual_seed(case.seed)
+    )
+    grads = backward_kernel.generate_backward(cotangent, **terms, stack=stack, params=params)
+    expected = backward_reference.generate_backward(
+        cotangent.double(), **as64(terms), stack=stack, params=params
+    )
+    for name, g, e in zip(GRAD_NAMES, grads, expected, strict=True):
+        assert_close(g, e, reductions(stack)[1], name)
+
+
+@given(cases())
+def test_grad_of_op_matches_grad_of_reference(case):
+    stack, params, _ = case.stack()
+    terms = case.terms(torch.float32)
+    cotangent = torch.randn(
+        sum(p.numel for p in params), generator=torch.Generator().manual_seed(case.seed)
+    )
+    tensors, absent = split(terms)
+
+    def loss(fn, cot):
+        return lambda t: (fn(**t, **absent, stack=stack, params=params) * cot).sum()
+
+    got = grad(loss(kernels.generate, cotangent))(tensors)
+    expected = grad(loss(forward_reference.generate, cotangent.double()))(as64(tensors))
+    assert set(got) == set(tensors)
+    for name in tensors:
+        assert_close(got[name], expected[name], reductions(stack)[1], f"grad_{name}")
+
+
+@settings(max_examples=6)
+@given(cases(), st.integers(2, 3))
+def test_vmap_over_genomes_is_a_loop(case, genomes):
+    stack, params, _ = case.stack()
+    terms, absent = split(case.terms(torch.float32, genomes))
+    terms["c"] = terms["c"][0]  # one input left unbatched: vmap broadcasts it
+    in_dims = {n: None if n == "c" else 0 for n in terms}
+    cotangent = torch.randn(genomes, sum(p.numel for p in params))
+
+    def op(t):
+        return kernels.generate(**t, **absent, stack=stack, params=params)
+
+    def loss(t, cot):
+        return (op(t) * cot).sum()
+
+    out = vmap(op, in_dims=(in_dims,))(terms)
+    grads = vmap(grad(loss), in_dims=(in_dims, 0))(terms, cotangent)
+    for k in range(genomes):
+        one = {n: x if in_dims[n] is None else x[k] for n, x in terms.items()}
+        torch.testing.assert_close(out[k], op(one), rtol=0, atol=0)
+        loop = grad(loss)(one, cotangent[k])
+        for name in terms:
+            torch.testing.assert_close(grads[name][k], loop[name], rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_nested_vmap_and_second_order():
+    case = Case("attention", (4, 4), 1, (3, 2), 5, 2, "gelu", 1, "code", 7)
+    stack, params, _ = case.stack()
+    terms = case.terms(torch.float32, genomes=2)
+    nested = vmap(vmap(lambda t: kernels.generate(**t, stack=stack, params=params)))
+    twice = {
+        n: None if x is None else torch.stack([x, 2 * x]) for n, x in terms.items()
+    }  # (2, 2, ...)
+    expected = forward_reference.generate(**as64(twice), stack=stack, params=params)
+    assert_close(nested(twice), expected, reductions(stack)[0], "nested vmap")
+
+    one = {n: x[0] for n, x in terms.items()}  # depth 2: every term is a tensor
+
+    def second(fn, t):
+        def loss(u):
+            return (fn(**u, stack=stack, params=params) ** 2).sum()
+
+        return sum((g**2).sum() for g in grad(loss)(t).values())
+
+    got = grad(lambda t: second(kernels.generate, t))(one)
+    want = grad(lambda t: second(forward_reference.generate, t))(as64(one))
+    for name in NAMES:
+        assert_close(got[name], want[name], 10 * reductions(stack)[1], f"second-order {name}")
+
+
+def test_half_precision_through_the_interpreter():
+    case = Case("conv2d", (3, 5), 3, (4, 2), 8, 2, "silu", 1, "output", 3)
+    stack, params, _ = case.stack()
+    terms = case.terms(torch.float16)
+    out = kernels.generate(**terms, stack=stack, params=params)
+    assert out.dtype == torch.float16
+    assert_close(
+        out, forward_reference.generate(**as64(terms), stack=stack, params=params), 16, "fp16 out"
+    )
+    grads = grad(lambda t: kernels.generate(**t, stack=stack, params=params).float().sum())(terms)
+    expected = grad(lambda t: forward_reference.generate(**t, stack=stack, params=params).sum())(
+        as64(terms)
+    )
+    for name in NAMES:  # depth 2: every term is a tensor
+        assert_close(grads[name], expected[name], reductions(stack)[1], f"fp16 grad_{name}")
+
+
+@settings(max_examples=30)
+@given(cases())
+def test_placement_is_assemble(case):
+    # Tiles holding their own position index, assembled by gbfunc, must land where the table says.
+    stack, params, _ = case.stack()
+    places, scales, numel = _placement.placement(stack, params)
+    th, width = stack.tile[0], stack.columns * stack.outputs
+    tiles = torch.arange(stack.num_tiles * th * width, dtype=torch.float64).reshape(
+        stack.num_tiles, th, width
+    )
+    flat = torch.cat([(assemble(p, stack, tiles) / p.scale).reshape(-1) for p in params])
+    expected = torch.full((numel,), -1.0, dtype=torch.float64)
+    for t, ((base, ld, rows, cols), scale) in enumerate(zip(places, scales, strict=True)):
+        assert scale == next(
+            p.scale
+            for p in params
+            if any(b.first_tile <= t < b.first_tile + b.num_tiles for b in p.blocks)
+        )
+        i, j = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
+        expected[base + i * ld + j] = tiles[t, i, j]
+    torch.testing.assert_close(flat.round(), expected, rtol=0, atol=0)
+
+
+def test_autotune_pruning_keeps_register_sized_blocks():
+    configs = [triton.Config({"BLOCK_N": n}) for n in (32, 64, 128, 256)]
+    kept = _runtime.fit_registers(configs, {}, BLOCK_H=128)
+    assert [c.kwargs["BLOCK_N"] for c in kept] == [32, 64, 128]
+    assert [c.kwargs["BLOCK_N"] for c in _runtime.fit_registers(configs, {}, BLOCK_H=4096)] == [32]
+
+
+class TestErrors:
+    case = Case("linear", (5, 6), 1, (4, 4), 4, 2, "relu", 1, "code", 0)
+
+    def call(self, **changes):
+        stack, params, _ = self.case.stack()
+        terms = {**self.case.terms(torch.float32), **changes}
+        return forward_kernel.generate(**terms, stack=stack, params=params)
+
+    def test_dtype_mismatch_names_the_argument(self):
+        with pytest.raises(
+            TypeError, match=r"w_out has dtype torch.float64; expected torch.float32, like a"
+        ):
+            self.call(w_out=self.case.terms(torch.float64)["w_out"])
+
+    def test_unsupported_dtype(self):
+        with pytest.raises(TypeError, match=r"a has dtype torch.float64; the kernels take float32"):
+            self.call(**self.case.terms(torch.float64))
+
+    def test_device_mismatch_names_the_argument(self):
+        with pytest.raises(ValueError, match=r"b_hidden is on meta; expected cpu, like a"):
+            self.call(b_hidden=self.case.terms(torch.float32)["b_hidden"].to("meta"))
+
+    def test_non_contiguous_is_rejected_by_the_launcher_and_copied_by_the_op(self):
+        stack, params, _ = self.case.stack()
+        terms = self.case.terms(torch.float32)
+        strided = {**terms, "b": terms["b"].transpose(-1, -2).contiguous().transpose(-1, -2)}
+        with pytest.raises(ValueError, match=r"kernels.generate: b is not contiguous"):
+            forward_kernel.generate(**strided, stack=stack, params=params)
+        torch.testing.assert_close(
+            kernels.generate(**strided, stack=stack, params=params),
+            kernels.generate(**terms, stack=stack, params=params),
+        )
+
+    def test_shape_from_another_stack(self):
+        with pytest.raises(
+            ValueError, match=r"a has shape \(2, 4, 4\); expected \(4, 4, 4\) for stack 's0_4x4'"
+        ):
+            self.call(a=torch.zeros(2, 4, 4))
+
+    def test_missing_hidden_layers(self):
+        with pytest.raises(
+            ValueError, match=r"w_hidden must be a Tensor of shape \(4, 1, 4, 4\) for depth 2"
+        ):
+            self.call(w_hidden=None)
+
+    def test_hidden_too_wide_for_the_kernel(self):
+        wide = Case("linear", (2, 2), 1, (2, 2), 300, 1, "relu", 1, "code", 0)
+        stack, params, _ = wide.stack()
+        with pytest.raises(
+            ValueError, match=r"genome.hidden=300; .* at most 256\. Use backend='torch'"
+        ):
+            forward_kernel.generate(**wide.terms(torch.float32), stack=stack, params=params)
+
+    def test_params_of_another_stack(self):
+        stack, _, _ = self.case.stack()
+        with pytest.raises(ValueError, match=r"params \[\] do not tile stack 's0_4x4' \(4 tiles\)"):
+            forward_kernel.generate(**self.case.terms(torch.float32), stack=stack, params=())
+
+    def test_not_a_stack(self):
+        _, params, _ = self.case.stack()
+        with pytest.raises(TypeError, match=r"stack must be a gb.Stack"):
+            backward_kernel.generate_backward(
+                torch.zeros(30), **{n: None for n in NAMES[:-1]}, stack="s0", params=params
+            )
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_dtypes_match_reference(dtype):
+    case = Case("conv2d", (24, 40), 3, (16, 8), 32, 2, "gelu", 1, "code", 0)
+    stack, params, _ = case.stack()
+    terms = {n: None if x is None else x.cuda() for n, x in case.terms(dtype).items()}
+    out = kernels.generate(**terms, stack=stack, params=params)
+    assert_close(
+        out, forward_reference.generate(**as64(terms), stack=stack, params=params), 64, "out"
+    )
+    expected = grad(lambda t: forward_reference.generate(**t, stack=stack, params=params).sum())(
+        as64(terms)
+    )
+    grads = grad(lambda t: kernels.generate(**t, stack=stack, params=params).float().sum())(terms)
+    for name in NAMES:
+        assert_close(grads[name], expected[name], reductions(stack)[1], f"grad_{name}")
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_autotune_sweep_picks_a_config_per_shape():
+    # Several tile shapes, each tuned over every config, every result still matching the reference.
+    for tile, hidden, depth, outputs in [
+        ((64, 64), 32, 1, 1),
+        ((32, 64), 64, 2, 1),
+        ((16, 48), 16, 3, 4),
+    ]:
+        case = Case("linear", (200, 300), 1, tile, hidden, depth, "relu", outputs, "code", 0)
+        stack, params, _ = case.stack()
+        terms = {n: None if x is None else x.cuda() for n, x in case.terms(torch.float32).items()}
+        out = kernels.generate(**terms, stack=stack, params=params)
+        assert_close(
+            out,
+            forward_reference.generate(**as64(terms), stack=stack, params=params),
+            256,
+            str(tile),
+        )
+        assert len(forward_kernel._generate_kernel.configs) > 1
+        assert forward_kernel._generate_kernel.best_config is not None
