@@ -229,3 +229,13 @@ def test_frozen_parameters_stay_free_and_untrained():
     assert set(gparams["frozen"]) == frozen
     assert not any(t.requires_grad for t in gparams["frozen"].values())
     assert math.prod(gparams["frozen"]["1.weight"].shape) == 128
+
+
+def test_pnas_genome_is_one_gnet_per_layer_on_gray_codes():
+    model = nn.Sequential(nn.Linear(100, 60), nn.Linear(60, 10))
+    plan = gb.plan(model, tile="full", encoding="gray")
+    tiles = {p.name: (plan.stacks[p.stack].tile, p.blocks[0].grid) for p in plan.generated}
+    assert tiles == {"0.weight": ((60, 100), (1, 1)), "1.weight": ((10, 60), (1, 1))}
+    rep = gb.report(plan)
+    # 60 rows -> 6 bits, 100 columns -> 7 bits; 10 rows -> 4 bits, 60 columns -> 6 bits.
+    assert rep.gnet_params == per_tile_params(6, 7) + per_tile_params(4, 6)
