@@ -4,6 +4,7 @@ import functools
 import math
 
 import torch
+from einops import rearrange
 from torch import Tensor
 
 from ._backend import fused_weights, use_triton
@@ -99,15 +100,14 @@ def stack_inputs(stack: Stack, leaves: dict[str, Tensor]) -> tuple[Tensor | None
 
 def assemble(p: Generated, stack: Stack, tiles: Tensor) -> Tensor:
     """Lay a parameter's tiles out on its grid, cut to its shape and scale it."""
-    th, tw = stack.tile
+    tw = stack.tile[1]
     taps = math.prod(stack.kernel)
     parts = []
     for block in p.blocks:
         rows, cols = block.grid
-        t = tiles[block.first_tile : block.first_tile + block.num_tiles]
-        t = t.reshape(rows, cols, th, tw, taps).permute(0, 2, 1, 3, 4)
-        t = t.reshape(rows * th, cols * tw, taps)[: block.rows, : block.cols]
-        parts.append(t)
+        t = tiles[block.first_tile : block.first_tile + block.num_tiles]  # (R*C, TH, TW*K)
+        t = rearrange(t, "(r c) th (tw k) -> (r th) (c tw) k", r=rows, c=cols, tw=tw, k=taps)
+        parts.append(t[: block.rows, : block.cols])
     weight = parts[0] if len(parts) == 1 else torch.cat(parts, dim=p.split_dim)
     return weight.reshape(p.shape) * p.scale
 
