@@ -144,13 +144,14 @@ MLP_GENOMES = {
     "default genome, compression=10": {"compression": 10},
     "hidden 8, tile 64": {"tile": (64, 64), "hidden": 8},
     "outputs 16, tile 128": {"tile": (128, 128), "outputs": 16},
+    "hidden 8, outputs 8, tile 64": {"tile": (64, 64), "hidden": 8, "outputs": 8},
     "shared + embeddings, tile 64": {"tile": (64, 64), "share": True, "hidden": 16},
 }
 
 TRANSFORMER_GENOMES = {
     "default genome, compression=20": {"compression": 20},
     "hidden 8, compression=20": {"compression": 20, "hidden": 8},
-}
+}  # plus the main job's own plan (examples/main_job.py)
 
 
 def main() -> None:

@@ -89,12 +89,12 @@ def stack_inputs(stack: Stack, leaves: dict[str, Tensor]) -> tuple[Tensor | None
     w_hidden, b_hidden = leaves.get("w_hidden"), leaves.get("b_hidden")
     w_out, b_out = leaves["w_out"], leaves["b_out"]
     if stack.genome.share:
-        index = _gnet_of_tile(stack, w_in.device)
-        w_embed = leaves["w_embed"][index]  # (T, E, H)
-        c = c[index] + torch.einsum("te,teh->th", leaves["tile_embed"], w_embed)
-        a, b, w_out, b_out = a[index], b[index], w_out[index], b_out[index]
+        counts = stack.tiles_per_gnet
+        w_embed = _per_tile(leaves["w_embed"], counts)  # (T, E, H)
+        c = _per_tile(c, counts) + torch.einsum("te,teh->th", leaves["tile_embed"], w_embed)
+        a, b, w_out, b_out = (_per_tile(x, counts) for x in (a, b, w_out, b_out))
         if w_hidden is not None:
-            w_hidden, b_hidden = w_hidden[index], b_hidden[index]
+            w_hidden, b_hidden = _per_tile(w_hidden, counts), _per_tile(b_hidden, counts)
     return a, b, c, w_hidden, b_hidden, w_out, b_out
 
 
@@ -124,6 +124,10 @@ def _cached_codes(*args) -> tuple[Tensor, Tensor]:
     return stack_codes(*args)
 
 
-def _gnet_of_tile(stack: Stack, device: torch.device) -> Tensor:
-    index = [g for g, n in enumerate(stack.tiles_per_gnet) for _ in range(n)]
-    return torch.tensor(index, device=device)
+def _per_tile(x: Tensor, counts: tuple[int, ...]) -> Tensor:
+    """Repeat each g-net's row of `x` over its (consecutive) tiles: `(G, ...) -> (T, ...)`.
+
+    Built from expands and one cat, so the backward is a sum per g-net; indexing would make
+    it a scatter-add, which inductor's CPU code generation fails on (torch 2.13).
+    """
+    return torch.cat([x[g : g + 1].expand(n, *x.shape[1:]) for g, n in enumerate(counts)])

@@ -133,3 +133,16 @@ def test_compiled_training_step_has_no_graph_breaks_and_matches_eager(compiled_s
 def batch_xy(seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(32, 12, generator=gen), torch.randint(0, 5, (32,), generator=gen)
+
+
+@pytest.mark.slow
+def test_compiled_grad_of_shared_gnets_matches_eager():
+    """Shared g-nets repeat per-g-net rows over tiles; their backward must compile too."""
+    model = nn.Sequential(nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 10))
+    plan = gb.plan(model, tile=(16, 16), share=True, hidden=8)
+    gparams = gb.init(plan, requires_grad=False)
+    x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
+    grad_fn = grad(loss_fn(model, plan))
+    compiled = torch.compile(grad_fn, fullgraph=True)(gparams, x, y)
+    for a, b in zip(tree_leaves(compiled), tree_leaves(grad_fn(gparams, x, y)), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
