@@ -160,6 +160,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    # Every variant compiles the same step function with other closures: one recompile each.
+    torch._dynamo.config.cache_size_limit = 64
     torch.manual_seed(0)
     rounds, inner = (5, 5) if args.quick else (15, 10)
     batch = (torch.randn(128, 784), torch.randint(0, 10, (128,)))

@@ -1,0 +1,1 @@
+"""Examples and the main job; `data` and `models` are shared with the benchmarks."""

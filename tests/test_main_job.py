@@ -1,0 +1,76 @@
+"""Smoke test of the main job (`examples/main_job.py`): tiny models, a few steps, every output."""
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.func import functional_call
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `examples` is a folder at the top of the repo, not installed
+    sys.path.insert(0, str(ROOT))
+
+import gbfunc as gb  # noqa: E402
+from examples.data import CharCorpus, digits_split, pydoc_text  # noqa: E402
+from examples.main_job import CharLMConfig, DigitsConfig, main, run_charlm  # noqa: E402
+from examples.models import CharTransformer, DigitsCNN  # noqa: E402
+
+TINY_CHARLM = CharLMConfig(
+    steps=3, batch=4, context=16, width=32, depth=1, heads=2, eval_every=2, eval_windows=8
+)
+
+
+def _table_totals(out: str) -> list[str]:
+    """The two total lines of every `gb.report` table printed."""
+    return [line for line in out.splitlines() if line.startswith(("generated ", "whole model "))]
+
+
+def test_data_is_real_and_split() -> None:
+    corpus = CharCorpus.from_text(pydoc_text())
+    assert corpus.vocab_size > 80
+    assert len(corpus.val) / (len(corpus.train) + len(corpus.val)) == pytest.approx(0.1, abs=1e-3)
+    assert 3.0 < corpus.unigram_entropy() < 3.5
+    x_train, _, x_val, y_val = digits_split()
+    assert x_train.shape[1:] == (1, 8, 8)
+    assert len(x_train) + len(x_val) == 1797
+    assert set(y_val.tolist()) == set(range(10))
+    assert float(x_train.max()) == 1.0
+
+
+def test_charlm_writes_checkpoint_plot_and_table(tmp_path: Path, capsys) -> None:
+    result = run_charlm(TINY_CHARLM, tmp_path, torch.device("cpu"))
+    out = capsys.readouterr().out
+    assert len(_table_totals(out)) == 2
+    assert "[charlm] validation loss: dense" in out
+    assert result.plot.is_file()
+    assert result.plot.stat().st_size > 10_000
+    assert all(math.isfinite(v) for v in (*result.val_loss.values(), *result.val_acc.values()))
+    # The checkpoint loads for the same model, with the plan and vocabulary it was trained with.
+    corpus = CharCorpus.from_text(pydoc_text())
+    cfg = TINY_CHARLM
+    model = CharTransformer(corpus.vocab_size, cfg.context, cfg.width, cfg.depth, cfg.heads)
+    ckpt = gb.load(result.checkpoint, model)
+    assert ckpt.step == cfg.steps
+    assert ckpt.meta["chars"] == corpus.chars
+    assert ckpt.plan.fingerprint() == gb.plan(model, **cfg.plan).fingerprint()
+
+
+def test_cli_digits(tmp_path: Path, capsys) -> None:
+    (result,) = main(["--task", "digits", "--steps", "3", "--no-compile", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert len(_table_totals(out)) == 2
+    assert "summary" in out
+    assert result.report.generated_compression >= 20
+    assert (tmp_path / "digits_gb.safetensors").is_file()
+    assert (tmp_path / "digits_curves.png").is_file()
+    # The saved g-nets regenerate a model that scores what the run reported.
+    cfg = DigitsConfig()
+    ckpt = gb.load(result.checkpoint, DigitsCNN(cfg.channels, cfg.hidden))
+    _, _, x_val, y_val = digits_split()
+    with torch.no_grad():
+        params = gb.apply(ckpt.gparams, ckpt.plan)
+        logits = functional_call(DigitsCNN(cfg.channels, cfg.hidden), params, (x_val,))
+    accuracy = float((logits.argmax(-1) == y_val).float().mean())
+    assert accuracy == pytest.approx(result.val_acc["gb"])
