@@ -1,0 +1,265 @@
+"""Side-by-side training of a dense model and its gbfunc twin, shared by the examples.
+
+An `Arm` is one side of the comparison: a pytree of tensors (the model's own parameters, or
+gparams), how it becomes the model's parameters (identity, or `gb.apply`), and its AdamW
+optimizer. `train` steps several arms on the same batches and records their curves; `plot`
+draws them.
+"""
+
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call
+from torch.utils._pytree import tree_leaves
+from tqdm import tqdm
+
+import gbfunc as gb
+
+Tree = dict[str, Any]  # a pytree of tensors: a model's parameters, or gparams
+Batches = Iterator[tuple[Tensor, Tensor]]
+BAR_FORMAT = "{desc} {n_fmt}/{total_fmt} |{bar:16}| {elapsed}<{remaining} {rate_fmt}{postfix}"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """A side-by-side run: steps, batch, plan, optimizer, schedule and evaluation cadence.
+
+    Attributes:
+        plan: Keyword arguments of `gb.plan`.
+        lr_dense: Peak learning rate of every directly trained tensor (both arms).
+        lr_gb: Peak learning rate of the g-nets.
+        warmup: Linear warmup steps before the cosine decay.
+        eval_every: Steps between validation points on the curves.
+        compile: `torch.compile` each arm's loss.
+    """
+
+    steps: int
+    batch: int
+    plan: Mapping[str, Any]
+    lr_dense: float = 1e-2
+    lr_gb: float = 2e-2
+    weight_decay: float = 0.0
+    warmup: int = 30
+    eval_every: int = 50
+    compile: bool = False
+    seed: int = 0
+
+
+@dataclass
+class Arm:
+    """One side of the comparison: a pytree, how it becomes the model's parameters, its optimizer.
+
+    Attributes:
+        name: `"dense"` or `"gb"`.
+        tree: What the optimizer trains: the model's parameters, or gparams.
+        to_params: `tree -> {name: tensor}` for `functional_call` (identity, or `gb.apply`).
+        loss: `(tree, x, y) -> scalar loss`, possibly compiled.
+        optimizer: AdamW over the trainable leaves of `tree`.
+        schedule: Warmup then cosine decay of the learning rate.
+    """
+
+    name: str
+    tree: Tree
+    to_params: Callable[[Tree], dict[str, Tensor]]
+    loss: Callable[[Tree, Tensor, Tensor], Tensor]
+    optimizer: torch.optim.Optimizer
+    schedule: torch.optim.lr_scheduler.LRScheduler
+
+    def step(self, x: Tensor, y: Tensor) -> float:
+        """One training step; returns the batch loss before the update."""
+        loss = self.loss(self.tree, x, y)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.schedule.step()
+        return loss.item()
+
+    @torch.no_grad()
+    def params(self) -> dict[str, Tensor]:
+        """The model's parameters now, without autograd history."""
+        return self.to_params(self.tree)
+
+
+@dataclass
+class Curves:
+    """Loss per training step, and validation scores at the evaluation steps, by arm name."""
+
+    train: dict[str, list[float]]
+    val_steps: list[int]
+    val_loss: dict[str, list[float]]
+    val_acc: dict[str, list[float]]
+
+    @classmethod
+    def empty(cls, names: Sequence[str]) -> "Curves":
+        return cls({n: [] for n in names}, [], {n: [] for n in names}, {n: [] for n in names})
+
+
+def make_arm(
+    name: str,
+    model: nn.Module,
+    tree: Tree,
+    to_params: Callable[[Tree], dict[str, Tensor]],
+    lrs: Sequence[tuple[Tree, float]],
+    cfg: TrainConfig,
+) -> Arm:
+    """An `Arm` minimising cross-entropy of `functional_call(model, to_params(tree), (x,))`.
+
+    `lrs` pairs parts of `tree` with their peak learning rates (one AdamW param group each).
+    """
+
+    def loss(tree: Tree, x: Tensor, y: Tensor) -> Tensor:
+        logits = functional_call(model, to_params(tree), (x,))
+        return F.cross_entropy(logits.flatten(0, -2), y.flatten())
+
+    groups = [
+        {"params": [leaf for leaf in tree_leaves(part) if leaf.requires_grad], "lr": lr}
+        for part, lr in lrs
+    ]
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], weight_decay=cfg.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, cfg.warmup, cfg.steps)
+    )
+    return Arm(
+        name, tree, to_params, torch.compile(loss) if cfg.compile else loss, optimizer, schedule
+    )
+
+
+def lr_factor(step: int, warmup: int, steps: int) -> float:
+    """Linear warmup to 1, then cosine decay to 0.1 at the last step."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+
+
+def dense_and_gb(
+    model: nn.Module, plan: gb.Plan, cfg: TrainConfig, device: torch.device
+) -> tuple[Arm, Arm]:
+    """`(dense, gb)`: the model's own initial parameters, and `gb.init(plan)`'s g-nets.
+
+    The g-nets train at `cfg.lr_gb`; every directly trained tensor (all of the dense model,
+    the free parameters of the gbfunc one) at `cfg.lr_dense`.
+    """
+    dense = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+    gparams = gb.init(plan, seed=cfg.seed, device=device)
+    gb_lrs = [(gparams["stacks"], cfg.lr_gb), (gparams["free"], cfg.lr_dense)]
+    return (
+        make_arm("dense", model, dense, lambda t: t, [(dense, cfg.lr_dense)], cfg),
+        make_arm("gb", model, gparams, lambda t: gb.apply(t, plan), gb_lrs, cfg),
+    )
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, params: dict[str, Tensor], x: Tensor, y: Tensor, batch: int
+) -> tuple[float, float]:
+    """Mean cross-entropy and accuracy of `model` with `params` over `(x, y)`, in batches."""
+    total_loss, correct, count = 0.0, 0, 0
+    for lo in range(0, len(x), batch):
+        logits = functional_call(model, params, (x[lo : lo + batch],)).flatten(0, -2)
+        target = y[lo : lo + batch].flatten()
+        total_loss += F.cross_entropy(logits, target, reduction="sum").item()
+        correct += int((logits.argmax(-1) == target).sum())
+        count += target.numel()
+    return total_loss / count, correct / count
+
+
+def train(
+    arms: Sequence[Arm],
+    batches: Batches,
+    validate: Callable[[Arm], tuple[float, float]],
+    cfg: TrainConfig,
+    desc: str,
+) -> Curves:
+    """Step every arm on the same batches, validating every `cfg.eval_every` steps and at the end.
+
+    The progress bar shows each arm's train loss (mean of the last 20 steps) and its last
+    validation loss.
+    """
+    curves = Curves.empty([a.name for a in arms])
+    bar = tqdm(range(1, cfg.steps + 1), desc=desc, dynamic_ncols=True, bar_format=BAR_FORMAT)
+    for step in bar:
+        x, y = next(batches)
+        for arm in arms:
+            curves.train[arm.name].append(arm.step(x, y))
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            curves.val_steps.append(step)
+            for arm in arms:
+                loss, acc = validate(arm)
+                curves.val_loss[arm.name].append(loss)
+                curves.val_acc[arm.name].append(acc)
+        shown = ["train/val"]
+        for arm in arms:
+            recent = curves.train[arm.name][-20:]
+            val = f"{curves.val_loss[arm.name][-1]:.3f}" if curves.val_steps else "-"
+            shown.append(f"{arm.name} {sum(recent) / len(recent):.3f}/{val}")
+        bar.set_postfix_str("  ".join(shown), refresh=False)
+    bar.close()
+    return curves
+
+
+def plot(
+    curves: Curves,
+    path: Path,
+    title: str,
+    *,
+    baseline: tuple[float, str] | None = None,
+    accuracy: bool = False,
+) -> None:
+    """Smoothed train and validation loss of every arm, and a validation accuracy panel.
+
+    Args:
+        curves: From `train`.
+        path: PNG to write.
+        title: Title of the loss panel.
+        baseline: `(loss, label)` drawn as a horizontal line on the loss panel.
+        accuracy: Add the accuracy panel.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    colors = dict(zip(curves.train, ("tab:blue", "tab:orange"), strict=False))
+    panels = 2 if accuracy else 1
+    fig, axes = plt.subplots(1, panels, figsize=(4 + 3.5 * panels, 4.2), squeeze=False)
+    ax = axes[0, 0]
+    for name, losses in curves.train.items():
+        color = colors[name]
+        steps = range(1, len(losses) + 1)
+        ax.plot(steps, _smooth(losses), color=color, alpha=0.45, lw=1, label=f"{name} train")
+        val = curves.val_loss[name]
+        ax.plot(curves.val_steps, val, "o-", color=color, ms=3, lw=1.8, label=f"{name} val")
+    if baseline is not None:
+        ax.axhline(baseline[0], color="gray", ls="--", lw=1, label=baseline[1])
+    ax.set(xlabel="step", ylabel="cross-entropy (nats)", title=title)
+    if accuracy:
+        acc_ax = axes[0, 1]
+        for name, acc in curves.val_acc.items():
+            percent = [100 * a for a in acc]
+            acc_ax.plot(
+                curves.val_steps, percent, "o-", color=colors[name], ms=3, label=f"{name} val"
+            )
+        acc_ax.set(xlabel="step", ylabel="accuracy (%)", title="validation accuracy", ylim=(0, 100))
+    for a in axes.flat:
+        a.grid(alpha=0.3)
+        a.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _smooth(values: list[float], span: int = 20) -> list[float]:
+    """Exponential moving average, so noisy per-batch losses read as a curve."""
+    out, ema, alpha = [], values[0], 2 / (span + 1)
+    for v in values:
+        ema = alpha * v + (1 - alpha) * ema
+        out.append(ema)
+    return out
