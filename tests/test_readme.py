@@ -1,4 +1,8 @@
-"""The README's code blocks run as written (in order, sharing one namespace)."""
+"""The README's code blocks run as written (in order, sharing one namespace).
+
+Blocks fenced as `python` run; the distributed snippets are fenced as `py` because they need
+`torchrun` (their examples/ scripts are tested by tests/test_dist_*.py).
+"""
 
 import re
 from pathlib import Path
