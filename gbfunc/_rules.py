@@ -122,16 +122,22 @@ _NAMED_RULES: dict[str, Rule] = {"transformers.pytorch_utils.Conv1D": _hf_conv1d
 def free_init(module: nn.Module, name: str, shape: tuple[int, ...]) -> tuple[str, float]:
     """How `gb.init` draws a free parameter: `(kind, value)` with kind in zeros/ones/uniform/normal.
 
-    Mirrors the module's own `reset_parameters` for the common layers; other parameters get
-    ones (1-D weights, i.e. scales), zeros (biases, other 1-D) or N(0, 0.02) (matrices).
+    Mirrors the module's own `reset_parameters` for the common layers, also for weights left
+    free by the caller; other parameters get ones (1-D weights, i.e. scales), zeros (biases,
+    other 1-D) or N(0, 0.02) (matrices).
     """
     if isinstance(module, nn.Embedding):
         return ("normal", 1.0)
-    if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear) or _is_named(
-        module, "transformers.pytorch_utils.Conv1D"
-    ):
-        return ("zeros", 0.0)  # MultiheadAttention zeroes out_proj.bias; Conv1D zeroes its bias
-    if isinstance(module, nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d) and name == "bias":
+    if _is_named(module, "transformers.pytorch_utils.Conv1D"):
+        return ("normal", 0.02) if name == "weight" else ("zeros", 0.0)
+    if isinstance(module, nn.MultiheadAttention):
+        if len(shape) == 2:  # xavier_uniform_ over the whole (fused) matrix
+            return ("uniform", math.sqrt(6.0 / (shape[0] + shape[1])))
+        return ("zeros", 0.0)
+    if isinstance(module, nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d):
+        if name == "bias" and isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
+            return ("zeros", 0.0)  # MultiheadAttention zeroes out_proj.bias
+        # kaiming_uniform_(a=sqrt(5)) for the weight and the bias's own rule share this bound.
         return ("uniform", 1.0 / math.sqrt(_fan_in(tuple(module.weight.shape))))
     if len(shape) <= 1:
         return ("ones", 1.0) if name == "weight" else ("zeros", 0.0)

@@ -163,3 +163,20 @@ def test_saved_bytes_per_generated_weight_stay_at_or_under_16():
         ]
     )
     assert plain / gb.report(plan).generated_weights > 100
+
+
+def test_weights_left_free_start_with_their_modules_own_init():
+    model = nn.ModuleDict(
+        {
+            "fc": nn.Linear(300, 50),
+            "conv": nn.Conv2d(16, 8, 3),
+            "attn": nn.MultiheadAttention(64, 4),
+            "generated": nn.Linear(32, 32),
+        }
+    )
+    plan = gb.plan(model, tile=(16, 16), free=["fc.weight", "conv.weight", "attn.*"])
+    free = gb.init(plan, seed=0)["free"]
+    own = dict(model.named_parameters())
+    for name in ("fc.weight", "conv.weight", "attn.in_proj_weight", "attn.out_proj.weight"):
+        assert free[name].std().item() == pytest.approx(own[name].std().item(), rel=0.1), name
+    assert not free["attn.out_proj.bias"].any()
