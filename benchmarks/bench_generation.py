@@ -14,12 +14,17 @@ on the GPU.
 
     python benchmarks/bench_generation.py                 # CPU, one thread: ~1 minute
     python benchmarks/bench_generation.py --threads 2 --sizes 512 2048 --hidden 64 --depth 2
+
+Writes what it prints to `benchmarks/results/bench_generation.md` (`--out`) under the command,
+machine and date.
 """
 
 import argparse
 import importlib.util
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -29,6 +34,9 @@ import gbfunc as gb
 from gbfunc._apply import assemble, stack_inputs
 from gbfunc._genome import stack_codes
 from gbfunc._tilemlp import activate
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks._meta import RESULTS, recorded
 
 
 def best_times(fns: dict[str, Callable[[], object]], budget: float) -> dict[str, float]:
@@ -164,7 +172,11 @@ def timed(fn: Callable[[], Tensor], label: str, leaves: list[Tensor]) -> Callabl
 
 def cpu_paths(plan: gb.Plan, gparams: dict) -> dict[str, Callable[[], Tensor]]:
     """The generated weight by the torch path (eager, compiled) and by the naive baseline."""
-    compiled = torch.compile(lambda g: gb.apply(g, plan, backend="torch")["weight"], fullgraph=True)
+    # dynamic=False: every size compiles the same lambda, and dynamo would otherwise switch the
+    # second size to symbolic shapes, for which inductor emits much slower code.
+    compiled = torch.compile(
+        lambda g: gb.apply(g, plan, backend="torch")["weight"], fullgraph=True, dynamic=False
+    )
     return {
         "torch eager": lambda: gb.apply(gparams, plan, backend="torch")["weight"],
         "torch compile": lambda: compiled(gparams),
@@ -247,14 +259,16 @@ def main() -> None:
         default=1,
         help="CPU threads; on a shared machine, parallel regions wait for descheduled threads",
     )
+    parser.add_argument("--out", type=Path, default=RESULTS / "bench_generation.md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    run_cpu(args)
-    if torch.cuda.is_available():
-        run_gpu(args)
-    else:
-        print("\nNo CUDA device: Triton kernels not timed (they run only interpreted here).")
+    with recorded(args.out, "Weight generation per stack size vs the roofline"):
+        run_cpu(args)
+        if torch.cuda.is_available():
+            run_gpu(args)
+        else:
+            print("\nNo CUDA device: Triton kernels not timed (they run only interpreted here).")
 
 
 if __name__ == "__main__":

@@ -8,12 +8,16 @@ in the same mode, from one run.
 
     python benchmarks/bench_step.py            # MLP 784-512-512-10 and the main job's transformer
     python benchmarks/bench_step.py --quick    # fewer rounds
+
+Writes what it prints to `benchmarks/results/bench_step.md` under the command, machine and date.
 """
 
 import argparse
+import gc
 import statistics
 import sys
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +28,9 @@ from torch.func import functional_call, grad_and_value
 import gbfunc as gb
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks._meta import RESULTS, recorded
+from examples.main_job import CharLMConfig
+from examples.models import CharTransformer
 
 Step = Callable[[], object]
 
@@ -32,6 +39,22 @@ def mlp() -> nn.Module:
     return nn.Sequential(
         nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
     )
+
+
+def compile_step(fn: Callable) -> Callable:
+    """`torch.compile(fn, fullgraph=True, dynamic=False)` on a private copy of `fn`'s code.
+
+    Every variant is built from the same `def`, and one training script compiles one step:
+    - Dynamo keeps compiled graphs on the code object, so with a shared one each call would
+      evaluate the guards of the variants compiled before it; the copy gives each its own.
+    - Dynamo remembers the shapes it saw per function (file, line, name), so the second
+      variant's shapes would make it recompile with symbolic sizes, and inductor's code for
+      symbolic tile shapes ran 3-6x slower. `dynamic=False` keeps every graph static.
+    """
+    private = types.FunctionType(
+        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
+    return torch.compile(private, fullgraph=True, dynamic=False)
 
 
 def dense_steps(model: nn.Module, batch: tuple, loss_of) -> tuple[Step, Step]:
@@ -55,7 +78,7 @@ def dense_steps(model: nn.Module, batch: tuple, loss_of) -> tuple[Step, Step]:
         tree, opt_state = gb.optim.adamw_update(tree, grads, opt_state, lr=1e-3)
         return tree, opt_state, value
 
-    compiled_step = torch.compile(step, fullgraph=True)
+    compiled_step = compile_step(step)
 
     def compiled() -> None:
         state[0], state[1], _ = compiled_step(state[0], state[1], *batch)
@@ -85,7 +108,7 @@ def gb_steps(model: nn.Module, plan: gb.Plan, batch: tuple, loss_of) -> tuple[St
         tree, opt_state = gb.optim.adamw_update(tree, grads, opt_state, lr=1e-3)
         return tree, opt_state, value
 
-    compiled_step = torch.compile(step, fullgraph=True)
+    compiled_step = compile_step(step)
 
     def compiled() -> None:
         state[0], state[1], _ = compiled_step(state[0], state[1], *batch)
@@ -94,13 +117,19 @@ def gb_steps(model: nn.Module, plan: gb.Plan, batch: tuple, loss_of) -> tuple[St
 
 
 def median_ms(steps: dict[str, Step], rounds: int, inner: int) -> dict[str, float]:
-    """Median time per call of every step, measured in interleaved rounds."""
+    """Median time per call of every step, measured in interleaved, rotated rounds."""
     for fn in steps.values():  # warm up (and compile)
         for _ in range(3):
             fn()
+    # Compiling leaves many objects behind; a garbage collection inside a timed round would be
+    # charged to whichever step triggered it (timeit turns gc off for the same reason).
+    gc.collect()
+    gc.freeze()
     samples: dict[str, list[float]] = {k: [] for k in steps}
-    for _ in range(rounds):
-        for name, fn in steps.items():
+    order = list(steps.items())
+    for r in range(rounds):
+        # Rotate the order every round: a step's time depends a little on what ran before it.
+        for name, fn in order[r % len(order) :] + order[: r % len(order)]:
             start = time.perf_counter()
             for _ in range(inner):
                 fn()
@@ -146,7 +175,11 @@ MLP_GENOMES = {
     "outputs 16, tile 128": {"tile": (128, 128), "outputs": 16},
     "hidden 8, outputs 8, tile 64": {"tile": (64, 64), "hidden": 8, "outputs": 8},
     "shared + embeddings, tile 64": {"tile": (64, 64), "share": True, "hidden": 16},
+    "row g-nets, hidden 8, tile 128": {"tile": (128, 128), "hidden": 8, "outputs": 128},
+    "row g-nets, hidden 16, tile 256": {"tile": (256, 256), "hidden": 16, "outputs": 256},
 }
+# "row g-nets": `outputs` = the tile width, so one evaluation emits a whole tile row and the
+# output layer is one (TH, H) @ (H, TW) matmul per tile: the fastest genome on CPU.
 
 TRANSFORMER_GENOMES = {
     "default genome, compression=20": {"compression": 20},
@@ -158,22 +191,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS / "bench_step.md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    # Every variant compiles the same step function with other closures: one recompile each.
-    torch._dynamo.config.cache_size_limit = 64
     torch.manual_seed(0)
     rounds, inner = (5, 5) if args.quick else (15, 10)
-    batch = (torch.randn(128, 784), torch.randint(0, 10, (128,)))
-    run("MLP 784-512-512-10, batch 128", mlp(), batch, MLP_GENOMES, rounds, inner)
-    from examples.main_job import CharLMConfig
-    from examples.models import CharTransformer
+    with recorded(args.out, "One training step: gbfunc vs the model trained directly"):
+        print(f"rounds: {rounds} x {inner} steps")
+        batch = (torch.randn(128, 784), torch.randint(0, 10, (128,)))
+        run("MLP 784-512-512-10, batch 128", mlp(), batch, MLP_GENOMES, rounds, inner)
+        cfg = CharLMConfig()
+        model = CharTransformer(96, cfg.context, cfg.width, cfg.depth, cfg.heads)
+        idx = torch.randint(0, 96, (cfg.batch, cfg.context + 1))
+        genomes = TRANSFORMER_GENOMES | {"main job's plan": dict(cfg.plan)}
+        title = (
+            f"main job's character transformer (width {cfg.width}, "
+            f"batch {cfg.batch}x{cfg.context})"
+        )
+        run(title, model, (idx[:, :-1], idx[:, 1:]), genomes, rounds, inner)
 
-    cfg = CharLMConfig()
-    model = CharTransformer(96, cfg.context, cfg.width, cfg.depth, cfg.heads)
-    idx = torch.randint(0, 96, (cfg.batch, cfg.context + 1))
-    title = f"main job's character transformer (width {cfg.width}, batch {cfg.batch}x{cfg.context})"
-    run(title, model, (idx[:, :-1], idx[:, 1:]), TRANSFORMER_GENOMES | {"main job's plan": dict(cfg.plan)}, rounds, inner)
 
 if __name__ == "__main__":
     main()

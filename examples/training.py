@@ -125,9 +125,10 @@ def make_arm(
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, cfg.warmup, cfg.steps)
     )
-    return Arm(
-        name, tree, to_params, torch.compile(loss) if cfg.compile else loss, optimizer, schedule
-    )
+    # Every arm compiles this same `loss`: without dynamic=False the second arm's shapes would
+    # make dynamo recompile it with symbolic sizes, which inductor runs several times slower.
+    compiled = torch.compile(loss, dynamic=False) if cfg.compile else loss
+    return Arm(name, tree, to_params, compiled, optimizer, schedule)
 
 
 def lr_factor(step: int, warmup: int, steps: int) -> float:

@@ -1,0 +1,103 @@
+"""Shared by the benchmark scripts: the provenance header of results files and peak memory."""
+
+import contextlib
+import io
+import json
+import os
+import platform
+import shlex
+import sys
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def provenance() -> dict[str, Any]:
+    """The command, the machine (cores, threads, torch) and the date of this run."""
+    return {
+        "command": "python " + shlex.join([os.path.relpath(sys.argv[0]), *sys.argv[1:]]),
+        "machine": f"{len(os.sched_getaffinity(0))} CPU cores, {platform.machine()}, "
+        f"{torch.get_num_threads()} torch threads",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def provenance_line() -> str:
+    """The provenance in one line, for plot titles and CSV comments."""
+    p = provenance()
+    return f"{p['command']} | {p['machine']}, torch {p['torch']} | {p['date']}"
+
+
+def header_md(title: str) -> str:
+    """A markdown title followed by the provenance lines."""
+    p = provenance()
+    return (
+        f"# {title}\n\n"
+        f"- command: `{p['command']}`\n"
+        f"- machine: {p['machine']}; Python {p['python']}, torch {p['torch']}\n"
+        f"- date: {p['date']}\n"
+        "- written by the script; not edited by hand\n"
+    )
+
+
+def write_json(path: Path, rows: list[dict[str, Any]], **extra: Any) -> None:
+    """`{"provenance": ..., **extra, "rows": rows}` as indented JSON."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = {"provenance": provenance(), **extra, "rows": rows}
+    path.write_text(json.dumps(body, indent=1) + "\n")
+
+
+def peak_bytes(fn: Callable[[], object]) -> int:
+    """Peak bytes held by torch's CPU allocator while `fn()` runs, above what was held before.
+
+    Read from `torch.profiler`'s memory events (every allocation and free of a tensor
+    storage, eager or from compiled code); Python objects and allocator caching are not
+    counted.
+    """
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]"
+    )
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+class _Tee(io.TextIOBase):
+    """A text stream writing to the terminal and to a buffer."""
+
+    def __init__(self, terminal: io.TextIOBase) -> None:
+        self.terminal, self.buffer = terminal, io.StringIO()
+
+    def write(self, text: str) -> int:
+        self.terminal.write(text)
+        return self.buffer.write(text)
+
+    def flush(self) -> None:
+        self.terminal.flush()
+
+
+@contextlib.contextmanager
+def recorded(path: Path, title: str) -> Iterator[None]:
+    """Print as usual, and write everything printed to `path` under a provenance header.
+
+    The results file is exactly what the run printed, so nothing in it is edited by hand.
+    """
+    tee = _Tee(sys.stdout)
+    with contextlib.redirect_stdout(tee):
+        yield
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(header_md(title) + "\n```\n" + tee.buffer.getvalue().strip("\n") + "\n```\n")
