@@ -1,0 +1,106 @@
+"""The benchmark scripts' own logic: provenance, summaries, findings, and tiny runs of each."""
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `benchmarks` and `examples` are folders, not installed
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import peers, quality, scaling  # noqa: E402
+from benchmarks._meta import recorded  # noqa: E402
+
+
+def test_recorded_writes_what_was_printed_under_the_provenance(tmp_path, capsys):
+    path = tmp_path / "out" / "result.md"
+    with recorded(path, "A title"):
+        print("| a | b |")
+        print("row 2")
+    assert "row 2" in capsys.readouterr().out  # still printed
+    text = path.read_text()
+    assert text.startswith("# A title\n")
+    for field in ("- command: `python ", "- machine: ", "torch ", "- date: 20"):
+        assert field in text
+    assert text.endswith("```\n| a | b |\nrow 2\n```\n")
+
+
+def _rows(losses: dict[str, float], accs: dict[str, float]) -> list[dict]:
+    ratios = {"dense": 1.0, "5x": 5.1, "row g-nets": 13.4, "20x": 19.8, "100x": 98, "300x": 305}
+    return [
+        {
+            "task": "charlm",
+            "setting": label,
+            "seed": seed,
+            "generated_compression": ratios[label],
+            "compression": ratios[label] / 2,
+            "trainable_params": int(1e6 / ratios[label]),
+            "val_loss": losses[label] + 0.01 * seed,
+            "val_acc": accs[label],
+            "step_ms": 10.0,
+            "train_s": 1.0,
+        }
+        for seed in range(2)
+        for label in ratios
+    ]
+
+
+def test_summary_orders_by_ratio_and_finds_the_bend():
+    losses = {"dense": 1.0, "5x": 1.03, "row g-nets": 1.04, "20x": 1.3, "100x": 1.5, "300x": 2.0}
+    accs = {"dense": 0.8, "5x": 0.795, "row g-nets": 0.78, "20x": 0.7, "100x": 0.6, "300x": 0.4}
+    summary = quality.summarise(_rows(losses, accs))
+    assert [s["setting"] for s in summary] == ["dense", "5x", "row g-nets", "20x", "100x", "300x"]
+    assert summary[1]["val_loss"] == pytest.approx(1.035)
+    assert summary[1]["val_loss_std"] == pytest.approx(math.sqrt(0.01**2 / 2))
+    text = quality.bend(summary, "charlm").lower()
+    assert "within 5% of the dense validation loss up to row g-nets" in text
+    assert "within 1 pt of its accuracy up to 5x" in text
+    assert "steepest loss increase is from 100x to 300x (+0.500 nats)" in text
+    table = quality.table(summary)
+    assert table.count("\n") == 2 + len(summary)
+
+
+def test_summary_says_when_nothing_comes_close():
+    losses = {"dense": 1.0, "5x": 1.2, "row g-nets": 1.3, "20x": 1.4, "100x": 1.5, "300x": 2.0}
+    accs = dict.fromkeys(losses, 0.5) | {"dense": 0.9}
+    text = quality.bend(quality.summarise(_rows(losses, accs)), "charlm")
+    assert "no compressed setting comes within 5%" in text.lower()
+    assert "none within 1 pt" in text
+
+
+def test_peers_table_reports_failures_and_fallbacks():
+    ok = peers.Contender("plain MLP", params=100, loss0=2.3)
+    slow = peers.Contender("peer A", params=10, loss0=2.4, notes={"compiled": "graph breaks"})
+    broken = peers.Contender("peer B", failed={"eager": "ImportError: no module", "compiled": "x"})
+    times = {"plain MLP|eager": 2.0, "plain MLP|compiled": 1.0, "peer A|eager": 4.0}
+    times["peer A|compiled"] = 3.0
+    peaks = {(n, m): 1.0 for n in ("plain MLP", "peer A") for m in peers.MODES}
+    text = peers.render([ok, slow, broken], times, peaks)
+    assert "| peer A | 10 | 10.0x | 2.400 | 4.00 | 2.00 | 1.0 | 3.00* | 3.00* | 1.0 |" in text
+    assert "| peer B | - | - | - | failed | - | - | failed | - | - |" in text
+    assert "- peer B, eager: ImportError: no module" in text
+    assert "- * peer A, compiled: graph breaks" in text
+
+
+@pytest.mark.slow
+def test_quality_trains_every_setting_on_the_same_batches():
+    task = quality.digits_task()
+    rows = quality.run_seed(task, quality.Budget(steps=2, batch=8, seeds=1), seed=0, desc="test")
+    assert [r["setting"] for r in rows] == list(quality.SETTINGS)
+    for row in rows:
+        assert math.isfinite(row["val_loss"]) and 0 <= row["val_acc"] <= 1
+        assert row["step_ms"] > 0 and row["steps"] == 2
+    ratios = {r["setting"]: r["generated_compression"] for r in rows}
+    assert ratios["dense"] == 1 and 270 <= ratios["300x"] <= 330 and 18 <= ratios["20x"] <= 22
+
+
+@pytest.mark.slow
+def test_scaling_measures_every_variant(monkeypatch):
+    monkeypatch.setattr(scaling, "peak_bytes", lambda fn: (fn(), 2**20)[1])
+    rows = scaling.measure(128, ("eager",), rounds=1, inner=1)
+    assert [r["variant"] for r in rows] == list(scaling.VARIANTS)
+    dense = rows[0]
+    assert dense["x_dense_time"] == 1 and dense["trainable_params"] == dense["model_params"]
+    assert all(r["trainable_params"] < dense["model_params"] / 3 for r in rows[1:])
