@@ -205,8 +205,7 @@ def main() -> None:
         idx = torch.randint(0, 96, (cfg.batch, cfg.context + 1))
         genomes = TRANSFORMER_GENOMES | {"main job's plan": dict(cfg.plan)}
         title = (
-            f"main job's character transformer (width {cfg.width}, "
-            f"batch {cfg.batch}x{cfg.context})"
+            f"main job's character transformer (width {cfg.width}, batch {cfg.batch}x{cfg.context})"
         )
         run(title, model, (idx[:, :-1], idx[:, 1:]), genomes, rounds, inner)
 

@@ -9,6 +9,7 @@ g-nets are trained and stored.
     out = torch.func.functional_call(model, params, (x,))
 """
 
+from . import compat as compat, optim as optim
 from ._apply import apply as apply
 from ._checkpoint import (
     Checkpoint as Checkpoint,
@@ -36,6 +37,5 @@ from ._plan import (
 from ._replicated import save_replicated as save_replicated
 from ._report import Report as Report, Row as Row, report as report
 from ._rules import Layout as Layout, register_rule as register_rule
-from . import compat as compat, optim as optim
 
 __version__ = "0.1.0"

@@ -26,10 +26,15 @@ def _path(keys: tuple[str, ...]) -> str:
 def check_gparams(gparams: object, plan: Plan, where: str, *, values: bool = False) -> None:
     """Raise if `gparams` is not shaped like `gb.init(plan)`; optionally reject NaN/inf."""
     if not isinstance(plan, Plan):
-        raise TypeError(f"{where}: plan must be a gb.Plan (from gb.plan), got {type(plan).__name__}.")
+        raise TypeError(
+            f"{where}: plan must be a gb.Plan (from gb.plan), got {type(plan).__name__}."
+        )
     if not isinstance(gparams, dict) or set(gparams) != set(_GROUPS):
         got = sorted(gparams) if isinstance(gparams, dict) else type(gparams).__name__
-        raise TypeError(f"{where}: gparams must be the dict made by gb.init with keys {list(_GROUPS)}, got {got}.")
+        raise TypeError(
+            f"{where}: gparams must be the dict made by gb.init with keys {list(_GROUPS)}, "
+            f"got {got}."
+        )
     hint = "Were these gparams made by gb.init with a different plan?"
     expected = expected_shapes(plan)
     stack_first: dict[str, tuple[tuple[str, ...], Tensor]] = {}
@@ -42,9 +47,13 @@ def check_gparams(gparams: object, plan: Plan, where: str, *, values: bool = Fal
         if not isinstance(node, Tensor):
             raise TypeError(f"{where}: {_path(keys)} must be a Tensor, got {type(node).__name__}.")
         if tuple(node.shape) != shape:
-            raise ValueError(f"{where}: {_path(keys)} has shape {tuple(node.shape)}; expected {shape}. {hint}")
+            raise ValueError(
+                f"{where}: {_path(keys)} has shape {tuple(node.shape)}; expected {shape}. {hint}"
+            )
         if not node.is_floating_point():
-            raise TypeError(f"{where}: {_path(keys)} has dtype {node.dtype}; expected a floating dtype.")
+            raise TypeError(
+                f"{where}: {_path(keys)} has dtype {node.dtype}; expected a floating dtype."
+            )
         if keys[0] == "stacks":  # one batched evaluation: one dtype, one device
             first_keys, first = stack_first.setdefault(keys[1], (keys, node))
             if (node.dtype, node.device) != (first.dtype, first.device):
@@ -59,7 +68,9 @@ def check_gparams(gparams: object, plan: Plan, where: str, *, values: bool = Fal
             raise ValueError(f"{where}: {_path(keys)} contains NaN or inf.")
     for group in _GROUPS:
         for key, value in gparams[group].items():
-            extra = [k for k in (value if isinstance(value, dict) else {None: None}) if k is not None]
+            extra = [
+                k for k in (value if isinstance(value, dict) else {None: None}) if k is not None
+            ]
             keys = [(group, key, k) for k in extra] if extra else [(group, key)]
             for k in keys:
                 if k not in expected:

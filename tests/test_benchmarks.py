@@ -90,10 +90,14 @@ def test_quality_trains_every_setting_on_the_same_batches():
     rows = quality.run_seed(task, quality.Budget(steps=2, batch=8, seeds=1), seed=0, desc="test")
     assert [r["setting"] for r in rows] == list(quality.SETTINGS)
     for row in rows:
-        assert math.isfinite(row["val_loss"]) and 0 <= row["val_acc"] <= 1
-        assert row["step_ms"] > 0 and row["steps"] == 2
+        assert math.isfinite(row["val_loss"])
+        assert 0 <= row["val_acc"] <= 1
+        assert row["step_ms"] > 0
+        assert row["steps"] == 2
     ratios = {r["setting"]: r["generated_compression"] for r in rows}
-    assert ratios["dense"] == 1 and 270 <= ratios["300x"] <= 330 and 18 <= ratios["20x"] <= 22
+    assert ratios["dense"] == 1
+    assert 18 <= ratios["20x"] <= 22
+    assert 270 <= ratios["300x"] <= 330
 
 
 @pytest.mark.slow
@@ -102,5 +106,6 @@ def test_scaling_measures_every_variant(monkeypatch):
     rows = scaling.measure(128, ("eager",), rounds=1, inner=1)
     assert [r["variant"] for r in rows] == list(scaling.VARIANTS)
     dense = rows[0]
-    assert dense["x_dense_time"] == 1 and dense["trainable_params"] == dense["model_params"]
+    assert dense["x_dense_time"] == 1
+    assert dense["trainable_params"] == dense["model_params"]
     assert all(r["trainable_params"] < dense["model_params"] / 3 for r in rows[1:])

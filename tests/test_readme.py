@@ -30,3 +30,43 @@ def test_readme_test_command_is_what_ci_runs():
     ci = (README.parent / ".ci" / "run").read_text()
     command = ci.strip().splitlines()[-1]
     assert command in text, "the README's test command must be the one .ci/run executes"
+
+
+def quoted_results() -> list[tuple[str, list[str]]]:
+    """`(results file, quoted lines)` for every README excerpt marked `<!-- from FILE -->`.
+
+    An excerpt is the fenced block or the markdown table that follows its marker.
+    """
+    lines = README.read_text().splitlines()
+    excerpts = []
+    for i, line in enumerate(lines):
+        marker = re.fullmatch(r"<!-- from (\S+) -->", line.strip())
+        if not marker:
+            continue
+        body = lines[i + 1 :]
+        if body[0].startswith("```"):
+            quoted = body[1 : body.index("```", 1)]
+        else:
+            quoted = _takewhile_table(body)
+        excerpts.append((marker[1], quoted))
+    return excerpts
+
+
+def _takewhile_table(lines: list[str]) -> list[str]:
+    table = []
+    for line in lines:
+        if not line.startswith("|"):
+            break
+        table.append(line)
+    return table
+
+
+def test_readme_results_are_quoted_from_the_committed_results_files():
+    """Measured numbers in the README are copied from the files the benchmarks wrote, unedited."""
+    excerpts = quoted_results()
+    assert len(excerpts) >= 5
+    for path, quoted in excerpts:
+        source = (README.parent / path).read_text().splitlines()
+        assert quoted, f"README: empty excerpt from {path}"
+        missing = [line for line in quoted if line not in source]
+        assert not missing, f"README lines not in {path} (edited by hand?): {missing[:3]}"

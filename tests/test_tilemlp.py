@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from gbfunc._tilemlp import _backward_recompute, _fused_reductions, reference, tile_mlp
 
@@ -49,7 +48,9 @@ def test_outputs_and_every_gradient_match_the_reference(
     present = [x for x in args if x is not None]
     got = torch.autograd.grad(ours, present, grad)
     want = torch.autograd.grad(spec, present, grad)
-    for name, g, w in zip("a b c w_hidden b_hidden w_out b_out".split(), got, want, strict=False):
+    for name, g, w in zip(
+        ["a", "b", "c", "w_hidden", "b_hidden", "w_out", "b_out"], got, want, strict=False
+    ):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=name)
 
 
@@ -63,3 +64,4 @@ def test_compiled_reductions_equal_the_eager_backward(activation):
     torch.testing.assert_close(got[0], want[0], msg="a")
     torch.testing.assert_close(got[1], want[1], msg="b")
     torch.testing.assert_close(got[2], want[5][..., 0], msg="w_out")
+
