@@ -64,4 +64,3 @@ def test_compiled_reductions_equal_the_eager_backward(activation):
     torch.testing.assert_close(got[0], want[0], msg="a")
     torch.testing.assert_close(got[1], want[1], msg="b")
     torch.testing.assert_close(got[2], want[5][..., 0], msg="w_out")
-
