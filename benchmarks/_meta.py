@@ -1,4 +1,4 @@
-"""Shared by the benchmark scripts: the provenance header of results files and peak memory."""
+"""Shared by the benchmark scripts: provenance of results files, tables, compiling, memory."""
 
 import contextlib
 import io
@@ -7,7 +7,8 @@ import os
 import platform
 import shlex
 import sys
-from collections.abc import Callable, Iterator
+import types
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,32 @@ def header_md(title: str) -> str:
         f"- date: {p['date']}\n"
         "- written by the script; not edited by hand\n"
     )
+
+
+def markdown_table(columns: Sequence[tuple[str, str]], rows: Iterable[Sequence[str]]) -> str:
+    """A markdown table: `columns` are `(title, "l" or "r")`, each row its formatted cells."""
+    lines = [
+        "| " + " | ".join(title for title, _ in columns) + " |",
+        "|" + "|".join("---:" if align == "r" else "---" for _, align in columns) + "|",
+        *("| " + " | ".join(cells) + " |" for cells in rows),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def compile_static(fn: Callable) -> Callable:
+    """`torch.compile(fn, fullgraph=True, dynamic=False)` on a private copy of `fn`'s code.
+
+    A benchmark compiles one `def` for every variant, where a training script compiles one:
+    - Dynamo keeps compiled graphs on the code object, so with a shared one each call would
+      evaluate the guards of the variants compiled before it; the copy gives each its own.
+    - Dynamo remembers the shapes it saw per function (file, line, name), so the second
+      variant's shapes would make it recompile with symbolic sizes, and inductor's code for
+      symbolic tile shapes ran 3-6x slower. `dynamic=False` keeps every graph static.
+    """
+    private = types.FunctionType(
+        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
+    return torch.compile(private, fullgraph=True, dynamic=False)
 
 
 def write_json(path: Path, rows: list[dict[str, Any]], **extra: Any) -> None:

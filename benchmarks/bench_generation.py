@@ -36,7 +36,7 @@ from gbfunc._genome import stack_codes
 from gbfunc._tilemlp import activate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._meta import RESULTS, recorded
+from benchmarks._meta import RESULTS, compile_static, recorded
 
 
 def best_times(fns: dict[str, Callable[[], object]], budget: float) -> dict[str, float]:
@@ -172,11 +172,7 @@ def timed(fn: Callable[[], Tensor], label: str, leaves: list[Tensor]) -> Callabl
 
 def cpu_paths(plan: gb.Plan, gparams: dict) -> dict[str, Callable[[], Tensor]]:
     """The generated weight by the torch path (eager, compiled) and by the naive baseline."""
-    # dynamic=False: every size compiles the same lambda, and dynamo would otherwise switch the
-    # second size to symbolic shapes, for which inductor emits much slower code.
-    compiled = torch.compile(
-        lambda g: gb.apply(g, plan, backend="torch")["weight"], fullgraph=True, dynamic=False
-    )
+    compiled = compile_static(lambda g: gb.apply(g, plan, backend="torch")["weight"])
     return {
         "torch eager": lambda: gb.apply(gparams, plan, backend="torch")["weight"],
         "torch compile": lambda: compiled(gparams),

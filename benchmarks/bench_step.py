@@ -17,7 +17,6 @@ import gc
 import statistics
 import sys
 import time
-import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from torch.func import functional_call, grad_and_value
 import gbfunc as gb
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._meta import RESULTS, recorded
+from benchmarks._meta import RESULTS, compile_static, recorded
 from examples.main_job import CharLMConfig
 from examples.models import CharTransformer
 
@@ -39,22 +38,6 @@ def mlp() -> nn.Module:
     return nn.Sequential(
         nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
     )
-
-
-def compile_step(fn: Callable) -> Callable:
-    """`torch.compile(fn, fullgraph=True, dynamic=False)` on a private copy of `fn`'s code.
-
-    Every variant is built from the same `def`, and one training script compiles one step:
-    - Dynamo keeps compiled graphs on the code object, so with a shared one each call would
-      evaluate the guards of the variants compiled before it; the copy gives each its own.
-    - Dynamo remembers the shapes it saw per function (file, line, name), so the second
-      variant's shapes would make it recompile with symbolic sizes, and inductor's code for
-      symbolic tile shapes ran 3-6x slower. `dynamic=False` keeps every graph static.
-    """
-    private = types.FunctionType(
-        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
-    )
-    return torch.compile(private, fullgraph=True, dynamic=False)
 
 
 def dense_steps(model: nn.Module, batch: tuple, loss_of) -> tuple[Step, Step]:
@@ -78,7 +61,7 @@ def dense_steps(model: nn.Module, batch: tuple, loss_of) -> tuple[Step, Step]:
         tree, opt_state = gb.optim.adamw_update(tree, grads, opt_state, lr=1e-3)
         return tree, opt_state, value
 
-    compiled_step = compile_step(step)
+    compiled_step = compile_static(step)
 
     def compiled() -> None:
         state[0], state[1], _ = compiled_step(state[0], state[1], *batch)
@@ -108,7 +91,7 @@ def gb_steps(model: nn.Module, plan: gb.Plan, batch: tuple, loss_of) -> tuple[St
         tree, opt_state = gb.optim.adamw_update(tree, grads, opt_state, lr=1e-3)
         return tree, opt_state, value
 
-    compiled_step = compile_step(step)
+    compiled_step = compile_static(step)
 
     def compiled() -> None:
         state[0], state[1], _ = compiled_step(state[0], state[1], *batch)

@@ -47,7 +47,7 @@ from torch.func import functional_call
 import gbfunc as gb
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._meta import RESULTS, header_md, peak_bytes, write_json
+from benchmarks._meta import RESULTS, header_md, markdown_table, peak_bytes, write_json
 from benchmarks.bench_step import (
     Step,
     cross_entropy,
@@ -245,12 +245,16 @@ def render(
     """The markdown table: params, step-0 loss, and per mode ms, x plain, peak MiB."""
     dense = rows[0].params
     base = {m: times.get(f"{rows[0].name}|{m}") for m in MODES}
-    lines = [
-        "| contender | trainable params | x fewer | step-0 loss | eager ms | x plain "
-        "| eager peak MiB | compiled ms | x plain | compiled peak MiB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    columns = [("contender", "l")] + [
+        (title, "r")
+        for title in (
+            "trainable params",
+            "x fewer",
+            "step-0 loss",
+            *(title for m in MODES for title in (f"{m} ms", "x plain", f"{m} peak MiB")),
+        )
     ]
-    notes = []
+    table, notes = [], []
     for r in rows:
         cells = [
             r.name,
@@ -268,9 +272,11 @@ def render(
             cells += [f"{ms:.2f}{mark}", f"{ms / base[m]:.2f}{mark}", f"{peaks[(r.name, m)]:.1f}"]
             if mark:
                 notes.append(f"- {mark} {r.name}, {m}: {r.notes[m]}")
-        lines.append("| " + " | ".join(cells) + " |")
-    footer = f"\nstep-0 loss: ln(10) = {math.log(10):.3f} for a uniform prediction.\n"
-    return "\n".join(lines) + footer + ("\n" + "\n".join(notes) + "\n" if notes else "")
+        table.append(cells)
+    footer = f"step-0 loss: ln(10) = {math.log(10):.3f} for a uniform prediction.\n"
+    return (
+        markdown_table(columns, table) + footer + ("\n" + "\n".join(notes) + "\n" if notes else "")
+    )
 
 
 if __name__ == "__main__":

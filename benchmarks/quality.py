@@ -40,7 +40,7 @@ from torch import Tensor, nn
 import gbfunc as gb
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._meta import RESULTS, header_md, provenance_line, write_json
+from benchmarks._meta import RESULTS, header_md, markdown_table, provenance_line, write_json
 from examples.data import CharCorpus, char_batch, char_windows, digits_split, pydoc_text
 from examples.main_job import EVAL_TOKENS, CharLMConfig, DigitsConfig
 from examples.models import CharTransformer, DigitsCNN
@@ -249,20 +249,35 @@ def bend(summary: list[dict[str, Any]], task: str) -> str:
 
 
 def table(summary: list[dict[str, Any]]) -> str:
-    lines = [
-        "| task | setting | generated ratio | whole-model ratio | trainable params | seeds "
-        "| val loss | val acc % | ms/step | train s |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for s in summary:
-        lines.append(
-            f"| {s['task']} | {s['setting']} | {s['generated_compression']:.1f}x "
-            f"| {s['compression']:.1f}x | {s['trainable_params']:,} | {s['seeds']} "
-            f"| {s['val_loss']:.3f} ± {s['val_loss_std']:.3f} "
-            f"| {100 * s['val_acc']:.1f} ± {100 * s['val_acc_std']:.1f} | {s['step_ms']:.1f} "
-            f"| {s['train_s']:.0f} |"
+    columns = [("task", "l"), ("setting", "l")] + [
+        (title, "r")
+        for title in (
+            "generated ratio",
+            "whole-model ratio",
+            "trainable params",
+            "seeds",
+            "val loss",
+            "val acc %",
+            "ms/step",
+            "train s",
         )
-    return "\n".join(lines) + "\n"
+    ]
+    rows = (
+        [
+            s["task"],
+            s["setting"],
+            f"{s['generated_compression']:.1f}x",
+            f"{s['compression']:.1f}x",
+            f"{s['trainable_params']:,}",
+            f"{s['seeds']}",
+            f"{s['val_loss']:.3f} ± {s['val_loss_std']:.3f}",
+            f"{100 * s['val_acc']:.1f} ± {100 * s['val_acc_std']:.1f}",
+            f"{s['step_ms']:.1f}",
+            f"{s['train_s']:.0f}",
+        ]
+        for s in summary
+    )
+    return markdown_table(columns, rows)
 
 
 def pareto_plot(

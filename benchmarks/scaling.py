@@ -27,7 +27,14 @@ from tqdm import tqdm
 import gbfunc as gb
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._meta import RESULTS, header_md, peak_bytes, provenance_line, write_json
+from benchmarks._meta import (
+    RESULTS,
+    header_md,
+    markdown_table,
+    peak_bytes,
+    provenance_line,
+    write_json,
+)
 from benchmarks.bench_step import cross_entropy, dense_steps, gb_steps, median_ms
 from examples.models import CharTransformer
 
@@ -79,18 +86,32 @@ def measure(width: int, modes: tuple[str, ...], rounds: int, inner: int) -> list
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "| width | model params | variant | trainable params | mode | step ms | x dense "
-        "| peak MiB | x dense |",
-        "|---:|---:|---|---:|---|---:|---:|---:|---:|",
+    columns = [
+        ("width", "r"),
+        ("model params", "r"),
+        ("variant", "l"),
+        ("trainable params", "r"),
+        ("mode", "l"),
+        ("step ms", "r"),
+        ("x dense", "r"),
+        ("peak MiB", "r"),
+        ("x dense", "r"),
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['width']} | {r['model_params']:,} | {r['variant']} | {r['trainable_params']:,} "
-            f"| {r['mode']} | {r['step_ms']:.1f} | {r['x_dense_time']:.2f} | {r['peak_mib']:.1f} "
-            f"| {r['x_dense_memory']:.2f} |"
-        )
-    return "\n".join(lines) + "\n"
+    cells = (
+        [
+            f"{r['width']}",
+            f"{r['model_params']:,}",
+            r["variant"],
+            f"{r['trainable_params']:,}",
+            r["mode"],
+            f"{r['step_ms']:.1f}",
+            f"{r['x_dense_time']:.2f}",
+            f"{r['peak_mib']:.1f}",
+            f"{r['x_dense_memory']:.2f}",
+        ]
+        for r in rows
+    )
+    return markdown_table(columns, cells)
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:

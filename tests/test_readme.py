@@ -5,6 +5,7 @@ Blocks fenced as `python` run; the distributed snippets are fenced as `py` becau
 """
 
 import re
+from itertools import takewhile
 from pathlib import Path
 
 import pytest
@@ -47,18 +48,9 @@ def quoted_results() -> list[tuple[str, list[str]]]:
         if body[0].startswith("```"):
             quoted = body[1 : body.index("```", 1)]
         else:
-            quoted = _takewhile_table(body)
+            quoted = list(takewhile(lambda x: x.startswith("|"), body))
         excerpts.append((marker[1], quoted))
     return excerpts
-
-
-def _takewhile_table(lines: list[str]) -> list[str]:
-    table = []
-    for line in lines:
-        if not line.startswith("|"):
-            break
-        table.append(line)
-    return table
 
 
 def test_readme_results_are_quoted_from_the_committed_results_files():
