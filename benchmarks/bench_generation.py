@@ -21,12 +21,17 @@ machine and date.
 
 import argparse
 import importlib.util
+import os
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+if not torch.cuda.is_available():  # the Triton kernels need the interpreter, before triton loads
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from torch import Tensor, nn
 from torch.func import vmap
 
@@ -121,7 +126,6 @@ def gradients(weight: Tensor, leaves: list[Tensor]) -> tuple[Tensor, ...]:
 
 
 def run_cpu(args: argparse.Namespace) -> None:
-    # First: without CUDA the kernels need the interpreter, set before torch.compile imports triton.
     has_triton = importlib.util.find_spec("triton") is not None
     triton_saved = saved_by_triton(args) if has_triton else None
     flops_peak, write_peak = cpu_peaks()

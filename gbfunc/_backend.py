@@ -26,6 +26,8 @@ def use_triton(backend: object, plan: Plan, stacks: dict[str, dict[str, Tensor]]
         ValueError: Unknown backend, or `"triton"` on CPU inside `torch.compile`.
         TypeError: A stack in a dtype the kernels lack.
         ModuleNotFoundError: `"triton"` without the `triton` package.
+        RuntimeError: `"triton"` on CPU in a process that did not enable Triton's
+            interpreter (`TRITON_INTERPRET=1` before triton is imported).
     """
     if backend not in BACKENDS:
         raise ValueError(f"gb.apply: backend must be one of {BACKENDS}, got {backend!r}.")
@@ -44,15 +46,16 @@ def use_triton(backend: object, plan: Plan, stacks: dict[str, dict[str, Tensor]]
             "cannot trace; compile with backend='auto' or 'torch' (the pure-torch path), or call "
             "it eagerly."
         )
-    _check_dtypes(plan, stacks)
+    _check_runnable(plan, stacks)
     return True
 
 
-def _check_dtypes(plan: Plan, stacks: dict[str, dict[str, Tensor]]) -> None:
+def _check_runnable(plan: Plan, stacks: dict[str, dict[str, Tensor]]) -> None:
     # `check_gparams` already made each stack's leaves share one dtype and device.
     from . import kernels  # triton is optional: import it only when used
 
     for stack in plan.stacks:
+        kernels.check_runnable("gb.apply", stacks[stack.key]["w_in"].device)
         dtype = stacks[stack.key]["w_in"].dtype
         if dtype not in kernels.DTYPES:
             names = ", ".join(str(d).removeprefix("torch.") for d in kernels.DTYPES)

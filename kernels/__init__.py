@@ -5,19 +5,13 @@ Each op is a folder: `reference.py` (pure torch, the specification, built from g
 reference's signature) and `__init__.py` (the `autograd.Function` that composes with
 `torch.func`).
 
-Kernels are compiled for CUDA. Without CUDA they run through Triton's interpreter: since
-`@triton.jit` reads `TRITON_INTERPRET` when a function is defined, Triton's own library
-included, this module sets it (if unset) and must be imported before anything else imports
-triton; it says so if not. The variable stays set, as Triton reads it again when launching.
+Kernels are compiled for CUDA. On CPU tensors they run through Triton's interpreter, which
+the process has to enable itself: `@triton.jit` reads `TRITON_INTERPRET` when a function is
+defined, Triton's own library included, so it must be `1` before anything imports triton
+(`TRITON_INTERPRET=1 python train.py`). Importing this package never changes the
+environment; a launch that cannot run says why (`_runtime.check_runnable`).
 """
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from ._runtime import DTYPES as DTYPES
+from ._runtime import DTYPES as DTYPES, check_runnable as check_runnable
 from .generate import generate as generate
 from .generate_backward import generate_backward as generate_backward

@@ -54,7 +54,7 @@ def check_launch(
     if first.dtype not in _runtime.DTYPES:
         names = ", ".join(str(d).removeprefix("torch.") for d in _runtime.DTYPES)
         raise TypeError(f"{where}: a has dtype {first.dtype}; the kernels take {names} here.")
-    _check_device(where, first)
+    _runtime.check_runnable(where, first.device)
     batch = tuple(first.shape[:-3])
     for name, x in tensors.items():
         shape = shapes[name]
@@ -94,20 +94,6 @@ def _check_genome(where: str, stack: Stack) -> None:
             f"{where}: stack {stack.key!r} emits {stack.outputs} outputs per evaluation; the "
             f"kernels take at most {_runtime.MAX_OUTPUTS}. Use backend='torch'."
         )
-
-
-def _check_device(where: str, x: Tensor) -> None:
-    if x.device.type == "cuda" or (_runtime.INTERPRETED and x.device.type == "cpu"):
-        return
-    if _runtime.INTERPRETED:
-        raise ValueError(
-            f"{where}: a is on {x.device}; Triton's interpreter takes CPU or CUDA tensors."
-        )
-    raise ValueError(
-        f"{where}: a is on {x.device}; compiled Triton kernels need CUDA tensors. Without a "
-        "GPU, gbfunc.kernels runs them through Triton's interpreter (TRITON_INTERPRET=1 at "
-        "first import)."
-    )
 
 
 def contiguous(x: Tensor | None) -> Tensor | None:

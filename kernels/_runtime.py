@@ -1,8 +1,8 @@
 """How the kernels run on this machine: compiled for CUDA, or through Triton's interpreter.
 
 `@triton.jit` reads `TRITON_INTERPRET` when a kernel is defined, so the mode is fixed when
-`gbfunc.kernels` is imported (see its `__init__`). The autotune configs, the device check and
-the backward's parallelism follow from it.
+`gbfunc.kernels` is imported; this module reads the variable and never sets it. The autotune
+configs, the device check and the backward's parallelism follow from it.
 """
 
 import os
@@ -13,14 +13,34 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-if INTERPRETED and not isinstance(tl.sum, InterpretedFunction):
-    # Triton's own library (tl.sum, tl.cdiv, ...) was defined compiled-only.
-    raise ImportError(
-        "gbfunc.kernels: the kernels need Triton's interpreter here (no CUDA), but triton was "
-        "imported before TRITON_INTERPRET=1 was set (torch.compile imports it), so Triton's "
-        "library functions cannot be interpreted. Set TRITON_INTERPRET=1 before anything "
-        "imports triton, or import gbfunc.kernels first."
-    )
+# Triton's own library (tl.sum, ...) is interpreted only if the variable was set before
+# triton was first imported (torch.compile imports it, for one).
+_LIBRARY_INTERPRETED = isinstance(tl.sum, InterpretedFunction)
+
+
+def check_runnable(where: str, device: torch.device) -> None:
+    """Raise `RuntimeError` with the fix when the kernels cannot run on `device` here.
+
+    CUDA tensors run compiled (or interpreted, when the process asked for it); CPU tensors
+    need the interpreter, enabled before triton was imported.
+    """
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"{where}: tensors are on {device}; Triton kernels take CUDA or CPU.")
+    if device.type == "cuda" and not INTERPRETED:
+        return
+    if not INTERPRETED:
+        raise RuntimeError(
+            f"{where}: backend='triton' on CPU runs Triton's interpreter, which this process "
+            "did not enable. Start Python with TRITON_INTERPRET=1 (`TRITON_INTERPRET=1 python "
+            "train.py`; it must be set before anything imports triton), or use "
+            "backend='torch'."
+        )
+    if not _LIBRARY_INTERPRETED:
+        raise RuntimeError(
+            f"{where}: TRITON_INTERPRET=1 was set after triton was imported (torch.compile "
+            "imports it), so Triton's own library cannot be interpreted. Set it before "
+            "anything imports triton: `TRITON_INTERPRET=1 python train.py`."
+        )
 
 # The dtypes the kernels load and store; arithmetic is always float32.
 DTYPES = (

@@ -1,0 +1,41 @@
+"""gbfunc: the genomic bottleneck as pure functions.
+
+Small MLPs (g-nets) generate the weights of a model (the p-net) tile by tile; only the
+g-nets are trained and stored.
+
+    plan = gb.plan(model, tile=(64, 64))
+    gparams = gb.init(plan, seed=0)
+    params = gb.apply(gparams, plan)
+    out = torch.func.functional_call(model, params, (x,))
+"""
+
+from . import compat as compat, optim as optim
+from ._apply import apply as apply
+from ._checkpoint import (
+    Checkpoint as Checkpoint,
+    CheckpointCorruptError as CheckpointCorruptError,
+    CheckpointError as CheckpointError,
+    CheckpointMismatchError as CheckpointMismatchError,
+    CheckpointNotFoundError as CheckpointNotFoundError,
+    CheckpointVersionError as CheckpointVersionError,
+    load as load,
+    save as save,
+)
+from ._export import export as export, save_dense as save_dense
+from ._genome import Genome as Genome
+from ._init import init as init
+from ._memory import saved_bytes as saved_bytes
+from ._plan import (
+    OPTIONS as OPTIONS,
+    Block as Block,
+    Free as Free,
+    Generated as Generated,
+    Plan as Plan,
+    Stack as Stack,
+    plan as plan,
+)
+from ._replicated import save_replicated as save_replicated
+from ._report import Report as Report, Row as Row, report as report
+from ._rules import Layout as Layout, register_rule as register_rule
+
+__version__ = "0.1.0"

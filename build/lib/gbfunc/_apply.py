@@ -1,0 +1,133 @@
+"""`gb.apply`: g-net parameters in, every p-net parameter out, as a pure function."""
+
+import functools
+import math
+
+import torch
+from einops import rearrange
+from torch import Tensor
+
+from ._backend import fused_weights, use_triton
+from ._checks import check_gparams
+from ._genome import stack_codes
+from ._plan import Generated, Plan, Stack
+from ._tilemlp import reference, tile_mlp
+
+GParams = dict[str, dict]
+
+
+def apply(
+    gparams: GParams, plan: Plan, *, check: bool = False, backend: str = "auto"
+) -> dict[str, Tensor]:
+    """Generate every parameter of the p-net described by `plan`.
+
+    Each stack's g-nets are evaluated on their tiles in one batched call; tiles are laid out
+    on each weight's grid, cut to its shape and scaled. Free parameters pass through. Pure:
+    no module is touched, so it composes with `torch.func.grad`, `vmap` and `torch.compile`.
+
+    Args:
+        gparams: From `gb.init(plan, ...)` (or trained from it).
+        plan: The plan that made `gparams`.
+        check: Also reject NaN or inf in `gparams` (reads values: not for compiled code).
+        backend: `"torch"`, `"triton"` (fused kernels, `gbfunc.kernels`; through Triton's
+            interpreter on CPU) or `"auto"`: Triton for CUDA tensors, torch otherwise.
+
+    Returns:
+        `{name: tensor}` for every parameter, ready for
+        `torch.func.functional_call(model, params, args)`.
+
+    Example:
+        >>> model = nn.Linear(64, 32)
+        >>> plan = gb.plan(model, tile=(16, 16))
+        >>> params = gb.apply(gb.init(plan), plan)
+        >>> torch.func.functional_call(model, params, (torch.randn(2, 64),)).shape
+        torch.Size([2, 32])
+    """
+    check_gparams(gparams, plan, "gb.apply", values=check)
+    stacks = gparams["stacks"]
+    if use_triton(backend, plan, stacks):
+        generated = fused_weights(plan, [stack_inputs(s, stacks[s.key]) for s in plan.stacks])
+    else:
+        tiles = [evaluate_stack(s, stacks[s.key]) for s in plan.stacks]
+        generated = {
+            p.name: assemble(p, plan.stacks[p.stack], tiles[p.stack]) for p in plan.generated
+        }
+    out: dict[str, Tensor] = {}
+    for p in plan.params:
+        if isinstance(p, Generated):
+            out[p.name] = generated[p.name]
+        else:
+            out[p.name] = gparams["free" if p.trainable else "frozen"][p.name]
+    return out
+
+
+def evaluate_stack(stack: Stack, leaves: dict[str, Tensor], *, recompute: bool = True) -> Tensor:
+    """Every tile of a stack, `(T, TH, TW * K)`: one batched g-net evaluation.
+
+    Args:
+        stack: The stack's description.
+        leaves: Its parameters, `gparams["stacks"][stack.key]`.
+        recompute: Use the recomputing backward (`tile_mlp`); False runs plain autograd.
+    """
+    fn = tile_mlp if recompute else reference
+    y = fn(*stack_inputs(stack, leaves), stack.genome.activation)  # (T, TH, Q, P)
+    return y.reshape(y.shape[0], y.shape[1], -1)
+
+
+def stack_inputs(stack: Stack, leaves: dict[str, Tensor]) -> tuple[Tensor | None, ...]:
+    """Per-tile g-net terms `(a, b, c, w_hidden, b_hidden, w_out, b_out)` of a stack.
+
+    `a` `(T, TH, H)` and `b` `(T, Q, H)` are the row and column parts of the separable first
+    layer, `c` `(T, H)` its bias (plus the tile embedding when g-nets are shared).
+    """
+    w_in = leaves["w_in"]
+    row, col = _codes(stack, w_in.dtype, w_in.device)
+    r = stack.row_width
+    a = row @ w_in[:, :r]  # (G, TH, H)
+    b = col @ w_in[:, r:]  # (G, Q, H)
+    c = leaves["b_in"]  # (G, H)
+    w_hidden, b_hidden = leaves.get("w_hidden"), leaves.get("b_hidden")
+    w_out, b_out = leaves["w_out"], leaves["b_out"]
+    if stack.genome.share:
+        counts = stack.tiles_per_gnet
+        w_embed = _per_tile(leaves["w_embed"], counts)  # (T, E, H)
+        c = _per_tile(c, counts) + torch.einsum("te,teh->th", leaves["tile_embed"], w_embed)
+        a, b, w_out, b_out = (_per_tile(x, counts) for x in (a, b, w_out, b_out))
+        if w_hidden is not None:
+            w_hidden, b_hidden = _per_tile(w_hidden, counts), _per_tile(b_hidden, counts)
+    return a, b, c, w_hidden, b_hidden, w_out, b_out
+
+
+def assemble(p: Generated, stack: Stack, tiles: Tensor) -> Tensor:
+    """Lay a parameter's tiles out on its grid, cut to its shape and scale it."""
+    tw = stack.tile[1]
+    taps = math.prod(stack.kernel)
+    parts = []
+    for block in p.blocks:
+        rows, cols = block.grid
+        t = tiles[block.first_tile : block.first_tile + block.num_tiles]  # (R*C, TH, TW*K)
+        t = rearrange(t, "(r c) th (tw k) -> (r th) (c tw) k", r=rows, c=cols, tw=tw, k=taps)
+        parts.append(t[: block.rows, : block.cols])
+    weight = parts[0] if len(parts) == 1 else torch.cat(parts, dim=p.split_dim)
+    return weight.reshape(p.shape) * p.scale
+
+
+def _codes(stack: Stack, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+    args = (stack.tile, stack.kernel, stack.genome, stack.columns, dtype, device)
+    if torch.compiler.is_compiling():
+        return stack_codes(*args)  # traced once into constants
+    return _cached_codes(*args)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_codes(*args) -> tuple[Tensor, Tensor]:
+    return stack_codes(*args)
+
+
+def _per_tile(x: Tensor, counts: tuple[int, ...]) -> Tensor:
+    """Repeat each g-net's row of `x` over its (consecutive) tiles: `(G, ...) -> (T, ...)`.
+
+    Built from expands and one cat, so the backward is a sum per g-net; indexing would make
+    it a scatter-add, which inductor's CPU code generation fails on (torch 2.13).
+    """
+    return torch.cat([x[g : g + 1].expand(n, *x.shape[1:]) for g, n in enumerate(counts)])

@@ -1,0 +1,88 @@
+"""Checks that `gparams` fit a plan, raising errors that name the leaf and the shapes."""
+
+import torch
+from torch import Tensor
+
+from ._plan import Plan
+
+_GROUPS = ("stacks", "free", "frozen")
+
+
+def expected_shapes(plan: Plan) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """Every leaf path of `gb.init(plan)` and its shape."""
+    shapes: dict[tuple[str, ...], tuple[int, ...]] = {}
+    for stack in plan.stacks:
+        for leaf, shape in stack.leaf_shapes().items():
+            shapes[("stacks", stack.key, leaf)] = shape
+    for p in plan.free:
+        shapes[("free" if p.trainable else "frozen", p.name)] = p.shape
+    return shapes
+
+
+def _path(keys: tuple[str, ...]) -> str:
+    return "gparams" + "".join(f"[{k!r}]" for k in keys)
+
+
+def check_gparams(gparams: object, plan: Plan, where: str, *, values: bool = False) -> None:
+    """Raise if `gparams` is not shaped like `gb.init(plan)`; optionally reject NaN/inf."""
+    if not isinstance(plan, Plan):
+        raise TypeError(
+            f"{where}: plan must be a gb.Plan (from gb.plan), got {type(plan).__name__}."
+        )
+    if not isinstance(gparams, dict) or set(gparams) != set(_GROUPS):
+        got = sorted(gparams) if isinstance(gparams, dict) else type(gparams).__name__
+        raise TypeError(
+            f"{where}: gparams must be the dict made by gb.init with keys {list(_GROUPS)}, "
+            f"got {got}."
+        )
+    hint = "Were these gparams made by gb.init with a different plan?"
+    expected = expected_shapes(plan)
+    stack_first: dict[str, tuple[tuple[str, ...], Tensor]] = {}
+    for keys, shape in expected.items():
+        node: object = gparams
+        for depth, key in enumerate(keys):
+            if not isinstance(node, dict) or key not in node:
+                raise ValueError(f"{where}: {_path(keys[: depth + 1])} is missing. {hint}")
+            node = node[key]
+        if not isinstance(node, Tensor):
+            raise TypeError(f"{where}: {_path(keys)} must be a Tensor, got {type(node).__name__}.")
+        if tuple(node.shape) != shape:
+            raise ValueError(
+                f"{where}: {_path(keys)} has shape {tuple(node.shape)}; expected {shape}. {hint}"
+            )
+        if not node.is_floating_point():
+            raise TypeError(
+                f"{where}: {_path(keys)} has dtype {node.dtype}; expected a floating dtype."
+            )
+        if keys[0] == "stacks":  # one batched evaluation: one dtype, one device
+            first_keys, first = stack_first.setdefault(keys[1], (keys, node))
+            if (node.dtype, node.device) != (first.dtype, first.device):
+                raise ValueError(
+                    f"{where}: {_path(keys)} is {node.dtype} on {node.device} but "
+                    f"{_path(first_keys)} is {first.dtype} on {first.device}; the leaves of a "
+                    "stack must share dtype and device."
+                )
+        if values and node.is_meta:
+            raise ValueError(f"{where}: {_path(keys)} is on the meta device: it has no values.")
+        if values and not bool(torch.isfinite(node).all()):
+            raise ValueError(f"{where}: {_path(keys)} contains NaN or inf.")
+    for group in _GROUPS:
+        for key, value in gparams[group].items():
+            extra = [
+                k for k in (value if isinstance(value, dict) else {None: None}) if k is not None
+            ]
+            keys = [(group, key, k) for k in extra] if extra else [(group, key)]
+            for k in keys:
+                if k not in expected:
+                    raise ValueError(f"{where}: {_path(k)} is not in the plan. {hint}")
+
+
+def leaves(gparams: dict, plan: Plan) -> dict[str, Tensor]:
+    """Every leaf that `plan` expects in `gparams` (already checked), by its path for messages."""
+    out: dict[str, Tensor] = {}
+    for keys in expected_shapes(plan):
+        node = gparams
+        for key in keys:
+            node = node[key]
+        out[_path(keys)] = node
+    return out

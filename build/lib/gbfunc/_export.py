@@ -1,0 +1,92 @@
+"""`gb.export` / `gb.save_dense`: the ordinary dense weights, for serving anywhere."""
+
+import os
+
+import safetensors.torch
+import torch
+from torch import Tensor, nn
+
+from ._apply import GParams, apply
+from ._checks import check_gparams, leaves
+from ._files import check_no_meta, standalone, write_atomic
+from ._model import check_matches
+from ._plan import Free, Plan
+
+
+def export(gparams: GParams, plan: Plan, *, model: nn.Module | None = None) -> dict[str, Tensor]:
+    """Materialise the dense weights that `gparams` generate, as a `state_dict`.
+
+    Args:
+        gparams: From `gb.init(plan)` (or trained from it).
+        plan: The plan that made `gparams`.
+        model: The p-net. With it the result is exactly `model.state_dict()`'s keys (tied
+            aliases such as GPT-2's `lm_head.weight`, and buffers copied from `model`), so
+            `model.load_state_dict(sd, strict=True)` works; without it, one entry per plan
+            parameter.
+
+    Returns:
+        `{name: Tensor}`, detached, each parameter in the dtype the p-net had.
+
+    Example:
+        >>> sd = gb.export(gparams, plan, model=model)
+        >>> fresh.load_state_dict(sd, strict=True)  # an ordinary model again
+    """
+    check_gparams(gparams, plan, "gb.export")
+    check_no_meta(leaves(gparams, plan), "gb.export")
+    if model is not None:
+        check_matches(plan, model, "gb.export", "the plan")
+    with torch.no_grad():
+        params = apply(gparams, plan)
+    dense: dict[str, Tensor] = {}
+    for p in plan.params:
+        value = params[p.name].detach().to(getattr(torch, p.dtype))
+        dense[p.name] = value.clone() if isinstance(p, Free) else value  # free ones alias gparams
+    if model is None:
+        return dense
+    # Tied parameters appear once in the plan (first name) and under every alias here.
+    canonical = {id(param): name for name, param in model.named_parameters()}
+    return {
+        key: dense[canonical[id(value)]] if id(value) in canonical else _copy(value)
+        for key, value in model.state_dict(keep_vars=True).items()
+    }
+
+
+def save_dense(
+    path: str | os.PathLike,
+    gparams: GParams,
+    plan: Plan,
+    *,
+    model: nn.Module | None = None,
+    metadata: dict[str, str] | None = None,
+) -> None:
+    """Write `gb.export(gparams, plan, model=model)` as an ordinary safetensors file, atomically.
+
+    Tied aliases are stored as separate copies, so `load_state_dict(strict=True)` needs no
+    tie-aware loader. The header carries `{"format": "pt"}` (what `transformers` expects)
+    plus `metadata`.
+
+    Example:
+        >>> gb.save_dense("model.safetensors", gparams, plan, model=model)
+        >>> model.load_state_dict(safetensors.torch.load_file("model.safetensors"))
+    """
+    path = os.fspath(path)
+    if metadata is not None and not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise TypeError(
+            f"gb.save_dense: metadata must map str to str (safetensors' header), got {metadata!r}."
+        )
+    state = export(gparams, plan, model=model)
+    for key, value in state.items():
+        if not isinstance(value, Tensor):
+            raise TypeError(
+                f"gb.save_dense: state_dict entry {key!r} is a {type(value).__name__}; "
+                "safetensors holds tensors only."
+            )
+    tensors = standalone(state)
+    header = {"format": "pt", **(metadata or {})}
+    write_atomic(path, lambda tmp: safetensors.torch.save_file(tensors, tmp, header))
+
+
+def _copy(value: object) -> object:
+    return value.detach().clone() if isinstance(value, Tensor) else value

@@ -1,0 +1,160 @@
+"""The g-net architecture (the *genome*) and the position codes it reads.
+
+Axis letters used in comments across gbfunc:
+    T tiles of a stack, G g-nets of a stack (G == T unless g-nets are shared),
+    TH x TW a tile in matrix units, K kernel positions folded into the columns,
+    Q evaluation columns of a tile (Q * P == TW * K), P values emitted per evaluation,
+    R / C row / column code widths, H hidden width, E tile-embedding width.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+ACTIVATIONS = ("relu", "gelu", "tanh", "silu")
+ENCODINGS = ("binary", "gray", "fourier")
+KERNEL_MODES = ("code", "output")
+
+
+@dataclass(frozen=True)
+class Genome:
+    """Architecture of one g-net: an MLP from a position's code to `outputs` weights.
+
+    The default is torchGB's genome: standardised binary codes of the tile-local row and
+    column, one hidden layer of 32 ReLU units, one scalar per position, one g-net per tile.
+
+    Attributes:
+        hidden: Width of every hidden layer.
+        depth: Number of hidden layers (>= 1).
+        activation: One of `ACTIVATIONS`.
+        encoding: Position code: `"binary"` (torchGB), `"gray"` (Shuvaev et al. 2024) or
+            `"fourier"` (sin/cos features).
+        fourier_features: Frequencies per axis for `encoding="fourier"`.
+        outputs: Weights emitted per evaluation along a row (linear-like weights only). With
+            `outputs=P` a tile costs `TH * TW / P` hidden activations and a small matmul.
+        kernel: Convolution kernel window in the `"code"` (one-hot inputs, torchGB) or in the
+            `"output"` (one evaluation emits all `K` kernel taps).
+        share: One g-net per parameter, shared by all its tiles, each tile adding a learned
+            embedding to the first layer (much higher compression).
+        embed_dim: Width of the per-tile embedding when `share=True`.
+    """
+
+    hidden: int = 32
+    depth: int = 1
+    activation: str = "relu"
+    encoding: str = "binary"
+    fourier_features: int = 4
+    outputs: int = 1
+    kernel: str = "code"
+    share: bool = False
+    embed_dim: int = 8
+
+    def __post_init__(self) -> None:
+        _check_int("hidden", self.hidden, 1)
+        _check_int("depth", self.depth, 1)
+        _check_int("fourier_features", self.fourier_features, 1)
+        _check_int("outputs", self.outputs, 1)
+        _check_int("embed_dim", self.embed_dim, 1)
+        _check_choice("activation", self.activation, ACTIVATIONS)
+        _check_choice("encoding", self.encoding, ENCODINGS)
+        _check_choice("kernel", self.kernel, KERNEL_MODES)
+        if not isinstance(self.share, bool):
+            raise TypeError(f"gb.plan: share must be a bool, got {self.share!r}.")
+
+    def param_shapes(self, code_width: int, outputs: int) -> dict[str, tuple[int, ...]]:
+        """Shapes of one g-net's parameters, by leaf name (no stacking axis)."""
+        h = self.hidden
+        shapes: dict[str, tuple[int, ...]] = {"w_in": (code_width, h), "b_in": (h,)}
+        if self.depth > 1:
+            shapes["w_hidden"] = (self.depth - 1, h, h)
+            shapes["b_hidden"] = (self.depth - 1, h)
+        shapes["w_out"] = (h, outputs)
+        shapes["b_out"] = (outputs,)
+        if self.share:
+            shapes["w_embed"] = (self.embed_dim, h)
+        return shapes
+
+    def param_count(self, code_width: int, outputs: int) -> int:
+        """Parameters of one g-net (tile embeddings not included)."""
+        return sum(math.prod(s) for s in self.param_shapes(code_width, outputs).values())
+
+
+def _check_int(name: str, value: object, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"gb.plan: {name} must be an integer >= {low}, got {value!r}.")
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"gb.plan: {name} must be one of {choices}, got {value!r}.")
+
+
+def bits(n: int) -> int:
+    """Number of bits that label `n` positions (at least 1)."""
+    return max(1, math.ceil(math.log2(n))) if n > 1 else 1
+
+
+def axis_code(n: int, encoding: str, fourier_features: int) -> Tensor:
+    """Code of positions `0..n-1` along one tile axis, shape `(n, width)`, unstandardised."""
+    idx = torch.arange(n, dtype=torch.int64)
+    if encoding == "fourier":
+        u = (idx.double() + 0.5) / n
+        freq = (2.0 ** torch.arange(fourier_features, dtype=torch.float64)) * math.pi
+        angles = u[:, None] * freq[None, :]
+        return torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
+    if encoding == "gray":
+        idx = idx ^ (idx >> 1)
+    shifts = torch.arange(bits(n) - 1, -1, -1, dtype=torch.int64)  # most significant bit first
+    return ((idx[:, None] >> shifts[None, :]) & 1).double()
+
+
+def kernel_code(kernel: tuple[int, ...]) -> Tensor:
+    """One-hot code of every kernel tap (row-major), shape `(prod(kernel), sum(kernel))`."""
+    taps = torch.cartesian_prod(*[torch.arange(k) for k in kernel]).reshape(-1, len(kernel))
+    return torch.cat(
+        [torch.nn.functional.one_hot(taps[:, d], k).double() for d, k in enumerate(kernel)], dim=1
+    )
+
+
+def standardise(row_code: Tensor, col_code: Tensor) -> tuple[Tensor, Tensor]:
+    """Standardise both code tables with one scalar mean and std, as torchGB does.
+
+    The statistics are those of the full `(TH * Q, R + C)` input matrix, computed from the
+    two factors without building it.
+    """
+    width = row_code.shape[1] + col_code.shape[1]
+    mean = (row_code.mean(0).sum() + col_code.mean(0).sum()) / width
+    second = ((row_code**2).mean(0).sum() + (col_code**2).mean(0).sum()) / width
+    std = (second - mean**2).clamp_min(1e-12).sqrt()
+    return (row_code - mean) / std, (col_code - mean) / std
+
+
+def stack_codes(
+    tile: tuple[int, int],
+    kernel: tuple[int, ...],
+    genome: Genome,
+    columns: int,
+    dtype: torch.dtype,
+    device: torch.device | str | None,
+) -> tuple[Tensor, Tensor]:
+    """Standardised row codes `(TH, R)` and column codes `(Q, C)` of a stack's tile.
+
+    Column `q` of a tile is tile-local column `q` (matrices), column `q // K` at kernel tap
+    `q % K` (conv kernels in the code), or column `q` emitting all `K` taps (in the output).
+    """
+    th, tw = tile
+    ff = genome.fourier_features
+    row = axis_code(th, genome.encoding, ff)
+    taps = math.prod(kernel)
+    if taps > 1 and genome.kernel == "code":
+        per_col = axis_code(tw, genome.encoding, ff)
+        taps_code = kernel_code(kernel)
+        col = torch.cat(
+            [per_col.repeat_interleave(taps, 0), taps_code.repeat(tw, 1)], dim=1
+        )  # (TW * K, C): column-major over (tw, tap)
+    else:
+        col = axis_code(columns, genome.encoding, ff)
+    row, col = standardise(row, col)
+    return row.to(dtype=dtype, device=device), col.to(dtype=dtype, device=device)

@@ -1,0 +1,91 @@
+"""Checks on the user's p-net: that it is a plain module, and that it matches a plan."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+if TYPE_CHECKING:  # _plan imports this module
+    from ._plan import Plan
+
+_WRAPPERS = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+
+
+def check_module(model: object, where: str) -> nn.Module:
+    """Return `model` if it is a plain `nn.Module`; reject wrappers whose names differ from it.
+
+    DDP/DataParallel prefix every name with `module.` and torch.compile with `_orig_mod.`;
+    gbfunc generates weights for the module itself, so the wrapper has to be removed.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{where}: model must be an nn.Module, got {type(model).__name__}.")
+    if isinstance(model, _WRAPPERS):
+        raise TypeError(
+            f"{where}: model is wrapped in {type(model).__name__}; pass model.module. gbfunc "
+            "generates the weights itself (use gbfunc.compat.GenomicBottleneck for DDP scripts)."
+        )
+    if _is_compiled(model):
+        raise TypeError(
+            f"{where}: model is a torch.compile'd OptimizedModule; pass model._orig_mod and "
+            "compile the function that calls gb.apply instead."
+        )
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside DDP, DataParallel and torch.compile wrappers, however nested."""
+    while True:
+        if isinstance(model, _WRAPPERS):
+            model = model.module
+        elif _is_compiled(model):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def _is_compiled(model: nn.Module) -> bool:
+    # torch.compile's OptimizedModule, recognised without importing torch._dynamo.
+    return type(model).__name__ == "OptimizedModule" and isinstance(
+        getattr(model, "_orig_mod", None), nn.Module
+    )
+
+
+def _describe(name: str, shape: tuple[int, ...]) -> str:
+    return f"{name!r} {shape}"
+
+
+def check_matches(
+    plan: Plan, model: nn.Module, where: str, source: str, error: type[ValueError] = ValueError
+) -> None:
+    """Raise `error` naming the first parameter whose name or shape differs.
+
+    Args:
+        plan: The plan to compare.
+        model: The p-net; tied parameters count once, as in `gb.plan`.
+        where: Prefix of the message, e.g. `"gb.load: /tmp/ckpt.safetensors"`.
+        source: What the plan came from, e.g. `"the checkpoint"`.
+        error: The exception class to raise.
+    """
+    check_module(model, where)
+    theirs = [(p.name, p.shape) for p in plan.params]
+    ours = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    for i, ((name, shape), (m_name, m_shape)) in enumerate(zip(theirs, ours, strict=False)):
+        if name != m_name:
+            raise error(
+                f"{where}: parameter #{i} is {_describe(name, shape)} in {source} but "
+                f"{_describe(m_name, m_shape)} in the model. Was it made for a different model?"
+            )
+        if shape != m_shape:
+            raise error(
+                f"{where}: parameter {name!r} has shape {shape} in {source} "
+                f"but {m_shape} in the model."
+            )
+    if len(theirs) > len(ours):
+        name, shape = theirs[len(ours)]
+        raise error(
+            f"{where}: parameter {_describe(name, shape)} is in {source} but not in the model."
+        )
+    if len(ours) > len(theirs):
+        name, shape = ours[len(theirs)]
+        raise error(f"{where}: the model's parameter {_describe(name, shape)} is not in {source}.")

@@ -1,0 +1,154 @@
+"""`gb.report`: exact parameter counts of a plan, as data and as a table."""
+
+import math
+from dataclasses import dataclass
+
+from torch import nn
+
+from ._plan import Free, Generated, Plan
+
+
+@dataclass(frozen=True)
+class Row:
+    """One parameter of the p-net.
+
+    Attributes:
+        name: Parameter name.
+        shape: Its shape.
+        kind: `"generated"`, `"free"` or `"frozen"`.
+        tiles: Tiles that generate it (0 for free parameters).
+        gnet_params: G-net parameters spent on it (its tiles' g-nets, plus its share of
+            shared g-nets and tile embeddings); for free parameters, its own size.
+        ratio: `numel / gnet_params` (1.0 for free parameters).
+        note: Stack key, or why the parameter is free.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    kind: str
+    tiles: int
+    gnet_params: int
+    ratio: float
+    note: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Report:
+    """Per-parameter rows and totals; `str(report)` is a table."""
+
+    rows: tuple[Row, ...]
+
+    @property
+    def dense_params(self) -> int:
+        """Parameters of the p-net (tied parameters counted once)."""
+        return sum(r.numel for r in self.rows)
+
+    @property
+    def generated_weights(self) -> int:
+        return sum(r.numel for r in self.rows if r.kind == "generated")
+
+    @property
+    def gnet_params(self) -> int:
+        """Trainable g-net parameters (stacks, tile embeddings)."""
+        return sum(r.gnet_params for r in self.rows if r.kind == "generated")
+
+    @property
+    def free_params(self) -> int:
+        return sum(r.numel for r in self.rows if r.kind == "free")
+
+    @property
+    def frozen_params(self) -> int:
+        return sum(r.numel for r in self.rows if r.kind == "frozen")
+
+    @property
+    def stored_params(self) -> int:
+        """What a compressed checkpoint holds: g-nets, free and frozen parameters."""
+        return self.gnet_params + self.free_params + self.frozen_params
+
+    @property
+    def generated_compression(self) -> float:
+        """Generated weights per g-net parameter."""
+        return self.generated_weights / max(1, self.gnet_params)
+
+    @property
+    def compression(self) -> float:
+        """Dense parameters per stored parameter, the whole model."""
+        return self.dense_params / max(1, self.stored_params)
+
+    def __str__(self) -> str:
+        header = ("parameter", "shape", "kind", "tiles", "stored", "ratio", "note")
+        lines = [
+            (
+                r.name,
+                "x".join(map(str, r.shape)) or "scalar",
+                r.kind,
+                str(r.tiles),
+                f"{r.gnet_params:,}",
+                f"{r.ratio:.1f}x",
+                r.note,
+            )
+            for r in self.rows
+        ]
+        lines.append(
+            (
+                "generated",
+                f"{self.generated_weights:,}",
+                "",
+                "",
+                f"{self.gnet_params:,}",
+                f"{self.generated_compression:.1f}x",
+                "weights / g-net params",
+            )
+        )
+        lines.append(
+            (
+                "whole model",
+                f"{self.dense_params:,}",
+                "",
+                "",
+                f"{self.stored_params:,}",
+                f"{self.compression:.1f}x",
+                "dense / stored params",
+            )
+        )
+        widths = [max(len(row[i]) for row in [header, *lines]) for i in range(len(header))]
+        fmt = "  ".join(f"{{:{'<' if i in (0, 2, 6) else '>'}{w}}}" for i, w in enumerate(widths))
+        rule = "-" * (sum(widths) + 2 * (len(widths) - 1))
+        body = [fmt.format(*row) for row in lines]
+        return "\n".join([fmt.format(*header), rule, *body[:-2], rule, *body[-2:]])
+
+
+def report(plan: Plan) -> Report:
+    """Exact per-parameter accounting of `plan`.
+
+    Example:
+        >>> rep = gb.report(gb.plan(nn.Linear(256, 128), tile=(32, 32)))
+        >>> rep.generated_weights, rep.gnet_params
+        (32768, 12320)
+    """
+    if not isinstance(plan, Plan):
+        hint = " Pass gb.plan(model) instead." if isinstance(plan, nn.Module) else ""
+        raise TypeError(f"gb.report: plan must be a gb.Plan, got {type(plan).__name__}.{hint}")
+    rows = []
+    for p in plan.params:
+        if isinstance(p, Generated):
+            stack = plan.stacks[p.stack]
+            tiles = sum(b.num_tiles for b in p.blocks)
+            # Each tile is charged its g-net's parameters divided among the g-net's tiles.
+            per_tile = (stack.num_params - _embedding_params(stack)) / stack.num_tiles
+            embed = stack.genome.embed_dim if stack.genome.share else 0
+            cost = round(tiles * per_tile) + tiles * embed
+            rows.append(Row(p.name, p.shape, "generated", tiles, cost, p.numel / cost, stack.key))
+        else:
+            assert isinstance(p, Free)
+            kind = "free" if p.trainable else "frozen"
+            rows.append(Row(p.name, p.shape, kind, 0, p.numel, 1.0, p.reason))
+    return Report(tuple(rows))
+
+
+def _embedding_params(stack) -> int:
+    return stack.num_tiles * stack.genome.embed_dim if stack.genome.share else 0

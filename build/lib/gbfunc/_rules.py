@@ -1,0 +1,148 @@
+"""Which parameters of which module types are generated, and how each is laid out.
+
+A rule maps a module to its generatable parameters. Each is described by a `Layout`: the
+parameter is viewed as a matrix `(M, N)` of kernel windows (`shape[2:]`), optionally split
+into equal blocks (e.g. the Q, K and V projections of `in_proj_weight`), each block tiled on
+its own. Rules also give the std that the module's own initialisation draws the parameter
+with, so generated weights start at the same scale (checked against real inits in tests).
+"""
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one generatable parameter maps onto tiles.
+
+    Attributes:
+        init_std: Std of the parameter under the module's own initialisation.
+        splits: Number of equal blocks the parameter is cut into along `split_dim`, each tiled
+            separately so no tile straddles two logical matrices.
+        split_dim: 0 (rows) or 1 (columns).
+        embedding: True for embedding tables (generated only when asked).
+    """
+
+    init_std: float
+    splits: int = 1
+    split_dim: int = 0
+    embedding: bool = False
+
+
+Rule = Callable[[nn.Module], dict[str, Layout]]
+_RULES: dict[type, Rule] = {}
+
+
+def register_rule(module_type: type, rule: Rule) -> None:
+    """Declare which parameters of `module_type` (and its subclasses) are generated.
+
+    Args:
+        module_type: An `nn.Module` subclass. The most specific registered base wins.
+        rule: `rule(module) -> {local_param_name: Layout}`; parameters it leaves out stay free.
+
+    Example:
+        >>> class Bilinear2(nn.Bilinear): ...
+        >>> gb.register_rule(Bilinear2, lambda m: {"weight": gb.Layout(init_std=0.1)})
+    """
+    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise TypeError(
+            f"gb.register_rule: module_type must be an nn.Module subclass, got {module_type!r}."
+        )
+    if not callable(rule):
+        raise TypeError(f"gb.register_rule: rule must be callable, got {rule!r}.")
+    _RULES[module_type] = rule
+
+
+def rule_for(module: nn.Module) -> Rule | None:
+    """The rule registered for the nearest class in `type(module).__mro__`, if any."""
+    for cls in type(module).__mro__:
+        if cls in _RULES:
+            return _RULES[cls]
+        named = _NAMED_RULES.get(f"{cls.__module__}.{cls.__qualname__}")
+        if named is not None:
+            return named
+    return None
+
+
+def kaiming_uniform_std(fan_in: int) -> float:
+    """Std of `kaiming_uniform_(a=sqrt(5))`, PyTorch's default for Linear and Conv weights."""
+    return 1.0 / math.sqrt(3.0 * fan_in)
+
+
+def xavier_std(fan_in: int, fan_out: int) -> float:
+    """Std of `xavier_uniform_` (and `xavier_normal_`)."""
+    return math.sqrt(2.0 / (fan_in + fan_out))
+
+
+def _fan_in(shape: tuple[int, ...]) -> int:
+    return shape[1] * math.prod(shape[2:])
+
+
+def _linear_like(module: nn.Module) -> dict[str, Layout]:
+    return {"weight": Layout(kaiming_uniform_std(_fan_in(tuple(module.weight.shape))))}
+
+
+def _attention(module: nn.MultiheadAttention) -> dict[str, Layout]:
+    if module.in_proj_weight is not None:
+        rows, cols = module.in_proj_weight.shape
+        # Q, K and V are three matrices stacked on rows: tile each on its own.
+        return {"in_proj_weight": Layout(xavier_std(cols, rows), splits=3, split_dim=0)}
+    return {
+        name: Layout(xavier_std(p.shape[1], p.shape[0]))
+        for name, p in (
+            ("q_proj_weight", module.q_proj_weight),
+            ("k_proj_weight", module.k_proj_weight),
+            ("v_proj_weight", module.v_proj_weight),
+        )
+    }
+
+
+def _embedding(module: nn.Embedding) -> dict[str, Layout]:
+    return {"weight": Layout(1.0, embedding=True)}
+
+
+def _hf_conv1d(module: nn.Module) -> dict[str, Layout]:
+    # transformers' Conv1D stores (in, out) and draws N(0, 0.02); GPT-2's c_attn fuses Q, K, V
+    # on columns (nf = 3 * n_embd), split so tiles never straddle them.
+    splits = 3 if getattr(module, "nf", 0) == 3 * module.weight.shape[0] else 1
+    return {"weight": Layout(0.02, splits=splits, split_dim=1)}
+
+
+for _cls in (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d):
+    register_rule(_cls, _linear_like)
+register_rule(nn.MultiheadAttention, _attention)
+register_rule(nn.Embedding, _embedding)
+# Matched by qualified name so that gbfunc never imports transformers itself.
+_NAMED_RULES: dict[str, Rule] = {"transformers.pytorch_utils.Conv1D": _hf_conv1d}
+
+
+def free_init(module: nn.Module, name: str, shape: tuple[int, ...]) -> tuple[str, float]:
+    """How `gb.init` draws a free parameter: `(kind, value)` with kind in zeros/ones/uniform/normal.
+
+    Mirrors the module's own `reset_parameters` for the common layers, also for weights left
+    free by the caller; other parameters get ones (1-D weights, i.e. scales), zeros (biases,
+    other 1-D) or N(0, 0.02) (matrices).
+    """
+    if isinstance(module, nn.Embedding):
+        return ("normal", 1.0)
+    if _is_named(module, "transformers.pytorch_utils.Conv1D"):
+        return ("normal", 0.02) if name == "weight" else ("zeros", 0.0)
+    if isinstance(module, nn.MultiheadAttention):
+        if len(shape) == 2:  # xavier_uniform_ over the whole (fused) matrix
+            return ("uniform", math.sqrt(6.0 / (shape[0] + shape[1])))
+        return ("zeros", 0.0)
+    if isinstance(module, nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d):
+        if name == "bias" and isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
+            return ("zeros", 0.0)  # MultiheadAttention zeroes out_proj.bias
+        # kaiming_uniform_(a=sqrt(5)) for the weight and the bias's own rule share this bound.
+        return ("uniform", 1.0 / math.sqrt(_fan_in(tuple(module.weight.shape))))
+    if len(shape) <= 1:
+        return ("ones", 1.0) if name == "weight" else ("zeros", 0.0)
+    return ("normal", 0.02)
+
+
+def _is_named(module: nn.Module, qualname: str) -> bool:
+    return any(f"{c.__module__}.{c.__qualname__}" == qualname for c in type(module).__mro__)

@@ -1,0 +1,108 @@
+"""Plans and pytrees to JSON and back, without pickle.
+
+A plan becomes a JSON object that rebuilds an equal `Plan`. A pytree (an optimizer's
+`state_dict()`, for instance) becomes a JSON skeleton plus a flat `{key: Tensor}` dict; the
+skeleton tags what JSON cannot tell apart (tuples from lists, int keys from str keys).
+"""
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict
+
+from torch import Tensor
+
+from ._genome import Genome
+from ._plan import Block, Free, Generated, Plan, Stack
+
+
+def plan_to_json(plan: Plan) -> str:
+    """Canonical JSON of `plan`; `plan_from_json` turns it back into an equal `Plan`."""
+    params = [{"kind": type(p).__name__.lower(), **asdict(p)} for p in plan.params]
+    stacks = [asdict(s) for s in plan.stacks]
+    return json.dumps({"params": params, "stacks": stacks}, sort_keys=True, separators=(",", ":"))
+
+
+def plan_from_json(text: str) -> Plan:
+    """Rebuild the `Plan` that `plan_to_json` wrote; raises `ValueError` on malformed input."""
+    try:
+        data = json.loads(text)
+        params = tuple(_param(_tuples(p)) for p in data["params"])
+        stacks = tuple(_stack(_tuples(s)) for s in data["stacks"])
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"malformed plan JSON ({type(e).__name__}: {e})") from None
+    return Plan(params, stacks)
+
+
+def _tuples(x: object) -> object:
+    """Every JSON list in a plan is a tuple field."""
+    if isinstance(x, list):
+        return tuple(_tuples(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _tuples(v) for k, v in x.items()}
+    return x
+
+
+def _param(d: dict) -> Generated | Free:
+    kind = d.pop("kind")
+    if kind == "generated":
+        return Generated(**{**d, "blocks": tuple(Block(**b) for b in d["blocks"])})
+    if kind == "free":
+        return Free(**d)
+    raise ValueError(f"unknown parameter kind {kind!r}")
+
+
+def _stack(d: dict) -> Stack:
+    return Stack(**{**d, "genome": Genome(**d["genome"])})
+
+
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def flatten(tree: object, prefix: str, where: str) -> tuple[object, dict[str, Tensor]]:
+    """Split `tree` into a JSON-able skeleton and its tensors, keyed `prefix/0`, `prefix/1`, ...
+
+    Args:
+        tree: Nested dicts (str or int keys), lists, tuples, tensors, numbers, strings, None.
+        prefix: Key prefix of the tensors.
+        where: Names the argument in errors, e.g. `"gb.save: opt_state"`.
+    """
+    tensors: dict[str, Tensor] = {}
+
+    def walk(node: object, path: str) -> object:
+        if isinstance(node, Tensor):
+            key = f"{prefix}/{len(tensors)}"
+            tensors[key] = node
+            return {"$tensor": key}
+        if isinstance(node, _SCALARS):
+            return node
+        if isinstance(node, list):
+            return [walk(v, f"{path}[{i}]") for i, v in enumerate(node)]
+        if isinstance(node, tuple):
+            return {"$tuple": [walk(v, f"{path}[{i}]") for i, v in enumerate(node)]}
+        if isinstance(node, dict):
+            bad = [k for k in node if not isinstance(k, str | int) or isinstance(k, bool)]
+            if bad:
+                raise TypeError(f"{path} has key {bad[0]!r}; only str and int keys can be saved.")
+            return {"$dict": [[k, walk(v, f"{path}[{k!r}]")] for k, v in node.items()]}
+        raise TypeError(
+            f"{path} is a {type(node).__name__}; only tensors, numbers, strings, None, lists, "
+            "tuples and dicts can be saved."
+        )
+
+    return walk(tree, where), tensors
+
+
+def unflatten(skeleton: object, tensor: Callable[[str], Tensor]) -> object:
+    """Inverse of `flatten`: `tensor(key)` returns the tensor stored under `key`."""
+    if isinstance(skeleton, list):
+        return [unflatten(v, tensor) for v in skeleton]
+    if isinstance(skeleton, dict):
+        (tag, value), *rest = skeleton.items()
+        if rest or tag not in ("$tensor", "$tuple", "$dict"):
+            raise ValueError(f"malformed pytree node {skeleton!r}")
+        if tag == "$tensor":
+            return tensor(value)
+        if tag == "$tuple":
+            return tuple(unflatten(v, tensor) for v in value)
+        return {k: unflatten(v, tensor) for k, v in value}
+    return skeleton

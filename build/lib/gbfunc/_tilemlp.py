@@ -1,0 +1,247 @@
+"""Evaluate a stack of g-nets on every position of their tiles, without storing activations.
+
+The first layer is separable: for tile `t`, row `i` and evaluation column `q`,
+`z[t, i, q] = a[t, i] + b[t, q] + c[t]` with `a = row_code @ w_in[:R]`, `b = col_code @ w_in[R:]`.
+A tile therefore costs two tiny matmuls and ~3H FLOPs per weight, and nothing of size
+`(T, TH, Q, H)` has to be saved: the backward recomputes it (FlashAttention-style).
+
+`reference` is the specification (plain autograd). `tile_mlp` is the same function as an
+`autograd.Function` whose backward recomputes; it composes with `grad`, `vmap` and
+`torch.compile(fullgraph=True)`.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# Eager evaluation is chunked over tiles so that the transient (chunk, TH, Q, H) tensor stays
+# cache-sized; compiled graphs are left whole for inductor to fuse.
+CHUNK_ELEMENTS = 1 << 18
+
+
+def activate(z: Tensor, activation: str) -> Tensor:
+    """Apply the named activation."""
+    if activation == "relu":
+        return torch.relu(z)
+    if activation == "gelu":
+        return F.gelu(z)
+    if activation == "tanh":
+        return torch.tanh(z)
+    if activation == "silu":
+        return F.silu(z)
+    raise ValueError(f"unknown activation {activation!r}")
+
+
+def activate_grad(z: Tensor, activation: str) -> Tensor:
+    """Derivative of the named activation at `z`."""
+    if activation == "relu":
+        return (z > 0).to(z.dtype)
+    if activation == "gelu":
+        cdf = 0.5 * (1.0 + torch.erf(z * (1.0 / math.sqrt(2.0))))
+        pdf = torch.exp(-0.5 * z * z) * (1.0 / math.sqrt(2.0 * math.pi))
+        return cdf + z * pdf
+    if activation == "tanh":
+        return 1.0 - torch.tanh(z) ** 2
+    if activation == "silu":
+        s = torch.sigmoid(z)
+        return s * (1.0 + z * (1.0 - s))
+    raise ValueError(f"unknown activation {activation!r}")
+
+
+def _first_layer(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
+    return a[:, :, None, :] + b[:, None, :, :] + c[:, None, None, :]  # (T, TH, Q, H)
+
+
+def reference(
+    a: Tensor,
+    b: Tensor,
+    c: Tensor,
+    w_hidden: Tensor | None,
+    b_hidden: Tensor | None,
+    w_out: Tensor,
+    b_out: Tensor,
+    activation: str,
+) -> Tensor:
+    """Outputs of every g-net of a stack at every position of its tile.
+
+    Args:
+        a: Row terms of the first layer, `(T, TH, H)`.
+        b: Column terms of the first layer, `(T, Q, H)`.
+        c: First-layer bias per tile, `(T, H)`.
+        w_hidden: Hidden-to-hidden weights `(T, D-1, H, H)`, or `None` for one hidden layer.
+        b_hidden: Hidden biases `(T, D-1, H)`, or `None`.
+        w_out: Output weights `(T, H, P)`.
+        b_out: Output biases `(T, P)`.
+        activation: Name of the activation.
+
+    Returns:
+        `(T, TH, Q, P)`: `out[t, i, q] = mlp_t(code(i, q))`.
+    """
+    h = activate(_first_layer(a, b, c), activation)
+    for layer in range(0 if w_hidden is None else w_hidden.shape[1]):
+        z = torch.einsum("tiqh,thk->tiqk", h, w_hidden[:, layer]) + b_hidden[:, layer, None, None]
+        h = activate(z, activation)
+    return torch.einsum("tiqh,thp->tiqp", h, w_out) + b_out[:, None, None, :]
+
+
+def _forward_no_save(a, b, c, w_hidden, b_hidden, w_out, b_out, activation) -> Tensor:
+    if w_hidden is None and w_out.shape[-1] == 1:
+        # One hidden layer, one output: a single fused reduction over H.
+        h = activate(_first_layer(a, b, c), activation)
+        return (h * w_out[:, None, None, :, 0]).sum(-1, keepdim=True) + b_out[:, None, None, :]
+    return reference(a, b, c, w_hidden, b_hidden, w_out, b_out, activation)
+
+
+def _backward_recompute(grad, a, b, c, w_hidden, b_hidden, w_out, activation):
+    """Gradients of `reference` w.r.t. (a, b, c, w_hidden, b_hidden, w_out, b_out)."""
+    g_b_out = grad.sum((1, 2))  # (T, P)
+    if w_hidden is None and w_out.shape[-1] == 1 and torch.compiler.is_compiling():
+        g_a, g_b, g_w_out = _fused_reductions(grad[..., 0], a, b, c, w_out[..., 0], activation)
+        return g_a, g_b, g_a.sum(1), None, None, g_w_out[..., None], g_b_out
+    z = _first_layer(a, b, c)  # (T, TH, Q, H), one chunk at a time in eager mode
+    if w_hidden is None and w_out.shape[-1] == 1:
+        num_tiles, hidden = a.shape[0], a.shape[-1]
+        h = activate(z, activation).reshape(num_tiles, -1, hidden)  # (T, TH*Q, H)
+        g_w_out = h.transpose(1, 2) @ grad.reshape(num_tiles, -1, 1)  # (T, H, 1)
+        del h
+        g_z = activate_grad(z, activation).mul_(grad).mul_(w_out[:, None, None, :, 0])
+        g_w_hidden = g_b_hidden = None
+    else:
+        zs = [z]  # pre-activations of every hidden layer, recomputed
+        for layer in range(0 if w_hidden is None else w_hidden.shape[1]):
+            h = activate(zs[-1], activation)
+            w, bias = w_hidden[:, layer], b_hidden[:, layer, None, None]
+            zs.append(torch.einsum("tiqh,thk->tiqk", h, w) + bias)
+        h = activate(zs[-1], activation)
+        g_w_out = torch.einsum("tiqh,tiqp->thp", h, grad)
+        g_h = torch.einsum("tiqp,thp->tiqh", grad, w_out)
+        g_ws, g_bs = [], []
+        for layer in range(len(zs) - 1, 0, -1):
+            g_z = g_h * activate_grad(zs[layer], activation)
+            h_prev = activate(zs[layer - 1], activation)
+            g_ws.append(torch.einsum("tiqh,tiqk->thk", h_prev, g_z))
+            g_bs.append(g_z.sum((1, 2)))
+            g_h = torch.einsum("tiqk,thk->tiqh", g_z, w_hidden[:, layer - 1])
+        g_z = g_h * activate_grad(zs[0], activation)
+        g_w_hidden = torch.stack(g_ws[::-1], 1) if g_ws else None
+        g_b_hidden = torch.stack(g_bs[::-1], 1) if g_bs else None
+    g_a = g_z.sum(2)
+    g_b = g_z.sum(1)
+    return g_a, g_b, g_a.sum(1), g_w_hidden, g_b_hidden, g_w_out, g_b_out
+
+
+def _fused_reductions(g: Tensor, a: Tensor, b: Tensor, c: Tensor, w: Tensor, activation: str):
+    """dA, dB and dw of the one-layer, one-output g-net as reductions for inductor.
+
+    Each is written with its reduced axis innermost, so inductor emits one vectorised
+    reduction loop per gradient that recomputes the pre-activation in registers instead of
+    materialising `(T, TH, Q, H)` (as it does for the shared-`z` form: ~10x slower here).
+    ReLU is homogeneous (`relu(z) = z * [z > 0]`), so its dw follows from the two masked sums
+    behind dA and dB without a third pass over the positions.
+    Shapes: g `(T, TH, Q)`, a `(T, TH, H)`, b `(T, Q, H)`, c and w `(T, H)`.
+    """
+    # Contiguous transposes keep every innermost read unit-stride (vector loads).
+    a_t, b_t = (
+        a.transpose(1, 2).contiguous(),
+        b.transpose(1, 2).contiguous(),
+    )  # (T, H, TH), (T, H, Q)
+    z = a[..., None] + b_t[:, None] + c[:, None, :, None]  # (T, TH, H, Q)
+    rows = (g[:, :, None, :] * activate_grad(z, activation)).sum(-1)  # (T, TH, H)
+    g_t = g.transpose(1, 2).contiguous()  # (T, Q, TH)
+    z = b[..., None] + a_t[:, None] + c[:, None, :, None]  # (T, Q, H, TH)
+    cols = (g_t[:, :, None, :] * activate_grad(z, activation)).sum(-1)  # (T, Q, H)
+    if activation == "relu":
+        g_w = ((a + c[:, None]) * rows).sum(1) + (b * cols).sum(1)
+    else:
+        z = a_t[..., None] + b_t[:, :, None, :] + c[:, :, None, None]  # (T, H, TH, Q)
+        g_w = (g[:, None] * activate(z, activation)).sum((2, 3))
+    return rows * w[:, None, :], cols * w[:, None, :], g_w
+
+
+def _chunks(num_tiles: int, per_tile: int) -> list[tuple[int, int]]:
+    if torch.compiler.is_compiling():
+        return [(0, num_tiles)]
+    size = max(1, CHUNK_ELEMENTS // max(1, per_tile))
+    return [(s, min(num_tiles, s + size)) for s in range(0, num_tiles, size)]
+
+
+def _sliced(x: Tensor | None, lo: int, hi: int) -> Tensor | None:
+    return None if x is None else x[lo:hi]
+
+
+class _TileMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(a, b, c, w_hidden, b_hidden, w_out, b_out, activation):
+        num_tiles, rows, hidden = a.shape
+        parts = _chunks(num_tiles, rows * b.shape[1] * hidden)
+        outs = [
+            _forward_no_save(
+                *(_sliced(x, lo, hi) for x in (a, b, c, w_hidden, b_hidden, w_out, b_out)),
+                activation,
+            )
+            for lo, hi in parts
+        ]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        a, b, c, w_hidden, b_hidden, w_out, _, activation = inputs
+        ctx.save_for_backward(a, b, c, w_hidden, b_hidden, w_out)
+        ctx.activation = activation
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b, c, w_hidden, b_hidden, w_out = ctx.saved_tensors
+        grad = grad.contiguous()
+        parts = _chunks(a.shape[0], a.shape[1] * b.shape[1] * a.shape[2])
+        results = [
+            _backward_recompute(
+                grad[lo:hi],
+                *(_sliced(x, lo, hi) for x in (a, b, c, w_hidden, b_hidden, w_out)),
+                ctx.activation,
+            )
+            for lo, hi in parts
+        ]
+        grads = [
+            None
+            if parts_of[0] is None
+            else torch.cat(parts_of)
+            if len(parts_of) > 1
+            else parts_of[0]
+            for parts_of in zip(*results, strict=True)
+        ]
+        return (*grads, None)
+
+    @staticmethod
+    def vmap(info, in_dims, a, b, c, w_hidden, b_hidden, w_out, b_out, activation):
+        # Fold the vmapped genomes into the tile axis: K stacks of T tiles are one stack of K*T.
+        size = info.batch_size
+
+        def fold(x: Tensor | None, dim: int | None) -> Tensor | None:
+            if x is None:
+                return None
+            x = x.unsqueeze(0).expand(size, *x.shape) if dim is None else x.movedim(dim, 0)
+            return x.reshape(size * x.shape[1], *x.shape[2:])
+
+        args = [
+            fold(x, d)
+            for x, d in zip((a, b, c, w_hidden, b_hidden, w_out, b_out), in_dims, strict=False)
+        ]
+        out = _TileMLP.apply(*args, activation)
+        return out.reshape(size, -1, *out.shape[1:]), 0
+
+
+def tile_mlp(
+    a: Tensor,
+    b: Tensor,
+    c: Tensor,
+    w_hidden: Tensor | None,
+    b_hidden: Tensor | None,
+    w_out: Tensor,
+    b_out: Tensor,
+    activation: str,
+) -> Tensor:
+    """`reference`, with a backward that recomputes instead of saving `(T, TH, Q, H)`."""
+    return _TileMLP.apply(a, b, c, w_hidden, b_hidden, w_out, b_out, activation)

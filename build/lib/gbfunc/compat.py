@@ -1,0 +1,244 @@
+"""torchGB's `GenomicBottleneck` training-loop API, as a thin shell over plan/init/apply.
+
+For porting torchGB scripts; the loop stays as it was::
+
+    gnets = GenomicBottleneck(model)             # plain, DDP-wrapped or torch.compile'd
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for x, y in batches:
+        optimizer.zero_grad()
+        gnets.zero_grad()
+        gnets.predict_weights()                  # generated weights -> p-net parameters
+        loss = criterion(model(x), y)
+        loss.backward()
+        gnets.backward()                         # p-net grads -> g-net grads
+        optimizer.step()                         # free parameters only
+        gnets.step()
+
+What differs from torchGB, on purpose:
+- One optimizer over the stacked g-nets (`gparams["stacks"]`), not one per tile.
+- `backward()` sets the generated parameters' `.grad` to None, so the user's optimizer skips
+  them: no optimizer state and no weight decay for weights the next `predict_weights()`
+  overwrites. Free parameters (biases, norms, embeddings) are trained by the user's
+  optimizer, as in torchGB. Clipping `model.parameters()` after `backward()` therefore clips
+  free parameters only.
+- G-nets receive the exact gradient of the loss (torchGB divides it by `N_tile * sigma^2`).
+- `compression()` counts the unwrapped model, so it is right for DDP-wrapped models.
+- With DDP, every rank holds the same g-nets and gets the same all-reduced p-net gradients,
+  so the replicas stay identical without further communication; `save` writes on rank 0 only.
+"""
+
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ._apply import apply
+from ._checkpoint import CheckpointMismatchError, load
+from ._init import init
+from ._model import unwrap
+from ._plan import Free, Generated, Plan, plan
+from ._replicated import save_replicated
+from ._report import report
+
+OptimizerFactory = Callable[[list[Tensor]], torch.optim.Optimizer]
+
+
+class GenomicBottleneck:
+    """Generate `model`'s weights with g-nets, driven by torchGB's method calls.
+
+    Args:
+        model: The p-net, plain or wrapped in DDP/DataParallel or torch.compile.
+        num_batches: Accepted for torchGB scripts that pass it (older torchGB versions used
+            it for a scheduler that they no longer build); unused.
+        hidden_dim: Hidden width of every g-net.
+        lr: Learning rate of the default g-net optimizer.
+        compression: Choose tiles for this ratio (see `gb.plan`); exclusive with `tile`.
+        ignore_layers: Parameters whose dotted name contains any of these substrings stay
+            free (torchGB's rule; substrings that match nothing are ignored, as in torchGB).
+        tile: `(TH, TW)` or `"full"` (see `gb.plan`); default `gb.plan`'s.
+        seed: Seed of `gb.init`.
+        optimizer: `f(leaves) -> torch.optim.Optimizer` for the g-net stacks; default
+            `AdamW(lr=lr, betas=(0.9, 0.95), weight_decay=0.1)`, torchGB's.
+
+    Example:
+        >>> gnets = GenomicBottleneck(nn.Linear(256, 256), hidden_dim=32, tile=(64, 64))
+        >>> round(gnets.compression(), 1)
+        8.8
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        num_batches: int | None = None,
+        *,
+        hidden_dim: int = 32,
+        lr: float = 1e-3,
+        compression: float | None = None,
+        ignore_layers: Sequence[str] = (),
+        tile: tuple[int, int] | str | None = None,
+        seed: int = 0,
+        optimizer: OptimizerFactory | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"GenomicBottleneck: model must be an nn.Module, got {type(model).__name__}."
+            )
+        if num_batches is not None and (
+            not isinstance(num_batches, int) or isinstance(num_batches, bool)
+        ):
+            raise TypeError(
+                f"GenomicBottleneck: num_batches must be an int or None, got {num_batches!r}."
+            )
+        if isinstance(ignore_layers, str):
+            ignore_layers = (ignore_layers,)
+        self.model = model
+        pnet = unwrap(model)
+        self._params = dict(pnet.named_parameters())
+        free = [f"*{s}*" for s in ignore_layers if any(s in name for name in self._params)]
+        self.plan: Plan = plan(
+            pnet, tile=tile, hidden=hidden_dim, compression=compression, free=free
+        )
+        first = self._params[self.plan.generated[0].name]
+        stacks = init(self.plan, seed, dtype=first.dtype, device=first.device)["stacks"]
+        # Free parameters are the p-net's own, so `apply` passes them through untouched.
+        self.gparams = {
+            "stacks": stacks,
+            "free": {p.name: self._params[p.name] for p in self.plan.free if p.trainable},
+            "frozen": {p.name: self._params[p.name] for p in self.plan.free if not p.trainable},
+        }
+        self._make_optimizer: OptimizerFactory = optimizer or (
+            lambda leaves: torch.optim.AdamW(leaves, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+        )
+        self.optimizer = self._make_optimizer(_leaves(stacks))
+        self._weights: dict[str, Tensor] = {}
+
+    def predict_weights(self) -> None:
+        """Generate every g-net weight and write it into the p-net's parameter, in place.
+
+        With gradients enabled the generated tensors keep their graph for `backward()`;
+        under `torch.no_grad()` (e.g. rollouts) only the values are written.
+        """
+        params = apply(self.gparams, self.plan)
+        self._weights = {p.name: params[p.name] for p in self.plan.generated}
+        with torch.no_grad():
+            for name, weight in self._weights.items():
+                self._params[name].copy_(weight)
+
+    def backward(self) -> None:
+        """Pull the p-net's gradients of generated weights into the g-nets, then drop them.
+
+        After it, generated parameters have `.grad = None`, so the user's optimizer skips
+        them. Call once per `predict_weights()`, after `loss.backward()`.
+        """
+        if not self._weights:
+            raise RuntimeError(
+                "GenomicBottleneck.backward: call predict_weights() before backward()."
+            )
+        if not all(w.requires_grad for w in self._weights.values()):
+            raise RuntimeError(
+                "GenomicBottleneck.backward: the last predict_weights() ran without gradients "
+                "(torch.no_grad()); call it with gradients enabled before the forward pass."
+            )
+        pairs = [
+            (w, self._params[n].grad)
+            for n, w in self._weights.items()
+            if self._params[n].grad is not None
+        ]
+        if pairs:
+            torch.autograd.backward([w for w, _ in pairs], [g for _, g in pairs])
+        for name in self._weights:
+            self._params[name].grad = None
+        self._weights = {}  # the graph is consumed
+
+    def zero_grad(self) -> None:
+        """Clear the g-nets' gradients."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        """Update the g-nets."""
+        self.optimizer.step()
+
+    def train(self, mode: bool = True) -> "GenomicBottleneck":
+        """Set the p-net's training mode (torchGB's `train()`, with `mode` as in `nn.Module`)."""
+        self.model.train(mode)
+        return self
+
+    def eval(self) -> "GenomicBottleneck":
+        """Put the p-net in evaluation mode."""
+        return self.train(False)
+
+    def compression(self) -> float:
+        """Dense parameters of the (unwrapped) p-net per stored parameter."""
+        return report(self.plan).compression
+
+    def save(self, fname: str | os.PathLike) -> None:
+        """Write g-nets, free parameters and g-net optimizer state (`gb.save` format).
+
+        Under `torch.distributed` rank 0 writes and every rank returns once the file is
+        complete (`gb.save_replicated`); call it on every rank.
+        """
+        meta = {"writer": "gbfunc.compat.GenomicBottleneck"}
+        save_replicated(
+            fname, self.gparams, self.plan, opt_state=self.optimizer.state_dict(), meta=meta
+        )
+
+    def load(self, fname: str | os.PathLike) -> None:
+        """Restore a file written by `save`: g-nets, optimizer state, free parameters.
+
+        Everything is read and checked first (file, hash, model, plan, optimizer state); only
+        then is anything replaced, and the p-net's generated weights are re-predicted.
+        """
+        first = next(iter(self.gparams["stacks"].values()))["w_in"]
+        ckpt = load(fname, unwrap(self.model), device=first.device)
+        if ckpt.plan != self.plan:
+            raise CheckpointMismatchError(
+                f"GenomicBottleneck.load: {os.fspath(fname)}: {_difference(ckpt.plan, self.plan)}; "
+                "build the GenomicBottleneck with the options the checkpoint was saved with."
+            )
+        stacks = ckpt.gparams["stacks"]  # equal plans: same p-net dtypes, so same leaf dtypes
+        optimizer = self._make_optimizer(_leaves(stacks))
+        if ckpt.opt_state is not None:
+            try:
+                optimizer.load_state_dict(ckpt.opt_state)
+            except (ValueError, KeyError, TypeError) as e:
+                raise CheckpointMismatchError(
+                    f"GenomicBottleneck.load: {os.fspath(fname)}: the optimizer state does not fit "
+                    f"this optimizer ({e})."
+                ) from None
+        with torch.no_grad():
+            for group in ("free", "frozen"):
+                for name, value in ckpt.gparams[group].items():
+                    self._params[name].copy_(value)
+            self.gparams["stacks"] = stacks
+            self.optimizer = optimizer
+            self.predict_weights()
+        self._weights = {}
+
+    def __repr__(self) -> str:
+        rep = report(self.plan)
+        tiles = sum(s.num_tiles for s in self.plan.stacks)
+        name = type(unwrap(self.model)).__name__
+        return (
+            f"GenomicBottleneck({name}: {len(self.plan.generated)} generated tensors, {tiles} "
+            f"tiles in {len(self.plan.stacks)} stacks, {rep.gnet_params:,} g-net parameters, "
+            f"compression {rep.compression:.2f}x)\n{rep}"
+        )
+
+
+def _leaves(stacks: dict[str, dict[str, Tensor]]) -> list[Tensor]:
+    return [t for leaves in stacks.values() for t in leaves.values()]
+
+
+def _describe(p: Generated | Free, owner: Plan) -> str:
+    if isinstance(p, Free):
+        return f"free ({p.reason})"
+    stack = owner.stacks[p.stack]
+    return f"generated on {stack.tile[0]}x{stack.tile[1]} tiles by {stack.genome}"
+
+
+def _difference(theirs: Plan, ours: Plan) -> str:
+    for a, b in zip(theirs.params, ours.params, strict=True):
+        if (da := _describe(a, theirs)) != (db := _describe(b, ours)):
+            return f"parameter {a.name!r} is {da} in the checkpoint but {db} here"
+    return "the checkpoint's g-net stacks are laid out differently"

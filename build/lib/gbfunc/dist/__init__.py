@@ -1,0 +1,32 @@
+"""Distributed training of genomic-bottleneck models on `torch.distributed`.
+
+    mesh = gb.dist.init_mesh(tp=1)              # under torchrun: dp = world size
+    gb.dist.check_plan(plan)                    # every rank built the same plan
+    gparams = gb.init(plan, seed=0)             # bitwise identical on every rank
+    sync = gb.dist.GradSync(gb.dist.trainable_leaves(gparams), mesh)
+    x, y = gb.dist.shard_batch((x, y), mesh)    # this rank's rows of the global batch
+    loss_fn(functional_call(model, gb.apply(gparams, plan), (x,)), y).backward()
+    sync.wait(); opt.step(); opt.zero_grad()
+
+Strategies: replicated g-nets (the default above), `RankOwned` g-nets, `TensorParallel`
+p-nets and `StageGenerator` for pipeline stages; `*_traffic` give their bytes per step.
+"""
+
+from ._check import check_plan as check_plan, plan_difference as plan_difference
+from ._data import data_loader as data_loader, shard_batch as shard_batch
+from ._mesh import MeshShape as MeshShape, init_mesh as init_mesh, mesh_shape as mesh_shape
+from ._owned import Ownership as Ownership, RankOwned as RankOwned, assign as assign
+from ._pipeline import StageGenerator as StageGenerator
+from ._select import Selection as Selection
+from ._sync import (
+    CollectiveError as CollectiveError,
+    GradSync as GradSync,
+    trainable_leaves as trainable_leaves,
+)
+from ._tp import TensorParallel as TensorParallel
+from ._traffic import (
+    Traffic as Traffic,
+    rank_owned_traffic as rank_owned_traffic,
+    replicated_traffic as replicated_traffic,
+    torchgb_traffic as torchgb_traffic,
+)

@@ -1,0 +1,68 @@
+"""Start-up check that every rank built the same plan, naming the first difference."""
+
+from dataclasses import asdict
+
+import torch.distributed as dist
+
+from .._plan import Plan
+
+
+def _entries(plan: Plan) -> list[tuple[str, dict[str, str]]]:
+    """`(label, {field: repr})` for every parameter, then every stack; `kind` first."""
+    entries = [(f"parameter {p.name!r}", p) for p in plan.params] + [
+        (f"stack {s.key!r}", s) for s in plan.stacks
+    ]
+    return [
+        (label, {"kind": type(x).__name__, **{k: repr(v) for k, v in asdict(x).items()}})
+        for label, x in entries
+    ]
+
+
+def plan_difference(ours: Plan, theirs: Plan) -> str | None:
+    """The first difference between two plans, in words, or `None` when they are equal."""
+    a, b = _entries(ours), _entries(theirs)
+    for (label_a, fields_a), (label_b, fields_b) in zip(a, b, strict=False):
+        if label_a != label_b:
+            return f"{label_a} where the other has {label_b}"
+        for field, value in fields_a.items():
+            other = str(fields_b.get(field))
+            if other != value:
+                return f"{label_a}, field {field!r}: {_short(value)} vs {_short(other)}"
+    if len(a) != len(b):
+        extra = (a if len(a) > len(b) else b)[min(len(a), len(b))][0]
+        return f"{len(a)} vs {len(b)} entries; the first unmatched one is {extra}"
+    return None
+
+
+def _short(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_plan(plan: Plan, group: dist.ProcessGroup | None = None) -> None:
+    """Raise on every rank unless every rank of `group` holds the same plan.
+
+    Compares `plan.fingerprint()` across ranks (one small all-gather); on a mismatch gathers
+    the plans and names the first parameter or stack where the lowest differing rank departs
+    from rank 0. Call it once at start-up, on every rank.
+
+    Args:
+        plan: This rank's plan.
+        group: Process group (default: the world).
+
+    Example:
+        >>> gb.dist.check_plan(plan)
+    """
+    if not isinstance(plan, Plan):
+        raise TypeError(f"gb.dist.check_plan: plan must be a gb.Plan, got {type(plan).__name__}.")
+    prints: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(prints, plan.fingerprint(), group=group)
+    if len(set(prints)) == 1:
+        return
+    plans: list[Plan | None] = [None] * len(prints)
+    dist.all_gather_object(plans, plan, group=group)
+    rank = next(r for r, p in enumerate(prints) if p != prints[0])
+    raise ValueError(
+        f"gb.dist.check_plan: rank {rank}'s plan differs from rank 0's at "
+        f"{plan_difference(plans[0], plans[rank])}. Every rank must build the same model and "
+        "call gb.plan with the same arguments."
+    )

@@ -1,0 +1,117 @@
+"""The device mesh, configured in one place: data x tensor x pipeline sizes over the world."""
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+DIMS = (
+    "pp",
+    "dp",
+    "tp",
+)  # outermost first: pipeline stages may span nodes, tensor parallel may not
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """Sizes of the mesh dimensions; their product is the world size.
+
+    Attributes:
+        dp: Data-parallel replicas (each sees its own shard of the global batch).
+        tp: Tensor-parallel ranks (each holds and generates a shard of every sharded weight).
+        pp: Pipeline stages (each holds and generates its own layers).
+    """
+
+    dp: int
+    tp: int = 1
+    pp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+def mesh_shape(world_size: int, *, dp: int | None = None, tp: int = 1, pp: int = 1) -> MeshShape:
+    """Check and complete the mesh sizes for `world_size` ranks.
+
+    Args:
+        world_size: Number of ranks.
+        dp: Data-parallel size; `None` takes what `tp` and `pp` leave: `world_size // (tp * pp)`.
+        tp: Tensor-parallel size.
+        pp: Pipeline-parallel size.
+
+    Example:
+        >>> mesh_shape(8, tp=2)
+        MeshShape(dp=4, tp=2, pp=1)
+    """
+    for name, value in (("world_size", world_size), ("dp", dp), ("tp", tp), ("pp", pp)):
+        if value is None and name == "dp":
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"gb.dist.init_mesh: {name} must be an integer >= 1, got {value!r}.")
+    if dp is None:
+        if world_size % (tp * pp):
+            raise ValueError(
+                f"gb.dist.init_mesh: world size {world_size} is not divisible by tp x pp = "
+                f"{tp} x {pp} = {tp * pp}; launch a multiple of {tp * pp} ranks or change tp/pp."
+            )
+        dp = world_size // (tp * pp)
+    shape = MeshShape(dp, tp, pp)
+    if shape.world_size != world_size:
+        raise ValueError(
+            f"gb.dist.init_mesh: dp x tp x pp = {dp} x {tp} x {pp} = {shape.world_size} does not "
+            f"equal the world size {world_size}; their product must be the number of ranks."
+        )
+    return shape
+
+
+def init_mesh(
+    *,
+    dp: int | None = None,
+    tp: int = 1,
+    pp: int = 1,
+    device_type: str | None = None,
+    timeout: datetime.timedelta = datetime.timedelta(minutes=10),
+) -> DeviceMesh:
+    """The `("pp", "dp", "tp")` device mesh over every rank, starting the process group if needed.
+
+    Under `torchrun` this is the only set-up call: NCCL when CUDA is available (each rank on
+    `cuda:LOCAL_RANK`), gloo otherwise. A collective that waits longer than `timeout` (a dead
+    or hung peer) raises instead of hanging.
+
+    Args:
+        dp: Data-parallel size; `None` uses every rank that `tp` and `pp` leave.
+        tp: Tensor-parallel size.
+        pp: Pipeline-parallel size.
+        device_type: `"cuda"` or `"cpu"`; default CUDA when available.
+        timeout: Process-group timeout, used when this call starts the process group.
+
+    Returns:
+        A 3-D `DeviceMesh`; `mesh["dp"]`, `mesh["tp"]` and `mesh["pp"]` are its sub-meshes.
+
+    Example:
+        >>> mesh = gb.dist.init_mesh(tp=2)  # torchrun --nproc_per_node=4: dp=2, tp=2
+    """
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if not dist.is_initialized():
+        if device_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timeout)
+    shape = mesh_shape(dist.get_world_size(), dp=dp, tp=tp, pp=pp)
+    return init_device_mesh(device_type, (shape.pp, shape.dp, shape.tp), mesh_dim_names=DIMS)
+
+
+def dim_size(mesh: DeviceMesh, dim: str) -> int:
+    """Size of the named mesh dimension (1 when the mesh has no such dimension)."""
+    names = mesh.mesh_dim_names or ()
+    return mesh.size(names.index(dim)) if dim in names else 1
+
+
+def dim_rank(mesh: DeviceMesh, dim: str) -> int:
+    """This rank's coordinate along the named mesh dimension (0 when there is none)."""
+    names = mesh.mesh_dim_names or ()
+    return mesh.get_local_rank(dim) if dim in names else 0

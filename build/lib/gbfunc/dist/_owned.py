@@ -1,0 +1,227 @@
+"""Rank-owned g-nets: each g-net lives on one rank, which generates its tiles for everyone.
+
+The unit of ownership is the g-net: one tile, or with `share=True` all the tiles of one
+parameter (a shared g-net's gradient must not be split across ranks). Whole stacks would be
+far too coarse: a stack groups every weight with the same tile shape, so a model often has
+one or two. G-nets go to ranks longest first (LPT), each to the least-loaded rank, which
+keeps the most-loaded rank within one g-net's cost of the mean.
+"""
+
+import heapq
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor
+
+from .._apply import GParams, assemble, evaluate_stack
+from .._plan import Generated, Plan, Stack
+from ._select import gnet_of_tile
+from ._sync import CollectiveError, failure_message, wait_or_raise
+
+# Renamed in torch 2.13 (the old names warn); keep both working.
+_all_gather = (
+    getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+)
+_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def tile_cost(stack: Stack) -> float:
+    """Estimated FLOPs to generate one tile of `stack` (separable first layer, then the MLP)."""
+    g = stack.genome
+    per_eval = 3 * g.hidden + 2 * (g.depth - 1) * g.hidden**2 + 2 * g.hidden * stack.outputs
+    return stack.tile[0] * stack.columns * per_eval
+
+
+@dataclass(frozen=True)
+class Ownership:
+    """Which rank owns each g-net of a plan.
+
+    Attributes:
+        world_size: Number of ranks.
+        owners: Per stack, the owning rank of each g-net.
+        loads: Estimated generation FLOPs per rank.
+    """
+
+    world_size: int
+    owners: tuple[tuple[int, ...], ...]
+    loads: tuple[float, ...]
+
+    @property
+    def imbalance(self) -> float:
+        """Most-loaded rank over the mean load (1.0 is perfect balance)."""
+        return max(self.loads) * self.world_size / sum(self.loads)
+
+    def gnets(self, stack: int, rank: int) -> list[int]:
+        """The g-nets of `stack` that `rank` owns, ascending."""
+        return [g for g, r in enumerate(self.owners[stack]) if r == rank]
+
+    def tiles(self, plan: Plan, stack: int, rank: int) -> list[int]:
+        """The tiles of `stack` that `rank` generates, ascending."""
+        owner = self.owners[stack]
+        return [t for t, g in enumerate(gnet_of_tile(plan.stacks[stack])) if owner[g] == rank]
+
+
+def assign(plan: Plan, world_size: int) -> Ownership:
+    """Give every g-net of `plan` to a rank: longest first, each to the least-loaded rank.
+
+    Ties go to the lower stack, g-net and rank, so every rank computes the same assignment.
+
+    Args:
+        plan: The plan.
+        world_size: Number of ranks.
+
+    Example:
+        >>> assign(plan, 8).imbalance
+        1.0003
+    """
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"gb.dist.assign: world_size must be an integer >= 1, got {world_size!r}.")
+    items = [
+        (-n * tile_cost(stack), s, g)
+        for s, stack in enumerate(plan.stacks)
+        for g, n in enumerate(stack.tiles_per_gnet)
+    ]
+    owners = [[0] * stack.num_gnets for stack in plan.stacks]
+    heap = [(0.0, r) for r in range(world_size)]
+    for cost, s, g in sorted(items):
+        load, rank = heapq.heappop(heap)
+        owners[s][g] = rank
+        heapq.heappush(heap, (load - cost, rank))
+    loads = [0.0] * world_size
+    for load, rank in heap:
+        loads[rank] = load
+    return Ownership(world_size, tuple(map(tuple, owners)), tuple(loads))
+
+
+class RankOwned:
+    """Generate only this rank's g-nets' tiles; all-gather them so every rank has every weight.
+
+    The all-gathers start asynchronously, one per stack, as each stack's tiles are ready, and
+    their backward reduce-scatters weight gradients back to the owners (divided by the world
+    size: the mean over data-parallel ranks). Free parameters stay replicated; synchronise
+    them with `GradSync`.
+
+    Args:
+        plan: The plan, identical on every rank.
+        group: Process group of the data-parallel ranks (default: the world). A private copy
+            is made so these collectives never interleave with others on `group`.
+
+    Example:
+        >>> owned = RankOwned(plan)
+        >>> local = owned.shard(gb.init(plan, seed=0))  # this rank's g-nets only
+        >>> out = functional_call(model, owned.apply(local), (x,))
+    """
+
+    def __init__(self, plan: Plan, group: dist.ProcessGroup | None = None) -> None:
+        self.plan = plan
+        self.group = dist.new_group(dist.get_process_group_ranks(group or dist.group.WORLD))
+        self.world = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self.ownership = assign(plan, self.world)
+        self._gnets = [self.ownership.gnets(s, self.rank) for s in range(len(plan.stacks))]
+        self._tiles = [self.ownership.tiles(plan, s, self.rank) for s in range(len(plan.stacks))]
+        self._rows: list[int] = []  # tiles per rank in the padded all-gather, per stack
+        self._position: list[Tensor] = []  # row of each tile of the stack in the gathered tensor
+        for s in range(len(plan.stacks)):
+            per_rank = [self.ownership.tiles(plan, s, r) for r in range(self.world)]
+            rows = max(len(t) for t in per_rank)
+            position = [0] * plan.stacks[s].num_tiles
+            for r, tiles in enumerate(per_rank):
+                for i, t in enumerate(tiles):
+                    position[t] = r * rows + i
+            self._rows.append(rows)
+            self._position.append(torch.tensor(position))
+        self.comm_bytes = 0  # payload all-gathered and reduce-scattered in the last step
+
+    def _local_stack(self, s: int) -> Stack:
+        stack = self.plan.stacks[s]
+        return replace(stack, tiles_per_gnet=tuple(stack.tiles_per_gnet[g] for g in self._gnets[s]))
+
+    def shard(self, gparams: GParams) -> GParams:
+        """This rank's part of full `gparams`: its g-nets (as new leaves), the rest as it is."""
+        stacks = {}
+        for s, stack in enumerate(self.plan.stacks):
+            leaves = gparams["stacks"][stack.key]
+            device = leaves["w_in"].device
+            rows = {
+                name: torch.tensor(
+                    self._tiles[s] if name == "tile_embed" else self._gnets[s], device=device
+                )
+                for name in leaves
+            }
+            stacks[stack.key] = {
+                name: v.detach().index_select(0, rows[name]).requires_grad_(v.requires_grad)
+                for name, v in leaves.items()
+            }
+        return {"stacks": stacks, "free": gparams["free"], "frozen": gparams["frozen"]}
+
+    def apply(self, local: GParams) -> dict[str, Tensor]:
+        """Every parameter of the p-net, from this rank's g-nets and its peers' (differentiable)."""
+        self.comm_bytes = 0
+        gathered = [self._generate_and_gather(s, local) for s in range(len(self.plan.stacks))]
+        tiles = []
+        for s, g in enumerate(gathered):
+            if isinstance(g, funcol.AsyncCollectiveTensor):
+                try:
+                    g = g.wait()
+                except RuntimeError as error:
+                    raise CollectiveError(failure_message("the tile all-gather", error)) from error
+            nbytes = g.numel() * g.element_size()
+            self.comm_bytes += nbytes
+            if g.requires_grad:  # its gradient is reduce-scattered back to the owners
+                g.register_hook(lambda grad, nbytes=nbytes: self._count(nbytes))
+            tiles.append(g.index_select(0, self._position[s].to(g.device)))
+        out: dict[str, Tensor] = {}
+        for p in self.plan.params:
+            if isinstance(p, Generated):
+                out[p.name] = assemble(p, self.plan.stacks[p.stack], tiles[p.stack])
+            else:
+                out[p.name] = local["free" if p.trainable else "frozen"][p.name]
+        return out
+
+    def _generate_and_gather(self, s: int, local: GParams) -> Tensor:
+        """Start the all-gather of this rank's tiles of stack `s` (padded to the busiest rank)."""
+        stack = self.plan.stacks[s]
+        leaves = local["stacks"][stack.key]
+        shape = (self._rows[s], stack.tile[0], stack.tile[1] * math.prod(stack.kernel))
+        if self._gnets[s]:
+            own = evaluate_stack(self._local_stack(s), leaves)  # (T_own, TH, TW*K)
+        else:  # nothing owned here, but this rank must still join the backward reduce-scatter
+            own = leaves["w_in"].new_zeros((0, *shape[1:]), requires_grad=torch.is_grad_enabled())
+        if own.requires_grad:
+            own.register_hook(lambda grad: grad / self.world)  # mean over data-parallel ranks
+        padded = torch.cat([own, own.new_zeros((shape[0] - own.shape[0], *shape[1:]))])
+        return _all_gather(padded, 0, self.group)
+
+    def _count(self, nbytes: int) -> None:
+        self.comm_bytes += nbytes
+
+    def gather(self, local: GParams) -> GParams:
+        """Full `gparams` on every rank, from every rank's part (e.g. to save a checkpoint)."""
+        stacks = {}
+        for s, stack in enumerate(self.plan.stacks):
+            per_rank = [self.ownership.gnets(s, r) for r in range(self.world)]
+            per_rank_tiles = [self.ownership.tiles(self.plan, s, r) for r in range(self.world)]
+            stacks[stack.key] = {
+                name: self._gather_rows(v, per_rank_tiles if name == "tile_embed" else per_rank)
+                for name, v in local["stacks"][stack.key].items()
+            }
+        return {"stacks": stacks, "free": local["free"], "frozen": local["frozen"]}
+
+    def _gather_rows(self, mine: Tensor, per_rank: list[list[int]]) -> Tensor:
+        rows = max(len(r) for r in per_rank)
+        padded = torch.cat([mine.detach(), mine.new_zeros((rows - mine.shape[0], *mine.shape[1:]))])
+        out = padded.new_empty((self.world * rows, *mine.shape[1:]))
+        wait_or_raise(
+            _all_gather_into(out, padded, group=self.group, async_op=True),
+            "the g-net all-gather",
+        )
+        order = [r * rows + i for r, idx in enumerate(per_rank) for i in range(len(idx))]
+        full = torch.empty_like(out[: len(order)])
+        full[torch.tensor([i for idx in per_rank for i in idx], device=out.device)] = out[
+            torch.tensor(order, device=out.device)
+        ]
+        return full.requires_grad_(mine.requires_grad)

@@ -1,0 +1,71 @@
+"""Pipeline stages: each stage generates only its own layers' weights, once per step.
+
+Generation runs in two phases around the pipeline schedule (`torch.distributed.pipelining`):
+
+1. `load`: generate the stage's weights without a graph and copy them into the stage
+   module's own parameters.
+2. The schedule runs forward and backward over every micro-batch; `.grad` accumulates on
+   those parameters, and `scale_grads=True` (the default) divides it by the number of
+   micro-batches, because they are the module's parameters (generated tensors held outside
+   the module would escape that scaling).
+3. `backward`: regenerate with a graph and push each parameter's `.grad` into the g-nets.
+
+So the g-net graph is built once per step, not once per micro-batch, and never held across
+the schedule.
+"""
+
+import torch
+from torch import nn
+
+from .._apply import GParams
+from .._plan import Plan
+from ._select import Selection, full_region
+
+
+class StageGenerator:
+    """Fill a pipeline stage's parameters from the g-nets, and train the g-nets from its grads.
+
+    Args:
+        plan: Plan of the whole model.
+        stage: This stage's module, with real (not meta) parameters named as in the whole
+            model (a subset of them, e.g. `blocks.2.mlp.fc1.weight`).
+
+    Example:
+        >>> gen = StageGenerator(plan, stage_module)
+        >>> gen.load(gparams); schedule.step(...); gen.backward(gparams); sync.wait()
+    """
+
+    def __init__(self, plan: Plan, stage: nn.Module) -> None:
+        self.params = dict(stage.named_parameters())
+        known = {p.name: p for p in plan.params}
+        for name, param in self.params.items():
+            if name not in known:
+                raise ValueError(
+                    f"gb.dist.StageGenerator: stage parameter {name!r} is not in the plan; name "
+                    "stage parameters as in the whole model."
+                )
+            if tuple(param.shape) != known[name].shape or param.is_meta:
+                raise ValueError(
+                    f"gb.dist.StageGenerator: stage parameter {name!r} is {tuple(param.shape)} on "
+                    f"{param.device}; expected a real tensor of shape {known[name].shape}."
+                )
+        self.selection = Selection(plan, {n: full_region(p.shape) for n, p in self.params.items()})
+
+    def load(self, gparams: GParams) -> None:
+        """Phase 1: write this stage's weights into its module (no graph); clear its grads."""
+        with torch.no_grad():
+            for name, value in self.selection.apply(gparams).items():
+                self.params[name].copy_(value)
+        for param in self.params.values():
+            param.grad = None
+
+    def backward(self, gparams: GParams) -> None:
+        """Phase 3: regenerate with a graph and backpropagate the stage's `.grad` into `gparams`."""
+        weights = self.selection.apply(gparams)
+        pairs = [
+            (weights[name], param.grad)
+            for name, param in self.params.items()
+            if param.grad is not None and weights[name].requires_grad
+        ]
+        if pairs:
+            torch.autograd.backward([w for w, _ in pairs], [g for _, g in pairs])

@@ -1,0 +1,144 @@
+"""Gradient synchronisation: flat buckets, all-reduced asynchronously while backward runs.
+
+Every rank ends backward holding a *partial* gradient of the global loss: its own batch
+shard (data parallel), its own tiles (tensor parallel), its own layers (pipeline). Summing
+over every rank and dividing by the number of data-parallel replicas gives the gradient of
+the mean loss, the same on every rank, so identical optimizer steps keep replicated g-nets
+bitwise identical.
+"""
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+
+from .._apply import GParams
+from ._mesh import dim_size
+
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
+
+
+def trainable_leaves(gparams: GParams) -> list[Tensor]:
+    """The trainable leaves of `gparams`: every stack leaf, then the free parameters."""
+    leaves = [t for stack in gparams["stacks"].values() for t in stack.values()]
+    return [t for t in [*leaves, *gparams["free"].values()] if t.requires_grad]
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out: a peer rank probably died or hung."""
+
+
+def wait_or_raise(work: dist.Work, what: str) -> None:
+    """`work.wait()`, turning a backend failure into a `CollectiveError` that says what failed."""
+    try:
+        work.wait()
+    except RuntimeError as error:
+        raise CollectiveError(failure_message(what, error)) from error
+
+
+def failure_message(what: str, error: Exception) -> str:
+    """Says which collective failed, where, and the likely cause, then the backend's words."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return (
+        f"gb.dist: {what} failed on rank {rank}: a peer rank probably died, or hung past the "
+        f"process-group timeout. Backend error: {error}"
+    )
+
+
+class GradSync:
+    """Sum gradients over every rank in flat buckets as they are produced, divided by the dp size.
+
+    Post-accumulate-grad hooks start each bucket's asynchronous all-reduce as soon as all its
+    leaves have gradients, in the same bucket order on every rank; `wait()` starts the rest
+    (leaves without a gradient count as zeros), waits and writes the results into `.grad`.
+
+    Args:
+        leaves: Trainable tensors, identical in shape and order on every rank (see
+            `trainable_leaves`).
+        mesh: The mesh spanning every rank; gradients are divided by its `"dp"` size. Default:
+            pure data parallel over the world.
+        bucket_bytes: Target size of one bucket.
+
+    Example:
+        >>> sync = GradSync(trainable_leaves(gparams), mesh)
+        >>> loss.backward(); sync.wait(); opt.step(); opt.zero_grad()
+    """
+
+    def __init__(
+        self,
+        leaves: Iterable[Tensor],
+        mesh: DeviceMesh | None = None,
+        *,
+        bucket_bytes: int = BUCKET_BYTES,
+    ) -> None:
+        world = dist.get_world_size()
+        if mesh is not None and mesh.size() != world:
+            raise ValueError(
+                f"gb.dist.GradSync: mesh has {mesh.size()} ranks but the world has {world}; "
+                "pass the mesh from gb.dist.init_mesh, which spans every rank."
+            )
+        self.divisor = world if mesh is None else dim_size(mesh, "dp")
+        # Gradients arrive roughly in reverse order of use: bucket from the end, like DDP.
+        self._buckets: list[list[Tensor]] = []
+        size = bucket_bytes
+        for leaf in reversed(list(leaves)):
+            nbytes = leaf.numel() * leaf.element_size()
+            fits = self._buckets and self._buckets[-1][0].dtype == leaf.dtype
+            if not fits or size + nbytes > bucket_bytes:
+                self._buckets.append([])
+                size = 0
+            self._buckets[-1].append(leaf)
+            size += nbytes
+        self._bucket_of = {id(t): i for i, bucket in enumerate(self._buckets) for t in bucket}
+        for bucket in self._buckets:
+            for leaf in bucket:
+                leaf.register_post_accumulate_grad_hook(self._ready)
+        self.comm_bytes = 0  # payload all-reduced by the last `wait()`
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pending = [len(b) for b in self._buckets]
+        self._seen: set[int] = set()
+        self._works: list[tuple[dist.Work, Tensor]] = []
+
+    def _ready(self, leaf: Tensor) -> None:
+        if id(leaf) in self._seen:
+            raise RuntimeError(
+                "gb.dist.GradSync: a gradient was accumulated twice in one step; call "
+                "sync.wait() after each backward pass."
+            )
+        self._seen.add(id(leaf))
+        index = self._bucket_of[id(leaf)]
+        self._pending[index] -= 1
+        while len(self._works) < len(self._buckets) and self._pending[len(self._works)] == 0:
+            self._launch(len(self._works))
+
+    def _launch(self, index: int) -> None:
+        bucket = self._buckets[index]
+        grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in bucket]
+        flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.divisor)
+        try:
+            work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)
+        except RuntimeError as error:
+            raise CollectiveError(failure_message("the gradient all-reduce", error)) from error
+        self._works.append((work, flat))
+
+    def wait(self) -> None:
+        """Finish every bucket's all-reduce and write the reduced gradients into `.grad`."""
+        while len(self._works) < len(self._buckets):
+            self._launch(len(self._works))
+        self.comm_bytes = 0
+        for bucket, (work, flat) in zip(self._buckets, self._works, strict=True):
+            wait_or_raise(work, "the gradient all-reduce")
+            self.comm_bytes += flat.numel() * flat.element_size()
+            offset = 0
+            for t in bucket:
+                g = flat[offset : offset + t.numel()].view_as(t)
+                offset += t.numel()
+                if t.grad is None:
+                    t.grad = g.clone()
+                else:
+                    t.grad.copy_(g)
+        self._reset()

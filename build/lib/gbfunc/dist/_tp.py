@@ -1,0 +1,130 @@
+"""Tensor-parallel p-nets: each rank generates only the tiles of its own shard of each weight.
+
+The model is sharded with `torch.distributed.tensor.parallel.parallelize_module` (column-
+then row-parallel MLPs, head-parallel attention); its DTensor parameters say which shard of
+each weight a rank holds. The rank generates that shard and wraps it with
+`DTensor.from_local`: no weight is ever communicated.
+
+Gradients: a shard's g-net gradients are partial sums over disjoint weights, so they are
+*summed* over the tensor-parallel group (`GradSync` sums over every rank). A parameter
+replicated over the group gets the same gradient on every rank; its gradient is scaled by
+`1 / tp` on the way into the g-nets, so that the sum is the average.
+"""
+
+import math
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Shard
+
+from .._apply import GParams
+from .._plan import Generated, Plan
+from ._select import Region, Selection, cuts_tiles, full_region
+
+
+def local_region(
+    shape: tuple[int, ...], placements: tuple[Placement, ...], mesh: DeviceMesh, name: str
+) -> Region:
+    """The region of a parameter of global `shape` that this rank holds (DTensor's chunking)."""
+    spans = [list(span) for span in full_region(shape)]
+    coordinate = mesh.get_coordinate()
+    for dim, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            start, stop = spans[placement.dim]
+            size = stop - start
+            chunk = -(-size // mesh.size(dim))
+            lo = min(start + coordinate[dim] * chunk, stop)
+            spans[placement.dim] = [lo, min(lo + chunk, stop)]
+        elif not placement.is_replicate():
+            raise ValueError(
+                f"gb.dist.TensorParallel: {name} has placement {placement}; "
+                "expected Shard or Replicate."
+            )
+    return tuple(map(tuple, spans))
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+
+
+class TensorParallel:
+    """This rank's shards of every parameter, generated from replicated g-nets.
+
+    Args:
+        plan: The plan of the unsharded model (`gb.plan` before or after parallelizing: the
+            names and global shapes are the same).
+        model: The model after `parallelize_module` on `mesh` (the `meta` device is fine: its
+            own weights are never used).
+        mesh: The tensor-parallel mesh, e.g. `mesh["tp"]`.
+
+    Attributes:
+        misaligned: Parameters whose shard edges cut through tiles; those tiles are generated
+            on both neighbouring ranks. Choose tiles that divide `dim / tp` to avoid it.
+
+    Example:
+        >>> parallelize_module(model, mesh["tp"], gpt.tp_plan(model))
+        >>> tp = TensorParallel(plan, model, mesh["tp"])
+        >>> out = functional_call(model, tp.apply(gparams), (x,))
+    """
+
+    def __init__(self, plan: Plan, model: nn.Module, mesh: DeviceMesh) -> None:
+        names = dict(model.named_parameters())
+        missing = [p.name for p in plan.params if p.name not in names]
+        extra = sorted(set(names) - {p.name for p in plan.params})
+        if missing or extra:
+            raise ValueError(
+                "gb.dist.TensorParallel: the plan and the model have different parameters "
+                f"(only in the plan: {missing[:3]}; only in the model: {extra[:3]}). "
+                "Was the plan made from another model?"
+            )
+        regions: dict[str, Region] = {}
+        self._wrap: dict[str, tuple[tuple[Placement, ...] | None, float, tuple[int, ...]]] = {}
+        self.misaligned: tuple[str, ...] = ()
+        for p in plan.params:
+            param = names[p.name]
+            if tuple(param.shape) != p.shape:
+                raise ValueError(
+                    f"gb.dist.TensorParallel: {p.name} has shape {tuple(param.shape)} in the model "
+                    f"but {p.shape} in the plan."
+                )
+            if isinstance(param, DTensor):
+                if param.device_mesh != mesh:
+                    raise ValueError(
+                        f"gb.dist.TensorParallel: {p.name} is sharded on {param.device_mesh}, "
+                        f"not on the given mesh {mesh}."
+                    )
+                placements = tuple(param.placements)
+                regions[p.name] = local_region(p.shape, placements, mesh, p.name)
+                copies = math.prod(
+                    mesh.size(d) for d, pl in enumerate(placements) if not isinstance(pl, Shard)
+                )
+            else:
+                placements = None
+                regions[p.name] = full_region(p.shape)
+                copies = mesh.size()
+            self._wrap[p.name] = (placements, 1.0 / copies, p.shape)
+            if isinstance(p, Generated) and cuts_tiles(p, plan.stacks[p.stack], regions[p.name]):
+                self.misaligned += (p.name,)
+        self.mesh = mesh
+        self.selection = Selection(plan, regions)
+
+    def apply(self, gparams: GParams) -> dict[str, Tensor]:
+        """`{name: DTensor shard or replicated tensor}` for `functional_call` on the model."""
+        out: dict[str, Tensor] = {}
+        for name, local in self.selection.apply(gparams).items():
+            placements, scale, shape = self._wrap[name]
+            if scale != 1.0 and local.requires_grad:  # identical copies: their sum is the mean
+                local.register_hook(lambda grad, scale=scale: grad * scale)
+            if placements is None:
+                out[name] = local
+                continue
+            out[name] = DTensor.from_local(
+                local,
+                self.mesh,
+                placements,
+                run_check=False,
+                shape=torch.Size(shape),
+                stride=_contiguous_stride(shape),
+            )
+        return out

@@ -1,0 +1,101 @@
+"""Argument checks of the launchers: every error names the argument, what arrived and what fits.
+
+The launchers take raw, contiguous tensors; the autograd ops in `gbfunc.kernels` make their
+inputs contiguous first, so these checks guard direct launcher calls and the library's own
+invariants alike.
+"""
+
+from torch import Tensor
+
+from gbfunc import Generated, Stack
+
+from . import _placement, _runtime
+
+
+def expected_shapes(stack: Stack, numel: int) -> dict[str, tuple[int, ...] | None]:
+    """Per-genome shape of every launcher argument (`None`: must be `None`)."""
+    t, (th, _), h, p = stack.num_tiles, stack.tile, stack.genome.hidden, stack.outputs
+    deep = stack.genome.depth - 1
+    return {
+        "grad": (numel,),
+        "a": (t, th, h),
+        "b": (t, stack.columns, h),
+        "c": (t, h),
+        "w_hidden": (t, deep, h, h) if deep else None,
+        "b_hidden": (t, deep, h) if deep else None,
+        "w_out": (t, h, p),
+        "b_out": (t, p),
+    }
+
+
+def check_launch(
+    where: str, stack: object, params: object, tensors: dict[str, Tensor | None]
+) -> tuple[tuple[int, ...], int]:
+    """Raise unless `stack`, `params` and `tensors` fit together and this device.
+
+    Returns:
+        The tensors' common batch shape, and the size of the stack's flat output.
+    """
+    if not isinstance(stack, Stack):
+        raise TypeError(
+            f"{where}: stack must be a gb.Stack (from plan.stacks), got {type(stack).__name__}."
+        )
+    if not (isinstance(params, tuple) and all(isinstance(p, Generated) for p in params)):
+        raise TypeError(
+            f"{where}: params must be a tuple of gb.Generated (the stack's, in plan order), "
+            f"got {params!r}."
+        )
+    _check_genome(where, stack)
+    _, _, numel = _placement.placement(stack, params)
+    shapes = expected_shapes(stack, numel)
+    first = tensors["a"]
+    if not isinstance(first, Tensor):
+        raise TypeError(f"{where}: a must be a Tensor, got {type(first).__name__}.")
+    if first.dtype not in _runtime.DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in _runtime.DTYPES)
+        raise TypeError(f"{where}: a has dtype {first.dtype}; the kernels take {names} here.")
+    _runtime.check_runnable(where, first.device)
+    batch = tuple(first.shape[:-3])
+    for name, x in tensors.items():
+        shape = shapes[name]
+        if shape is None or x is None:
+            if shape is not None or x is not None:
+                want = "None" if shape is None else f"a Tensor of shape {(*batch, *shape)}"
+                raise ValueError(f"{where}: {name} must be {want} for depth {stack.genome.depth}.")
+            continue
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{where}: {name} must be a Tensor, got {type(x).__name__}.")
+        if x.dtype != first.dtype:
+            raise TypeError(f"{where}: {name} has dtype {x.dtype}; expected {first.dtype}, like a.")
+        if x.device != first.device:
+            raise ValueError(f"{where}: {name} is on {x.device}; expected {first.device}, like a.")
+        if tuple(x.shape) != (*batch, *shape):
+            raise ValueError(
+                f"{where}: {name} has shape {tuple(x.shape)}; expected {(*batch, *shape)} "
+                f"for stack {stack.key!r}. Was it made for another stack?"
+            )
+        if not x.is_contiguous():
+            raise ValueError(
+                f"{where}: {name} is not contiguous (strides {x.stride()}); pass "
+                f"{name}.contiguous(), or call gbfunc.kernels.generate, which does."
+            )
+    return batch, numel
+
+
+def _check_genome(where: str, stack: Stack) -> None:
+    if stack.genome.hidden > _runtime.MAX_HIDDEN:
+        raise ValueError(
+            f"{where}: stack {stack.key!r} has genome.hidden={stack.genome.hidden}; the kernels "
+            f"keep a block of hidden units in registers and take at most {_runtime.MAX_HIDDEN}. "
+            "Use backend='torch'."
+        )
+    if stack.outputs > _runtime.MAX_OUTPUTS:
+        raise ValueError(
+            f"{where}: stack {stack.key!r} emits {stack.outputs} outputs per evaluation; the "
+            f"kernels take at most {_runtime.MAX_OUTPUTS}. Use backend='torch'."
+        )
+
+
+def contiguous(x: Tensor | None) -> Tensor | None:
+    """`x.contiguous()`, passing `None` through."""
+    return None if x is None else x.contiguous()

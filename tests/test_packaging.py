@@ -1,0 +1,170 @@
+"""What an install of gbfunc makes importable, and what importing it changes in a process.
+
+Each check runs in a fresh interpreter started from a temporary directory, so neither the
+repository root nor pytest's own `sys.path` entries can hide a packaging mistake.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_fresh(code: str, tmp_path: Path, env: dict[str, str] | None = None) -> str:
+    """Run `code` in a new interpreter whose working directory is `tmp_path`; its stdout."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=tmp_path,
+        env={**clean, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_transformers_imports_after_gbfunc_and_torch_compile(tmp_path):
+    """transformers imports a package named `kernels` when one is importable (issue 11)."""
+    pytest.importorskip("transformers")
+    out = run_fresh(
+        """
+        import torch, gbfunc as gb
+        torch.compile(lambda x: x * 2)(torch.ones(3))
+        from transformers import GPT2LMHeadModel
+        print("ok")
+        """,
+        tmp_path,
+    )
+    assert out.strip() == "ok"
+
+
+def test_only_gbfunc_is_importable(tmp_path):
+    out = run_fresh(
+        """
+        import importlib.util, json
+        import gbfunc, gbfunc.kernels
+        names = ("kernels", "examples", "tests", "benchmarks")
+        print(json.dumps({
+            "found": {n: str(importlib.util.find_spec(n)) for n in names
+                      if importlib.util.find_spec(n) is not None},
+            "gbfunc": gbfunc.__file__,
+            "kernels": gbfunc.kernels.__file__,
+        }))
+        """,
+        tmp_path,
+    )
+    result = json.loads(out)
+    repo = str(ROOT)
+    assert not any(repo in spec for spec in result["found"].values()), result["found"]
+    assert result["kernels"] == str(ROOT / "kernels" / "__init__.py")
+    assert result["gbfunc"] == str(ROOT / "gbfunc" / "__init__.py")
+    with pytest.raises(AssertionError, match="ModuleNotFoundError"):
+        run_fresh("import examples", tmp_path)
+
+
+def test_importing_gbfunc_changes_nothing_for_other_libraries(tmp_path):
+    out = run_fresh(
+        """
+        import json, os, sys, torch
+
+        def state():
+            return {
+                "env": dict(os.environ),
+                "dtype": str(torch.get_default_dtype()),
+                "threads": torch.get_num_threads(),
+                "matmul": torch.get_float32_matmul_precision(),
+                "deterministic": torch.are_deterministic_algorithms_enabled(),
+                "grad": torch.is_grad_enabled(),
+                "triton": "triton" in sys.modules,
+            }
+
+        before = state()
+        import gbfunc, gbfunc.dist, gbfunc.kernels
+        after = state()
+        after["triton"] = before["triton"]  # gbfunc.kernels imports triton, on purpose
+        print(json.dumps(before == after))
+        """,
+        tmp_path,
+    )
+    assert out.strip() == "true"
+
+
+def test_triton_backend_without_the_interpreter_says_how_to_enable_it(tmp_path):
+    pytest.importorskip("triton")
+    out = run_fresh(
+        """
+        import torch, gbfunc as gb
+        if torch.cuda.is_available():
+            print("cuda")
+        else:
+            plan = gb.plan(torch.nn.Linear(8, 8), tile=(4, 4))
+            try:
+                gb.apply(gb.init(plan), plan, backend="triton")
+            except RuntimeError as e:
+                print(e)
+        """,
+        tmp_path,
+    )
+    if out.strip() != "cuda":
+        assert "gb.apply" in out and "TRITON_INTERPRET=1" in out and "backend='torch'" in out
+
+
+@pytest.mark.slow
+def test_triton_backend_runs_where_the_process_enabled_the_interpreter(tmp_path):
+    pytest.importorskip("triton")
+    out = run_fresh(
+        """
+        import os
+        os.environ["TRITON_INTERPRET"] = "1"  # the process's own choice, before triton loads
+        import torch, gbfunc as gb
+        plan = gb.plan(torch.nn.Linear(10, 7), tile=(4, 4))
+        gparams = gb.init(plan)
+        fused = gb.apply(gparams, plan, backend="triton")["weight"]
+        plain = gb.apply(gparams, plan, backend="torch")["weight"]
+        print(float((fused - plain).abs().max()))
+        """,
+        tmp_path,
+    )
+    assert float(out) < 1e-5
+
+
+def test_every_package_folder_is_listed_for_the_build():
+    """setuptools' explicit package list has every folder with an `__init__.py`."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {"gbfunc": ROOT / "gbfunc", "gbfunc.kernels": ROOT / "kernels"}
+    found = set()
+    for package, folder in folders.items():
+        for init in folder.rglob("__init__.py"):
+            parts = init.parent.relative_to(folder).parts
+            found.add(".".join((package, *parts)))
+    assert found == set(config["packages"])
+    assert config["package-dir"] == {"gbfunc": "gbfunc", "gbfunc.kernels": "kernels"}
+
+
+@pytest.mark.slow
+def test_the_wheel_holds_gbfunc_only(tmp_path):
+    """A wheel ships `kernels/` as `gbfunc/kernels/` and nothing else at the top level."""
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert built.returncode == 0, built.stderr[-3000:]
+    (wheel,) = tmp_path.glob("gbfunc-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+    assert {n.split("/")[0] for n in names} == {"gbfunc", wheel.name.split("-py")[0] + ".dist-info"}
+    assert "gbfunc/kernels/generate/kernel.py" in names
+    assert "gbfunc/kernels/generate_backward/kernel.py" in names
