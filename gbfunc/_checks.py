@@ -37,6 +37,12 @@ def check_gparams(gparams: object, plan: Plan, where: str, *, values: bool = Fal
         )
     hint = "Were these gparams made by gb.init with a different plan?"
     expected = expected_shapes(plan)
+    # Integer and bool parameters can only be frozen; they keep the model's dtype.
+    exact = {
+        ("frozen", p.name): getattr(torch, p.dtype)
+        for p in plan.free
+        if not getattr(torch, p.dtype).is_floating_point
+    }
     stack_first: dict[str, tuple[tuple[str, ...], Tensor]] = {}
     for keys, shape in expected.items():
         node: object = gparams
@@ -50,7 +56,11 @@ def check_gparams(gparams: object, plan: Plan, where: str, *, values: bool = Fal
             raise ValueError(
                 f"{where}: {_path(keys)} has shape {tuple(node.shape)}; expected {shape}. {hint}"
             )
-        if not node.is_floating_point():
+        if keys in exact and node.dtype != exact[keys]:
+            raise TypeError(
+                f"{where}: {_path(keys)} has dtype {node.dtype}; expected {exact[keys]}."
+            )
+        if keys not in exact and not node.is_floating_point():
             raise TypeError(
                 f"{where}: {_path(keys)} has dtype {node.dtype}; expected a floating dtype."
             )

@@ -16,6 +16,12 @@ from torch import Tensor
 ACTIVATIONS = ("relu", "gelu", "tanh", "silu")
 ENCODINGS = ("binary", "gray", "fourier")
 KERNEL_MODES = ("code", "output")
+# How the neurons along a weight axis are labelled: "position" codes the tile-local index with
+# the genome's `encoding`; "onehot" gives each neuron its own input (e.g. output classes); a
+# tuple of sizes reads the index as a row-major position on that grid (e.g. `(8, 8)` for the
+# pixels of an 8x8 image) and codes each coordinate with `encoding`.
+Labels = str | tuple[int, ...]
+LABEL_KINDS = ("position", "onehot")
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,10 @@ class Genome:
         share: One g-net per parameter, shared by all its tiles, each tile adding a learned
             embedding to the first layer (much higher compression).
         embed_dim: Width of the per-tile embedding when `share=True`.
+        row_labels, col_labels: Labels of the neurons along the rows (outputs) and columns
+            (inputs) of a weight: `"position"`, `"onehot"` or a grid shape, see `Labels`.
+            Anything but `"position"` needs the axis to be a single tile (`tile="full"`),
+            so that labels name neurons, as in Shuvaev et al. 2024.
     """
 
     hidden: int = 32
@@ -50,6 +60,8 @@ class Genome:
     kernel: str = "code"
     share: bool = False
     embed_dim: int = 8
+    row_labels: Labels = "position"
+    col_labels: Labels = "position"
 
     def __post_init__(self) -> None:
         _check_int("hidden", self.hidden, 1)
@@ -62,6 +74,18 @@ class Genome:
         _check_choice("kernel", self.kernel, KERNEL_MODES)
         if not isinstance(self.share, bool):
             raise TypeError(f"gb.plan: share must be a bool, got {self.share!r}.")
+        for name in ("row_labels", "col_labels"):
+            labels = getattr(self, name)
+            if isinstance(labels, list):
+                object.__setattr__(self, name, labels := tuple(labels))
+            grid = isinstance(labels, tuple) and all(
+                isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in labels
+            )
+            if not (labels in LABEL_KINDS or (grid and labels)):
+                raise ValueError(
+                    f"gb.plan: {name} must be one of {LABEL_KINDS} or a grid shape such as "
+                    f"(8, 8), got {labels!r}."
+                )
 
     def param_shapes(self, code_width: int, outputs: int) -> dict[str, tuple[int, ...]]:
         """Shapes of one g-net's parameters, by leaf name (no stacking axis)."""
@@ -110,6 +134,30 @@ def axis_code(n: int, encoding: str, fourier_features: int) -> Tensor:
     return ((idx[:, None] >> shifts[None, :]) & 1).double()
 
 
+def labels_width(n: int, labels: Labels, encoding: str, fourier_features: int) -> int:
+    """Width of the code of `n` neurons labelled by `labels`."""
+    if labels == "onehot":
+        return n
+    dims = (n,) if labels == "position" else labels
+    return sum(2 * fourier_features if encoding == "fourier" else bits(d) for d in dims)
+
+
+def labels_code(n: int, labels: Labels, encoding: str, fourier_features: int) -> Tensor:
+    """Code of neurons `0..n-1` labelled by `labels`, shape `(n, width)`, unstandardised."""
+    if labels == "onehot":
+        return torch.eye(n, dtype=torch.float64)
+    if labels == "position":
+        return axis_code(n, encoding, fourier_features)
+    if math.prod(labels) != n:
+        raise ValueError(f"labels: grid {labels} has {math.prod(labels)} cells for {n} neurons.")
+    idx = torch.arange(n)
+    parts = []
+    for d in reversed(labels):  # row-major: the last coordinate varies fastest
+        parts.append(axis_code(d, encoding, fourier_features)[idx % d])
+        idx = idx // d
+    return torch.cat(parts[::-1], dim=1)
+
+
 def kernel_code(kernel: tuple[int, ...]) -> Tensor:
     """One-hot code of every kernel tap (row-major), shape `(prod(kernel), sum(kernel))`."""
     taps = torch.cartesian_prod(*[torch.arange(k) for k in kernel]).reshape(-1, len(kernel))
@@ -146,15 +194,15 @@ def stack_codes(
     """
     th, tw = tile
     ff = genome.fourier_features
-    row = axis_code(th, genome.encoding, ff)
+    row = labels_code(th, genome.row_labels, genome.encoding, ff)
     taps = math.prod(kernel)
     if taps > 1 and genome.kernel == "code":
-        per_col = axis_code(tw, genome.encoding, ff)
+        per_col = labels_code(tw, genome.col_labels, genome.encoding, ff)
         taps_code = kernel_code(kernel)
         col = torch.cat(
             [per_col.repeat_interleave(taps, 0), taps_code.repeat(tw, 1)], dim=1
         )  # (TW * K, C): column-major over (tw, tap)
     else:
-        col = axis_code(columns, genome.encoding, ff)
+        col = labels_code(columns, genome.col_labels, genome.encoding, ff)
     row, col = standardise(row, col)
     return row.to(dtype=dtype, device=device), col.to(dtype=dtype, device=device)

@@ -3,16 +3,21 @@
 import math
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ._apply import GParams, evaluate_stack
+from ._model import check_matches
 from ._plan import Plan, Stack
+
+VALUES = ("model", "draw")
 
 
 def init(
     plan: Plan,
     seed: int = 0,
     *,
+    values: str = "model",
+    model: nn.Module | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
     requires_grad: bool = True,
@@ -21,13 +26,18 @@ def init(
 
     G-nets are drawn with fan-in scaling, then each tile's output layer is shifted and scaled
     so its raw output has zero mean and unit std (data-dependent init, computed exactly in
-    float64); `gb.apply` multiplies it by the std the p-net's own init gives that weight.
-    Free parameters are drawn as their modules' `reset_parameters` would.
+    float64); `gb.apply` multiplies it by the std of the model's own weight (`Generated.scale`).
+    Free and frozen parameters start from the model's own tensors, copied: its
+    initialisation (a library's `_init_weights` included) or pretrained values, bitwise.
+    Without a model that has values (a plan made on `meta` or read from a checkpoint, or
+    `values="draw"`) they are drawn as their modules' `reset_parameters` would.
 
     Args:
         plan: From `gb.plan`.
         seed: Same seed, same tensors, bitwise (drawn on the CPU, then moved).
-        dtype: Floating dtype of every leaf.
+        values: `"model"`: free and frozen parameters copy the model's; `"draw"`: drawn.
+        model: Where `"model"` values come from; default the model the plan was made from.
+        dtype: Floating dtype of every floating leaf (integer frozen parameters keep theirs).
         device: Where the leaves live.
         requires_grad: Mark trainable leaves `requires_grad` (for `torch.optim` and
             `.backward()`); pass False for purely functional training with `torch.func`.
@@ -48,21 +58,45 @@ def init(
         raise TypeError(f"gb.init: dtype must be a floating torch.dtype, got {dtype!r}.")
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"gb.init: seed must be an int, got {seed!r}.")
+    source = _value_source(plan, values, model)
     gen = torch.Generator().manual_seed(seed)
     stacks = {s.key: _init_stack(s, gen) for s in plan.stacks}
     free: dict[str, Tensor] = {}
     frozen: dict[str, Tensor] = {}
     for p in plan.free:
-        (free if p.trainable else frozen)[p.name] = _draw_free(p.init, p.shape, gen)
+        if source is not None:
+            value = source[p.name].detach().to("cpu", copy=True)
+        else:
+            value = _draw_free(p.init, p.shape, gen)
+            if not getattr(torch, p.dtype).is_floating_point:  # integer and bool keep theirs
+                value = value.to(getattr(torch, p.dtype))
+        (free if p.trainable else frozen)[p.name] = value
 
     def finish(x: Tensor, trainable: bool) -> Tensor:
-        return x.to(dtype=dtype, device=device).requires_grad_(trainable and requires_grad)
+        x = x.to(dtype=dtype if x.is_floating_point() else x.dtype, device=device)
+        return x.requires_grad_(trainable and requires_grad)
 
     return {
         "stacks": {k: {n: finish(v, True) for n, v in s.items()} for k, s in stacks.items()},
         "free": {k: finish(v, True) for k, v in free.items()},
         "frozen": {k: finish(v, False) for k, v in frozen.items()},
     }
+
+
+def _value_source(plan: Plan, values: str, model: nn.Module | None) -> dict[str, Tensor] | None:
+    """The model's parameters by name, when `values="model"` and the model has values."""
+    if values not in VALUES:
+        raise ValueError(f"gb.init: values must be one of {VALUES}, got {values!r}.")
+    if model is not None:
+        check_matches(plan, model, "gb.init", "the plan")
+    else:
+        model = plan.model()
+    if values == "draw" or model is None:
+        return None
+    params = dict(model.named_parameters())
+    if any(params[p.name].is_meta for p in plan.free):
+        return None
+    return params
 
 
 def _normal(shape: tuple[int, ...], std: float, gen: torch.Generator) -> Tensor:

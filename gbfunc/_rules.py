@@ -24,12 +24,15 @@ class Layout:
             separately so no tile straddles two logical matrices.
         split_dim: 0 (rows) or 1 (columns).
         embedding: True for embedding tables (generated only when asked).
+        bias: True for a layer's bias vector (generated only with `biases=True`, as a one-column
+            matrix whose rows are the layer's output neurons).
     """
 
     init_std: float
     splits: int = 1
     split_dim: int = 0
     embedding: bool = False
+    bias: bool = False
 
 
 Rule = Callable[[nn.Module], dict[str, Layout]]
@@ -82,7 +85,11 @@ def _fan_in(shape: tuple[int, ...]) -> int:
 
 
 def _linear_like(module: nn.Module) -> dict[str, Layout]:
-    return {"weight": Layout(kaiming_uniform_std(_fan_in(tuple(module.weight.shape))))}
+    std = kaiming_uniform_std(_fan_in(tuple(module.weight.shape)))
+    layouts = {"weight": Layout(std)}
+    if module.bias is not None:  # U(-1/sqrt(fan_in), 1/sqrt(fan_in)): the weight's std
+        layouts["bias"] = Layout(std, bias=True)
+    return layouts
 
 
 def _attention(module: nn.MultiheadAttention) -> dict[str, Layout]:

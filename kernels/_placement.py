@@ -44,7 +44,7 @@ def _placement(
     scales = [0.0] * stack.num_tiles
     offset = 0
     for p in params:
-        ld = p.shape[1] * taps  # the (M, N * K) matrix view of the parameter
+        ld = (p.shape[1] if len(p.shape) > 1 else 1) * taps  # (M, N * K) view; biases (M, 1)
         start = 0  # where the block begins along p.split_dim
         for block in p.blocks:
             row0, col0 = (start, 0) if p.split_dim == 0 else (0, start)

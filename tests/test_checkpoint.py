@@ -334,7 +334,8 @@ _RANK = textwrap.dedent(
     from torch import nn
     rank, store_path, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
-    model = nn.Linear(16, 8)
+    torch.manual_seed(0)
+    model = nn.Linear(16, 8)  # the same model on every rank, as DDP users build it
     plan = gb.plan(model, tile=(4, 4))
     gparams = gb.init(plan, seed=0)  # bitwise the same replica on every rank
     gb.save_replicated(path, gparams, plan, step=5, meta={"writer": rank})

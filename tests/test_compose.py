@@ -123,10 +123,11 @@ def test_compiled_training_step_has_no_graph_breaks_and_matches_eager(compiled_s
         torch.testing.assert_close(comp_loss, eager_loss, rtol=1e-5, atol=1e-6)
         for a, b in zip(tree_leaves(comp_grads), tree_leaves(eager_grads), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
-    # Adam turns rounding noise on near-zero gradients into steps of up to lr, so the
-    # parameters agree to lr rather than to rounding.
+    # Adam turns rounding noise on near-zero gradients (e.g. the output bias of a tile that
+    # spans every class: softmax gradients sum to zero) into steps of up to lr, so after 3
+    # steps the parameters agree to 3 * lr rather than to rounding.
     for a, b in zip(tree_leaves(comp_g), tree_leaves(eager_g), strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-2)
+        torch.testing.assert_close(a, b, rtol=0, atol=3e-2)
     assert eager_loss < step(fresh, gb.optim.adamw_init(fresh), x, y)[2]
 
 

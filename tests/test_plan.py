@@ -154,6 +154,10 @@ def test_register_rule_for_a_new_module_type():
     gb.register_rule(Bilinear, lambda m: {"core": gb.Layout(init_std=0.5)})
     plan = gb.plan(Bilinear(), tile=(8, 8))
     assert [p.name for p in plan.generated] == ["core"]
+    # With values, the weight starts at the model's own std (randn: 1); on meta, the rule's.
+    assert gb.apply(gb.init(plan), plan)["core"].std().item() == pytest.approx(1.0, rel=0.1)
+    with torch.device("meta"):
+        plan = gb.plan(Bilinear(), tile=(8, 8))
     assert gb.apply(gb.init(plan), plan)["core"].std().item() == pytest.approx(0.5, rel=0.1)
 
 
@@ -204,12 +208,12 @@ def test_report_table_has_every_parameter_and_totals():
         ),
         ({"compression": 1e6}, ValueError, r"compression=1000000.0 cannot be reached"),
         ({"compression": -2}, ValueError, "compression must be a positive number"),
-        ({"overrides": {"0.bias": {"generate": True}}}, ValueError, "no rule covers Linear.bias"),
+        ({"overrides": {"1.bias": {"generate": True}}}, ValueError, "no rule covers LayerNorm.bias"),
     ],
 )
 def test_bad_options_name_the_culprit(kwargs, error, match):
     with pytest.raises(error, match=match):
-        gb.plan(nn.Sequential(nn.Linear(40, 30)), **kwargs)
+        gb.plan(nn.Sequential(nn.Linear(40, 30), nn.LayerNorm(30)), **kwargs)
 
 
 def test_models_without_generatable_parameters_are_rejected():

@@ -22,6 +22,7 @@ from ._checkpoint import (
     save as save,
 )
 from ._export import export as export, save_dense as save_dense
+from ._fit import Fitted as Fitted, fit as fit, train_alternating as train_alternating
 from ._genome import Genome as Genome
 from ._init import init as init
 from ._memory import saved_bytes as saved_bytes

@@ -8,12 +8,13 @@ import fnmatch
 import hashlib
 import json
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, fields, replace
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
 
-from torch import nn
+from torch import Tensor, nn
 
-from ._genome import Genome, bits
+from ._genome import Genome, labels_width
 from ._model import check_module
 from ._rules import Layout, free_init, rule_for
 
@@ -130,10 +131,14 @@ class Plan:
     Attributes:
         params: Every parameter of the model, in `named_parameters()` order.
         stacks: The g-net stacks that generate the `Generated` parameters.
+        source: A weak reference to the model the plan was made from, so that `gb.init`
+            can start free and frozen parameters from its values. Not part of equality,
+            hashing, pickling or checkpoints.
     """
 
     params: tuple[Generated | Free, ...]
     stacks: tuple[Stack, ...]
+    source: Callable[[], nn.Module | None] | None = field(default=None, compare=False, repr=False)
 
     @property
     def generated(self) -> tuple[Generated, ...]:
@@ -143,10 +148,22 @@ class Plan:
     def free(self) -> tuple[Free, ...]:
         return tuple(p for p in self.params if isinstance(p, Free))
 
+    def model(self) -> nn.Module | None:
+        """The model the plan was made from, if it is still alive."""
+        return None if self.source is None else self.source()
+
     def fingerprint(self) -> str:
         """SHA-256 of the plan's canonical JSON: equal plans have equal fingerprints."""
-        text = json.dumps(asdict(self), sort_keys=True, default=str)
+        data = {
+            "params": [asdict(p) for p in self.params],
+            "stacks": [asdict(s) for s in self.stacks],
+        }
+        text = json.dumps(data, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()
+
+    def __reduce__(self) -> tuple:
+        # A weak reference cannot be pickled; a copy forgets the model it came from.
+        return (Plan, (self.params, self.stacks))
 
 
 def plan(
@@ -162,7 +179,10 @@ def plan(
     kernel: str = "code",
     share: bool = False,
     embed_dim: int = 8,
+    row_labels: str | tuple[int, ...] = "position",
+    col_labels: str | tuple[int, ...] = "position",
     embeddings: bool = False,
+    biases: bool = False,
     compression: float | None = None,
     overrides: Mapping[str, Mapping[str, object] | str] | None = None,
     free: Sequence[str] = (),
@@ -173,14 +193,21 @@ def plan(
     separately) and transformers' `Conv1D` are generated; `nn.Embedding` tables too when
     `embeddings=True`. Biases, norms and anything without a rule stay free.
 
+    A generated weight starts at the std of the model's own tensor, measured here (its
+    init, a library's `_init_weights` or pretrained values); on the `meta` device, at the std
+    its module's default initialisation gives (`start_scale`). The plan remembers `model`
+    (weakly), so `gb.init` starts free and frozen parameters from its values.
+
     Args:
         model: Any `nn.Module`; only shapes are read (the `meta` device works).
         tile: `(TH, TW)` tile in matrix units (conv tiles span `TW` input channels and the
             whole kernel), or `"full"` for one tile per weight matrix. Clipped to smaller
             weights. Default `(64, 64)`, or chosen by `compression`.
         hidden, depth, activation, encoding, fourier_features, outputs, kernel, share,
-            embed_dim: The g-net architecture, see `gb.Genome`.
+            embed_dim, row_labels, col_labels: The g-net architecture, see `gb.Genome`.
         embeddings: Generate `nn.Embedding` tables too.
+        biases: Generate the biases of generated layers too, each by its own g-net on the
+            layer's output-neuron labels (at high ratios free biases dominate the count).
         compression: Choose a square tile so that generated weights / g-net parameters is
             within 10% of this ratio. Exclusive with `tile`.
         overrides: `{name_pattern: {option: value}}` (fnmatch on parameter names, applied in
@@ -210,15 +237,20 @@ def plan(
         "kernel": kernel,
         "share": share,
         "embed_dim": embed_dim,
+        "row_labels": row_labels,
+        "col_labels": col_labels,
     }
     Genome(**{k: base[k] for k in _GENOME_OPTIONS})  # validate the global options early
     rules = _normalise_overrides(overrides, free)
     entries = _collect(model)
     _check_patterns(rules, [e[0] for e in entries])
     options = [_resolve(name, base, rules) for name, *_ in entries]
+    if not isinstance(biases, bool):
+        raise TypeError(f"gb.plan: biases must be a bool, got {biases!r}.")
+    flags = {"embeddings": embeddings, "biases": biases}
     if compression is not None:
-        options = _search_tile(entries, options, rules, compression, embeddings)
-    result = _build(entries, options, embeddings)
+        options = _search_tile(entries, options, rules, compression, flags)
+    result = replace(_build(entries, options, flags), source=weakref.ref(model))
     if not result.generated:
         raise ValueError(
             f"gb.plan: {type(model).__name__} has no parameter to generate: "
@@ -309,13 +341,38 @@ def _collect(model: nn.Module) -> list[_Entry]:
             name = f"{prefix}.{local}" if prefix else local
             dtype = str(param.dtype).removeprefix("torch.")
             layout = layouts.get(local)
+            if layout is not None:
+                layout = replace(layout, init_std=start_scale(param, layout.init_std))
             entries.append(
                 (name, tuple(param.shape), dtype, param.requires_grad, module, local, layout)
             )
     return entries
 
 
-def _free_reason(entry: _Entry, opts: dict[str, object], embeddings: bool) -> str | None:
+# A measured std within this fraction of the rule's std is taken to be the rule's, so that
+# plans of equally built models agree whatever their seed.
+_SNAP = 0.2
+
+
+def start_scale(param: Tensor, rule_std: float) -> float:
+    """The std a generated weight starts at: its model tensor's own, measured now.
+
+    On the `meta` device (no values), for constant tensors (e.g. zero-initialised) and for
+    single values, the rule's std. A measured std within 20% of the rule's is the rule's, and
+    others are rounded to two significant digits, so that equally built models with different
+    seeds get equal plans; pretrained or custom-initialised weights keep their own scale.
+    """
+    if param.is_meta or param.numel() < 2 or not param.is_floating_point():
+        return rule_std
+    std = float(param.detach().double().std())
+    if not math.isfinite(std) or std == 0.0:
+        return rule_std
+    if abs(std / rule_std - 1) <= _SNAP:
+        return rule_std
+    return float(f"{std:.2g}")
+
+
+def _free_reason(entry: _Entry, opts: dict[str, object], flags: dict[str, bool]) -> str | None:
     name, shape, _, requires_grad, module, local, layout = entry
     if not requires_grad:
         return "frozen (requires_grad=False)"
@@ -330,14 +387,18 @@ def _free_reason(entry: _Entry, opts: dict[str, object], embeddings: bool) -> st
         return f"{type(module).__name__}.{local} is not generated"
     if opts["generate"] is False:
         return "left free by the caller"
-    if layout.embedding and not (embeddings or opts["generate"]):
+    if layout.embedding and not (flags["embeddings"] or opts["generate"]):
         return "embedding (pass embeddings=True to generate)"
-    if len(shape) < 2:
+    if layout.bias and not (flags["biases"] or opts["generate"]):
+        return "bias (pass biases=True to generate)"
+    if len(shape) < 2 and not layout.bias:
         return "fewer than 2 dims"
     return None
 
 
 def _block_shapes(shape: tuple[int, ...], layout: Layout) -> list[tuple[int, int]]:
+    if len(shape) == 1:  # a bias: one column of output neurons
+        return [(shape[0], 1)]
     rows, cols = shape[0], shape[1]
     if layout.splits == 1:
         return [(rows, cols)]
@@ -359,11 +420,11 @@ def _stack_geometry(
         outputs, columns = genome.outputs, tw // genome.outputs
         col_positions = columns
 
-    def width(n: int) -> int:
-        return 2 * genome.fourier_features if genome.encoding == "fourier" else bits(n)
-
-    col_width = width(col_positions) + (sum(kernel) if taps > 1 and genome.kernel == "code" else 0)
-    return outputs, columns, width(th), col_width
+    ff = genome.fourier_features
+    row_width = labels_width(th, genome.row_labels, genome.encoding, ff)
+    col_width = labels_width(col_positions, genome.col_labels, genome.encoding, ff)
+    col_width += sum(kernel) if taps > 1 and genome.kernel == "code" else 0
+    return outputs, columns, row_width, col_width
 
 
 def _tile_for(
@@ -383,11 +444,38 @@ def _tile_for(
     return th, -(-tw // outputs) * outputs  # a whole number of evaluations per row
 
 
-def _genome_for(opts: dict[str, object], kernel: tuple[int, ...]) -> Genome:
+def _genome_for(opts: dict[str, object], kernel: tuple[int, ...], layout: Layout) -> Genome:
     genome = Genome(**{k: opts[k] for k in _GENOME_OPTIONS})
     if math.prod(kernel) > 1:
         genome = replace(genome, outputs=1)  # `outputs` is for matrices; kernels use `kernel`
+    if layout.bias:  # one value per output neuron, labelled like its weight's rows
+        genome = replace(genome, outputs=1, col_labels="position")
     return genome
+
+
+def _check_labels(name: str, genome: Genome, rows: int, cols: int, tile: tuple[int, int]) -> None:
+    """Labels other than positions name neurons: their axis must be one tile, of matching size."""
+    for axis, labels, size, span in (
+        ("row_labels", genome.row_labels, rows, tile[0]),
+        ("col_labels", genome.col_labels, cols, tile[1]),
+    ):
+        if labels == "position":
+            continue
+        if span != size:
+            raise ValueError(
+                f"gb.plan: {name} has {axis}={labels!r}, which label neurons, but its tile "
+                f"{tile} splits that axis ({size}); use tile='full' for it."
+            )
+        if isinstance(labels, tuple) and math.prod(labels) != size:
+            raise ValueError(
+                f"gb.plan: {name} has {axis}={labels} ({math.prod(labels)} cells) for an axis "
+                f"of {size} neurons."
+            )
+        if axis == "col_labels" and genome.outputs > 1:
+            raise ValueError(
+                f"gb.plan: {name} has col_labels={labels!r} with outputs={genome.outputs}; "
+                "neuron labels on columns need outputs=1."
+            )
 
 
 def _block_cost(
@@ -400,7 +488,7 @@ def _block_cost(
     return per_gnet + tiles * genome.embed_dim if genome.share else tiles * per_gnet
 
 
-def _build(entries: list[_Entry], options: list[dict[str, object]], embeddings: bool) -> Plan:
+def _build(entries: list[_Entry], options: list[dict[str, object]], flags: dict[str, bool]) -> Plan:
     params: list[Generated | Free] = []
     stack_index: dict[tuple, int] = {}
     stack_tiles: list[list[int]] = []  # tiles per g-net, per stack
@@ -408,17 +496,18 @@ def _build(entries: list[_Entry], options: list[dict[str, object]], embeddings: 
     stack_counts: list[int] = []
     for entry, opts in zip(entries, options, strict=True):
         name, shape, dtype, _, module, local, layout = entry
-        reason = _free_reason(entry, opts, embeddings)
+        reason = _free_reason(entry, opts, flags)
         if reason is not None:
             init = free_init(module, local, shape)
             params.append(Free(name, shape, dtype, init, trainable=entry[3], reason=reason))
             continue
         kernel = shape[2:]
-        genome = _genome_for(opts, kernel)
+        genome = _genome_for(opts, kernel, layout)
         blocks = []
         stack_id = None
         for rows, cols in _block_shapes(shape, layout):
             tile = _tile_for(name, opts, rows, cols, genome.outputs)
+            _check_labels(name, genome, rows, cols, tile)
             geometry = _stack_geometry(genome, tile, kernel)
             key = (genome, tile, kernel, geometry)
             if key not in stack_index:
@@ -466,7 +555,7 @@ def compression_of(p: Plan) -> float:
 
 
 def _search_tile(
-    entries, options, rules, target: float, embeddings: bool
+    entries, options, rules, target: float, flags: dict[str, bool]
 ) -> list[dict[str, object]]:
     """Pick the `(TH, TW)` whose generated-weights / g-net-params ratio is closest to `target`.
 
@@ -481,9 +570,9 @@ def _search_tile(
     searched: dict[tuple, int] = {}  # (genome, kernel, rows, cols) -> count
     for entry, opts in zip(entries, options, strict=True):
         name, shape, *_, layout = entry
-        if _free_reason(entry, opts, embeddings) is not None:
+        if _free_reason(entry, opts, flags) is not None:
             continue
-        genome = _genome_for(opts, shape[2:])
+        genome = _genome_for(opts, shape[2:], layout)
         weights += math.prod(shape)
         for rows, cols in _block_shapes(shape, layout):
             if opts.get("explicit_tile"):

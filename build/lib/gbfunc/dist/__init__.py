@@ -2,7 +2,7 @@
 
     mesh = gb.dist.init_mesh(tp=1)              # under torchrun: dp = world size
     gb.dist.check_plan(plan)                    # every rank built the same plan
-    gparams = gb.init(plan, seed=0)             # bitwise identical on every rank
+    gparams = gb.init(plan, seed=0)             # identical on every rank: the model is too
     sync = gb.dist.GradSync(gb.dist.trainable_leaves(gparams), mesh)
     x, y = gb.dist.shard_batch((x, y), mesh)    # this rank's rows of the global batch
     loss_fn(functional_call(model, gb.apply(gparams, plan), (x,)), y).backward()

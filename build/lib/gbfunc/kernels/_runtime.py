@@ -42,6 +42,7 @@ def check_runnable(where: str, device: torch.device) -> None:
             "anything imports triton: `TRITON_INTERPRET=1 python train.py`."
         )
 
+
 # The dtypes the kernels load and store; arithmetic is always float32.
 DTYPES = (
     (torch.float32, torch.float16)

@@ -1,0 +1,208 @@
+"""`gb.fit` and `gb.train_alternating`: g-nets regressed onto given weights.
+
+Fitting is how a trained model is compressed without its data, and the half-step of
+Shuvaev et al.'s (PNAS 2024) training, which alternates training a p-net's weights directly
+with fitting the g-nets to them.
+"""
+
+import math
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from ._apply import GParams, apply
+from ._checks import check_gparams
+from ._plan import Plan
+
+
+class Fitted(NamedTuple):
+    """What `gb.fit` returns.
+
+    Attributes:
+        gparams: The fitted g-nets; free parameters copied from the target.
+        errors: Per generated parameter, `||generated - target||^2 / ||target||^2`.
+    """
+
+    gparams: GParams
+    errors: dict[str, float]
+
+
+def fit(
+    gparams: GParams,
+    plan: Plan,
+    target: Mapping[str, Tensor],
+    *,
+    steps: int = 500,
+    lr: float = 1e-2,
+    compile: bool = False,
+) -> Fitted:
+    """Regress the g-nets of `gparams` onto `target`'s weights (Adam, cosine schedule).
+
+    Each generated parameter's squared error is divided by the target's mean square, so
+    every weight counts equally whatever its scale. Free and frozen parameters are copied
+    from `target` where it has them. `gparams` is not modified.
+
+    Args:
+        gparams: The starting point, from `gb.init(plan)` or a previous fit.
+        plan: The plan that made `gparams`.
+        target: `{name: tensor}` with every generated parameter, e.g. `model.state_dict()`.
+        steps: Adam steps.
+        lr: Peak learning rate, decayed to zero along a cosine.
+        compile: `torch.compile` the loss and its backward (worth it from a few hundred
+            steps; the first call compiles).
+
+    Returns:
+        `Fitted(gparams, errors)`, leaves with the `requires_grad` flags of `gparams`.
+
+    Example:
+        >>> fitted = gb.fit(gb.init(plan), plan, trained_model.state_dict(), steps=1000)
+        >>> model.load_state_dict(gb.export(fitted.gparams, plan, model=model))
+    """
+    check_gparams(gparams, plan, "gb.fit")
+    _check_options(plan, target, steps, lr)
+    stacks = {
+        key: {name: leaf.detach().clone().requires_grad_() for name, leaf in leaves.items()}
+        for key, leaves in gparams["stacks"].items()
+    }
+    rest = {
+        group: {
+            name: _copied(target.get(name, value), value) for name, value in gparams[group].items()
+        }
+        for group in ("free", "frozen")
+    }
+    weights = {
+        p.name: target[p.name].detach().to(gparams["stacks"][plan.stacks[p.stack].key]["w_in"])
+        for p in plan.generated
+    }
+    norms = {name: w.square().mean().clamp_min(1e-30) for name, w in weights.items()}
+
+    def errors(stacks: dict) -> dict[str, Tensor]:
+        params = apply({"stacks": stacks, **rest}, plan)
+        return {n: (params[n] - w).square().mean() / norms[n] for n, w in weights.items()}
+
+    def loss(stacks: dict) -> Tensor:
+        return sum(errors(stacks).values()) / len(weights)
+
+    step_loss = torch.compile(loss, dynamic=False) if compile else loss
+    leaves = [leaf for group in stacks.values() for leaf in group.values()]
+    optimizer = torch.optim.Adam(leaves, lr=lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda t: 0.5 * (1 + math.cos(math.pi * t / steps))
+    )
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        step_loss(stacks).backward()
+        optimizer.step()
+        schedule.step()
+    with torch.no_grad():
+        final = {name: float(e) for name, e in errors(stacks).items()}
+    out = {
+        "stacks": {
+            key: {
+                name: leaf.detach().requires_grad_(gparams["stacks"][key][name].requires_grad)
+                for name, leaf in leaves.items()
+            }
+            for key, leaves in stacks.items()
+        },
+        **{
+            group: {
+                name: value.requires_grad_(gparams[group][name].requires_grad)
+                for name, value in values.items()
+            }
+            for group, values in rest.items()
+        },
+    }
+    return Fitted(out, final)
+
+
+def train_alternating(
+    gparams: GParams,
+    plan: Plan,
+    train_dense: Callable[[dict[str, Tensor], int], Mapping[str, Tensor]],
+    *,
+    generations: int,
+    anneal: float = 20.0,
+    fit_steps: int = 300,
+    fit_lr: float = 1e-2,
+    start: Mapping[str, Tensor] | None = None,
+    compile: bool = False,
+    on_generation: Callable[[int, GParams, dict[str, float]], None] | None = None,
+) -> GParams:
+    """Shuvaev et al.'s training: alternate direct training of the p-net and g-net fitting.
+
+    Generation `n` starts the p-net from `eps * trained + (1 - eps) * generated`, with
+    `eps = exp(-n / anneal)` and `trained` the previous generation's trained weights (at
+    `n = 0`, `start`, by default the weights the g-nets generate), trains it with
+    `train_dense` (any model, loss and optimizer), fits the g-nets to the result with
+    `gb.fit` and regenerates. Blending matters early: deep p-nets generated by untrained
+    g-nets barely train.
+
+    Args:
+        gparams: The starting g-nets, from `gb.init(plan)`.
+        plan: The plan that made `gparams`.
+        train_dense: `train_dense(params, generation) -> trained params`: trains the p-net
+            from the dense `{name: tensor}` it is given (e.g. by `load_state_dict` and a few
+            optimizer steps) and returns its parameters.
+        generations: Number of train-then-fit rounds.
+        anneal: Generations over which the blend decays by `e`.
+        fit_steps, fit_lr, compile: Passed to `gb.fit` each generation.
+        start: The dense weights of generation 0, e.g. the model's own.
+        on_generation: `on_generation(n, gparams, fit_errors)` after each generation.
+
+    Returns:
+        The g-nets after the last fit.
+    """
+    if not isinstance(generations, int) or isinstance(generations, bool) or generations < 1:
+        raise ValueError(
+            f"gb.train_alternating: generations must be an int >= 1, got {generations!r}."
+        )
+    if not (isinstance(anneal, int | float) and anneal > 0):
+        raise ValueError(f"gb.train_alternating: anneal must be a positive number, got {anneal!r}.")
+    names = {p.name for p in plan.generated}
+    trained: Mapping[str, Tensor] | None = start
+    for n in range(generations):
+        with torch.no_grad():
+            generated = {k: v.detach().clone() for k, v in apply(gparams, plan).items()}
+        eps = math.exp(-n / anneal)
+        begin = dict(generated)
+        if trained is not None:
+            for name in names:
+                begin[name] = (
+                    eps * trained[name].detach().to(generated[name]) + (1 - eps) * generated[name]
+                )
+            for name in generated.keys() - names:
+                begin[name] = trained[name].detach().clone() if name in trained else generated[name]
+        trained = dict(train_dense(begin, n))
+        missing = names - trained.keys()
+        if missing:
+            raise KeyError(
+                f"gb.train_alternating: train_dense returned no {sorted(missing)[0]!r}; it must "
+                "return every parameter it was given."
+            )
+        gparams, errors = fit(gparams, plan, trained, steps=fit_steps, lr=fit_lr, compile=compile)
+        if on_generation is not None:
+            on_generation(n, gparams, errors)
+    return gparams
+
+
+def _copied(value: Tensor, like: Tensor) -> Tensor:
+    return value.detach().to(device=like.device, dtype=like.dtype, copy=True)
+
+
+def _check_options(plan: Plan, target: Mapping[str, Tensor], steps: object, lr: object) -> None:
+    if not isinstance(target, Mapping):
+        raise TypeError(f"gb.fit: target must map names to tensors, got {type(target).__name__}.")
+    for p in plan.generated:
+        if p.name not in target:
+            raise KeyError(f"gb.fit: target has no {p.name!r}, a generated parameter of the plan.")
+        if tuple(target[p.name].shape) != p.shape:
+            raise ValueError(
+                f"gb.fit: target[{p.name!r}] has shape {tuple(target[p.name].shape)}; the plan "
+                f"generates {p.shape}."
+            )
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"gb.fit: steps must be an int >= 1, got {steps!r}.")
+    if not (isinstance(lr, int | float) and not isinstance(lr, bool) and lr > 0):
+        raise ValueError(f"gb.fit: lr must be a positive number, got {lr!r}.")

@@ -1,0 +1,136 @@
+"""`gb.fit` (g-nets regressed onto given weights) and `gb.train_alternating` (the paper's
+training: direct p-net training alternating with fits, blended by an annealed epsilon)."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+
+import gbfunc as gb
+
+
+def small() -> tuple[nn.Module, gb.Plan]:
+    model = nn.Sequential(nn.Linear(24, 16), nn.ReLU(), nn.Linear(16, 4))
+    return model, gb.plan(model, tile=(8, 8), hidden=8)
+
+
+def test_fit_recovers_weights_the_genome_can_express():
+    _, plan = small()
+    target = {k: v.detach() for k, v in gb.apply(gb.init(plan, seed=1), plan).items()}
+    start = gb.init(plan, seed=0)
+    before = gb.fit(start, plan, target, steps=1).errors
+    fitted = gb.fit(start, plan, target, steps=300, lr=1e-2)
+    for name, error in fitted.errors.items():
+        assert error < 0.3 * before[name], (name, error, before[name])
+    with torch.no_grad():
+        generated = gb.apply(fitted.gparams, plan)
+    for name, error in fitted.errors.items():
+        measured = (generated[name] - target[name]).square().sum() / target[name].square().sum()
+        assert float(measured) == pytest.approx(error, rel=1e-4)
+
+
+def test_fit_copies_free_parameters_and_leaves_its_input_alone():
+    model, plan = small()
+    start = gb.init(plan, seed=0)
+    snapshot = {k: v.clone() for k, v in start["stacks"][plan.stacks[0].key].items()}
+    target = {k: v.detach() + 1.0 for k, v in model.named_parameters()}
+    fitted = gb.fit(start, plan, target, steps=5).gparams
+    assert torch.equal(fitted["free"]["0.bias"], target["0.bias"])
+    for name, value in start["stacks"][plan.stacks[0].key].items():
+        assert torch.equal(value, snapshot[name])  # not modified in place
+        assert fitted["stacks"][plan.stacks[0].key][name].requires_grad == value.requires_grad
+
+
+def test_fit_compiled_matches_eager():
+    _, plan = small()
+    target = {k: v.detach() for k, v in gb.apply(gb.init(plan, seed=1), plan).items()}
+    eager = gb.fit(gb.init(plan), plan, target, steps=20).errors
+    compiled = gb.fit(gb.init(plan), plan, target, steps=20, compile=True).errors
+    for name in eager:  # Adam amplifies rounding differences a little
+        assert compiled[name] == pytest.approx(eager[name], rel=1e-2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"target": {}}, "target has no '0.weight'"),
+        ({"target": {"0.weight": torch.zeros(3), "2.weight": torch.zeros(4, 16)}}, "shape"),
+        ({"steps": 0}, "steps must be"),
+        ({"lr": -1.0}, "lr must be"),
+    ],
+)
+def test_fit_rejects_bad_input(kwargs, message):
+    model, plan = small()
+    args = {"target": dict(model.named_parameters()), **kwargs}
+    with pytest.raises((KeyError, ValueError), match=message):
+        gb.fit(gb.init(plan), plan, args.pop("target"), **args)
+
+
+def test_alternating_training_blends_with_the_annealed_epsilon():
+    model, plan = small()
+    seen: list[dict] = []
+
+    def train_dense(params, generation):
+        seen.append({k: v.clone() for k, v in params.items()})
+        return {k: v + 1.0 for k, v in params.items()}  # a stand-in for training
+
+    start = {k: v.detach() for k, v in model.named_parameters()}
+    fits: list[int] = []
+    gparams = gb.train_alternating(
+        gb.init(plan),
+        plan,
+        train_dense,
+        generations=2,
+        anneal=4.0,
+        fit_steps=3,
+        start=start,
+        on_generation=lambda n, g, errors: fits.append(n),
+    )
+    assert fits == [0, 1]
+    assert torch.equal(seen[0]["0.weight"], start["0.weight"])  # eps(0) = 1
+    generated = gb.apply(
+        gb.fit(gb.init(plan), plan, {k: v + 1.0 for k, v in start.items()}, steps=3).gparams, plan
+    )
+    eps = math.exp(-1 / 4.0)
+    expected = eps * (start["0.weight"] + 1.0) + (1 - eps) * generated["0.weight"]
+    torch.testing.assert_close(seen[1]["0.weight"], expected)
+    assert torch.equal(seen[1]["0.bias"], start["0.bias"] + 1.0)  # free: the trained values
+    assert set(gparams) == {"stacks", "free", "frozen"}
+
+
+def test_alternating_training_learns_a_task():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3))
+    plan = gb.plan(model, tile="full", hidden=16, biases=True)
+    x = torch.randn(256, 8)
+    y = (x[:, :3] * torch.tensor([1.0, -1.0, 0.5])).argmax(1)
+
+    def loss_of(params):
+        return nn.functional.cross_entropy(functional_call(model, params, (x,)), y)
+
+    def train_dense(params, generation):
+        params = {k: v.clone().requires_grad_() for k, v in params.items()}
+        opt = torch.optim.Adam(params.values(), lr=1e-2)
+        for _ in range(30):
+            opt.zero_grad()
+            loss_of(params).backward()
+            opt.step()
+        return {k: v.detach() for k, v in params.items()}
+
+    gparams = gb.init(plan, requires_grad=False)
+    before = float(loss_of(gb.apply(gparams, plan)))
+    gparams = gb.train_alternating(
+        gparams, plan, train_dense, generations=4, anneal=2.0, fit_steps=150
+    )
+    after = float(loss_of(gb.apply(gparams, plan)))
+    assert after < 0.7 * before, (before, after)
+
+
+def test_alternating_training_rejects_bad_options():
+    _, plan = small()
+    with pytest.raises(ValueError, match="generations must be"):
+        gb.train_alternating(gb.init(plan), plan, lambda p, n: p, generations=0)
+    with pytest.raises(KeyError, match="train_dense returned no"):
+        gb.train_alternating(gb.init(plan), plan, lambda p, n: {}, generations=1)
