@@ -6,6 +6,7 @@ repository root nor pytest's own `sys.path` entries can hide a packaging mistake
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -157,8 +158,14 @@ def test_every_package_folder_is_listed_for_the_build():
 @pytest.mark.slow
 def test_the_wheel_holds_gbfunc_only(tmp_path):
     """A wheel ships `kernels/` as `gbfunc/kernels/` and nothing else at the top level."""
+    source = tmp_path / "source"  # a copy: setuptools writes build/ beside the sources
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    for name in ("gbfunc", "kernels"):
+        shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     built = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(source)],
         capture_output=True,
         text=True,
         timeout=600,
