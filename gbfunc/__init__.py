@@ -37,5 +37,6 @@ from ._plan import (
 from ._replicated import save_replicated as save_replicated
 from ._report import Report as Report, Row as Row, report as report
 from ._rules import Layout as Layout, register_rule as register_rule
+from ._tree import trainable_leaves as trainable_leaves
 
 __version__ = "0.1.0"
