@@ -25,6 +25,7 @@ from ._export import export as export, save_dense as save_dense
 from ._genome import Genome as Genome
 from ._init import init as init
 from ._memory import saved_bytes as saved_bytes
+from ._module import Bottleneck as Bottleneck
 from ._plan import (
     OPTIONS as OPTIONS,
     Block as Block,
