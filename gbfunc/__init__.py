@@ -26,6 +26,7 @@ from ._fit import Fitted as Fitted, fit as fit, train_alternating as train_alter
 from ._genome import Genome as Genome
 from ._init import init as init
 from ._memory import saved_bytes as saved_bytes
+from ._module import Bottleneck as Bottleneck
 from ._plan import (
     OPTIONS as OPTIONS,
     Block as Block,
@@ -38,5 +39,6 @@ from ._plan import (
 from ._replicated import save_replicated as save_replicated
 from ._report import Report as Report, Row as Row, report as report
 from ._rules import Layout as Layout, register_rule as register_rule
+from ._tree import trainable_leaves as trainable_leaves
 
 __version__ = "0.1.0"

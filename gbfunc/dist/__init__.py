@@ -3,7 +3,7 @@
     mesh = gb.dist.init_mesh(tp=1)              # under torchrun: dp = world size
     gb.dist.check_plan(plan)                    # every rank built the same plan
     gparams = gb.init(plan, seed=0)             # identical on every rank: the model is too
-    sync = gb.dist.GradSync(gb.dist.trainable_leaves(gparams), mesh)
+    sync = gb.dist.GradSync(gb.trainable_leaves(gparams), mesh)
     x, y = gb.dist.shard_batch((x, y), mesh)    # this rank's rows of the global batch
     loss_fn(functional_call(model, gb.apply(gparams, plan), (x,)), y).backward()
     sync.wait(); opt.step(); opt.zero_grad()
@@ -12,17 +12,14 @@ Strategies: replicated g-nets (the default above), `RankOwned` g-nets, `TensorPa
 p-nets and `StageGenerator` for pipeline stages; `*_traffic` give their bytes per step.
 """
 
+from .._tree import trainable_leaves as trainable_leaves  # gb.trainable_leaves, kept here too
 from ._check import check_plan as check_plan, plan_difference as plan_difference
 from ._data import data_loader as data_loader, shard_batch as shard_batch
 from ._mesh import MeshShape as MeshShape, init_mesh as init_mesh, mesh_shape as mesh_shape
 from ._owned import Ownership as Ownership, RankOwned as RankOwned, assign as assign
 from ._pipeline import StageGenerator as StageGenerator
 from ._select import Selection as Selection
-from ._sync import (
-    CollectiveError as CollectiveError,
-    GradSync as GradSync,
-    trainable_leaves as trainable_leaves,
-)
+from ._sync import CollectiveError as CollectiveError, GradSync as GradSync
 from ._tp import TensorParallel as TensorParallel
 from ._traffic import (
     Traffic as Traffic,

@@ -14,16 +14,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._apply import GParams
 from ._mesh import dim_size
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
-
-
-def trainable_leaves(gparams: GParams) -> list[Tensor]:
-    """The trainable leaves of `gparams`: every stack leaf, then the free parameters."""
-    leaves = [t for stack in gparams["stacks"].values() for t in stack.values()]
-    return [t for t in [*leaves, *gparams["free"].values()] if t.requires_grad]
 
 
 class CollectiveError(RuntimeError):
@@ -56,13 +49,13 @@ class GradSync:
 
     Args:
         leaves: Trainable tensors, identical in shape and order on every rank (see
-            `trainable_leaves`).
+            `gb.trainable_leaves`).
         mesh: The mesh spanning every rank; gradients are divided by its `"dp"` size. Default:
             pure data parallel over the world.
         bucket_bytes: Target size of one bucket.
 
     Example:
-        >>> sync = GradSync(trainable_leaves(gparams), mesh)
+        >>> sync = GradSync(gb.trainable_leaves(gparams), mesh)
         >>> loss.backward(); sync.wait(); opt.step(); opt.zero_grad()
     """
 

@@ -1,0 +1,34 @@
+"""`gb.trainable_leaves`: the tensors an optimizer trains, taken out of a gparams pytree."""
+
+from torch import Tensor
+
+from ._apply import GParams
+
+
+def trainable_leaves(gparams: GParams) -> list[Tensor]:
+    """Every stack leaf, then every free parameter, as one flat list for an optimizer.
+
+    The order is that of `gparams`' dicts (stacks, then each stack's leaves, then free
+    parameters), which `gb.init`, `gb.load` and `gb.Bottleneck.gparams` all build in plan
+    order; so two ranks or two runs with the same plan list the same tensors in the same
+    order. Frozen parameters are left out. The list holds the leaves themselves (no copies),
+    whether or not they require grad.
+
+    Args:
+        gparams: From `gb.init(plan)` (or trained from it).
+
+    Returns:
+        `[stack leaves..., free leaves...]`.
+
+    Example:
+        >>> gparams = gb.init(gb.plan(nn.Linear(64, 32), tile=(16, 16)))
+        >>> opt = torch.optim.AdamW(gb.trainable_leaves(gparams), lr=1e-3)
+    """
+    if not (isinstance(gparams, dict) and {"stacks", "free"} <= set(gparams)):
+        got = sorted(gparams) if isinstance(gparams, dict) else type(gparams).__name__
+        raise TypeError(
+            "gb.trainable_leaves: gparams must be the dict made by gb.init with keys "
+            f"['free', 'frozen', 'stacks'], got {got}."
+        )
+    stacks = [t for leaves in gparams["stacks"].values() for t in leaves.values()]
+    return [*stacks, *gparams["free"].values()]

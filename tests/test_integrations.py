@@ -1,0 +1,163 @@
+"""gb.Bottleneck in the trainers of transformers, Lightning and Accelerate (the `integrations`
+extra): each trains a few steps on synthetic data, the loss falls, and what they save is the
+compressed model only."""
+
+import os
+
+import pytest
+import safetensors.torch
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import gbfunc as gb
+
+VOCAB, SEQ = 64, 16
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 32), nn.LayerNorm(32), nn.Tanh(), nn.Linear(32, 3))
+
+
+def regression(rows: int = 64) -> TensorDataset:
+    """A learnable target: a fixed random linear map of the inputs."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, 12, generator=gen)
+    return TensorDataset(x, x @ torch.randn(12, 3, generator=gen))
+
+
+def falls(losses: list[float], window: int = 4) -> bool:
+    """The mean of the last `window` losses (one epoch of 4 batches) is below 80% of the first's."""
+    return sum(losses[-window:]) < 0.8 * sum(losses[:window])
+
+
+# ---------------------------------------------------------------- transformers
+
+
+class Counting(torch.utils.data.Dataset):
+    """Token sequences that count up modulo 8 from a random start: next token is predictable."""
+
+    def __init__(self, rows: int = 64) -> None:
+        start = torch.randint(0, 8, (rows, 1), generator=torch.Generator().manual_seed(0))
+        self.ids = (start + torch.arange(SEQ)) % 8
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+@pytest.mark.slow
+def test_transformers_trainer_trains_gpt2_and_saves_only_compressed_weights(tmp_path):
+    transformers = pytest.importorskip("transformers", reason="needs the integrations extra")
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=2, n_head=4,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    b = gb.Bottleneck(model, tile=(32, 32), hidden=8)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "run"),
+        max_steps=12,
+        per_device_train_batch_size=16,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        remove_unused_columns=False,  # forward(*args, **kwargs) names no columns
+    )
+    trainer = transformers.Trainer(model=b, args=args, train_dataset=Counting())
+    trainer.train()
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert len(losses) == 12
+    assert falls(losses), losses
+
+    trainer.save_model(str(tmp_path / "final"))
+    path = tmp_path / "final" / "model.safetensors"
+    saved = safetensors.torch.load_file(path)
+    assert set(saved) == set(b.state_dict())  # the g-nets and free parameters, nothing dense
+    stored = sum(t.numel() for t in saved.values())
+    assert stored == b.report().stored_params  # GPT-2 has no buffers in transformers 5
+    dense = sum(p.numel() for p in model.parameters())
+    assert os.path.getsize(path) < 0.5 * 4 * dense
+    fresh = gb.Bottleneck(transformers.GPT2LMHeadModel(config), b.plan)
+    fresh.load_state_dict(saved, strict=True)
+    ids = Counting()[0]["input_ids"][None]
+    b.eval()
+    fresh.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(ids).logits, b(ids).logits, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- Lightning
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning:lightning.*")  # num_workers, log_every_n_steps
+@pytest.mark.filterwarnings("ignore::FutureWarning:lightning.*")  # its use of torch's LeafSpec
+def test_lightning_trainer_fits_a_module_around_it(tmp_path):
+    L = pytest.importorskip("lightning", reason="needs the integrations extra")
+
+    class Regressor(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = gb.Bottleneck(mlp(), tile=(8, 8))
+            self.losses: list[float] = []
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = nn.functional.mse_loss(self.net(x), y)
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+    module = Regressor()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=16,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )
+    trainer.fit(module, DataLoader(regression(), batch_size=16, shuffle=False))
+    assert len(module.losses) == 16
+    assert falls(module.losses), module.losses
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    ckpt = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    assert set(ckpt["state_dict"]) == {f"net.{k}" for k in module.net.state_dict()}
+
+
+# ---------------------------------------------------------------- Accelerate
+
+
+@pytest.mark.slow
+def test_accelerate_prepares_and_trains_it(tmp_path):
+    accelerate = pytest.importorskip("accelerate", reason="needs the integrations extra")
+    accelerator = accelerate.Accelerator(cpu=True)
+    b = gb.Bottleneck(mlp(), tile=(8, 8))
+    opt = torch.optim.Adam(b.parameters(), lr=1e-2)
+    loader = DataLoader(regression(), batch_size=16, shuffle=False)
+    model, opt, loader = accelerator.prepare(b, opt, loader)
+    losses = []
+    for _ in range(4):
+        for x, y in loader:
+            loss = nn.functional.mse_loss(model(x), y)
+            accelerator.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    assert falls(losses), losses
+    assert accelerator.unwrap_model(model) is b
+    accelerator.save_model(model, tmp_path)
+    saved = safetensors.torch.load_file(tmp_path / "model.safetensors")
+    assert set(saved) == set(b.state_dict())

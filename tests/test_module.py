@@ -1,0 +1,340 @@
+"""gb.Bottleneck: the g-nets as an nn.Module whose parameters, buffers and state_dict are the
+compressed model's, while forward runs the p-net on generated weights."""
+
+import copy
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given
+from torch import nn
+from torch.func import functional_call
+
+import gbfunc as gb
+import gbfunc.dist as gbd
+from gbfunc._module import escape, unescape
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 24), nn.LayerNorm(24), nn.ReLU(), nn.Linear(24, 3))
+
+
+def bn_net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 2))
+
+
+def frozen_net() -> nn.Sequential:
+    model = mlp()
+    model[1].weight.requires_grad_(False)  # a frozen LayerNorm scale
+    return model
+
+
+def state(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+# ---------------------------------------------------------------- names and parameters
+
+
+@given(st.text())
+def test_escape_is_reversible_and_leaves_no_dots(name):
+    key = escape(name)
+    assert "." not in key
+    assert unescape(key) == name
+
+
+def test_escape_of_names_that_look_escaped():
+    assert escape("a.b%2Ec") == "a%2Eb%252Ec"
+    assert unescape(escape("%2E.%25")) == "%2E.%25"
+
+
+def test_parameters_are_the_stacks_and_free_leaves_under_escaped_names():
+    model = mlp()
+    b = gb.Bottleneck(model, tile=(8, 8))
+    plan = b.plan
+    want = [f"stacks.{s.key}.{leaf}" for s in plan.stacks for leaf in s.leaf_shapes()]
+    want += [f"free.{p.name.replace('.', '%2E')}" for p in plan.free]
+    assert [n for n, _ in b.named_parameters()] == want  # plan order, as gparams
+    dense = {n for n, _ in model.named_parameters()}
+    assert not dense & {n.split(".", 1)[1] for n in want}
+    # The functional view holds the very same tensors, in gb.trainable_leaves order.
+    assert all(a is p for a, p in zip(gb.trainable_leaves(b.gparams), b.parameters(), strict=True))
+    shapes = [t.shape for t in gb.trainable_leaves(gb.init(plan, seed=0))]
+    assert [p.shape for p in b.parameters()] == shapes
+
+
+def test_stacks_are_those_of_gb_init_with_the_seed():
+    b = gb.Bottleneck(mlp(), tile=(8, 8), seed=3)
+    ref = gb.init(b.plan, seed=3)["stacks"]
+    for key, leaves in b.gparams["stacks"].items():
+        for name, t in leaves.items():
+            torch.testing.assert_close(t.detach(), ref[key][name], rtol=0, atol=0)
+
+
+def test_forward_is_functional_call_on_generated_weights():
+    model = mlp()
+    b = gb.Bottleneck(model, tile=(8, 8))
+    x = torch.randn(5, 12)
+    want = functional_call(model, gb.apply(b.gparams, b.plan), (x,))
+    torch.testing.assert_close(b(x), want, rtol=0, atol=0)
+    b(x).sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in b.parameters())
+    assert all(p.grad is None for p in model.parameters())  # the dense weights are never used
+
+
+def test_a_given_plan_is_used_and_plan_options_are_passed_to_gb_plan():
+    model = mlp()
+    plan = gb.plan(model, tile=(4, 8), hidden=8)
+    assert gb.Bottleneck(model, plan).plan is plan
+    assert gb.Bottleneck(model, tile=(4, 8), hidden=8).plan == plan
+
+
+def test_trainable_leaves_are_stacks_then_free_and_dist_uses_them():
+    plan = gb.plan(frozen_net(), tile=(8, 8))
+    gparams = gb.init(plan, seed=0)
+    leaves = gb.trainable_leaves(gparams)
+    stacks = [t for s in gparams["stacks"].values() for t in s.values()]
+    assert all(a is b for a, b in zip(leaves, [*stacks, *gparams["free"].values()], strict=True))
+    assert not any(t is f for t in leaves for f in gparams["frozen"].values())
+    assert gbd.trainable_leaves is gb.trainable_leaves
+    functional = gb.init(plan, seed=0, requires_grad=False)
+    assert len(gb.trainable_leaves(functional)) == len(leaves)  # what is trained, not how
+
+
+def test_trainable_leaves_rejects_other_trees():
+    with pytest.raises(TypeError, match=r"gb.trainable_leaves: gparams must be the dict"):
+        gb.trainable_leaves([torch.zeros(2)])
+
+
+# ---------------------------------------------------------------- frozen parameters and buffers
+
+
+def test_frozen_parameters_are_buffers_moved_and_stored_but_not_trained():
+    b = gb.Bottleneck(frozen_net(), tile=(8, 8))
+    assert list(b.gparams["frozen"]) == ["1.weight"]
+    assert "frozen.1%2Eweight" in b.state_dict()
+    assert not any("frozen" in n for n, _ in b.named_parameters())
+    assert b.gparams["frozen"]["1.weight"] is b.frozen.get("1.weight")
+    b.double()
+    assert b.gparams["frozen"]["1.weight"].dtype == torch.float64
+    assert b(torch.randn(2, 12, dtype=torch.float64)).dtype == torch.float64
+
+
+def test_batchnorm_statistics_update_in_the_pnet_in_train_mode_only():
+    model = bn_net()
+    b = gb.Bottleneck(model, tile=(8, 8))
+    bn = model[1]
+    assert b.pnet_buffers.get("1.running_mean") is bn.running_mean  # shared, not copied
+    x = torch.randn(32, 6) + 3.0
+    b(x)
+    assert bn.num_batches_tracked.item() == 1
+    assert bn.running_mean.abs().sum() > 0
+    moved = bn.running_mean.clone()
+    b.eval()
+    assert not model.training
+    assert not bn.training
+    with torch.no_grad():
+        out = b(x)
+    torch.testing.assert_close(bn.running_mean, moved, rtol=0, atol=0)
+    assert bn.num_batches_tracked.item() == 1
+    # eval runs on the running statistics, deterministically (no dropout).
+    torch.testing.assert_close(b(x), out, rtol=0, atol=0)
+    b.train()
+    assert model.training
+    assert bn.training
+
+
+def test_to_moves_compressed_tensors_and_pnet_buffers_not_dense_weights():
+    model = bn_net()
+    b = gb.Bottleneck(model, tile=(8, 8)).double()
+    assert all(p.dtype == torch.float64 for p in b.parameters())
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # dense weights untouched
+    assert model[1].running_mean.dtype == torch.float64
+    assert model[1].running_mean is b.pnet_buffers.get("1.running_mean")  # still shared
+    b(torch.randn(4, 6, dtype=torch.float64))
+    assert model[1].num_batches_tracked.item() == 1
+
+
+def test_state_dict_holds_the_compressed_model_and_pnet_buffers_only():
+    model = bn_net()
+    b = gb.Bottleneck(model, tile=(8, 8))
+    keys = set(b.state_dict())
+    params = {n for n, _ in b.named_parameters()}
+    buffers = {f"pnet_buffers.{escape(n)}" for n, _ in model.named_buffers()}
+    assert keys == params | buffers
+    stored = sum(b.state_dict()[k].numel() for k in params)
+    assert stored == gb.report(b.plan).stored_params
+
+
+def test_state_dict_round_trip_restores_outputs_and_running_statistics():
+    b = gb.Bottleneck(bn_net(), tile=(8, 8))
+    opt = torch.optim.SGD(b.parameters(), lr=0.1)
+    x = torch.randn(16, 6)
+    for _ in range(2):
+        b(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    saved = state(b)
+    fresh_model = bn_net()
+    fresh = gb.Bottleneck(fresh_model, tile=(8, 8), seed=1)
+    fresh.load_state_dict(saved, strict=True)
+    assert fresh_model[1].num_batches_tracked.item() == 2  # reached the p-net
+    b.eval()
+    fresh.eval()
+    torch.testing.assert_close(fresh(x), b(x), rtol=0, atol=0)
+    # assign=True replaces the buffers: the p-net follows them.
+    fresh.load_state_dict(saved, assign=True)
+    assert fresh_model[1].running_var is fresh.pnet_buffers.get("1.running_var")
+
+
+def test_deepcopy_keeps_buffers_shared_with_its_own_pnet():
+    b = gb.Bottleneck(bn_net(), tile=(8, 8))
+    c = copy.deepcopy(b)
+    assert c.pnet is not b.pnet
+    assert c.pnet[1].running_mean is c.pnet_buffers.get("1.running_mean")
+    c(torch.randn(4, 6))
+    assert b.pnet[1].num_batches_tracked.item() == 0
+
+
+def test_torch_save_of_the_whole_module_keeps_buffers_shared(tmp_path):
+    b = gb.Bottleneck(bn_net(), tile=(8, 8)).eval()  # no dropout
+    torch.save(b, tmp_path / "b.pt")
+    c = torch.load(tmp_path / "b.pt", weights_only=False)
+    assert c.pnet[1].running_mean is c.pnet_buffers.get("1.running_mean")
+    assert not c.pnet.training
+    x = torch.randn(4, 6)
+    torch.testing.assert_close(c(x), b(x), rtol=0, atol=0)
+
+
+def test_a_pnet_on_the_meta_device_is_never_materialised():
+    with torch.device("meta"):
+        model = mlp()
+    b = gb.Bottleneck(model, tile=(8, 8))
+    assert all(not p.is_meta for p in b.parameters())
+    x = torch.randn(5, 12)
+    want = functional_call(mlp(), gb.apply(b.gparams, b.plan), (x,))
+    torch.testing.assert_close(b(x), want, rtol=0, atol=0)
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_accepts_loss_kwargs_follows_the_pnet():
+    class Kw(nn.Linear):
+        def forward(self, x, **kwargs):
+            return super().forward(x)
+
+    assert gb.Bottleneck(mlp(), tile=(8, 8)).accepts_loss_kwargs is False
+    assert gb.Bottleneck(Kw(8, 8), tile=(4, 4)).accepts_loss_kwargs is True
+
+
+# ---------------------------------------------------------------- export, report, checkpoints
+
+
+def test_export_is_the_dense_state_dict_of_the_trained_model():
+    b = gb.Bottleneck(bn_net(), tile=(8, 8))
+    b(torch.randn(8, 6))  # move the running statistics
+    dense = b.export()
+    fresh = bn_net()
+    fresh.load_state_dict(dense, strict=True)
+    fresh.eval()
+    b.eval()
+    x = torch.randn(3, 6)
+    torch.testing.assert_close(fresh(x), b(x), rtol=0, atol=0)
+
+
+def test_report_is_gb_report_of_the_plan():
+    b = gb.Bottleneck(mlp(), tile=(8, 8))
+    assert b.report() == gb.report(b.plan)
+    assert "compression=" in repr(b)
+
+
+def test_gb_save_and_from_checkpoint_round_trip(tmp_path):
+    b = gb.Bottleneck(frozen_net(), tile=(8, 8), seed=0)
+    with torch.no_grad():
+        for t in gb.trainable_leaves(b.gparams):
+            t.add_(0.01)  # not what gb.init would draw
+    path = tmp_path / "ckpt.safetensors"
+    gb.save(path, b.gparams, b.plan)
+    loaded = gb.Bottleneck.from_checkpoint(path, frozen_net())
+    assert loaded.plan == b.plan
+    for ours, theirs in zip(state(loaded).values(), state(b).values(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    x = torch.randn(4, 12)
+    torch.testing.assert_close(loaded(x), b(x), rtol=0, atol=0)
+
+
+def test_load_gparams_copies_in_place_so_an_optimizer_keeps_its_tensors(tmp_path):
+    b = gb.Bottleneck(mlp(), tile=(8, 8), seed=0)
+    opt = torch.optim.SGD(b.parameters(), lr=0.1)
+    before = list(b.parameters())
+    path = tmp_path / "ckpt.safetensors"
+    gb.save(path, gb.init(b.plan, seed=5), b.plan)
+    b.load_gparams(gb.load(path, b.pnet).gparams)
+    assert all(p is q for p, q in zip(b.parameters(), before, strict=True))
+    assert opt.param_groups[0]["params"][0] is before[0]
+    ref = gb.init(b.plan, seed=5)["stacks"]
+    for key, leaves in b.gparams["stacks"].items():
+        for name, t in leaves.items():
+            torch.testing.assert_close(t.detach(), ref[key][name], rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_rejects_a_plan_together_with_plan_options():
+    model = mlp()
+    with pytest.raises(TypeError, match=r"gb.Bottleneck: pass either plan or plan options"):
+        gb.Bottleneck(model, gb.plan(model), tile=(8, 8))
+
+
+def test_rejects_a_plan_of_another_model():
+    plan = gb.plan(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"gb.Bottleneck: parameter #0 is '.*' \(4, 4\)"):
+        gb.Bottleneck(mlp(), plan)
+
+
+def test_rejects_wrapped_models_and_nested_bottlenecks():
+    b = gb.Bottleneck(mlp(), tile=(8, 8))
+    with pytest.raises(TypeError, match=r"gb.Bottleneck: model is already a gb.Bottleneck"):
+        gb.Bottleneck(b)
+    with pytest.raises(TypeError, match=r"gb.Bottleneck: model must be an nn.Module"):
+        gb.Bottleneck("model")
+
+
+def test_load_gparams_rejects_gparams_of_another_plan():
+    b = gb.Bottleneck(mlp(), tile=(8, 8))
+    other = gb.init(gb.plan(mlp(), tile=(4, 4)))
+    with pytest.raises(ValueError, match=r"gb.Bottleneck.load_gparams: gparams\['stacks'\]"):
+        b.load_gparams(other)
+
+
+# ---------------------------------------------------------------- torch.compile
+
+
+@pytest.mark.slow
+def test_compiled_training_step_matches_eager():
+    """Forward and backward through the module under torch.compile(fullgraph=True)."""
+    eager = gb.Bottleneck(mlp(), tile=(8, 8))
+    compiled_b = copy.deepcopy(eager)
+    x, y = torch.randn(8, 12), torch.randn(8, 3)
+
+    def loss_of(b: gb.Bottleneck):
+        return lambda x, y: nn.functional.mse_loss(b(x), y)
+
+    compiled = torch.compile(loss_of(compiled_b), fullgraph=True)
+    runs = []
+    for b, loss_fn in ((eager, loss_of(eager)), (compiled_b, compiled)):
+        opt = torch.optim.SGD(b.parameters(), lr=0.05)
+        losses = []
+        for _ in range(3):
+            loss = loss_fn(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs.append(losses)
+    torch.testing.assert_close(runs[1], runs[0], rtol=1e-5, atol=1e-6)
+    assert runs[1][-1] < runs[1][0]
+    for p, q in zip(compiled_b.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
