@@ -47,6 +47,9 @@ def apply(
     stacks = gparams["stacks"]
     if use_triton(backend, plan, stacks):
         generated = fused_weights(plan, [stack_inputs(s, stacks[s.key]) for s in plan.stacks])
+        for p in plan.generated:  # the kernels scale; centring reads whole rows, done here
+            if p.center:
+                generated[p.name] = finish(p, generated[p.name] / p.scale)
     else:
         tiles = [evaluate_stack(s, stacks[s.key]) for s in plan.stacks]
         generated = {
@@ -109,7 +112,14 @@ def assemble(p: Generated, stack: Stack, tiles: Tensor) -> Tensor:
         t = rearrange(t, "(r c) th (tw k) -> (r th) (c tw) k", r=rows, c=cols, tw=tw, k=taps)
         parts.append(t[: block.rows, : block.cols])
     weight = parts[0] if len(parts) == 1 else torch.cat(parts, dim=p.split_dim)
-    return weight.reshape(p.shape) * p.scale
+    return finish(p, weight.reshape(p.shape))
+
+
+def finish(p: Generated, raw: Tensor) -> Tensor:
+    """A parameter from its laid-out raw values `(rows, ...)`: centred rows if asked, scaled."""
+    if p.center:
+        raw = raw - raw.mean(dim=tuple(range(1, raw.dim())), keepdim=True)
+    return raw * p.scale
 
 
 def _codes(stack: Stack, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:

@@ -20,7 +20,7 @@ from ._rules import Layout, free_init, rule_for
 
 DEFAULT_TILE = (64, 64)
 _GENOME_OPTIONS = tuple(f.name for f in fields(Genome))
-OPTIONS = ("tile", "generate", *_GENOME_OPTIONS)
+OPTIONS = ("tile", "generate", "center", *_GENOME_OPTIONS)
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,11 @@ class Block:
 
 @dataclass(frozen=True)
 class Generated:
-    """A parameter produced by g-nets: `scale * raw` where `raw` has unit std at init."""
+    """A parameter produced by g-nets: `scale * raw` where `raw` has unit std at init.
+
+    With `center`, each row (output neuron) has its mean over the inputs removed, so the
+    g-nets cannot spend capacity on, nor be thrown off by, a neuron's overall input sum.
+    """
 
     name: str
     shape: tuple[int, ...]
@@ -55,6 +59,7 @@ class Generated:
     blocks: tuple[Block, ...]
     split_dim: int
     scale: float
+    center: bool = False
 
     @property
     def numel(self) -> int:
@@ -183,6 +188,7 @@ def plan(
     col_labels: str | tuple[int, ...] = "position",
     embeddings: bool = False,
     biases: bool = False,
+    center: bool = False,
     compression: float | None = None,
     overrides: Mapping[str, Mapping[str, object] | str] | None = None,
     free: Sequence[str] = (),
@@ -208,6 +214,8 @@ def plan(
         embeddings: Generate `nn.Embedding` tables too.
         biases: Generate the biases of generated layers too, each by its own g-net on the
             layer's output-neuron labels (at high ratios free biases dominate the count).
+        center: Remove each generated weight row's mean over its inputs (see `Generated`);
+            with neuron labels it makes image-input genomes train stably.
         compression: Choose a square tile so that generated weights / g-net parameters is
             within 10% of this ratio. Exclusive with `tile`.
         overrides: `{name_pattern: {option: value}}` (fnmatch on parameter names, applied in
@@ -228,6 +236,7 @@ def plan(
     base = {
         "tile": _check_tile("tile", DEFAULT_TILE if tile is None else tile),
         "generate": None,
+        "center": center,
         "hidden": hidden,
         "depth": depth,
         "activation": activation,
@@ -523,8 +532,13 @@ def _build(entries: list[_Entry], options: list[dict[str, object]], flags: dict[
             stack_tiles[stack_id].extend([n] if genome.share else [1] * n)
             blocks.append(Block(rows, cols, grid, first))
         split_dim = layout.split_dim if layout.splits > 1 else 0
+        if not isinstance(opts["center"], bool):
+            raise TypeError(f"gb.plan: center must be a bool, got {opts['center']!r} for {name}.")
+        center = opts["center"] and len(shape) > 1  # a bias has no inputs to centre over
         params.append(
-            Generated(name, shape, dtype, stack_id, tuple(blocks), split_dim, layout.init_std)
+            Generated(
+                name, shape, dtype, stack_id, tuple(blocks), split_dim, layout.init_std, center
+            )
         )
     stacks = tuple(
         Stack(

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from .._apply import GParams, evaluate_stack
+from .._apply import GParams, evaluate_stack, finish
 from .._plan import Generated, Plan, Stack
 
 Region = tuple[tuple[int, int], ...]  # [start, stop) along every dim of a parameter
@@ -140,6 +140,12 @@ class Selection:
             )
             if not ok:
                 raise ValueError(f"gb.dist: region {region} does not fit {name} of shape {shape}.")
+            whole_rows = all(r == (0, n) for r, n in zip(region[1:], shape[1:], strict=True))
+            if getattr(params[name], "center", False) and not whole_rows:
+                raise ValueError(
+                    f"gb.dist: {name} has center=True, which needs whole rows, but region "
+                    f"{region} splits its columns; shard it by rows or plan it without center."
+                )
         self.plan = plan
         self.regions = dict(regions)
         self._params = {name: params[name] for name in regions}
@@ -191,7 +197,7 @@ class Selection:
             parts.append(t[slice(*piece.cut_rows), slice(*piece.cut_cols)])
         weight = parts[0] if len(parts) == 1 else torch.cat(parts, dim=p.split_dim)
         (r0, r1), (c0, c1) = self.regions[p.name][:2]
-        return weight.reshape(r1 - r0, c1 - c0, *p.shape[2:]) * p.scale
+        return finish(p, weight.reshape(r1 - r0, c1 - c0, *p.shape[2:]))
 
     def _indices(self, p: Generated, device: torch.device) -> list[Tensor]:
         key = (p.name, device)

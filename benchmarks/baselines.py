@@ -1,0 +1,76 @@
+"""Equal-parameter baselines for compression results: a narrower dense model, and low rank.
+
+A compression number means something only next to the obvious alternatives with the same
+number of trainable parameters:
+
+- `narrowest_match`: the same architecture at the width whose parameter count is nearest a
+  target (trained like any dense model);
+- `low_rank`: every chosen weight as `U @ V.T` (conv kernels as their `(out, in * k)` matrix
+  view), ranks spread over the matrices in proportion to their sizes so that the factors
+  together hold a target count; every other parameter trained as it is.
+"""
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+Tree = dict[str, Tensor]
+
+
+def count(model: nn.Module) -> int:
+    """Trainable parameters of `model` (tied ones once)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def narrowest_match(
+    build: Callable[[int], nn.Module], target: int, widths: Iterable[int]
+) -> tuple[int, int]:
+    """`(width, params)` of the `build(width)` whose trainable count is nearest `target`."""
+    best = min(((abs(count(build(w)) - target), w) for w in widths), key=lambda t: t[0])
+    width = best[1]
+    return width, count(build(width))
+
+
+def low_rank(
+    model: nn.Module, names: Sequence[str], budget: int, *, seed: int = 0
+) -> tuple[Tree, Callable[[Tree], Tree]]:
+    """Factor `names` as `U @ V.T` within `budget` factor parameters; the rest stays as it is.
+
+    Each matrix `(M, N)` gets rank `max(1, round(share / (M + N)))`, where `share` is its
+    fraction of `budget` by size. Factors start so that `U @ V.T` has the dense weight's std.
+
+    Returns:
+        `(tree, to_params)`: the trainable tensors, and the function that turns them into the
+        model's parameters for `torch.func.functional_call`.
+    """
+    params = dict(model.named_parameters())
+    total = sum(params[n].numel() for n in names)
+    gen = torch.Generator().manual_seed(seed)
+    tree: Tree = {}
+    shapes: dict[str, torch.Size] = {}
+    for name, value in params.items():
+        if name not in names:
+            tree[name] = value.detach().clone().requires_grad_()
+            continue
+        rows, cols = value.shape[0], value[0].numel()
+        rank = max(1, round(budget * value.numel() / total / (rows + cols)))
+        rank = min(rank, rows, cols)
+        std = math.sqrt(float(value.detach().std()) / math.sqrt(rank))
+        tree[f"{name}.U"] = (torch.randn(rows, rank, generator=gen) * std).requires_grad_()
+        tree[f"{name}.V"] = (torch.randn(cols, rank, generator=gen) * std).requires_grad_()
+        shapes[name] = value.shape
+
+    def to_params(tree: Tree) -> Tree:
+        out = {k: v for k, v in tree.items() if not k.endswith((".U", ".V"))}
+        for name, shape in shapes.items():
+            out[name] = (tree[f"{name}.U"] @ tree[f"{name}.V"].T).reshape(shape)
+        return out
+
+    return tree, to_params
+
+
+def tree_count(tree: Tree) -> int:
+    """Trainable elements of a tree."""
+    return sum(v.numel() for v in tree.values() if v.requires_grad)

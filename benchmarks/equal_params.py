@@ -1,0 +1,324 @@
+"""gbfunc against the obvious alternatives at equal trainable parameters: the digits MLP.
+
+The paper's MLP shape (Shuvaev et al. 2024: 784-800-10 on MNIST) on data that ships:
+64-800-10 on scikit-learn's 8x8 digits (60,010 parameters). At each ratio (~20x, ~100x,
+~300x whole-model) three families are trained with the same protocol, batches and seeds:
+
+- **gbfunc**, the paper's genome through `gb.plan` options: one g-net per weight and per bias
+  (`tile="full"`, `biases=True`), neurons labelled by their identity (hidden units by the
+  Gray code of their index, pixels by the Gray codes of their (row, column), classes
+  one-hot), tanh g-nets, and each generated row centred (`center=True`);
+- **narrow**: the same MLP with the hidden width whose parameter count is nearest;
+- **low rank**: both weights as `U @ V.T`, biases free, ranks spread by size (infeasible
+  where the free biases alone exceed the budget).
+
+Protocol, every arm: Adam, no weight decay, 1000 steps of batch 128, 100 steps of linear
+warm-up then cosine decay to 0, each arm's best learning rate from its own sweep of 3-4 values
+(chosen on the mean over seeds), validation accuracy at the last step.
+
+    python -m benchmarks.equal_params             # 3 seeds, ~20 minutes on one core
+    python -m benchmarks.equal_params --quick     # 1 seed, 300 steps
+
+Writes `benchmarks/results/equal_params[_quick].{md,json,png}`.
+"""
+
+import argparse
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call
+
+import gbfunc as gb
+from benchmarks._meta import RESULTS, header_md, markdown_table, provenance_line, write_json
+from benchmarks.baselines import count, low_rank, narrowest_match, tree_count
+from examples.data import digits_split
+
+HIDDEN = 800
+DENSE_LRS = (3e-4, 1e-3, 3e-3)
+BASELINE_LRS = (3e-3, 1e-2, 3e-2, 0.1)
+GB_LRS = (0.03, 0.1, 0.3, 1.0)
+
+
+def mlp(hidden: int = HIDDEN) -> nn.Module:
+    """64-hidden-10 with one ReLU layer."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+
+
+def paper_plan(model: nn.Module, hidden: int) -> gb.Plan:
+    """The paper's genome for `mlp()`: neuron labels, generated biases, centred rows."""
+    return gb.plan(
+        model,
+        tile="full",
+        encoding="gray",
+        hidden=hidden,
+        activation="tanh",
+        biases=True,
+        center=True,
+        overrides={"1.weight": {"col_labels": (8, 8)}, "3.*": {"row_labels": "onehot"}},
+    )
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One trainable configuration: its family, its tree and how the tree becomes weights."""
+
+    family: str
+    label: str
+    model: nn.Module
+    tree: dict
+    to_params: Callable[[dict], dict[str, Tensor]]
+    params: int
+
+
+def arms_at(gb_hidden: int, seed: int) -> list[Arm]:
+    """The gbfunc arm with `gb_hidden` g-net units, and its baselines at its count."""
+    torch.manual_seed(seed)
+    model = mlp()
+    plan = paper_plan(model, gb_hidden)
+    gparams = gb.init(plan, seed=seed)
+    ours = gb.report(plan).stored_params
+    arms = [
+        Arm("gbfunc", f"g-nets H={gb_hidden}", model, gparams, lambda t: gb.apply(t, plan), ours)
+    ]
+    width, _ = narrowest_match(mlp, ours, range(1, 200))
+    torch.manual_seed(seed)
+    narrow = mlp(width)
+    tree = {k: v.detach().clone().requires_grad_() for k, v in narrow.named_parameters()}
+    arms.append(Arm("narrow", f"width {width}", narrow, tree, lambda t: t, count(narrow)))
+    free_biases = HIDDEN + 10
+    if ours > free_biases + (64 + HIDDEN) + (HIDDEN + 10):  # room for rank 1 everywhere
+        tree, to_params = low_rank(model, ["1.weight", "3.weight"], ours - free_biases, seed=seed)
+        arms.append(Arm("low rank", "U V^T", model, tree, to_params, tree_count(tree)))
+    return arms
+
+
+def train(arm: Arm, lr: float, data: tuple[Tensor, ...], steps: int, seed: int) -> float:
+    """Validation accuracy of `arm` after `steps` of the shared protocol."""
+    x_train, y_train, x_val, y_val = data
+    leaves = [v for v in torch.utils._pytree.tree_leaves(arm.tree) if v.requires_grad]
+    optimizer = torch.optim.Adam(leaves, lr=lr)
+    warmup = min(100, steps // 10)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda t: min(1.0, (t + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, t / steps))),
+    )
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        index = torch.randint(len(x_train), (128,), generator=gen)
+        logits = functional_call(arm.model, arm.to_params(arm.tree), (x_train[index],))
+        loss = F.cross_entropy(logits, y_train[index])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+    with torch.no_grad():
+        logits = functional_call(arm.model, arm.to_params(arm.tree), (x_val,))
+    return float((logits.argmax(1) == y_val).float().mean())
+
+
+def run(settings: list[tuple[str, int]], seeds: int, steps: int) -> list[dict[str, Any]]:
+    """One row per (ratio, family, lr, seed), the dense model first."""
+    data = digits_split(seed=0)
+    rows = []
+    for seed in range(seeds):
+        torch.manual_seed(seed)
+        dense = mlp()
+        tree = {k: v.detach().clone().requires_grad_() for k, v in dense.named_parameters()}
+        groups = [("dense", [Arm("dense", "64-800-10", dense, tree, lambda t: t, count(dense))])]
+        groups += [(ratio, arms_at(hidden, seed)) for ratio, hidden in settings]
+        for ratio, arms in groups:
+            for arm in arms:
+                lrs = {"dense": DENSE_LRS, "gbfunc": GB_LRS}.get(arm.family, BASELINE_LRS)
+                for lr in lrs:
+                    fresh = {k: v.detach().clone() for k, v in _flat(arm.tree).items()}
+                    start = time.perf_counter()
+                    acc = train(arm, lr, data, steps, seed)
+                    _restore(arm.tree, fresh)
+                    rows.append(
+                        {
+                            "ratio": ratio,
+                            "family": arm.family,
+                            "arm": arm.label,
+                            "params": arm.params,
+                            "compression": 60_010 / arm.params,
+                            "lr": lr,
+                            "seed": seed,
+                            "val_acc": acc,
+                            "seconds": time.perf_counter() - start,
+                        }
+                    )
+                    print(
+                        f"seed {seed} {ratio:>6} {arm.family:<8} {arm.label:<14} "
+                        f"{arm.params:>6,} lr {lr:<6g} acc {100 * acc:.2f}",
+                        flush=True,
+                    )
+    return rows
+
+
+def _flat(tree: dict, prefix: str = "") -> dict[str, Tensor]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out |= _flat(value, f"{prefix}{key}/")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _restore(tree: dict, saved: dict[str, Tensor]) -> None:
+    """Put every leaf back to its saved start, in place, so each lr starts alike."""
+    with torch.no_grad():
+        for key, value in _flat(tree).items():
+            value.copy_(saved[key])
+
+
+def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (ratio, family, arm): the best lr by mean accuracy over seeds, with mean and std."""
+    out = []
+    keys = dict.fromkeys((r["ratio"], r["family"], r["arm"]) for r in rows)
+    for ratio, family, arm in keys:
+        group = [r for r in rows if (r["ratio"], r["family"], r["arm"]) == (ratio, family, arm)]
+        by_lr: dict[float, list[float]] = {}
+        for r in group:
+            by_lr.setdefault(r["lr"], []).append(r["val_acc"])
+        lr = max(by_lr, key=lambda k: statistics.fmean(by_lr[k]))
+        accs = by_lr[lr]
+        out.append(
+            {
+                "ratio": ratio,
+                "family": family,
+                "arm": arm,
+                "params": group[0]["params"],
+                "compression": group[0]["compression"],
+                "lr": lr,
+                "lrs": sorted(by_lr),
+                "val_acc": statistics.fmean(accs),
+                "val_acc_std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
+                "seeds": len(accs),
+                "seconds": statistics.fmean(r["seconds"] for r in group),
+            }
+        )
+    return out
+
+
+def table(summary: list[dict[str, Any]]) -> str:
+    columns = [("ratio", "l"), ("family", "l"), ("arm", "l")] + [
+        (t, "r") for t in ("trainable params", "compression", "best lr", "val acc %", "s/run")
+    ]
+    rows = (
+        [
+            s["ratio"],
+            s["family"],
+            s["arm"],
+            f"{s['params']:,}",
+            f"{s['compression']:.1f}x",
+            f"{s['lr']:g} of {', '.join(f'{v:g}' for v in s['lrs'])}",
+            f"{100 * s['val_acc']:.2f} ± {100 * s['val_acc_std']:.2f}",
+            f"{s['seconds']:.1f}",
+        ]
+        for s in summary
+    )
+    return markdown_table(columns, rows)
+
+
+def findings(summary: list[dict[str, Any]]) -> str:
+    """Per ratio: gbfunc's margin over each baseline, in accuracy points."""
+    lines = []
+    for ratio in dict.fromkeys(s["ratio"] for s in summary if s["ratio"] != "dense"):
+        group = {s["family"]: s for s in summary if s["ratio"] == ratio}
+        ours = group["gbfunc"]
+        parts = [
+            f"{100 * (ours['val_acc'] - s['val_acc']):+.2f} pt vs {family} ({s['params']:,} params)"
+            for family, s in group.items()
+            if family != "gbfunc"
+        ]
+        if "low rank" not in group:
+            parts.append("low rank infeasible (the free biases alone exceed the budget)")
+        lines.append(
+            f"- **{ratio}** (gbfunc {ours['params']:,} params, {100 * ours['val_acc']:.2f}%): "
+            + "; ".join(parts)
+        )
+    return "\n".join(lines)
+
+
+def plot(summary: list[dict[str, Any]], path: Path) -> None:
+    """Validation accuracy against trainable parameters (log), one line per family."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for family, color in (
+        ("gbfunc", "tab:orange"),
+        ("narrow", "tab:blue"),
+        ("low rank", "tab:green"),
+    ):
+        points = sorted((s["params"], s) for s in summary if s["family"] == family)
+        if points:
+            ax.errorbar(
+                [p for p, _ in points],
+                [100 * s["val_acc"] for _, s in points],
+                [100 * s["val_acc_std"] for _, s in points],
+                fmt="o-",
+                color=color,
+                label=family,
+                capsize=3,
+            )
+    dense = next(s for s in summary if s["family"] == "dense")
+    ax.axhline(100 * dense["val_acc"], color="gray", ls=":", label="dense 64-800-10")
+    ax.set(
+        xscale="log",
+        xlabel="trainable parameters (log)",
+        ylabel="validation accuracy (%)",
+        title="digits MLP 64-800-10: equal-parameter comparison",
+    )
+    ax.grid(alpha=0.3, which="both")
+    ax.legend()
+    fig.text(0.01, 0.01, provenance_line(), fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="1 seed, 300 steps")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    seeds, steps = (1, 300) if args.quick else (3, 1000)
+    # g-net hidden width per ratio: 64 * H + a few parameters in all.
+    settings = [("~20x", 47), ("~100x", 9), ("~300x", 3)]
+    started = time.perf_counter()
+    rows = run(settings, seeds, steps)
+    summary = summarise(rows)
+    stem = args.out / ("equal_params_quick" if args.quick else "equal_params")
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    text = (
+        header_md("gbfunc vs a narrower MLP and low rank at equal parameters (digits 64-800-10)")
+        + f"- {seeds} seed(s), {steps} steps, batch 128; "
+        + f"total {time.perf_counter() - started:.0f} s\n"
+        + f"- lr sweeps: dense {DENSE_LRS}, narrow and low rank {BASELINE_LRS}, gbfunc {GB_LRS}\n\n"
+        + table(summary)
+        + "\n## Margins\n\n"
+        + findings(summary)
+        + "\n"
+    )
+    print("\n" + table(summary) + "\n" + findings(summary))
+    stem.with_suffix(".md").write_text(text)
+    write_json(stem.with_suffix(".json"), rows, summary=summary)
+    plot(summary, stem.with_suffix(".png"))
+    print(f"wrote {stem}.{{md,json,png}}")
+
+
+if __name__ == "__main__":
+    main()
