@@ -107,3 +107,31 @@ def test_labels_survive_a_checkpoint(tmp_path):
     loaded = gb.load(tmp_path / "p.safetensors", model)
     assert loaded.plan == plan
     torch.testing.assert_close(gb.apply(loaded.gparams, plan), gb.apply(gparams, plan))
+
+
+def test_centred_rows_sum_to_zero_on_both_backends():
+    pytest.importorskip("triton")
+    model = nn.Sequential(nn.Linear(30, 20), nn.ReLU(), nn.Linear(20, 4))
+    plan = gb.plan(model, tile=(8, 8), center=True, biases=True, activation="tanh")
+    assert all(p.center == (len(p.shape) > 1) for p in plan.generated)
+    gparams = gb.init(plan)
+    ours = gb.apply(gparams, plan, backend="torch")
+    fused = gb.apply(gparams, plan, backend="triton")
+    for name in ("0.weight", "2.weight"):
+        torch.testing.assert_close(
+            ours[name].sum(1), torch.zeros(len(ours[name])), atol=1e-5, rtol=0
+        )
+        torch.testing.assert_close(fused[name], ours[name], atol=1e-6, rtol=1e-5)
+    uncentred = gb.apply(gb.init(gb.plan(model, tile=(8, 8))), gb.plan(model, tile=(8, 8)))
+    assert uncentred["0.weight"].sum(1).abs().max() > 1e-3  # the option is what centres
+
+
+def test_centred_weights_cannot_be_split_by_columns_in_dist():
+    from gbfunc.dist import Selection
+
+    plan = gb.plan(nn.Linear(16, 8), tile=(4, 4), center=True)
+    Selection(plan, {"weight": ((0, 4), (0, 16))})  # whole rows: fine
+    with pytest.raises(ValueError, match="center=True, which needs whole rows"):
+        Selection(plan, {"weight": ((0, 8), (0, 8))})
+    with pytest.raises(TypeError, match="center must be a bool"):
+        gb.plan(nn.Linear(16, 8), center="yes")
