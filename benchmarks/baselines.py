@@ -1,36 +1,21 @@
-"""Equal-parameter baselines for compression results: a narrower dense model, and low rank.
+"""Low-rank equal-parameter baselines for compression results.
 
 A compression number means something only next to the obvious alternatives with the same
-number of trainable parameters:
+number of trainable parameters: a narrower dense model (`examples.training.narrowest_match`,
+the same architecture at the width whose parameter count is nearest) and, here,
 
-- `narrowest_match`: the same architecture at the width whose parameter count is nearest a
-  target (trained like any dense model);
 - `low_rank`: every chosen weight as `U @ V.T` (conv kernels as their `(out, in * k)` matrix
   view), ranks spread over the matrices in proportion to their sizes so that the factors
   together hold a target count; every other parameter trained as it is.
 """
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 
 Tree = dict[str, Tensor]
-
-
-def count(model: nn.Module) -> int:
-    """Trainable parameters of `model` (tied ones once)."""
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
-
-
-def narrowest_match(
-    build: Callable[[int], nn.Module], target: int, widths: Iterable[int]
-) -> tuple[int, int]:
-    """`(width, params)` of the `build(width)` whose trainable count is nearest `target`."""
-    best = min(((abs(count(build(w)) - target), w) for w in widths), key=lambda t: t[0])
-    width = best[1]
-    return width, count(build(width))
 
 
 def low_rank(

@@ -38,8 +38,10 @@ from torch.func import functional_call
 
 import gbfunc as gb
 from benchmarks._meta import RESULTS, header_md, markdown_table, provenance_line, write_json
-from benchmarks.baselines import count, low_rank, narrowest_match, tree_count
+from benchmarks.baselines import low_rank, tree_count
 from examples.data import digits_split
+from examples.models import digits_mlp as mlp, paper_genome
+from examples.training import narrowest_match, trainable_count as count
 
 HIDDEN = 800
 DENSE_LRS = (3e-4, 1e-3, 3e-3)
@@ -47,23 +49,9 @@ BASELINE_LRS = (3e-3, 1e-2, 3e-2, 0.1)
 GB_LRS = (0.03, 0.1, 0.3, 1.0)
 
 
-def mlp(hidden: int = HIDDEN) -> nn.Module:
-    """64-hidden-10 with one ReLU layer."""
-    return nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
-
-
 def paper_plan(model: nn.Module, hidden: int) -> gb.Plan:
-    """The paper's genome for `mlp()`: neuron labels, generated biases, centred rows."""
-    return gb.plan(
-        model,
-        tile="full",
-        encoding="gray",
-        hidden=hidden,
-        activation="tanh",
-        biases=True,
-        center=True,
-        overrides={"1.weight": {"col_labels": (8, 8)}, "3.*": {"row_labels": "onehot"}},
-    )
+    """The paper's genome for `mlp()` with `hidden` units per g-net (`paper_genome`)."""
+    return gb.plan(model, **paper_genome(hidden))
 
 
 @dataclass(frozen=True)

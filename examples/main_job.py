@@ -1,17 +1,20 @@
 """The main job: dense and genomic-bottleneck models trained side by side on real data.
 
-Both tasks use data that ships with Python or a package, so nothing is downloaded:
+Every task uses data that ships with Python or a package, so nothing is downloaded:
 
 - `charlm`: a character-level GPT-like transformer on Python's own help text (`pydoc_data`).
 - `digits`: a small CNN on scikit-learn's 8x8 handwritten digits.
+- `mlp`: the paper's MLP shape (64-800-10) on the same digits, with the paper's genome
+  (neuron labels, generated biases) at ~100x.
 
-For each task the dense model and its gbfunc twin (g-nets generate its weights from over 20x
-fewer parameters) start from the same seed, see the same batches in the same order and train
-with the same optimizer (AdamW) and schedule; the g-nets have their own learning rate. The job
-prints the compression table and both validation scores, saves the compressed model with
-`gb.save` and plots the training and validation curves.
+For each task three arms start from the same seed, see the same batches in the same order and
+train with AdamW and the same schedule: the dense model, its gbfunc twin (g-nets generate its
+weights from 20-100x fewer parameters; they have their own learning rate), and a *narrow*
+dense model of the same architecture whose parameter count is nearest the gbfunc arm's, the
+obvious alternative at that size. The job prints the compression table and the three
+validation scores, saves the compressed model with `gb.save` and plots the curves.
 
-    python examples/main_job.py                  # both tasks, about 3 minutes on 2 CPU cores
+    python examples/main_job.py                  # all tasks, about 4 minutes on 2 CPU cores
     python examples/main_job.py --task charlm --steps 3000 --device cuda
 """
 
@@ -33,8 +36,17 @@ if __package__ in (None, ""):  # run as `python examples/main_job.py`: make `exa
 
 import gbfunc as gb
 from examples.data import CharCorpus, char_batch, char_windows, digits_split, pydoc_text
-from examples.models import CharTransformer, DigitsCNN
-from examples.training import Arm, Batches, TrainConfig, dense_and_gb, evaluate, plot, train
+from examples.models import CharTransformer, DigitsCNN, digits_mlp, paper_genome
+from examples.training import (
+    Arm,
+    Batches,
+    TrainConfig,
+    dense_and_gb,
+    evaluate,
+    narrow_arm,
+    plot,
+    train,
+)
 
 EVAL_TOKENS = 16384  # characters per validation forward pass
 
@@ -98,6 +110,25 @@ class DigitsConfig(TrainConfig):
 
 
 @dataclass(frozen=True)
+class MLPConfig(TrainConfig):
+    """The digits MLP task, 64-800-10 with the paper's genome at ~100x.
+
+    Learning rates: each arm's best of `benchmarks/equal_params.py`'s sweep (Adam, 1000
+    steps, batch 128): dense 1e-3, narrow 3e-2, g-nets 0.3.
+    """
+
+    steps: int = 1000
+    batch: int = 128
+    plan: Mapping[str, Any] = field(default_factory=lambda: paper_genome(9))
+    lr_dense: float = 1e-3
+    lr_gb: float = 0.3
+    lr_narrow: float | None = 3e-2
+    warmup: int = 100
+    eval_every: int = 100
+    hidden: int = 800
+
+
+@dataclass(frozen=True)
 class Result:
     """What a task produced; `val_loss` / `val_acc` map arm name to the final score."""
 
@@ -125,13 +156,19 @@ def finish(
     rep = gb.report(plan)
     checkpoint = out / f"{task}_gb.safetensors"
     meta = {"task": task, "config": asdict(cfg), **meta}
-    gb.save(checkpoint, gb_arm.tree, plan, step=cfg.steps, meta=meta)
+    saved = {k: v for k, v in meta.items() if k != "narrow_params"}
+    gb.save(checkpoint, gb_arm.tree, plan, step=cfg.steps, meta=saved)
     loss = {name: v[0] for name, v in final.items()}
     acc = {name: v[1] for name, v in final.items()}
     print(
         f"[{task}] validation loss: dense {loss['dense']:.4f}, gb {loss['gb']:.4f} "
-        f"(gb/dense {loss['gb'] / loss['dense']:.3f}); "
-        f"accuracy: dense {100 * acc['dense']:.2f}%, gb {100 * acc['gb']:.2f}%"
+        f"(gb/dense {loss['gb'] / loss['dense']:.3f}), narrow {loss['narrow']:.4f}; "
+        f"accuracy: dense {100 * acc['dense']:.2f}%, gb {100 * acc['gb']:.2f}%, "
+        f"narrow {100 * acc['narrow']:.2f}%"
+    )
+    print(
+        f"[{task}] trainable parameters: dense {rep.dense_params:,}, gb {rep.stored_params:,}, "
+        f"narrow {meta.pop('narrow_params'):,} (the narrow model nearest gb's count)"
     )
     print(
         f"[{task}] compression: {rep.generated_compression:.1f}x on the generated weights, "
@@ -157,7 +194,14 @@ def run_charlm(cfg: CharLMConfig, out: Path, device: torch.device) -> Result:
         f"vocabulary {corpus.vocab_size}, unigram entropy {entropy:.3f} nats; plan {dict(cfg.plan)}"
     )
     print(gb.report(plan))
-    arms = dense_and_gb(model, plan, cfg, device)
+    narrow = narrow_arm(
+        lambda w: CharTransformer(corpus.vocab_size, cfg.context, w, cfg.depth, cfg.heads),
+        gb.report(plan).stored_params,
+        range(cfg.heads, cfg.width + 1, cfg.heads),
+        cfg,
+        device,
+    )
+    arms = [*dense_and_gb(model, plan, cfg, device), narrow]
     val_x, val_y = char_windows(val_ids, cfg.context)
     # Curve points use evenly spaced windows; the final score uses every window.
     pick = torch.linspace(0, len(val_x) - 1, min(cfg.eval_windows, len(val_x))).long()
@@ -169,16 +213,16 @@ def run_charlm(cfg: CharLMConfig, out: Path, device: torch.device) -> Result:
             yield char_batch(train_ids, cfg.batch, cfg.context, gen)
 
     def validate(arm: Arm) -> tuple[float, float]:
-        return evaluate(model, arm.params(), val_x[pick], val_y[pick], eval_batch)
+        return evaluate(arm.model, arm.params(), val_x[pick], val_y[pick], eval_batch)
 
     curves = train(arms, batches(), validate, cfg, "charlm")
-    final = {a.name: evaluate(model, a.params(), val_x, val_y, eval_batch) for a in arms}
+    final = {a.name: evaluate(a.model, a.params(), val_x, val_y, eval_batch) for a in arms}
     for arm in arms:
-        print(f"[charlm] {arm.name:5s} sample: {sample(model, arm.params(), corpus, cfg)!r}")
+        print(f"[charlm] {arm.name:6s} sample: {sample(arm.model, arm.params(), corpus, cfg)!r}")
     title = f"char transformer on pydoc topics (gb: {gb.report(plan).generated_compression:.0f}x)"
     plot_path = out / "charlm_curves.png"
     plot(curves, plot_path, title, baseline=(entropy, "unigram entropy"))
-    meta = {"chars": corpus.chars}
+    meta = {"chars": corpus.chars, "narrow_params": sum(v.numel() for v in narrow.tree.values())}
     return finish("charlm", arms[1], plan, cfg, final, out, meta, started, plot_path)
 
 
@@ -200,16 +244,48 @@ def sample(
 def run_digits(cfg: DigitsConfig, out: Path, device: torch.device) -> Result:
     """Train the digits CNN dense and compressed; see the module docstring."""
     started = time.perf_counter()
-    x_train, y_train, x_val, y_val = (t.to(device) for t in digits_split(seed=cfg.seed))
     torch.manual_seed(cfg.seed)
     model = DigitsCNN(cfg.channels, cfg.hidden).to(device)
     plan = gb.plan(model, **cfg.plan)
-    print(
-        f"[digits] {len(x_train)} train / {len(x_val)} val images (8x8, 10 classes); "
-        f"plan {dict(cfg.plan)}"
-    )
+    print(f"[digits] 1437 train / 360 val images (8x8, 10 classes); plan {dict(cfg.plan)}")
     print(gb.report(plan))
-    arms = dense_and_gb(model, plan, cfg, device)
+    scale = cfg.hidden / cfg.channels[0]  # the narrow CNN keeps the stages' proportions
+    narrow = narrow_arm(
+        lambda w: DigitsCNN((w, 2 * w), round(scale * w)),
+        gb.report(plan).stored_params,
+        range(1, cfg.channels[0] + 1),
+        cfg,
+        device,
+    )
+    arms = [*dense_and_gb(model, plan, cfg, device), narrow]
+    return train_digits("digits", "CNN", arms, plan, cfg, out, device, started)
+
+
+def run_mlp(cfg: MLPConfig, out: Path, device: torch.device) -> Result:
+    """Train the digits MLP dense, with the paper's genome, and narrow; see the docstring."""
+    started = time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    model = digits_mlp(cfg.hidden).to(device)
+    plan = gb.plan(model, **cfg.plan)
+    print(f"[mlp] 64-{cfg.hidden}-10 on digits; plan {dict(cfg.plan)}")
+    print(gb.report(plan))
+    narrow = narrow_arm(digits_mlp, gb.report(plan).stored_params, range(1, 200), cfg, device)
+    arms = [*dense_and_gb(model, plan, cfg, device), narrow]
+    return train_digits("mlp", "MLP 64-800-10", arms, plan, cfg, out, device, started)
+
+
+def train_digits(
+    task: str,
+    what: str,
+    arms: list[Arm],
+    plan: gb.Plan,
+    cfg: TrainConfig,
+    out: Path,
+    device: torch.device,
+    started: float,
+) -> Result:
+    """Train the arms of a digits task on the same batches, plot, save and report."""
+    x_train, y_train, x_val, y_val = (t.to(device) for t in digits_split(seed=cfg.seed))
     gen = torch.Generator().manual_seed(cfg.seed)
 
     def batches() -> Batches:
@@ -218,20 +294,22 @@ def run_digits(cfg: DigitsConfig, out: Path, device: torch.device) -> Result:
             yield x_train[index], y_train[index]
 
     def validate(arm: Arm) -> tuple[float, float]:
-        return evaluate(model, arm.params(), x_val, y_val, len(x_val))
+        return evaluate(arm.model, arm.params(), x_val, y_val, len(x_val))
 
-    curves = train(arms, batches(), validate, cfg, "digits")
+    curves = train(arms, batches(), validate, cfg, task)
     final = {a.name: validate(a) for a in arms}
-    title = f"CNN on scikit-learn digits (gb: {gb.report(plan).generated_compression:.0f}x)"
-    plot_path = out / "digits_curves.png"
+    ratio = gb.report(plan).compression
+    title = f"{what} on scikit-learn digits (gb: {ratio:.0f}x whole model)"
+    plot_path = out / f"{task}_curves.png"
     plot(curves, plot_path, title, accuracy=True)
-    return finish("digits", arms[1], plan, cfg, final, out, {}, started, plot_path)
+    meta = {"narrow_params": sum(v.numel() for v in arms[2].tree.values())}
+    return finish(task, arms[1], plan, cfg, final, out, meta, started, plot_path)
 
 
 def main(argv: Sequence[str] | None = None) -> list[Result]:
     """Parse the command line, run the chosen tasks and print a summary."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--task", choices=("charlm", "digits", "all"), default="all")
+    parser.add_argument("--task", choices=("charlm", "digits", "mlp", "all"), default="all")
     parser.add_argument("--steps", type=int, help="training steps of each task (default: its own)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument(
@@ -254,15 +332,18 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
         results.append(run_charlm(replace(CharLMConfig(), **overrides), args.out, device))
     if args.task in ("digits", "all"):
         results.append(run_digits(replace(DigitsConfig(), **overrides), args.out, device))
+    if args.task in ("mlp", "all"):
+        results.append(run_mlp(replace(MLPConfig(), **overrides), args.out, device))
     seconds = time.perf_counter() - started
     print(f"\nsummary: {seconds:.0f} s on {device} ({torch.get_num_threads()} threads)")
     for r in results:
         print(
             f"  {r.task:6s}  {r.report.generated_compression:4.1f}x generated "
             f"({r.report.compression:4.1f}x whole model)  "
-            f"val loss dense {r.val_loss['dense']:.3f} gb {r.val_loss['gb']:.3f}  "
-            f"val acc dense {100 * r.val_acc['dense']:.1f}% gb {100 * r.val_acc['gb']:.1f}%  "
-            f"{r.seconds:.0f} s"
+            f"val loss dense {r.val_loss['dense']:.3f} gb {r.val_loss['gb']:.3f} "
+            f"narrow {r.val_loss['narrow']:.3f}  "
+            f"val acc dense {100 * r.val_acc['dense']:.1f}% gb {100 * r.val_acc['gb']:.1f}% "
+            f"narrow {100 * r.val_acc['narrow']:.1f}%  {r.seconds:.0f} s"
         )
     return results
 

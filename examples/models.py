@@ -1,5 +1,7 @@
 """The main job's models, built from plain `torch.nn` so gbfunc's default rules apply."""
 
+from typing import Any
+
 from torch import Tensor, nn
 
 
@@ -74,3 +76,23 @@ class DigitsCNN(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """Class logits `(B, classes)` for images `(B, 1, 8, 8)`."""
         return self.classifier(self.features(x))
+
+
+def digits_mlp(hidden: int = 800) -> nn.Sequential:
+    """The paper's MLP shape (Shuvaev et al. 2024: 784-800-10) for 8x8 digits: 64-hidden-10."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+
+
+def paper_genome(hidden: int) -> dict[str, Any]:
+    """`gb.plan` options of the paper's genome for `digits_mlp`: one tanh g-net per weight and
+    per bias, hidden neurons labelled by the Gray code of their index, pixels by the Gray
+    codes of their (row, column), classes one-hot, every generated row centred."""
+    return {
+        "tile": "full",
+        "encoding": "gray",
+        "hidden": hidden,
+        "activation": "tanh",
+        "biases": True,
+        "center": True,
+        "overrides": {"1.weight": {"col_labels": (8, 8)}, "3.*": {"row_labels": "onehot"}},
+    }

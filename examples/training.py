@@ -34,6 +34,7 @@ class TrainConfig:
         plan: Keyword arguments of `gb.plan`.
         lr_dense: Peak learning rate of every directly trained tensor (both arms).
         lr_gb: Peak learning rate of the g-nets.
+        lr_narrow: Peak learning rate of the narrow equal-parameter arm (default `lr_dense`).
         warmup: Linear warmup steps before the cosine decay.
         eval_every: Steps between validation points on the curves.
         compile: `torch.compile` each arm's loss.
@@ -44,6 +45,7 @@ class TrainConfig:
     plan: Mapping[str, Any]
     lr_dense: float = 1e-2
     lr_gb: float = 2e-2
+    lr_narrow: float | None = None
     weight_decay: float = 0.0
     warmup: int = 30
     eval_every: int = 50
@@ -62,6 +64,7 @@ class Arm:
         loss: `(tree, x, y) -> scalar loss`, possibly compiled.
         optimizer: AdamW over the trainable leaves of `tree`.
         schedule: Warmup then cosine decay of the learning rate.
+        model: The module `to_params(tree)` is called with (a narrower one for a narrow arm).
     """
 
     name: str
@@ -70,6 +73,7 @@ class Arm:
     loss: Callable[[Tree, Tensor, Tensor], Tensor]
     optimizer: torch.optim.Optimizer
     schedule: torch.optim.lr_scheduler.LRScheduler
+    model: nn.Module
 
     def step(self, x: Tensor, y: Tensor) -> float:
         """One training step; returns the batch loss before the update."""
@@ -128,7 +132,7 @@ def make_arm(
     # Every arm compiles this same `loss`: without dynamic=False the second arm's shapes would
     # make dynamo recompile it with symbolic sizes, which inductor runs several times slower.
     compiled = torch.compile(loss, dynamic=False) if cfg.compile else loss
-    return Arm(name, tree, to_params, compiled, optimizer, schedule)
+    return Arm(name, tree, to_params, compiled, optimizer, schedule, model)
 
 
 def lr_factor(step: int, warmup: int, steps: int) -> float:
@@ -154,6 +158,38 @@ def dense_and_gb(
         make_arm("dense", model, dense, lambda t: t, [(dense, cfg.lr_dense)], cfg),
         make_arm("gb", model, gparams, lambda t: gb.apply(t, plan), gb_lrs, cfg),
     )
+
+
+def trainable_count(model: nn.Module) -> int:
+    """Trainable parameters of `model` (tied ones once)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def narrowest_match(
+    build: Callable[[int], nn.Module], target: int, widths: Sequence[int]
+) -> tuple[int, nn.Module]:
+    """`(width, build(width))` whose trainable parameter count is nearest `target`."""
+    width = min(widths, key=lambda w: abs(trainable_count(build(w)) - target))
+    return width, build(width)
+
+
+def narrow_arm(
+    build: Callable[[int], nn.Module],
+    target: int,
+    widths: Sequence[int],
+    cfg: "TrainConfig",
+    device: torch.device,
+) -> Arm:
+    """A dense arm of the narrower model whose parameter count is nearest `target`.
+
+    Built under `cfg.seed`; trains every tensor at `cfg.lr_narrow` (default `cfg.lr_dense`).
+    """
+    torch.manual_seed(cfg.seed)
+    _, model = narrowest_match(build, target, widths)
+    model = model.to(device)
+    tree = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+    lr = cfg.lr_dense if cfg.lr_narrow is None else cfg.lr_narrow
+    return make_arm("narrow", model, tree, lambda t: t, [(tree, lr)], cfg)
 
 
 @torch.no_grad()
@@ -227,7 +263,7 @@ def plot(
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    colors = dict(zip(curves.train, ("tab:blue", "tab:orange"), strict=False))
+    colors = dict(zip(curves.train, ("tab:blue", "tab:orange", "tab:green"), strict=False))
     panels = 2 if accuracy else 1
     fig, axes = plt.subplots(1, panels, figsize=(4 + 3.5 * panels, 4.2), squeeze=False)
     ax = axes[0, 0]

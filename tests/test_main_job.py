@@ -1,6 +1,7 @@
 """Smoke test of the main job (`examples/main_job.py`): tiny models, a few steps, every output."""
 
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -74,3 +75,15 @@ def test_cli_digits(tmp_path: Path, capsys) -> None:
         logits = functional_call(DigitsCNN(cfg.channels, cfg.hidden), params, (x_val,))
     accuracy = float((logits.argmax(-1) == y_val).float().mean())
     assert accuracy == pytest.approx(result.val_acc["gb"])
+
+
+def test_cli_mlp_trains_three_arms_at_equal_parameters(tmp_path: Path, capsys) -> None:
+    (result,) = main(["--task", "mlp", "--steps", "3", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert set(result.val_acc) == {"dense", "gb", "narrow"}
+    assert result.report.compression >= 90  # the paper's genome at ~100x, biases generated
+    line = next(s for s in out.splitlines() if s.startswith("[mlp] trainable parameters"))
+    counts = dict(re.findall(r"(dense|gb|narrow) ([\d,]+)", line))
+    gb_count, narrow_count = (int(counts[k].replace(",", "")) for k in ("gb", "narrow"))
+    assert abs(narrow_count / gb_count - 1) <= 0.1  # the equal-parameter baseline
+    assert (tmp_path / "mlp_curves.png").is_file()
