@@ -1,7 +1,9 @@
-"""An unstacked, unfused reference for gbfunc: one explicit MLP per tile, no separable trick.
+"""An independent reference for gbfunc's generation, written from the definitions.
 
-Independent of `gbfunc._tilemlp` and `gbfunc._apply`: it builds the full code matrix of every
-position, runs each tile's g-net as a plain MLP, and places the tiles by explicit indexing.
+Nothing here comes from the library but its public types and the plan's data: position codes
+(binary, Gray, Fourier, one-hot, grids), their standardisation, the activations, the g-net
+MLP and tile-and-cut are written again, one position and one tile at a time, as plainly as
+possible. A bug in the library's version of any of them shows up as a difference.
 """
 
 import math
@@ -9,35 +11,101 @@ import math
 import torch
 from torch import Tensor
 
-from gbfunc import Generated, Plan
-from gbfunc._genome import stack_codes
-from gbfunc._tilemlp import activate
+from gbfunc import Generated, Plan, Stack
+
+
+def bits_for(n: int) -> int:
+    """Bits that label `n` positions: ceil(log2 n), at least 1."""
+    return max(1, math.ceil(math.log2(n))) if n > 1 else 1
+
+
+def position_code(i: int, n: int, encoding: str, fourier_features: int) -> list[float]:
+    """The code of position `i` of `n` along one axis."""
+    if encoding == "fourier":
+        u = (i + 0.5) / n
+        angles = [u * (2.0**k) * math.pi for k in range(fourier_features)]
+        return [math.sin(a) for a in angles] + [math.cos(a) for a in angles]
+    value = i ^ (i >> 1) if encoding == "gray" else i  # the Gray code of i: i XOR (i >> 1)
+    width = bits_for(n)
+    return [float((value >> (width - 1 - b)) & 1) for b in range(width)]  # MSB first
+
+
+def neuron_code(i: int, n: int, labels, encoding: str, fourier_features: int) -> list[float]:
+    """The label of neuron `i` of `n`: its position, one-hot, or its cell on a grid."""
+    if labels == "onehot":
+        return [1.0 if j == i else 0.0 for j in range(n)]
+    if labels == "position":
+        return position_code(i, n, encoding, fourier_features)
+    cell, rest = [], i
+    for size in reversed(labels):  # row-major: the last coordinate varies fastest
+        cell.append(rest % size)
+        rest //= size
+    coords = cell[::-1]
+    return [
+        bit
+        for c, size in zip(coords, labels, strict=True)
+        for bit in position_code(c, size, encoding, fourier_features)
+    ]
+
+
+def column_code(stack: Stack, q: int) -> list[float]:
+    """The code of evaluation column `q` of a tile."""
+    g = stack.genome
+    taps = math.prod(stack.kernel)
+    if taps > 1 and g.kernel == "code":  # column q is input column q // K at kernel tap q % K
+        channel, tap = divmod(q, taps)
+        code = neuron_code(channel, stack.tile[1], g.col_labels, g.encoding, g.fourier_features)
+        index = []
+        for size in reversed(stack.kernel):
+            index.append(tap % size)
+            tap //= size
+        for d, size in zip(index[::-1], stack.kernel, strict=True):
+            code += [1.0 if j == d else 0.0 for j in range(size)]
+        return code
+    return neuron_code(q, stack.columns, g.col_labels, g.encoding, g.fourier_features)
+
+
+def input_codes(stack: Stack) -> Tensor:
+    """`(TH, Q, R + C)` g-net inputs of a tile, standardised by one scalar mean and std."""
+    g = stack.genome
+    th = stack.tile[0]
+    rows = [neuron_code(i, th, g.row_labels, g.encoding, g.fourier_features) for i in range(th)]
+    cols = [column_code(stack, q) for q in range(stack.columns)]
+    full = torch.tensor([[r + c for c in cols] for r in rows], dtype=torch.float64)
+    mean = full.mean()
+    std = full.std(unbiased=False).clamp_min(1e-6)
+    return (full - mean) / std
+
+
+def activate(z: Tensor, name: str) -> Tensor:
+    """The activations, from their formulas."""
+    if name == "relu":
+        return torch.where(z > 0, z, torch.zeros_like(z))
+    if name == "gelu":
+        return 0.5 * z * (1 + torch.erf(z / math.sqrt(2)))
+    if name == "tanh":
+        return (torch.exp(z) - torch.exp(-z)) / (torch.exp(z) + torch.exp(-z))
+    if name == "silu":
+        return z / (1 + torch.exp(-z))
+    raise ValueError(name)
 
 
 def naive_apply(gparams: dict, plan: Plan) -> dict[str, Tensor]:
+    """Every parameter of the p-net: g-nets run tile by tile, tiles placed by explicit copies."""
     out = {}
     for p in plan.params:
         if not isinstance(p, Generated):
             out[p.name] = gparams["free" if p.trainable else "frozen"][p.name]
             continue
         stack = plan.stacks[p.stack]
-        leaves = gparams["stacks"][stack.key]
+        leaves = {k: v.double() for k, v in gparams["stacks"][stack.key].items()}
         th, tw = stack.tile
         taps = math.prod(stack.kernel)
-        row, col = stack_codes(
-            stack.tile, stack.kernel, stack.genome, stack.columns, leaves["w_in"].dtype, None
-        )
-        codes = torch.cat(
-            [
-                row[:, None, :].expand(-1, col.shape[0], -1),
-                col[None, :, :].expand(row.shape[0], -1, -1),
-            ],
-            -1,
-        )  # (TH, Q, R + C)
+        codes = input_codes(stack)
         owner = [g for g, n in enumerate(stack.tiles_per_gnet) for _ in range(n)]
         blocks = []
         for block in p.blocks:
-            full = torch.zeros(block.grid[0] * th, block.grid[1] * tw, taps, dtype=codes.dtype)
+            full = torch.zeros(block.grid[0] * th, block.grid[1] * tw, taps, dtype=torch.float64)
             for k in range(block.num_tiles):
                 t = block.first_tile + k
                 g = owner[t]
@@ -46,22 +114,19 @@ def naive_apply(gparams: dict, plan: Plan) -> dict[str, Tensor]:
                     h = h + leaves["tile_embed"][t] @ leaves["w_embed"][g]
                 h = activate(h, stack.genome.activation)
                 for layer in range(stack.genome.depth - 1):
-                    h = activate(
-                        h @ leaves["w_hidden"][g, layer] + leaves["b_hidden"][g, layer],
-                        stack.genome.activation,
-                    )
-                y = (h @ leaves["w_out"][g] + leaves["b_out"][g]).reshape(
-                    th, tw, taps
-                )  # (TH, Q, P) -> tile
+                    h = h @ leaves["w_hidden"][g, layer] + leaves["b_hidden"][g, layer]
+                    h = activate(h, stack.genome.activation)
+                y = (h @ leaves["w_out"][g] + leaves["b_out"][g]).reshape(th, tw, taps)
                 r, c = divmod(k, block.grid[1])
-                full = full.index_put(
-                    (
-                        torch.arange(r * th, (r + 1) * th)[:, None],
-                        torch.arange(c * tw, (c + 1) * tw)[None, :],
-                    ),
-                    y,
-                )
+                for i in range(th):
+                    for j in range(tw):
+                        full[r * th + i, c * tw + j] = y[i, j]
             blocks.append(full[: block.rows, : block.cols])
         weight = torch.cat(blocks, dim=p.split_dim) if len(blocks) > 1 else blocks[0]
-        out[p.name] = weight.reshape(p.shape) * p.scale
+        weight = weight.reshape(p.shape)
+        if p.center:
+            weight = weight - weight.reshape(len(weight), -1).mean(1).reshape(
+                -1, *[1] * (weight.dim() - 1)
+            )
+        out[p.name] = (weight * p.scale).to(gparams["stacks"][stack.key]["w_in"].dtype)
     return out

@@ -32,6 +32,20 @@ def models() -> dict[str, tuple[nn.Module, dict]]:
             {"tile": (8, 8), "activation": "silu"},
         ),
         "tanh-deep": (nn.Linear(9, 11), {"tile": (4, 4), "depth": 2, "activation": "tanh"}),
+        "cnn-gray": (
+            nn.Sequential(nn.Conv2d(3, 6, 3), nn.Conv1d(3, 4, 2)),
+            {"tile": (4, 3), "encoding": "gray", "outputs": 2},
+        ),
+        "paper-labels": (
+            nn.Sequential(nn.Flatten(), nn.Linear(12, 9), nn.ReLU(), nn.Linear(9, 5)),
+            {
+                "tile": "full",
+                "encoding": "gray",
+                "biases": True,
+                "center": True,
+                "overrides": {"1.weight": {"col_labels": (3, 4)}, "3.*": {"row_labels": "onehot"}},
+            },
+        ),
     }
 
 
@@ -74,7 +88,7 @@ def test_functional_call_runs_every_model():
             x = (
                 torch.randn(3, 5, model.self_attn.embed_dim)
                 if name == "transformer"
-                else torch.randn(3, 9 if name == "tanh-deep" else 20)
+                else torch.randn(3, {"tanh-deep": 9, "paper-labels": 12}.get(name, 20))
             )
             out = functional_call(model, params, (x,))
         assert torch.isfinite(out).all(), name

@@ -147,3 +147,36 @@ def test_compiled_grad_of_shared_gnets_matches_eager():
     compiled = torch.compile(grad_fn, fullgraph=True)(gparams, x, y)
     for a, b in zip(tree_leaves(compiled), tree_leaves(grad_fn(gparams, x, y)), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_functional_adamw_matches_torch_optim_adamw(weight_decay):
+    """gb.optim.adamw_update is torch.optim.AdamW on the same tensors, step for step."""
+    model = nn.Sequential(nn.Linear(12, 16), nn.LayerNorm(16), nn.Linear(16, 5))
+    model[1].weight.requires_grad_(False)  # a frozen leaf rides along unchanged
+    plan = gb.plan(model, tile=(8, 8))
+    gparams = gb.init(plan, dtype=torch.float64, requires_grad=False)  # no rounding to hide in
+    reference = {
+        "stacks": {
+            key: {k: v.clone().requires_grad_() for k, v in leaves.items()}
+            for key, leaves in gparams["stacks"].items()
+        },
+        "free": {k: v.clone().requires_grad_() for k, v in gparams["free"].items()},
+        "frozen": {k: v.clone() for k, v in gparams["frozen"].items()},
+    }
+    opt = torch.optim.AdamW(gb.trainable_leaves(reference), lr=1e-2, weight_decay=weight_decay)
+    state = gb.optim.adamw_init(gparams)
+    loss = loss_fn(model, plan)
+    for i in range(20):
+        x, y = batch_xy(seed=i)
+        x = x.double()
+        grads = torch.func.grad(loss)(gparams, x, y)
+        gparams, state = gb.optim.adamw_update(
+            gparams, grads, state, lr=1e-2, weight_decay=weight_decay
+        )
+        opt.zero_grad()
+        loss(reference, x, y).backward()
+        opt.step()
+    for a, b in zip(tree_leaves(gparams), tree_leaves(reference), strict=True):
+        torch.testing.assert_close(a, b.detach(), rtol=0, atol=1e-6)
+    assert torch.equal(gparams["frozen"]["1.weight"], model[1].weight.double())
