@@ -1,0 +1,134 @@
+"""Golden values: what gbfunc generates for fixed models, plans and seeds, and a checkpoint
+written by format version 1, both committed, so any change of initialisation, generation or
+file format that keeps shapes and variance still fails here.
+
+The models are built on the `meta` device, so every value comes from gbfunc alone (seeded
+g-nets, free parameters drawn by their modules' rules, scales from the rules).
+
+A deliberate change regenerates the files (and says so in its commit):
+
+    python tests/test_golden.py --regenerate
+"""
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import gbfunc as gb
+
+HERE = Path(__file__).resolve().parent
+GOLDEN = HERE / "golden" / "generated.json"
+CHECKPOINT = HERE / "fixtures" / "checkpoint_v1.safetensors"
+
+
+def cases() -> dict[str, tuple[nn.Module, dict]]:
+    with torch.device("meta"):
+        return {
+            "linear": (nn.Linear(20, 12), {"tile": (8, 8)}),
+            "conv2d": (nn.Conv2d(3, 8, 3), {"tile": (4, 2), "encoding": "gray"}),
+            "transformer": (
+                nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True),
+                {"tile": (8, 8), "hidden": 8, "outputs": 2},
+            ),
+            "shared": (
+                nn.Sequential(nn.Linear(24, 16), nn.ReLU(), nn.Linear(16, 4)),
+                {"tile": (8, 8), "share": True, "hidden": 6, "activation": "tanh"},
+            ),
+            "paper": (
+                nn.Sequential(nn.Flatten(), nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 3)),
+                {
+                    "tile": "full",
+                    "encoding": "gray",
+                    "biases": True,
+                    "center": True,
+                    "hidden": 5,
+                    "overrides": {
+                        "1.weight": {"col_labels": (4, 4)},
+                        "3.*": {"row_labels": "onehot"},
+                    },
+                },
+            ),
+        }
+
+
+def generated(name: str) -> dict[str, torch.Tensor]:
+    model, options = cases()[name]
+    plan = gb.plan(model, **options)
+    with torch.no_grad():
+        return gb.apply(gb.init(plan, seed=7, dtype=torch.float64, requires_grad=False), plan)
+
+
+def summary(values: dict[str, torch.Tensor]) -> dict[str, dict]:
+    """First values, sum and sum of squares of every parameter, and a hash of its shape."""
+    return {
+        key: {
+            "shape": list(v.shape),
+            "first": [round(float(x), 10) for x in v.flatten()[:6]],
+            "sum": float(v.sum()),
+            "sum_sq": float(v.square().sum()),
+        }
+        for key, v in values.items()
+    }
+
+
+def test_generated_values_match_the_golden_file():
+    golden = json.loads(GOLDEN.read_text())
+    assert sorted(golden) == sorted(cases())
+    for name, expected in golden.items():
+        got = summary(generated(name))
+        assert list(got) == list(expected), name
+        for key, want in expected.items():
+            have = got[key]
+            where = f"{name}/{key}: regenerate deliberately with `python tests/test_golden.py "
+            where += "--regenerate` if the change is intended"
+            assert have["shape"] == want["shape"], where
+            for a, b in zip(have["first"], want["first"], strict=True):
+                assert abs(a - b) <= 1e-6, where
+            for stat in ("sum", "sum_sq"):
+                assert abs(have[stat] - want[stat]) <= 1e-6 * max(1.0, abs(want[stat])), where
+
+
+def test_a_version_1_checkpoint_still_loads_and_generates_the_same_weights():
+    model, options = cases()["transformer"]
+    ckpt = gb.load(CHECKPOINT, model)
+    assert ckpt.step == 3
+    assert ckpt.meta == {"written_by": "tests/test_golden.py", "format_version": 1}
+    assert ckpt.plan == gb.plan(model, **options)
+    with torch.no_grad():
+        params = gb.apply(ckpt.gparams, ckpt.plan)
+    digest = hashlib.sha256()
+    for key in sorted(params):
+        digest.update(params[key].detach().double().numpy().tobytes())
+    expected = json.loads(GOLDEN.with_name("checkpoint_v1.json").read_text())
+    assert digest.hexdigest() == expected["sha256"]
+    assert ckpt.opt_state["step"] == 3
+
+
+def regenerate() -> None:
+    GOLDEN.parent.mkdir(exist_ok=True)
+    GOLDEN.write_text(json.dumps({n: summary(generated(n)) for n in cases()}, indent=1) + "\n")
+    model, options = cases()["transformer"]
+    plan = gb.plan(model, **options)
+    gparams = gb.init(plan, seed=7)
+    CHECKPOINT.parent.mkdir(exist_ok=True)
+    meta = {"written_by": "tests/test_golden.py", "format_version": 1}
+    gb.save(CHECKPOINT, gparams, plan, opt_state={"step": 3}, step=3, meta=meta)
+    with torch.no_grad():
+        params = gb.apply(gb.load(CHECKPOINT, model).gparams, plan)
+    digest = hashlib.sha256()
+    for key in sorted(params):
+        digest.update(params[key].detach().double().numpy().tobytes())
+    GOLDEN.with_name("checkpoint_v1.json").write_text(
+        json.dumps({"sha256": digest.hexdigest()}) + "\n"
+    )
+    print(f"wrote {GOLDEN}, {CHECKPOINT}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--regenerate"]:
+        raise SystemExit(__doc__)
+    regenerate()
