@@ -1,25 +1,32 @@
-"""gbfunc against the obvious alternatives at equal trainable parameters: the digits MLP.
+"""gbfunc against the obvious alternatives at equal trainable parameters, on digits.
 
-The paper's MLP shape (Shuvaev et al. 2024: 784-800-10 on MNIST) on data that ships:
-64-800-10 on scikit-learn's 8x8 digits (60,010 parameters). At each ratio (~20x, ~100x,
-~300x whole-model) three families are trained with the same protocol, batches and seeds:
+Tasks (`--task`):
 
-- **gbfunc**, the paper's genome through `gb.plan` options: one g-net per weight and per bias
-  (`tile="full"`, `biases=True`), neurons labelled by their identity (hidden units by the
-  Gray code of their index, pixels by the Gray codes of their (row, column), classes
-  one-hot), tanh g-nets, and each generated row centred (`center=True`);
-- **narrow**: the same MLP with the hidden width whose parameter count is nearest;
-- **low rank**: both weights as `U @ V.T`, biases free, ranks spread by size (infeasible
-  where the free biases alone exceed the budget).
+- `mlp`: the paper's MLP shape (Shuvaev et al. 2024: 784-800-10 on MNIST) on data that
+  ships, 64-800-10 on scikit-learn's 8x8 digits (60,010 parameters), at ~20x, ~100x, ~300x;
+- `cnn`: the main job's digits CNN (151k parameters) at ~23x and ~135x.
 
-Protocol, every arm: Adam, no weight decay, 1000 steps of batch 128, 100 steps of linear
-warm-up then cosine decay to 0, each arm's best learning rate from its own sweep of 3-4 values
-(chosen on the mean over seeds), validation accuracy at the last step.
+At each ratio three families are trained with the same protocol, batches and seeds:
 
-    python -m benchmarks.equal_params             # 3 seeds, ~20 minutes on one core
-    python -m benchmarks.equal_params --quick     # 1 seed, 300 steps
+- **gbfunc**: for the MLP the paper's genome through `gb.plan` options (one g-net per weight
+  and per bias, `tile="full"`, `biases=True`; neurons labelled by their identity: hidden
+  units by the Gray code of their index, pixels by the Gray codes of their (row, column),
+  classes one-hot; tanh g-nets; each generated row centred, `center=True`); for the CNN the
+  main job's tiled genome and the paper-style one;
+- **narrow**: the same architecture at the width whose parameter count is nearest;
+- **low rank**: the weights as `U @ V.T`, everything else free, ranks spread by size
+  (infeasible where the free parameters alone exceed the budget).
 
-Writes `benchmarks/results/equal_params[_quick].{md,json,png}`.
+Protocol, every arm: Adam, no weight decay, the task's steps and batch (MLP 1000 x 128, CNN
+400 x 64), linear warm-up over the first tenth (at most 100 steps) then cosine decay to 0,
+each arm's best learning rate from its own sweep of 3-4 values (chosen on the mean over
+seeds), validation accuracy at the last step.
+
+    python -m benchmarks.equal_params               # MLP, 3 seeds, ~30 minutes on one core
+    python -m benchmarks.equal_params --task cnn    # ~10 minutes
+    python -m benchmarks.equal_params --quick       # 1 seed, a third of the steps
+
+Writes `benchmarks/results/equal_params[_cnn][_quick].{md,json,png}`.
 """
 
 import argparse
@@ -40,18 +47,85 @@ import gbfunc as gb
 from benchmarks._meta import RESULTS, header_md, markdown_table, provenance_line, write_json
 from benchmarks.baselines import low_rank, tree_count
 from examples.data import digits_split
-from examples.models import digits_mlp as mlp, paper_genome
+from examples.main_job import DigitsConfig
+from examples.models import DigitsCNN, digits_mlp, paper_genome
 from examples.training import narrowest_match, trainable_count as count
 
-HIDDEN = 800
 DENSE_LRS = (3e-4, 1e-3, 3e-3)
 BASELINE_LRS = (3e-3, 1e-2, 3e-2, 0.1)
 GB_LRS = (0.03, 0.1, 0.3, 1.0)
 
 
-def paper_plan(model: nn.Module, hidden: int) -> gb.Plan:
-    """The paper's genome for `mlp()` with `hidden` units per g-net (`paper_genome`)."""
-    return gb.plan(model, **paper_genome(hidden))
+@dataclass(frozen=True)
+class Task:
+    """A model family at several sizes, the gbfunc genomes to compare, and the protocol.
+
+    Attributes:
+        name: The task in titles.
+        dense: The full-size model in tables.
+        build: The model at a width (`None`: the full-size model).
+        widths: Widths the narrow baseline may take.
+        genomes: `(ratio label, arm label, gb.plan options)` of the gbfunc arms.
+        factored: Weights the low-rank baseline factors (the rest stays free).
+        steps, batch: The protocol's training length.
+    """
+
+    name: str
+    dense: str
+    build: Callable[[int | None], nn.Module]
+    widths: range
+    genomes: tuple[tuple[str, str, dict], ...]
+    factored: tuple[str, ...]
+    steps: int
+    batch: int
+
+
+def cnn_genome(hidden: int) -> dict:
+    """The paper's genome for `DigitsCNN`: whole-tensor g-nets on neuron labels (the first
+    classifier layer's inputs labelled by (channel, row, column)), biases, centred rows."""
+    return {
+        "tile": "full",
+        "encoding": "gray",
+        "hidden": hidden,
+        "activation": "tanh",
+        "biases": True,
+        "center": True,
+        "overrides": {
+            "classifier.1.weight": {"col_labels": (64, 4, 4)},
+            "classifier.3.*": {"row_labels": "onehot"},
+        },
+    }
+
+
+TASKS = {
+    "mlp": Task(
+        "digits MLP 64-800-10",
+        "64-800-10",
+        lambda w: digits_mlp(800 if w is None else w),
+        range(1, 200),
+        (
+            ("~20x", "g-nets H=47", paper_genome(47)),
+            ("~100x", "g-nets H=9", paper_genome(9)),
+            ("~300x", "g-nets H=3", paper_genome(3)),
+        ),
+        ("1.weight", "3.weight"),
+        1000,
+        128,
+    ),
+    "cnn": Task(
+        "digits CNN (main job)",
+        "channels (32, 64), hidden 128",
+        lambda w: DigitsCNN() if w is None else DigitsCNN((w, 2 * w), 4 * w),
+        range(1, 33),
+        (
+            ("~23x", "main job genome", DigitsConfig().plan),
+            ("~135x", "paper genome H=10", cnn_genome(10)),
+        ),
+        ("features.0.weight", "features.2.weight", "classifier.1.weight", "classifier.3.weight"),
+        400,
+        64,
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -66,29 +140,31 @@ class Arm:
     params: int
 
 
-def arms_at(gb_hidden: int, seed: int) -> list[Arm]:
-    """The gbfunc arm with `gb_hidden` g-net units, and its baselines at its count."""
+def arms_at(task: Task, label: str, options: dict, seed: int) -> list[Arm]:
+    """The gbfunc arm planned with `options`, and its baselines at its parameter count."""
     torch.manual_seed(seed)
-    model = mlp()
-    plan = paper_plan(model, gb_hidden)
+    model = task.build(None)
+    plan = gb.plan(model, **options)
     gparams = gb.init(plan, seed=seed)
     ours = gb.report(plan).stored_params
-    arms = [
-        Arm("gbfunc", f"g-nets H={gb_hidden}", model, gparams, lambda t: gb.apply(t, plan), ours)
-    ]
-    width, _ = narrowest_match(mlp, ours, range(1, 200))
+    arms = [Arm("gbfunc", label, model, gparams, lambda t: gb.apply(t, plan), ours)]
+    width, _ = narrowest_match(task.build, ours, task.widths)
     torch.manual_seed(seed)
-    narrow = mlp(width)
+    narrow = task.build(width)
     tree = {k: v.detach().clone().requires_grad_() for k, v in narrow.named_parameters()}
     arms.append(Arm("narrow", f"width {width}", narrow, tree, lambda t: t, count(narrow)))
-    free_biases = HIDDEN + 10
-    if ours > free_biases + (64 + HIDDEN) + (HIDDEN + 10):  # room for rank 1 everywhere
-        tree, to_params = low_rank(model, ["1.weight", "3.weight"], ours - free_biases, seed=seed)
+    params = dict(model.named_parameters())
+    free = sum(v.numel() for k, v in params.items() if k not in task.factored)
+    rank_one = sum(params[k].shape[0] + params[k][0].numel() for k in task.factored)
+    if ours >= free + rank_one:  # room for rank 1 everywhere
+        tree, to_params = low_rank(model, list(task.factored), ours - free, seed=seed)
         arms.append(Arm("low rank", "U V^T", model, tree, to_params, tree_count(tree)))
     return arms
 
 
-def train(arm: Arm, lr: float, data: tuple[Tensor, ...], steps: int, seed: int) -> float:
+def train(
+    arm: Arm, lr: float, data: tuple[Tensor, ...], steps: int, batch: int, seed: int
+) -> float:
     """Validation accuracy of `arm` after `steps` of the shared protocol."""
     x_train, y_train, x_val, y_val = data
     leaves = [v for v in torch.utils._pytree.tree_leaves(arm.tree) if v.requires_grad]
@@ -100,7 +176,7 @@ def train(arm: Arm, lr: float, data: tuple[Tensor, ...], steps: int, seed: int) 
     )
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
-        index = torch.randint(len(x_train), (128,), generator=gen)
+        index = torch.randint(len(x_train), (batch,), generator=gen)
         logits = functional_call(arm.model, arm.to_params(arm.tree), (x_train[index],))
         loss = F.cross_entropy(logits, y_train[index])
         optimizer.zero_grad(set_to_none=True)
@@ -112,23 +188,24 @@ def train(arm: Arm, lr: float, data: tuple[Tensor, ...], steps: int, seed: int) 
     return float((logits.argmax(1) == y_val).float().mean())
 
 
-def run(settings: list[tuple[str, int]], seeds: int, steps: int) -> list[dict[str, Any]]:
+def run(task: Task, seeds: int, steps: int) -> list[dict[str, Any]]:
     """One row per (ratio, family, lr, seed), the dense model first."""
     data = digits_split(seed=0)
     rows = []
     for seed in range(seeds):
         torch.manual_seed(seed)
-        dense = mlp()
+        dense = task.build(None)
+        full = count(dense)
         tree = {k: v.detach().clone().requires_grad_() for k, v in dense.named_parameters()}
-        groups = [("dense", [Arm("dense", "64-800-10", dense, tree, lambda t: t, count(dense))])]
-        groups += [(ratio, arms_at(hidden, seed)) for ratio, hidden in settings]
+        groups = [("dense", [Arm("dense", task.dense, dense, tree, lambda t: t, full)])]
+        groups += [(ratio, arms_at(task, label, opts, seed)) for ratio, label, opts in task.genomes]
         for ratio, arms in groups:
             for arm in arms:
                 lrs = {"dense": DENSE_LRS, "gbfunc": GB_LRS}.get(arm.family, BASELINE_LRS)
                 for lr in lrs:
                     fresh = {k: v.detach().clone() for k, v in _flat(arm.tree).items()}
                     start = time.perf_counter()
-                    acc = train(arm, lr, data, steps, seed)
+                    acc = train(arm, lr, data, steps, task.batch, seed)
                     _restore(arm.tree, fresh)
                     rows.append(
                         {
@@ -136,7 +213,7 @@ def run(settings: list[tuple[str, int]], seeds: int, steps: int) -> list[dict[st
                             "family": arm.family,
                             "arm": arm.label,
                             "params": arm.params,
-                            "compression": 60_010 / arm.params,
+                            "compression": full / arm.params,
                             "lr": lr,
                             "seed": seed,
                             "val_acc": acc,
@@ -144,7 +221,7 @@ def run(settings: list[tuple[str, int]], seeds: int, steps: int) -> list[dict[st
                         }
                     )
                     print(
-                        f"seed {seed} {ratio:>6} {arm.family:<8} {arm.label:<14} "
+                        f"seed {seed} {ratio:>6} {arm.family:<8} {arm.label:<18} "
                         f"{arm.params:>6,} lr {lr:<6g} acc {100 * acc:.2f}",
                         flush=True,
                     )
@@ -237,7 +314,7 @@ def findings(summary: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot(summary: list[dict[str, Any]], path: Path) -> None:
+def plot(summary: list[dict[str, Any]], path: Path, title: str) -> None:
     """Validation accuracy against trainable parameters (log), one line per family."""
     import matplotlib
 
@@ -262,12 +339,12 @@ def plot(summary: list[dict[str, Any]], path: Path) -> None:
                 capsize=3,
             )
     dense = next(s for s in summary if s["family"] == "dense")
-    ax.axhline(100 * dense["val_acc"], color="gray", ls=":", label="dense 64-800-10")
+    ax.axhline(100 * dense["val_acc"], color="gray", ls=":", label="dense, full size")
     ax.set(
         xscale="log",
         xlabel="trainable parameters (log)",
         ylabel="validation accuracy (%)",
-        title="digits MLP 64-800-10: equal-parameter comparison",
+        title=f"{title}: equal-parameter comparison",
     )
     ax.grid(alpha=0.3, which="both")
     ax.legend()
@@ -279,23 +356,29 @@ def plot(summary: list[dict[str, Any]], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="1 seed, 300 steps")
+    parser.add_argument("--task", choices=sorted(TASKS), default="mlp")
+    parser.add_argument("--quick", action="store_true", help="1 seed, a third of the steps")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    seeds, steps = (1, 300) if args.quick else (3, 1000)
-    # g-net hidden width per ratio: 64 * H + a few parameters in all.
-    settings = [("~20x", 47), ("~100x", 9), ("~300x", 3)]
+    task = TASKS[args.task]
+    seeds, steps = (1, task.steps // 3) if args.quick else (3, task.steps)
     started = time.perf_counter()
-    rows = run(settings, seeds, steps)
+    rows = run(task, seeds, steps)
     summary = summarise(rows)
-    stem = args.out / ("equal_params_quick" if args.quick else "equal_params")
+    name = "equal_params" + ("" if args.task == "mlp" else f"_{args.task}")
+    stem = args.out / (name + ("_quick" if args.quick else ""))
     stem.parent.mkdir(parents=True, exist_ok=True)
     text = (
-        header_md("gbfunc vs a narrower MLP and low rank at equal parameters (digits 64-800-10)")
-        + f"- {seeds} seed(s), {steps} steps, batch 128; "
+        header_md(f"gbfunc vs a narrower model and low rank at equal parameters ({task.name})")
+        + f"- {seeds} seed(s), {steps} steps, batch {task.batch}; "
         + f"total {time.perf_counter() - started:.0f} s\n"
-        + f"- lr sweeps: dense {DENSE_LRS}, narrow and low rank {BASELINE_LRS}, gbfunc {GB_LRS}\n\n"
+        + f"- lr sweeps: dense {DENSE_LRS}, narrow and low rank {BASELINE_LRS}, gbfunc {GB_LRS}\n"
+        + "".join(
+            f"- {ratio} {label}: `gb.plan(model, **{opts})`\n"
+            for ratio, label, opts in task.genomes
+        )
+        + "\n"
         + table(summary)
         + "\n## Margins\n\n"
         + findings(summary)
@@ -304,7 +387,7 @@ def main() -> None:
     print("\n" + table(summary) + "\n" + findings(summary))
     stem.with_suffix(".md").write_text(text)
     write_json(stem.with_suffix(".json"), rows, summary=summary)
-    plot(summary, stem.with_suffix(".png"))
+    plot(summary, stem.with_suffix(".png"), task.name)
     print(f"wrote {stem}.{{md,json,png}}")
 
 
