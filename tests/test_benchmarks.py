@@ -109,3 +109,49 @@ def test_scaling_measures_every_variant(monkeypatch):
     assert dense["x_dense_time"] == 1
     assert dense["trainable_params"] == dense["model_params"]
     assert all(r["trainable_params"] < dense["model_params"] / 3 for r in rows[1:])
+
+
+def test_equal_params_picks_each_arms_best_lr_by_its_mean_over_seeds():
+    from benchmarks.equal_params import findings, summarise
+
+    def row(family, lr, seed, acc, params):
+        return {
+            "ratio": "~100x" if family != "dense" else "dense",
+            "family": family,
+            "arm": family,
+            "params": params,
+            "compression": 60_010 / params,
+            "lr": lr,
+            "seed": seed,
+            "val_acc": acc,
+            "seconds": 1.0,
+        }
+
+    rows = [row("dense", 1e-3, s, 0.97, 60_010) for s in range(2)]
+    rows += [row("gbfunc", 0.1, 0, 0.99, 598), row("gbfunc", 0.1, 1, 0.81, 598)]  # mean 0.90
+    rows += [row("gbfunc", 0.3, 0, 0.95, 598), row("gbfunc", 0.3, 1, 0.95, 598)]  # mean 0.95
+    rows += [row("narrow", 0.03, s, 0.93, 610) for s in range(2)]
+    summary = summarise(rows)
+    ours = next(s for s in summary if s["family"] == "gbfunc")
+    assert ours["lr"] == 0.3 and ours["val_acc"] == pytest.approx(0.95)
+    assert ours["lrs"] == [0.1, 0.3] and ours["seeds"] == 2
+    text = findings(summary)
+    assert "+2.00 pt vs narrow (610 params)" in text
+    assert "low rank infeasible" in text
+
+
+def test_low_rank_baseline_holds_its_budget_and_the_dense_scale():
+    import torch
+    from torch import nn
+
+    from benchmarks.baselines import low_rank, tree_count
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 200), nn.ReLU(), nn.Linear(200, 10))
+    tree, to_params = low_rank(model, ["0.weight", "2.weight"], 2000, seed=0)
+    factors = tree_count(tree) - 210  # the biases stay free
+    assert 0.8 * 2000 <= factors <= 1.2 * 2000
+    params = to_params(tree)
+    assert params["0.weight"].shape == (200, 64) and params["2.weight"].shape == (10, 200)
+    std = float(params["0.weight"].detach().std())
+    assert std == pytest.approx(float(model[0].weight.detach().std()), rel=0.3)
