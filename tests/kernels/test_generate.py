@@ -45,7 +45,7 @@ class ColumnSplit(nn.Module):
 
     def __init__(self, rows: int, cols: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(rows, 3 * cols))
+        self.weight = nn.Parameter(0.02 * torch.randn(rows, 3 * cols))  # the rule's std
 
 
 gb.register_rule(ColumnSplit, lambda m: {"weight": gb.Layout(0.02, splits=3, split_dim=1)})
