@@ -300,13 +300,16 @@ def findings(summary: list[dict[str, Any]]) -> str:
     for ratio in dict.fromkeys(s["ratio"] for s in summary if s["ratio"] != "dense"):
         group = {s["family"]: s for s in summary if s["ratio"] == ratio}
         ours = group["gbfunc"]
-        parts = [
-            f"{100 * (ours['val_acc'] - s['val_acc']):+.2f} pt vs {family} ({s['params']:,} params)"
-            for family, s in group.items()
-            if family != "gbfunc"
-        ]
+        parts = []
+        for family, s in group.items():
+            if family == "gbfunc":
+                continue
+            off = s["params"] / ours["params"] - 1
+            window = "" if abs(off) <= 0.1 else f", {off:+.0%}: no width within ±10%"
+            margin = 100 * (ours["val_acc"] - s["val_acc"])
+            parts.append(f"{margin:+.2f} pt vs {family} ({s['params']:,} params{window})")
         if "low rank" not in group:
-            parts.append("low rank infeasible (the free biases alone exceed the budget)")
+            parts.append("low rank infeasible (the free parameters alone exceed the budget)")
         lines.append(
             f"- **{ratio}** (gbfunc {ours['params']:,} params, {100 * ours['val_acc']:.2f}%): "
             + "; ".join(parts)
