@@ -1,55 +1,137 @@
-"""The README's code blocks run as written (in order, sharing one namespace).
+"""The READMEs say what is true: snippets run, results are quoted, links and the API hold.
 
-Blocks fenced as `python` run; the distributed snippets are fenced as `py` because they need
-`torchrun` (their examples/ scripts are tested by tests/test_dist_*.py).
+- Every ```python block of README.md and benchmarks/README.md runs on its own, in a fresh
+  process started in an empty directory, so each carries its own imports and setup.
+- ```py blocks (the distributed snippets, which need `torchrun`) are not run; each has a
+  `<!-- not run: REASON -->` line just above it, and a test file it names must exist.
+- Excerpts marked `<!-- from FILE -->` are copied from the committed results, unedited.
+- Relative links point at files (and headings) that exist.
+- Every public name of `gbfunc` and `gbfunc.dist` is in the README's API tables.
 """
 
-import linecache
+import ast
+import os
 import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from itertools import takewhile
 from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+READMES = (README, ROOT / "benchmarks" / "README.md")
+SNIPPET_TIMEOUT_S = 180
 
 
-def python_blocks() -> list[str]:
-    """Every ```python block, preceded by blank lines so its line numbers are the README's
-    (tracebacks, and torch.compile reading a function's source, point at the right lines)."""
-    text = README.read_text()
-    return [
-        "\n" * text.count("\n", 0, match.start(1)) + match[1]
-        for match in re.finditer(r"```python\n(.*?)```", text, flags=re.S)
+@dataclass(frozen=True)
+class Block:
+    """A fenced code block: its language, first body line (1-based) and text."""
+
+    path: Path
+    lang: str
+    line: int
+    body: str
+    above: str  # the line just above the opening fence
+
+    def __str__(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+
+def fenced_blocks(path: Path) -> list[Block]:
+    lines = path.read_text().splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        fence = re.fullmatch(r"```(\S*)\s*", lines[i])
+        if not fence:
+            i += 1
+            continue
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
+        above = lines[i - 1] if i else ""
+        blocks.append(Block(path, fence[1], i + 2, "\n".join(lines[i + 1 : end]) + "\n", above))
+        i = end + 1
+    return blocks
+
+
+def python_blocks() -> list[Block]:
+    return [b for path in READMES for b in fenced_blocks(path) if b.lang == "python"]
+
+
+def test_readme_has_runnable_python_blocks():
+    assert len([b for b in python_blocks() if b.path == README]) >= 2
+
+
+def run_alone(block: Block, cwd: Path) -> subprocess.CompletedProcess:
+    """Run `block` as `python -c` in `cwd`, importing gbfunc from this checkout.
+
+    Blank lines in front of the code make the line numbers in a traceback the README's.
+    """
+    code = "\n" * (block.line - 1) + block.body
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=SNIPPET_TIMEOUT_S,
+    )
+
+
+@pytest.fixture(scope="module")
+def snippet_runs(request, tmp_path_factory):
+    """The selected blocks, started together two at a time (a cold torch.compile takes most
+    of a minute on 2 cores; the other blocks run beside it)."""
+    selected = [
+        item.callspec.params["block"]
+        for item in request.session.items
+        if getattr(item, "originalname", None) == "test_readme_python_block_runs_on_its_own"
     ]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {b: pool.submit(run_alone, b, tmp_path_factory.mktemp("snippet")) for b in selected}
 
 
 @pytest.mark.slow
-def test_readme_python_blocks_run_as_written():
-    blocks = python_blocks()
-    assert len(blocks) >= 2
-    namespace: dict = {"__name__": "readme"}
-    for i, block in enumerate(blocks):
-        # A name of its own in linecache: inspect (torch.compile reads a function's source)
-        # must see this block, not the markdown around it.
-        name = f"<README.md python block {i}>"
-        linecache.cache[name] = (len(block), None, block.splitlines(keepends=True), name)
-        exec(compile(block, name, "exec"), namespace)
+@pytest.mark.parametrize("block", python_blocks(), ids=str)
+def test_readme_python_block_runs_on_its_own(block, snippet_runs):
+    """Each block runs alone, in a fresh process started in an empty directory."""
+    result = snippet_runs[block].result()
+    assert result.returncode == 0, (
+        f"the ```python block at {block} failed (line numbers are the README's):\n"
+        f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    )
+
+
+def test_unrun_blocks_say_why():
+    """```py blocks are not run: each says so just above it, and names its test if any."""
+    blocks = [b for path in READMES for b in fenced_blocks(path) if b.lang == "py"]
+    assert blocks
+    for block in blocks:
+        marker = re.fullmatch(r"<!-- not run: (.+) -->", block.above.strip())
+        assert marker, f"```py block at {block} needs a `<!-- not run: ... -->` line above it"
+        for test in re.findall(r"tests/\S+\.py", marker[1]):
+            assert (ROOT / test).is_file(), f"{block}: {test} does not exist"
 
 
 def test_readme_test_command_is_what_ci_runs():
     text = README.read_text()
-    ci = (README.parent / ".ci" / "run").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
     command = ci.strip().splitlines()[-1]
     assert command in text, "the README's test command must be the one .ci/run executes"
 
 
-def quoted_results() -> list[tuple[str, list[str]]]:
-    """`(results file, quoted lines)` for every README excerpt marked `<!-- from FILE -->`.
+def quoted_results(path: Path) -> list[tuple[Path, list[str]]]:
+    """`(results file, quoted lines)` for every excerpt marked `<!-- from FILE -->` in `path`.
 
-    An excerpt is the fenced block or the markdown table that follows its marker.
+    FILE is relative to `path`'s folder, like the markdown links beside it. An excerpt is
+    the fenced block or the markdown table that follows its marker.
     """
-    lines = README.read_text().splitlines()
+    lines = path.read_text().splitlines()
     excerpts = []
     for i, line in enumerate(lines):
         marker = re.fullmatch(r"<!-- from (\S+) -->", line.strip())
@@ -60,16 +142,78 @@ def quoted_results() -> list[tuple[str, list[str]]]:
             quoted = body[1 : body.index("```", 1)]
         else:
             quoted = list(takewhile(lambda x: x.startswith("|"), body))
-        excerpts.append((marker[1], quoted))
+        excerpts.append((path.parent / marker[1], quoted))
     return excerpts
 
 
 def test_readme_results_are_quoted_from_the_committed_results_files():
-    """Measured numbers in the README are copied from the files the benchmarks wrote, unedited."""
-    excerpts = quoted_results()
+    """Measured numbers are copied from the files the benchmarks wrote, unedited."""
+    excerpts = [e for path in READMES for e in quoted_results(path)]
     assert len(excerpts) >= 5
-    for path, quoted in excerpts:
-        source = (README.parent / path).read_text().splitlines()
-        assert quoted, f"README: empty excerpt from {path}"
-        missing = [line for line in quoted if line not in source]
-        assert not missing, f"README lines not in {path} (edited by hand?): {missing[:3]}"
+    for source, quoted in excerpts:
+        where = source.relative_to(ROOT)
+        assert source.is_file(), f"quoted from {where}, which does not exist"
+        assert quoted, f"empty excerpt from {where}"
+        lines = source.read_text().splitlines()
+        missing = [line for line in quoted if line not in lines]
+        assert not missing, f"lines not in {where} (edited by hand?): {missing[:3]}"
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces to '-'."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_relative_links_resolve():
+    for path in READMES:
+        text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue  # https:, mailto:
+            file, _, anchor = target.partition("#")
+            linked = (path.parent / file).resolve() if file else path
+            assert linked.exists(), f"{path.relative_to(ROOT)} links to missing {target}"
+            if anchor:
+                prose = re.sub(r"```.*?```", "", linked.read_text(), flags=re.S)
+                headings = re.findall(r"^#+ (.+)$", prose, flags=re.M)
+                anchors = {github_anchor(h) for h in headings}
+                assert anchor in anchors, f"{path.relative_to(ROOT)}: no heading for #{anchor}"
+
+
+def exported_names(init: Path) -> list[str]:
+    """Public names bound by an `__init__.py`, submodules left out."""
+    names = []
+    for node in ast.parse(init.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and not (node.level and node.module is None):
+            names += [alias.asname or alias.name for alias in node.names]
+        elif isinstance(node, ast.FunctionDef | ast.ClassDef):
+            names.append(node.name)
+        elif isinstance(node, ast.Assign):
+            names += [t.id for t in node.targets if isinstance(t, ast.Name)]
+    return [n for n in names if not n.startswith("_")]
+
+
+def api_section() -> str:
+    text = README.read_text()
+    start = text.index("\n## API\n")
+    end = text.find("\n## ", start + 1)
+    return "\n".join(line for line in text[start:end].splitlines() if line.startswith("|"))
+
+
+@pytest.mark.parametrize(
+    ("init", "prefix"),
+    [(ROOT / "gbfunc" / "__init__.py", "gb."), (ROOT / "gbfunc" / "dist" / "__init__.py", "gbd.")],
+)
+def test_every_public_name_is_in_the_api_table(init, prefix):
+    names = exported_names(init)
+    assert len(names) > 10
+    table = api_section()
+    missing = [n for n in names if not re.search(rf"(?<![\w.]){re.escape(prefix + n)}\b", table)]
+    assert not missing, f"README's API table lacks {[prefix + n for n in missing]}"
+
+
+def test_api_table_covers_the_functional_optimizer_and_torchgb_shell():
+    table = api_section()
+    for name in ("gb.optim.adamw_init", "gb.optim.adamw_update", "gbfunc.compat.GenomicBottleneck"):
+        assert name in table
