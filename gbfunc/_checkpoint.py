@@ -25,6 +25,7 @@ from ._files import check_no_meta, standalone, write_atomic
 from ._model import check_matches, check_module
 from ._plan import Plan
 from ._serial import flatten, plan_from_json, plan_to_json, unflatten
+from ._validate import check_plan
 
 FORMAT = "gbfunc.checkpoint"
 FORMAT_VERSION = 1
@@ -152,6 +153,10 @@ def load(
     if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
         raise CheckpointCorruptError(f"{where}: step must be an int >= 0 or null, got {step!r}.")
     check_matches(plan, model, where, "the checkpoint", CheckpointMismatchError)
+    try:
+        check_plan(plan, where)
+    except (ValueError, TypeError, AttributeError) as e:
+        raise CheckpointCorruptError(f"{e} The plan is not one gb.plan makes.") from None
 
     def tensor(key: str) -> Tensor:
         if key not in tensors:

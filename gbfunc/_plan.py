@@ -416,7 +416,7 @@ def _block_shapes(shape: tuple[int, ...], layout: Layout) -> list[tuple[int, int
     return [(rows, cols // layout.splits)] * layout.splits
 
 
-def _stack_geometry(
+def stack_geometry(
     genome: Genome, tile: tuple[int, int], kernel: tuple[int, ...]
 ) -> tuple[int, int, int, int]:
     """(outputs P, columns Q, row width R, column width C) of a stack."""
@@ -491,7 +491,7 @@ def _block_cost(
     genome: Genome, kernel: tuple[int, ...], rows: int, cols: int, tile: tuple[int, int]
 ) -> int:
     """G-net parameters that generate one block (as `_build` would lay it out)."""
-    outputs, _, row_width, col_width = _stack_geometry(genome, tile, kernel)
+    outputs, _, row_width, col_width = stack_geometry(genome, tile, kernel)
     tiles = -(-rows // tile[0]) * -(-cols // tile[1])
     per_gnet = genome.param_count(row_width + col_width, outputs)
     return per_gnet + tiles * genome.embed_dim if genome.share else tiles * per_gnet
@@ -517,7 +517,7 @@ def _build(entries: list[_Entry], options: list[dict[str, object]], flags: dict[
         for rows, cols in _block_shapes(shape, layout):
             tile = _tile_for(name, opts, rows, cols, genome.outputs)
             _check_labels(name, genome, rows, cols, tile)
-            geometry = _stack_geometry(genome, tile, kernel)
+            geometry = stack_geometry(genome, tile, kernel)
             key = (genome, tile, kernel, geometry)
             if key not in stack_index:
                 stack_index[key] = len(stack_specs)

@@ -117,3 +117,40 @@ def test_new_files_follow_the_umask_and_existing_files_keep_their_mode(tmp_path)
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "private.safetensors").stat().st_mode) == 0o600
     assert stat.S_IMODE(existing.stat().st_mode) == 0o640
+
+
+def _edit_plan(edit):
+    def change(tensors, metadata):
+        plan = json.loads(metadata["plan"])
+        edit(plan)
+        metadata["plan"] = json.dumps(plan)
+
+    return change
+
+
+def _generated(plan: dict, index: int = 0) -> dict:
+    return [p for p in plan["params"] if p["kind"] == "generated"][index]
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda p: p["stacks"][0].update(tile=[65536, 65536]), "geometry|larger than"),
+        (lambda p: _generated(p).update(scale=float("nan")), "scale"),
+        (lambda p: _generated(p).update(scale=-1.0), "scale"),
+        (lambda p: _generated(p).update(stack=7), "names stack 7"),
+        (lambda p: _generated(p).update(split_dim=5), "split_dim"),
+        (lambda p: _generated(p)["blocks"][0].update(first_tile=-3), "outside its stack"),
+        (lambda p: _generated(p)["blocks"][0].update(grid=[1, 1]), "grid"),
+        (lambda p: p["stacks"][0].update(tiles_per_gnet=[-1] * 4), "tiles_per_gnet"),
+        (lambda p: _generated(p)["blocks"][0].update(first_tile=4), "both claim|outside"),
+        (lambda p: p["params"][1].update(init=["exec", 1.0]), "init"),
+    ],
+)
+def test_a_crafted_plan_is_refused_before_anything_is_allocated(tmp_path, edit, match):
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    plan = gb.plan(model, tile=(4, 4))
+    path = tmp_path / "c.safetensors"
+    gb.save(path, gb.init(plan), plan)
+    rewrite(path, _edit_plan(edit))
+    load_fails(path, model, match)
