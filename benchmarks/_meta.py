@@ -22,13 +22,20 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def provenance() -> dict[str, Any]:
     """The command, the machine (cores, threads, torch) and the date of this run."""
     return {
-        "command": "python " + shlex.join([os.path.relpath(sys.argv[0]), *sys.argv[1:]]),
+        "command": "python " + _invocation(),
         "machine": f"{len(os.sched_getaffinity(0))} CPU cores, {platform.machine()}, "
         f"{torch.get_num_threads()} torch threads",
         "python": platform.python_version(),
         "torch": torch.__version__,
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
+
+
+def _invocation() -> str:
+    """The arguments after `python`: `-m package.module ...` as typed, or the script's path."""
+    if sys.orig_argv[1:2] == ["-m"]:
+        return shlex.join(sys.orig_argv[1:])
+    return shlex.join([os.path.relpath(sys.argv[0]), *sys.argv[1:]])
 
 
 def provenance_line() -> str:

@@ -20,16 +20,15 @@ from torch.func import functional_call
 
 import gbfunc as gb
 from benchmarks._meta import RESULTS, header_md, markdown_table
-from benchmarks.equal_params import mlp, paper_plan
 from examples.data import digits_split
-from examples.models import paper_genome
+from examples.models import digits_mlp, paper_genome
 
 
 def train_dense(seed: int, steps: int = 1000) -> torch.nn.Module:
     """The dense MLP at its best learning rate in `equal_params` (Adam 1e-3, warm-up, cosine)."""
     x, y, _, _ = digits_split(seed=0)
     torch.manual_seed(seed)
-    model = mlp()
+    model = digits_mlp()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
@@ -64,7 +63,7 @@ def main() -> None:
     target = {k: v.detach() for k, v in model.named_parameters()}
     rows = []
     for label, build in (
-        ("paper genome H=47, centred", lambda: paper_plan(model, 47)),
+        ("paper genome H=47, centred", lambda: gb.plan(model, **paper_genome(47))),
         (
             "paper genome H=47, not centred",
             lambda: gb.plan(model, **{**paper_genome(47), "center": False}),

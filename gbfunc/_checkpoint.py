@@ -11,6 +11,7 @@ mutated, nothing is unpickled.
 import hashlib
 import json
 import os
+import stat
 import struct
 from typing import Any, NamedTuple
 
@@ -24,6 +25,7 @@ from ._files import check_no_meta, standalone, write_atomic
 from ._model import check_matches, check_module
 from ._plan import Plan
 from ._serial import flatten, plan_from_json, plan_to_json, unflatten
+from ._validate import check_plan
 
 FORMAT = "gbfunc.checkpoint"
 FORMAT_VERSION = 1
@@ -133,13 +135,7 @@ def load(
     check_module(model, "gb.load")
     path = os.fspath(path)
     where = f"gb.load: {path}"
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(f"{where}: no such file.") from None
-    except IsADirectoryError:
-        raise CheckpointNotFoundError(f"{where}: is a directory, not a checkpoint file.") from None
+    data = _read_regular_file(path, where)
     metadata = _read_metadata(data, where)
     try:
         tensors = safetensors.torch.load(data)
@@ -152,9 +148,15 @@ def load(
     try:
         plan = plan_from_json(metadata["plan"])
         skeleton, step, meta = (json.loads(metadata[k]) for k in ("opt_state", "step", "meta"))
-    except (KeyError, ValueError) as e:
-        raise CheckpointCorruptError(f"{where}: unreadable metadata ({e}).") from None
+    except (KeyError, ValueError, RecursionError) as e:
+        raise CheckpointCorruptError(f"{where}: unreadable metadata ({e!r:.200}).") from None
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+        raise CheckpointCorruptError(f"{where}: step must be an int >= 0 or null, got {step!r}.")
     check_matches(plan, model, where, "the checkpoint", CheckpointMismatchError)
+    try:
+        check_plan(plan, where)
+    except (ValueError, TypeError, AttributeError) as e:
+        raise CheckpointCorruptError(f"{e} The plan is not one gb.plan makes.") from None
 
     def tensor(key: str) -> Tensor:
         if key not in tensors:
@@ -170,7 +172,8 @@ def load(
             node[keys[-1]] = tensor("/".join(keys)).requires_grad_(keys[0] != "frozen")
         check_gparams(gparams, plan, "gparams")
         opt_state = unflatten(skeleton, tensor)
-    except (TypeError, ValueError) as e:  # a writer other than gb.save: its hash can still match
+    except (TypeError, ValueError, RuntimeError, RecursionError) as e:  # a writer other than
+        # gb.save (its hash can still match): e.g. requires_grad on an integer tensor
         raise CheckpointCorruptError(f"{where}: inconsistent contents ({e}).") from None
     return Checkpoint(gparams, plan, opt_state, step, meta)
 
@@ -187,22 +190,61 @@ def content_hash(tensors: dict[str, Tensor], metadata: dict[str, str]) -> str:
     return h.hexdigest()
 
 
+# A safetensors header is JSON and starts with "{"; gb.save's are a few kB to a few MB.
+MAX_HEADER = 100 * 2**20
+
+
+def _read_regular_file(path: str, where: str) -> bytes:
+    """The bytes of `path`, refusing anything but a regular file before opening it.
+
+    `os.stat` does not block, so a FIFO or a device (`/dev/zero`) is refused instead of
+    hanging or reading until memory runs out.
+    """
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{where}: no such file.") from None
+    except OSError as e:
+        raise CheckpointNotFoundError(f"{where}: cannot be read ({e.strerror}).") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise CheckpointNotFoundError(f"{where}: is a directory, not a checkpoint file.")
+    if not stat.S_ISREG(info.st_mode):
+        raise CheckpointCorruptError(
+            f"{where}: not a gbfunc checkpoint: not a regular file (a pipe, socket or device)."
+        )
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise CheckpointNotFoundError(f"{where}: cannot be read ({e.strerror}).") from None
+
+
 def _read_metadata(data: bytes, where: str) -> dict[str, str]:
     """The safetensors header's metadata, after checking the file is whole and ours."""
     truncated = f"{where}: the file is truncated: it has {len(data)} bytes"
     if len(data) < 8:
         raise CheckpointCorruptError(f"{truncated}, too few for a header.")
     (size,) = struct.unpack("<Q", data[:8])
+    if size > MAX_HEADER or data[8:9] != b"{":
+        raise CheckpointCorruptError(
+            f"{where}: not a gbfunc checkpoint: not a safetensors file (gb.save writes those)."
+        )
     if 8 + size > len(data):
         raise CheckpointCorruptError(f"{truncated}, its header needs {8 + size}.")
     try:
         header = json.loads(data[8 : 8 + size])
+        if not isinstance(header, dict):
+            raise TypeError("the header is not a JSON object")
         metadata = header.pop("__metadata__", None) or {}
         end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
             raise TypeError("metadata entries must be strings")
-    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
-        raise CheckpointCorruptError(f"{where}: the header is damaged ({e}).") from None
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError) as e:
+        raise CheckpointCorruptError(f"{where}: the header is damaged ({e!r:.200}).") from None
+    except OverflowError:
+        raise CheckpointCorruptError(
+            f"{where}: the header is damaged (an offset overflows)."
+        ) from None
     if 8 + size + end > len(data):
         raise CheckpointCorruptError(f"{truncated}, its tensors need {8 + size + end}.")
     if metadata.get("format") != FORMAT:

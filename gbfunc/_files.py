@@ -19,9 +19,9 @@ def write_atomic(path: str, write: Callable[[str], None]) -> None:
     """
     directory = os.path.dirname(os.path.abspath(path))
     try:
-        mode = stat.S_IMODE(os.stat(path).st_mode)
+        mode = stat.S_IMODE(os.stat(path).st_mode)  # an existing file keeps its mode
     except FileNotFoundError:
-        mode = 0o644
+        mode = 0o666 & ~_umask()  # a new one follows the umask, as open() would
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
     os.close(fd)
     try:
@@ -40,6 +40,13 @@ def write_atomic(path: str, write: Callable[[str], None]) -> None:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def _umask() -> int:
+    """The process's umask (reading it means setting it; it is put straight back)."""
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
 
 
 def standalone(tensors: dict[str, Tensor]) -> dict[str, Tensor]:

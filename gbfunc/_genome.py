@@ -73,7 +73,7 @@ class Genome:
         _check_choice("encoding", self.encoding, ENCODINGS)
         _check_choice("kernel", self.kernel, KERNEL_MODES)
         if not isinstance(self.share, bool):
-            raise TypeError(f"gb.plan: share must be a bool, got {self.share!r}.")
+            raise TypeError(f"gb.Genome: share must be a bool, got {self.share!r}.")
         for name in ("row_labels", "col_labels"):
             labels = getattr(self, name)
             if isinstance(labels, list):
@@ -83,7 +83,7 @@ class Genome:
             )
             if not (labels in LABEL_KINDS or (grid and labels)):
                 raise ValueError(
-                    f"gb.plan: {name} must be one of {LABEL_KINDS} or a grid shape such as "
+                    f"gb.Genome: {name} must be one of {LABEL_KINDS} or a grid shape such as "
                     f"(8, 8), got {labels!r}."
                 )
 
@@ -107,12 +107,12 @@ class Genome:
 
 def _check_int(name: str, value: object, low: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"gb.plan: {name} must be an integer >= {low}, got {value!r}.")
+        raise ValueError(f"gb.Genome: {name} must be an integer >= {low}, got {value!r}.")
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ValueError(f"gb.plan: {name} must be one of {choices}, got {value!r}.")
+        raise ValueError(f"gb.Genome: {name} must be one of {choices}, got {value!r}.")
 
 
 def bits(n: int) -> int:

@@ -254,8 +254,9 @@ def plan(
     entries = _collect(model)
     _check_patterns(rules, [e[0] for e in entries])
     options = [_resolve(name, base, rules) for name, *_ in entries]
-    if not isinstance(biases, bool):
-        raise TypeError(f"gb.plan: biases must be a bool, got {biases!r}.")
+    for flag, value in (("biases", biases), ("embeddings", embeddings)):
+        if not isinstance(value, bool):
+            raise TypeError(f"gb.plan: {flag} must be a bool, got {value!r}.")
     flags = {"embeddings": embeddings, "biases": biases}
     if compression is not None:
         options = _search_tile(entries, options, rules, compression, flags)
@@ -290,8 +291,18 @@ def _normalise_overrides(
 ) -> list[tuple[str, dict[str, object]]]:
     if isinstance(free, str):
         free = (free,)
+    if not isinstance(free, Sequence) or not all(isinstance(p, str) for p in free):
+        raise TypeError(f"gb.plan: free must be a sequence of name patterns (str), got {free!r}.")
+    if overrides is not None and not isinstance(overrides, Mapping):
+        raise TypeError(
+            f"gb.plan: overrides must map name patterns to options, got {type(overrides).__name__}."
+        )
     rules: list[tuple[str, dict[str, object]]] = [(p, {"generate": False}) for p in free]
     for pattern, opts in (overrides or {}).items():
+        if not isinstance(pattern, str):
+            raise TypeError(
+                f"gb.plan: overrides keys must be name patterns (str), got {pattern!r}."
+            )
         if opts == "free":
             rules.append((pattern, {"generate": False}))
             continue
@@ -385,6 +396,8 @@ def _free_reason(entry: _Entry, opts: dict[str, object], flags: dict[str, bool])
     name, shape, _, requires_grad, module, local, layout = entry
     if not requires_grad:
         return "frozen (requires_grad=False)"
+    if math.prod(shape) == 0:
+        return "empty (a dimension of size 0)"
     if layout is None:
         if opts["generate"]:
             raise ValueError(
@@ -416,7 +429,7 @@ def _block_shapes(shape: tuple[int, ...], layout: Layout) -> list[tuple[int, int
     return [(rows, cols // layout.splits)] * layout.splits
 
 
-def _stack_geometry(
+def stack_geometry(
     genome: Genome, tile: tuple[int, int], kernel: tuple[int, ...]
 ) -> tuple[int, int, int, int]:
     """(outputs P, columns Q, row width R, column width C) of a stack."""
@@ -450,6 +463,11 @@ def _tile_for(
                 "use a tile that fits, or 'full'."
             )
         th, tw = min(th, rows), min(tw, cols)
+    if outputs > tw:
+        raise ValueError(
+            f"gb.plan: {name}: outputs={outputs} is wider than its tile's {tw} columns; use "
+            "outputs <= the tile width (a row of evaluations may not outgrow the weight)."
+        )
     return th, -(-tw // outputs) * outputs  # a whole number of evaluations per row
 
 
@@ -491,7 +509,7 @@ def _block_cost(
     genome: Genome, kernel: tuple[int, ...], rows: int, cols: int, tile: tuple[int, int]
 ) -> int:
     """G-net parameters that generate one block (as `_build` would lay it out)."""
-    outputs, _, row_width, col_width = _stack_geometry(genome, tile, kernel)
+    outputs, _, row_width, col_width = stack_geometry(genome, tile, kernel)
     tiles = -(-rows // tile[0]) * -(-cols // tile[1])
     per_gnet = genome.param_count(row_width + col_width, outputs)
     return per_gnet + tiles * genome.embed_dim if genome.share else tiles * per_gnet
@@ -512,12 +530,19 @@ def _build(entries: list[_Entry], options: list[dict[str, object]], flags: dict[
             continue
         kernel = shape[2:]
         genome = _genome_for(opts, kernel, layout)
+        if opts.get("searched"):
+            spent = _param_cost(genome, kernel, tuple(_block_shapes(shape, layout)), opts["tile"])
+            if spent >= math.prod(shape):
+                reason = f"its g-nets would cost {spent:,} parameters for {math.prod(shape):,}"
+                init = free_init(module, local, shape)
+                params.append(Free(name, shape, dtype, init, trainable=entry[3], reason=reason))
+                continue
         blocks = []
         stack_id = None
         for rows, cols in _block_shapes(shape, layout):
             tile = _tile_for(name, opts, rows, cols, genome.outputs)
             _check_labels(name, genome, rows, cols, tile)
-            geometry = _stack_geometry(genome, tile, kernel)
+            geometry = stack_geometry(genome, tile, kernel)
             key = (genome, tile, kernel, geometry)
             if key not in stack_index:
                 stack_index[key] = len(stack_specs)
@@ -577,37 +602,41 @@ def _search_tile(
     tiles (sizes that split some weight dimension evenly, plus powers of two) takes well
     under a second even for GPT-2-sized plans.
     """
-    if not (isinstance(target, int | float) and not isinstance(target, bool) and target > 0):
-        raise ValueError(f"gb.plan: compression must be a positive number, got {target!r}.")
-    weights = 0
-    fixed = 0  # g-net parameters of blocks whose tile the caller fixed
-    searched: dict[tuple, int] = {}  # (genome, kernel, rows, cols) -> count
+    if not (isinstance(target, int | float) and not isinstance(target, bool) and target >= 1):
+        raise ValueError(f"gb.plan: compression must be a number >= 1, got {target!r}.")
+    fixed_weights, fixed = 0, 0  # weights and g-net parameters of tiles the caller fixed
+    searched: dict[tuple, int] = {}  # (genome, kernel, block shapes) -> parameters like it
     for entry, opts in zip(entries, options, strict=True):
         name, shape, *_, layout = entry
         if _free_reason(entry, opts, flags) is not None:
             continue
         genome = _genome_for(opts, shape[2:], layout)
-        weights += math.prod(shape)
-        for rows, cols in _block_shapes(shape, layout):
-            if opts.get("explicit_tile"):
+        blocks = tuple(_block_shapes(shape, layout))
+        if opts.get("explicit_tile"):
+            fixed_weights += math.prod(shape)
+            for rows, cols in blocks:
                 tile = _tile_for(name, opts, rows, cols, genome.outputs)
                 fixed += _block_cost(genome, shape[2:], rows, cols, tile)
-            else:
-                key = (genome, shape[2:], rows, cols)
-                searched[key] = searched.get(key, 0) + 1
+        else:
+            key = (genome, shape[2:], blocks)
+            searched[key] = searched.get(key, 0) + 1
     if not searched:
         raise ValueError("gb.plan: compression= has no parameter to choose a tile for.")
-    dims = {d for (_, _, rows, cols) in searched for d in (rows, cols)}
+    dims = {d for (_, _, blocks) in searched for shape in blocks for d in shape}
     sizes = sorted({-(-d // n) for d in dims for n in range(1, 65)} | {2**k for k in range(13)})
     sizes = [s for s in sizes if s <= max(dims)]
     best: tuple[bool, float, tuple[int, int]] | None = None
     lo, hi, best_err = math.inf, 0.0, math.inf
     for th in sizes:
         for tw in sizes:
-            cost = fixed
-            for (genome, kernel, rows, cols), count in searched.items():
-                tile = (min(th, rows), -(-min(tw, cols) // genome.outputs) * genome.outputs)
-                cost += count * _block_cost(genome, kernel, rows, cols, tile)
+            weights, cost = fixed_weights, fixed
+            for (genome, kernel, blocks), count in searched.items():
+                spent = _param_cost(genome, kernel, blocks, (th, tw))
+                size = sum(r * c for r, c in blocks) * math.prod(kernel)
+                if spent < size:  # otherwise it stays free (see `_worth_generating`)
+                    weights, cost = weights + count * size, cost + count * spent
+            if cost == 0:
+                continue
             ratio = weights / cost
             lo, hi = min(lo, ratio), max(hi, ratio)
             err = abs(ratio / target - 1)
@@ -615,12 +644,22 @@ def _search_tile(
             rank = (err > 0.02, abs(math.log(th / tw)) if err <= 0.02 else err, (th, tw))
             if best is None or rank[:2] < best[:2]:
                 best, best_err = rank, err
-    assert best is not None
-    if best_err > 0.10:
+    if best is None or best_err > 0.10:
         raise ValueError(
             f"gb.plan: compression={target} cannot be reached within 10% with these g-nets: tiles "
             f"give {lo:.2f}x to {hi:.2f}x. Change hidden/depth, use share=True for higher "
             "ratios, or pass tile= directly."
         )
     tile = best[2]
-    return [o if o.get("explicit_tile") else {**o, "tile": tile} for o in options]
+    return [o if o.get("explicit_tile") else {**o, "tile": tile, "searched": True} for o in options]
+
+
+def _param_cost(
+    genome: Genome, kernel: tuple[int, ...], blocks: tuple[tuple[int, int], ...], tile: tuple
+) -> int:
+    """G-net parameters of a parameter with these blocks under a candidate `tile`."""
+    total = 0
+    for rows, cols in blocks:
+        clipped = (min(tile[0], rows), -(-min(tile[1], cols) // genome.outputs) * genome.outputs)
+        total += _block_cost(genome, kernel, rows, cols, clipped)
+    return total

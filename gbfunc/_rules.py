@@ -77,11 +77,12 @@ def kaiming_uniform_std(fan_in: int) -> float:
 
 def xavier_std(fan_in: int, fan_out: int) -> float:
     """Std of `xavier_uniform_` (and `xavier_normal_`)."""
-    return math.sqrt(2.0 / (fan_in + fan_out))
+    return math.sqrt(2.0 / max(1, fan_in + fan_out))
 
 
 def _fan_in(shape: tuple[int, ...]) -> int:
-    return shape[1] * math.prod(shape[2:])
+    """Inputs per output (at least 1, so empty layers get a finite scale)."""
+    return max(1, shape[1] * math.prod(shape[2:]))
 
 
 def _linear_like(module: nn.Module) -> dict[str, Layout]:
@@ -139,7 +140,7 @@ def free_init(module: nn.Module, name: str, shape: tuple[int, ...]) -> tuple[str
         return ("normal", 0.02) if name == "weight" else ("zeros", 0.0)
     if isinstance(module, nn.MultiheadAttention):
         if len(shape) == 2:  # xavier_uniform_ over the whole (fused) matrix
-            return ("uniform", math.sqrt(6.0 / (shape[0] + shape[1])))
+            return ("uniform", math.sqrt(6.0 / max(1, shape[0] + shape[1])))
         return ("zeros", 0.0)
     if isinstance(module, nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d):
         if name == "bias" and isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):

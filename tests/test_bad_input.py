@@ -114,7 +114,32 @@ def cases(tmp) -> dict[str, Case]:
         "plan-negative-compression": Case(
             lambda: gb.plan(mlp(), compression=-1),
             ValueError,
-            "compression must be a positive number, got -1",
+            "compression must be a number >= 1, got -1",
+        ),
+        "plan-compression-below-one": Case(
+            lambda: gb.plan(mlp(), compression=0.5), ValueError, "compression must be a number >= 1"
+        ),
+        "plan-free-none": Case(
+            lambda: gb.plan(mlp(), free=None), TypeError, r"gb\.plan: free must be a sequence"
+        ),
+        "plan-free-int": Case(
+            lambda: gb.plan(mlp(), free=[5]), TypeError, r"gb\.plan: free must be a sequence"
+        ),
+        "plan-override-int-key": Case(
+            lambda: gb.plan(mlp(), overrides={5: {"hidden": 2}}),
+            TypeError,
+            r"gb\.plan: overrides keys must be name patterns",
+        ),
+        "plan-outputs-wider-than-tile": Case(
+            lambda: gb.plan(mlp(), tile=(4, 4), outputs=8),
+            ValueError,
+            r"outputs=8 is wider than its tile's 4 columns",
+        ),
+        "genome-share-not-bool": Case(
+            lambda: gb.Genome(share="yes"), TypeError, r"gb\.Genome: share must be a bool"
+        ),
+        "load-device-file": Case(
+            lambda: gb.load("/dev/zero", mlp()), gb.CheckpointError, "not a regular file"
         ),
         "plan-dataparallel": Case(
             lambda: gb.plan(nn.DataParallel(mlp())),

@@ -2,6 +2,7 @@
 
 import math
 import types
+import warnings
 
 import pytest
 import torch
@@ -207,8 +208,12 @@ def test_report_table_has_every_parameter_and_totals():
             r"larger than 0.weight's weight matrix \(30, 40\)",
         ),
         ({"compression": 1e6}, ValueError, r"compression=1000000.0 cannot be reached"),
-        ({"compression": -2}, ValueError, "compression must be a positive number"),
-        ({"overrides": {"1.bias": {"generate": True}}}, ValueError, "no rule covers LayerNorm.bias"),
+        ({"compression": -2}, ValueError, "compression must be a number >= 1"),
+        (
+            {"overrides": {"1.bias": {"generate": True}}},
+            ValueError,
+            "no rule covers LayerNorm.bias",
+        ),
     ],
 )
 def test_bad_options_name_the_culprit(kwargs, error, match):
@@ -243,3 +248,48 @@ def test_pnas_genome_is_one_gnet_per_layer_on_gray_codes():
     rep = gb.report(plan)
     # 60 rows -> 6 bits, 100 columns -> 7 bits; 10 rows -> 4 bits, 60 columns -> 6 bits.
     assert rep.gnet_params == per_tile_params(6, 7) + per_tile_params(4, 6)
+
+
+def test_compression_leaves_weights_free_whose_gnets_would_cost_more():
+    model = nn.Sequential(nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 4))
+    plan = gb.plan(model, compression=20)  # torchGB's genome: 32 hidden units
+    free = {p.name: p.reason for p in plan.free}
+    assert "would cost" in free["2.weight"]  # 1,024 weights
+    assert [p.name for p in plan.generated] == ["0.weight"]
+    row = next(r for r in gb.report(plan).rows if r.name == "2.weight")
+    assert "would cost" in row.note
+    for p in plan.generated:  # what is generated is compressed, never expanded
+        stack = plan.stacks[p.stack]
+        assert p.numel > stack.num_params
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"compression": 0.5}, ValueError, r"compression must be a number >= 1, got 0\.5"),
+        ({"tile": (4, 4), "outputs": 8}, ValueError, r"0\.weight: outputs=8 is wider"),
+        ({"free": None}, TypeError, r"gb\.plan: free must be a sequence"),
+        ({"free": [5]}, TypeError, r"gb\.plan: free must be a sequence .*\[5\]"),
+        ({"overrides": {5: {"hidden": 4}}}, TypeError, r"gb\.plan: overrides keys must be"),
+        ({"overrides": [("0.*", "free")]}, TypeError, r"gb\.plan: overrides must map"),
+        ({"embeddings": "yes"}, TypeError, r"gb\.plan: embeddings must be a bool"),
+        ({"hidden": 0}, ValueError, r"gb\.Genome: hidden must be an integer >= 1"),
+        ({"share": 1}, TypeError, r"gb\.Genome: share must be a bool"),
+    ],
+)
+def test_unchecked_options_round_two(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        gb.plan(nn.Sequential(nn.Linear(40, 30), nn.ReLU(), nn.Linear(30, 4)), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "empty", [lambda: nn.Linear(0, 5), lambda: nn.Linear(5, 0), lambda: nn.Embedding(0, 4)]
+)
+def test_empty_parameters_stay_free(empty):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: "Initializing zero-element tensors is a no-op"
+        model = nn.Sequential(empty(), nn.Linear(8, 8))
+    plan = gb.plan(model, tile=(4, 4), embeddings=True)
+    reasons = {p.name: p.reason for p in plan.free}
+    assert reasons["0.weight"].startswith("empty")
+    gb.apply(gb.init(plan), plan)

@@ -1,0 +1,156 @@
+"""Files that are not checkpoints, crafted checkpoints whose hash was recomputed, and the
+umask: every failure is a `gb.CheckpointError` naming the file, and nothing hangs."""
+
+import json
+import os
+import stat
+import struct
+import threading
+
+import pytest
+import safetensors
+import safetensors.torch
+import torch
+from torch import nn
+
+import gbfunc as gb
+from gbfunc._checkpoint import content_hash
+
+
+@pytest.fixture
+def saved(tmp_path):
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    plan = gb.plan(model, tile=(4, 4))
+    path = tmp_path / "c.safetensors"
+    gb.save(path, gb.init(plan), plan, step=2)
+    return path, model
+
+
+def rewrite(path, change) -> None:
+    """Apply `change(tensors, metadata)` to a checkpoint and recompute its hash."""
+    with safetensors.safe_open(path, "pt") as f:
+        metadata = dict(f.metadata())
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    change(tensors, metadata)
+    metadata["sha256"] = content_hash(tensors, metadata)
+    safetensors.torch.save_file(tensors, path, metadata)
+
+
+def load_fails(path, model, match: str) -> None:
+    with pytest.raises(gb.CheckpointError, match=match) as info:
+        gb.load(path, model)
+    assert str(path) in str(info.value)
+
+
+def test_devices_are_refused_without_reading():
+    load_fails("/dev/zero", nn.Linear(2, 2), "not a regular file")
+
+
+def test_a_fifo_is_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    outcome: list[BaseException] = []
+    thread = threading.Thread(target=lambda: outcome.append(_error(fifo)), daemon=True)
+    thread.start()
+    thread.join(timeout=20)
+    assert not thread.is_alive(), "gb.load blocked on a FIFO"
+    assert isinstance(outcome[0], gb.CheckpointError)
+    assert "not a regular file" in str(outcome[0])
+
+
+def _error(path) -> BaseException:
+    try:
+        gb.load(path, nn.Linear(2, 2))
+    except BaseException as e:
+        return e
+    raise AssertionError("no error")
+
+
+@pytest.mark.parametrize("kind", ["text", "torch.save", "json"])
+def test_other_files_are_named_not_a_checkpoint(tmp_path, kind):
+    path = tmp_path / "other"
+    if kind == "text":
+        path.write_text("These are not the weights you are looking for.\n" * 3)
+    elif kind == "torch.save":
+        torch.save({"weight": torch.ones(3)}, path)
+    else:
+        path.write_text(json.dumps({"weight": [1, 2, 3]}))
+    load_fails(path, nn.Linear(2, 2), "not a gbfunc checkpoint")
+
+
+def test_deeply_nested_and_overflowing_headers_are_corrupt(tmp_path):
+    nested = b'{"a":' + b"[" * 5000 + b"]" * 5000 + b"}"
+    path = tmp_path / "nested"
+    path.write_bytes(struct.pack("<Q", len(nested)) + nested)
+    load_fails(path, nn.Linear(2, 2), "header is damaged")
+    huge = b'{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,1e400]}}'
+    path.write_bytes(struct.pack("<Q", len(huge)) + huge + b"\0" * 4)
+    load_fails(path, nn.Linear(2, 2), "header is damaged")
+
+
+def test_crafted_step_and_integer_tensors_are_refused(saved):
+    path, model = saved
+    rewrite(path, lambda t, m: m.update(step='"abc"'))
+    load_fails(path, model, "step must be an int")
+    rewrite(path, lambda t, m: m.update(step="2"))
+    gb.load(path, model)  # the same file, made valid again
+
+    def integer_free(tensors, metadata):
+        key = next(k for k in tensors if k.startswith("free/"))
+        tensors[key] = tensors[key].to(torch.int64)
+
+    rewrite(path, integer_free)
+    load_fails(path, model, "inconsistent contents")
+
+
+def test_new_files_follow_the_umask_and_existing_files_keep_their_mode(tmp_path):
+    plan = gb.plan(nn.Linear(8, 8), tile=(4, 4))
+    gparams = gb.init(plan)
+    old = os.umask(0o077)
+    try:
+        gb.save(tmp_path / "private.safetensors", gparams, plan)
+        existing = tmp_path / "shared.safetensors"
+        existing.write_bytes(b"")
+        existing.chmod(0o640)
+        gb.save(existing, gparams, plan)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "private.safetensors").stat().st_mode) == 0o600
+    assert stat.S_IMODE(existing.stat().st_mode) == 0o640
+
+
+def _edit_plan(edit):
+    def change(tensors, metadata):
+        plan = json.loads(metadata["plan"])
+        edit(plan)
+        metadata["plan"] = json.dumps(plan)
+
+    return change
+
+
+def _generated(plan: dict, index: int = 0) -> dict:
+    return [p for p in plan["params"] if p["kind"] == "generated"][index]
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda p: p["stacks"][0].update(tile=[65536, 65536]), "geometry|larger than"),
+        (lambda p: _generated(p).update(scale=float("nan")), "scale"),
+        (lambda p: _generated(p).update(scale=-1.0), "scale"),
+        (lambda p: _generated(p).update(stack=7), "names stack 7"),
+        (lambda p: _generated(p).update(split_dim=5), "split_dim"),
+        (lambda p: _generated(p)["blocks"][0].update(first_tile=-3), "outside its stack"),
+        (lambda p: _generated(p)["blocks"][0].update(grid=[1, 1]), "grid"),
+        (lambda p: p["stacks"][0].update(tiles_per_gnet=[-1] * 4), "tiles_per_gnet"),
+        (lambda p: _generated(p)["blocks"][0].update(first_tile=4), "both claim|outside"),
+        (lambda p: p["params"][1].update(init=["exec", 1.0]), "init"),
+    ],
+)
+def test_a_crafted_plan_is_refused_before_anything_is_allocated(tmp_path, edit, match):
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    plan = gb.plan(model, tile=(4, 4))
+    path = tmp_path / "c.safetensors"
+    gb.save(path, gb.init(plan), plan)
+    rewrite(path, _edit_plan(edit))
+    load_fails(path, model, match)
