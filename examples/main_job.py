@@ -14,7 +14,7 @@ dense model of the same architecture whose parameter count is nearest the gbfunc
 obvious alternative at that size. The job prints the compression table and the three
 validation scores, saves the compressed model with `gb.save` and plots the curves.
 
-    python examples/main_job.py                  # all tasks, about 4 minutes on 2 CPU cores
+    python examples/main_job.py                  # all tasks, ~15 minutes on 2 busy CPU cores
     python examples/main_job.py --task charlm --steps 3000 --device cuda
 """
 
@@ -103,6 +103,7 @@ class DigitsConfig(TrainConfig):
     )
     lr_dense: float = 3e-3
     lr_gb: float = 3e-2
+    lr_narrow: float | None = 3e-2  # the narrow CNN's best in benchmarks/equal_params.py
     warmup: int = 20
     eval_every: int = 25
     channels: tuple[int, int] = (32, 64)
