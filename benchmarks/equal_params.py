@@ -80,23 +80,6 @@ class Task:
     batch: int
 
 
-def cnn_genome(hidden: int) -> dict:
-    """The paper's genome for `DigitsCNN`: whole-tensor g-nets on neuron labels (the first
-    classifier layer's inputs labelled by (channel, row, column)), biases, centred rows."""
-    return {
-        "tile": "full",
-        "encoding": "gray",
-        "hidden": hidden,
-        "activation": "tanh",
-        "biases": True,
-        "center": True,
-        "overrides": {
-            "classifier.1.weight": {"col_labels": (64, 4, 4)},
-            "classifier.3.*": {"row_labels": "onehot"},
-        },
-    }
-
-
 TASKS = {
     "mlp": Task(
         "digits MLP 64-800-10",
@@ -119,7 +102,12 @@ TASKS = {
         range(1, 33),
         (
             ("~23x", "main job genome", DigitsConfig().plan),
-            ("~135x", "paper genome H=10", cnn_genome(10)),
+            # the first classifier layer's inputs labelled by (channel, row, column)
+            (
+                "~135x",
+                "paper genome H=10",
+                paper_genome(10, "classifier.1.weight", (64, 4, 4), "classifier.3.*"),
+            ),
         ),
         ("features.0.weight", "features.2.weight", "classifier.1.weight", "classifier.3.weight"),
         400,

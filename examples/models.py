@@ -83,10 +83,18 @@ def digits_mlp(hidden: int = 800) -> nn.Sequential:
     return nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
 
 
-def paper_genome(hidden: int) -> dict[str, Any]:
-    """`gb.plan` options of the paper's genome for `digits_mlp`: one tanh g-net per weight and
-    per bias, hidden neurons labelled by the Gray code of their index, pixels by the Gray
-    codes of their (row, column), classes one-hot, every generated row centred."""
+def paper_genome(
+    hidden: int,
+    first: str = "1.weight",
+    grid: tuple[int, ...] = (8, 8),
+    last: str = "3.*",
+) -> dict[str, Any]:
+    """`gb.plan` options of the paper's genome (defaults: for `digits_mlp`).
+
+    One tanh g-net per weight and per bias, neurons labelled by the Gray code of their index,
+    the inputs of `first` by the Gray codes of their position on `grid` (pixels: row,
+    column), the outputs of `last` (classes) one-hot, every generated row centred.
+    """
     return {
         "tile": "full",
         "encoding": "gray",
@@ -94,5 +102,5 @@ def paper_genome(hidden: int) -> dict[str, Any]:
         "activation": "tanh",
         "biases": True,
         "center": True,
-        "overrides": {"1.weight": {"col_labels": (8, 8)}, "3.*": {"row_labels": "onehot"}},
+        "overrides": {first: {"col_labels": grid}, last: {"row_labels": "onehot"}},
     }
