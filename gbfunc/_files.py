@@ -2,8 +2,8 @@
 
 import contextlib
 import os
+import secrets
 import stat
-import tempfile
 from collections.abc import Callable
 
 import torch
@@ -14,21 +14,22 @@ def write_atomic(path: str, write: Callable[[str], None]) -> None:
     """Make `path` appear whole or not at all: `write(tmp)`, fsync, then rename over `path`.
 
     The temporary file sits in the same directory (a rename is atomic only within one file
-    system). A crash at any point leaves the previous `path` untouched; at worst a stale
-    `.NAME.*.tmp` file remains beside it.
+    system). A new file gets the mode the umask gives (as `open` would); an existing file
+    keeps its mode, and the temporary file is never more permissive than either. A crash at
+    any point leaves the previous `path` untouched; at worst a stale `.NAME.*.tmp` file
+    remains beside it.
     """
     directory = os.path.dirname(os.path.abspath(path))
     try:
-        mode = stat.S_IMODE(os.stat(path).st_mode)  # an existing file keeps its mode
+        keep: int | None = stat.S_IMODE(os.stat(path).st_mode)
     except FileNotFoundError:
-        mode = 0o666 & ~_umask()  # a new one follows the umask, as open() would
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-    os.close(fd)
+        keep = None
+    tmp, mode = _create_temp(directory, os.path.basename(path), 0o666 if keep is None else keep)
     try:
         write(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-        os.chmod(tmp, mode)
+        os.chmod(tmp, mode if keep is None else keep)  # `write` may replace the file (safetensors)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -42,11 +43,22 @@ def write_atomic(path: str, write: Callable[[str], None]) -> None:
             os.close(dir_fd)
 
 
-def _umask() -> int:
-    """The process's umask (reading it means setting it; it is put straight back)."""
-    mask = os.umask(0o077)
-    os.umask(mask)
-    return mask
+def _create_temp(directory: str, name: str, mode: int) -> tuple[str, int]:
+    """Create an empty `.NAME.*.tmp` in `directory` with `mode` less the umask (as `open` does).
+
+    Returns its path and the mode it got, read back so the umask is never set to be read.
+    """
+    for _ in range(100):
+        tmp = os.path.join(directory, f".{name}.{secrets.token_hex(6)}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        except FileExistsError:
+            continue
+        try:
+            return tmp, stat.S_IMODE(os.fstat(fd).st_mode)
+        finally:
+            os.close(fd)
+    raise FileExistsError(f"no free temporary file name for {name} in {directory}")
 
 
 def standalone(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
