@@ -6,6 +6,13 @@ safetensors metadata header, next to a format version, the writing library versi
 SHA-256 over every tensor (name, dtype, shape, bytes) and every metadata entry. Loading
 reads the file once, checks it, and builds new tensors: nothing is executed, nothing is
 mutated, nothing is unpickled.
+
+The SHA-256 detects accidental damage (a flipped bit, a truncated copy, a hand edit that
+forgot to update it); it is not a signature, and a crafted file can carry a matching one.
+`gb.load` is safe on crafted files because it also checks what it reads: the file kind, the
+header's size and structure, the plan against the model (`_validate`), and every tensor
+against the plan, so a file either loads as a consistent checkpoint or raises a
+`gb.CheckpointError`.
 """
 
 import hashlib
@@ -22,7 +29,7 @@ from torch import Tensor, nn
 from ._apply import GParams
 from ._checks import check_gparams, expected_shapes, leaves
 from ._files import check_no_meta, standalone, write_atomic
-from ._model import check_matches, check_module
+from ._model import check_module
 from ._plan import Plan
 from ._serial import flatten, plan_from_json, plan_to_json, unflatten
 from ._validate import check_plan
@@ -118,10 +125,18 @@ def load(
 ) -> Checkpoint:
     """Read and verify a checkpoint written by `gb.save`, for `model`.
 
-    Checks, in order: the file exists; it is a whole gbfunc checkpoint of a known format
-    version; its SHA-256 matches; its parameters match `model`'s names and shapes. Each
-    failure raises its own `gb.CheckpointError` subclass; on success, new tensors are
-    returned and nothing else is touched.
+    Checks, in order: the path is a regular file (never a device or FIFO, which could be
+    endless or block); it is a whole gbfunc checkpoint of a known format version, its
+    header bounded before it is read; its SHA-256 matches; its plan is well formed and fits
+    `model` (every field, against the model's shapes, so that whatever it sizes is bounded
+    by the model); its tensors, read no larger than the file, are
+    the ones that plan and the optimizer state need, with their dtypes. Each
+    failure raises a `gb.CheckpointError` subclass naming the file; on success, new tensors
+    are returned and nothing else is touched.
+
+    The SHA-256 detects damage (a flipped bit, a truncated copy), not forgery: anyone can
+    write a file with a matching hash. What makes a crafted file safe to load is the
+    checking of its contents above, not the hash.
 
     Args:
         path: File written by `gb.save`.
@@ -135,13 +150,14 @@ def load(
     check_module(model, "gb.load")
     path = os.fspath(path)
     where = f"gb.load: {path}"
-    data = _read_regular_file(path, where)
+    data = _read_file(path, where)
     metadata = _read_metadata(data, where)
     try:
         tensors = safetensors.torch.load(data)
+        digest = content_hash(tensors, metadata)
     except Exception as e:  # safetensors raises its own error types for malformed files
         raise CheckpointCorruptError(f"{where}: the file is damaged ({e}).") from None
-    if content_hash(tensors, metadata) != metadata.get("sha256"):
+    if digest != metadata.get("sha256"):
         raise CheckpointCorruptError(
             f"{where}: SHA-256 mismatch: the file was altered or damaged after it was written."
         )
@@ -149,32 +165,48 @@ def load(
         plan = plan_from_json(metadata["plan"])
         skeleton, step, meta = (json.loads(metadata[k]) for k in ("opt_state", "step", "meta"))
     except (KeyError, ValueError, RecursionError) as e:
-        raise CheckpointCorruptError(f"{where}: unreadable metadata ({e!r:.200}).") from None
+        raise CheckpointCorruptError(f"{where}: unreadable metadata ({e!s:.200}).") from None
     if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
-        raise CheckpointCorruptError(f"{where}: step must be an int >= 0 or null, got {step!r}.")
-    check_matches(plan, model, where, "the checkpoint", CheckpointMismatchError)
-    try:
-        check_plan(plan, where)
-    except (ValueError, TypeError, AttributeError) as e:
-        raise CheckpointCorruptError(f"{e} The plan is not one gb.plan makes.") from None
+        raise CheckpointCorruptError(
+            f"{where}: step must be an int >= 0 or null, got {step!r:.100}."
+        )
+    check_plan(plan, model, where, corrupt=CheckpointCorruptError, mismatch=CheckpointMismatchError)
+    used: set[str] = set()
 
     def tensor(key: str) -> Tensor:
-        if key not in tensors:
+        if not isinstance(key, str) or key not in tensors:
             raise ValueError(f"tensor {key!r} is missing")
-        return tensors[key].to(device) if device is not None else tensors[key]
+        used.add(key)
+        return tensors[key]
 
-    gparams: GParams = {"stacks": {}, "free": {}, "frozen": {}}
+    def opt_tensor(key: str) -> Tensor:
+        if not (isinstance(key, str) and key.startswith("opt_state/")):
+            raise ValueError(f"the optimizer state refers to tensor {key!r}")
+        return tensor(key).to(device) if device is not None else tensor(key)
+
+    loaded: GParams = {"stacks": {}, "free": {}, "frozen": {}}
     try:
         for keys in expected_shapes(plan):
-            node = gparams
+            node = loaded
             for k in keys[:-1]:
                 node = node.setdefault(k, {})
-            node[keys[-1]] = tensor("/".join(keys)).requires_grad_(keys[0] != "frozen")
-        check_gparams(gparams, plan, "gparams")
-        opt_state = unflatten(skeleton, tensor)
-    except (TypeError, ValueError, RuntimeError, RecursionError) as e:  # a writer other than
-        # gb.save (its hash can still match): e.g. requires_grad on an integer tensor
-        raise CheckpointCorruptError(f"{where}: inconsistent contents ({e}).") from None
+            node[keys[-1]] = tensor("/".join(keys))
+        check_gparams(loaded, plan, "gparams")  # shapes and dtypes, before requires_grad
+        opt_state = unflatten(skeleton, opt_tensor)
+        if unused := sorted(set(tensors) - used):
+            raise ValueError(f"tensor {unused[0]!r} belongs to neither the plan nor opt_state")
+    except (TypeError, ValueError, RecursionError) as e:  # a writer other than gb.save
+        raise CheckpointCorruptError(f"{where}: inconsistent contents ({e!s:.300}).") from None
+
+    def finish(t: Tensor, trainable: bool) -> Tensor:
+        return (t.to(device) if device is not None else t).requires_grad_(trainable)
+
+    stacks = loaded["stacks"]
+    gparams: GParams = {
+        "stacks": {k: {n: finish(t, True) for n, t in s.items()} for k, s in stacks.items()},
+        "free": {k: finish(t, True) for k, t in loaded["free"].items()},
+        "frozen": {k: finish(t, False) for k, t in loaded["frozen"].items()},
+    }
     return Checkpoint(gparams, plan, opt_state, step, meta)
 
 
@@ -190,33 +222,50 @@ def content_hash(tensors: dict[str, Tensor], metadata: dict[str, str]) -> str:
     return h.hexdigest()
 
 
-# A safetensors header is JSON and starts with "{"; gb.save's are a few kB to a few MB.
-MAX_HEADER = 100 * 2**20
+# safetensors refuses longer headers itself; bounding it first keeps a file whose first 8
+# bytes are not a header length (text, a zip from torch.save) from being read as one.
+MAX_HEADER = 100_000_000
 
 
-def _read_regular_file(path: str, where: str) -> bytes:
-    """The bytes of `path`, refusing anything but a regular file before opening it.
-
-    `os.stat` does not block, so a FIFO or a device (`/dev/zero`) is refused instead of
-    hanging or reading until memory runs out.
-    """
+def _read_file(path: str, where: str) -> bytes:
+    """The bytes of `path`, which must be a regular file: a device or FIFO could be endless or
+    block forever, so it is refused before it is opened (and again after, against a swap)."""
     try:
-        info = os.stat(path)
-    except FileNotFoundError:
+        kind = stat.S_IFMT(os.stat(path).st_mode)
+        if kind == stat.S_IFDIR:
+            raise IsADirectoryError
+        _check_regular(kind, where)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except (FileNotFoundError, NotADirectoryError):
         raise CheckpointNotFoundError(f"{where}: no such file.") from None
+    except IsADirectoryError:
+        raise CheckpointNotFoundError(f"{where}: is a directory, not a checkpoint file.") from None
     except OSError as e:
         raise CheckpointNotFoundError(f"{where}: cannot be read ({e.strerror}).") from None
-    if stat.S_ISDIR(info.st_mode):
-        raise CheckpointNotFoundError(f"{where}: is a directory, not a checkpoint file.")
-    if not stat.S_ISREG(info.st_mode):
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        _check_regular(stat.S_IFMT(info.st_mode), where)
+        try:
+            return f.read(info.st_size)
+        except OSError as e:
+            raise CheckpointNotFoundError(f"{where}: cannot be read ({e.strerror}).") from None
+
+
+_KINDS = {
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFDIR: "a directory",
+}
+
+
+def _check_regular(kind: int, where: str) -> None:
+    if kind != stat.S_IFREG:
         raise CheckpointCorruptError(
-            f"{where}: not a gbfunc checkpoint: not a regular file (a pipe, socket or device)."
+            f"{where}: not a regular file ({_KINDS.get(kind, 'not a file')}); a checkpoint is a "
+            "file written by gb.save."
         )
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as e:
-        raise CheckpointNotFoundError(f"{where}: cannot be read ({e.strerror}).") from None
 
 
 def _read_metadata(data: bytes, where: str) -> dict[str, str]:
@@ -225,26 +274,25 @@ def _read_metadata(data: bytes, where: str) -> dict[str, str]:
     if len(data) < 8:
         raise CheckpointCorruptError(f"{truncated}, too few for a header.")
     (size,) = struct.unpack("<Q", data[:8])
-    if size > MAX_HEADER or data[8:9] != b"{":
+    if size > MAX_HEADER or data[8:9] not in (b"{", b""):
         raise CheckpointCorruptError(
-            f"{where}: not a gbfunc checkpoint: not a safetensors file (gb.save writes those)."
+            f"{where}: not a gbfunc checkpoint (not a safetensors file: its first 8 bytes are "
+            "not the length of a JSON header); gb.save writes those."
         )
     if 8 + size > len(data):
         raise CheckpointCorruptError(f"{truncated}, its header needs {8 + size}.")
     try:
         header = json.loads(data[8 : 8 + size])
         if not isinstance(header, dict):
-            raise TypeError("the header is not a JSON object")
+            raise TypeError(f"expected a JSON object, got {type(header).__name__}")
         metadata = header.pop("__metadata__", None) or {}
-        end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        if not isinstance(metadata, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+        ):
             raise TypeError("metadata entries must be strings")
-    except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError) as e:
-        raise CheckpointCorruptError(f"{where}: the header is damaged ({e!r:.200}).") from None
-    except OverflowError:
-        raise CheckpointCorruptError(
-            f"{where}: the header is damaged (an offset overflows)."
-        ) from None
+        end = max((_tensor_end(k, v) for k, v in header.items()), default=0)
+    except (ValueError, TypeError, RecursionError) as e:  # RecursionError: deeply nested JSON
+        raise CheckpointCorruptError(f"{where}: the header is damaged ({e!s:.200}).") from None
     if 8 + size + end > len(data):
         raise CheckpointCorruptError(f"{truncated}, its tensors need {8 + size + end}.")
     if metadata.get("format") != FORMAT:
@@ -258,6 +306,22 @@ def _read_metadata(data: bytes, where: str) -> dict[str, str]:
             f"{_gbfunc_version()} reads version {FORMAT_VERSION}. Use a matching gbfunc."
         )
     return metadata
+
+
+def _tensor_end(key: str, entry: object) -> int:
+    """Where tensor `key`'s bytes end, from its header entry; raises `TypeError` if malformed."""
+    offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+    ok = (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        and 0 <= offsets[0] <= offsets[1]
+    )
+    if not ok:
+        raise TypeError(
+            f"tensor {key!r:.100} has data_offsets {offsets!r:.100}; expected [begin, end]"
+        )
+    return offsets[1]
 
 
 def _gbfunc_version() -> str:

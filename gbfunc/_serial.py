@@ -28,7 +28,7 @@ def plan_from_json(text: str) -> Plan:
         data = json.loads(text)
         params = tuple(_param(_tuples(p)) for p in data["params"])
         stacks = tuple(_stack(_tuples(s)) for s in data["stacks"])
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise ValueError(f"malformed plan JSON ({type(e).__name__}: {e})") from None
     return Plan(params, stacks)
 

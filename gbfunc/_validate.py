@@ -1,120 +1,272 @@
-"""A plan read from a file is checked for consistency and bounds before anything is allocated.
+"""Checks that a plan read from a file is one `gb.plan` could have made for the model.
 
-The SHA-256 of a checkpoint catches accidental damage, not a crafted file: anyone can write
-a plan and recompute the hash. `check_plan` makes sure such a plan describes exactly the
-model it is loaded for (names and shapes are checked by `check_matches`): every stack's
-geometry follows from its genome, every generated parameter is tiled exactly by its blocks,
-tiles are owned by exactly one parameter, scales are finite and positive, and free
-parameters are drawn by a known rule. So a loaded plan can do no more than `gb.plan` could.
+A checkpoint's SHA-256 shows the file is whole, not that `gb.save` wrote it: a crafted file
+can carry any plan with a recomputed hash. Everything `gb.init`, `gb.apply` and `gb.load`
+size their work by (stack indices, tiles, grids, blocks, scales, dtypes) is checked here
+against the model's shapes before `gb.load` builds anything from it, so that a crafted plan
+is refused rather than allocating without bound or generating NaN.
 """
 
 import math
 
 import torch
+from torch import nn
 
 from ._genome import Genome
-from ._plan import Free, Generated, Plan, stack_geometry
+from ._model import check_matches
+from ._plan import Block, Free, Generated, Plan, Stack, _check_labels, stack_geometry
 
-_FREE_INITS = ("zeros", "ones", "uniform", "normal")
+FREE_INITS = ("zeros", "ones", "uniform", "normal")  # what `gb.init` can draw a free tensor by
 
 
-def check_plan(plan: Plan, where: str) -> None:
-    """Raise `ValueError` naming the first inconsistent or out-of-bounds field of `plan`."""
-    owners: list[list[str]] = []
-    for i, stack in enumerate(plan.stacks):
-        if not isinstance(stack.genome, Genome):
-            raise ValueError(f"{where}: stack {i} has no genome.")
-        th, tw = _positive_pair(stack.tile, f"stack {stack.key!r} tile", where)
-        expected = stack_geometry(stack.genome, (th, tw), tuple(stack.kernel))
-        got = (stack.outputs, stack.columns, stack.row_width, stack.col_width)
-        if got != expected:
-            raise ValueError(
-                f"{where}: stack {stack.key!r} has geometry {got}; its genome and tile give "
-                f"{expected}."
-            )
-        counts = stack.tiles_per_gnet
-        if not counts or not all(isinstance(n, int) and n >= 1 for n in counts):
-            raise ValueError(f"{where}: stack {stack.key!r} has tiles_per_gnet {counts}.")
-        if not stack.genome.share and set(counts) != {1}:
-            raise ValueError(f"{where}: stack {stack.key!r} shares g-nets but share=False.")
-        owners.append([""] * stack.num_tiles)
-    for p in plan.params:
-        _check_dtype(p.dtype, p.name, where)
+class _Bad(Exception):
+    """A field of the plan is malformed or inconsistent; the message names it."""
+
+
+def check_plan(
+    plan: Plan,
+    model: nn.Module,
+    where: str,
+    *,
+    corrupt: type[Exception],
+    mismatch: type[Exception],
+) -> None:
+    """Raise unless `plan` is a well-formed, self-consistent plan for `model`.
+
+    Checks, in order: every field's type and range (`corrupt`); names and shapes against
+    `model` (`mismatch`); then that each stack's geometry follows from its genome and tile,
+    that every block tiles its part of the parameter exactly (tiles clipped to the block,
+    as `gb.plan` clips them), and that the blocks of each stack cover its tiles once each,
+    so no two parameters share tiles (`corrupt`). Generated elements are then exactly the
+    model's, and tiles exceed them only by the padding `gb.plan` itself produces.
+
+    Args:
+        plan: Deserialised plan.
+        model: The p-net it must describe.
+        where: Prefix of messages, e.g. `"gb.load: ckpt.safetensors"`.
+        corrupt: Exception class for a malformed or inconsistent plan.
+        mismatch: Exception class for a plan of another model.
+    """
+    try:
+        _check_fields(plan)
+    except _Bad as e:
+        raise corrupt(f"{where}: the plan is malformed: {e}") from None
+    check_matches(plan, model, where, "the checkpoint", mismatch)
+    try:
+        _check_layout(plan)
+    except _Bad as e:
+        raise corrupt(f"{where}: the plan is inconsistent: {e}") from None
+
+
+def _is_int(x: object, low: int) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= low
+
+
+def _finite(x: object) -> bool:
+    """A finite real number (ints too, however large: `math.isfinite` would overflow)."""
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return False
+    return isinstance(x, int) or math.isfinite(x)
+
+
+def _ints(x: object, low: int, length: int | None = None) -> bool:
+    return (
+        isinstance(x, tuple)
+        and (length is None or len(x) == length)
+        and all(_is_int(v, low) for v in x)
+    )
+
+
+def _need(ok: bool, field: str, value: object, expected: str) -> None:
+    if not ok:
+        raise _Bad(f"{field} is {value!r:.100}; expected {expected}.")
+
+
+def _dtype(field: str, name: object) -> torch.dtype:
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    _need(isinstance(dtype, torch.dtype), field, name, "a torch dtype name such as 'float32'")
+    return dtype
+
+
+def _check_fields(plan: Plan) -> None:
+    """Types and ranges of every field, one at a time."""
+    _need(isinstance(plan.params, tuple), "params", type(plan.params).__name__, "a list")
+    _need(isinstance(plan.stacks, tuple), "stacks", type(plan.stacks).__name__, "a list")
+    for i, p in enumerate(plan.params):
+        at = f"params[{i}]"
+        _need(isinstance(p, Generated | Free), at, type(p).__name__, "a parameter")
+        _need(isinstance(p.name, str) and p.name != "", f"{at}.name", p.name, "a name")
+        at = f"{at} ({p.name!r:.80})"
+        _need(_ints(p.shape, 0), f"{at}.shape", p.shape, "a list of sizes >= 0")
+        dtype = _dtype(f"{at}.dtype", p.dtype)
+        grad = dtype.is_floating_point or dtype.is_complex  # what requires_grad allows
         if isinstance(p, Free):
-            _check_free(p, where)
-        elif isinstance(p, Generated):
-            _check_generated(p, plan, owners, where)
-        else:
-            raise ValueError(f"{where}: parameter {p!r} is neither generated nor free.")
-    for i, (stack, tiles) in enumerate(zip(plan.stacks, owners, strict=True)):
-        if "" in tiles:
-            raise ValueError(
-                f"{where}: stack {stack.key!r} tile {tiles.index('')} belongs to no parameter."
+            init = p.init
+            ok = isinstance(init, tuple) and len(init) == 2 and init[0] in FREE_INITS
+            _need(
+                ok and _finite(init[1]), f"{at}.init", init, f"[kind, value], kind in {FREE_INITS}"
             )
-        _check_tile_fits(plan, i, where)
-
-
-def _check_tile_fits(plan: Plan, index: int, where: str) -> None:
-    """A tile is never larger than the blocks it covers (`gb.plan` clips it to them)."""
-    stack = plan.stacks[index]
-    blocks = [b for p in plan.generated if p.stack == index for b in p.blocks]
-    rows = max(b.rows for b in blocks)
-    cols = max(b.cols for b in blocks)
-    th, tw = stack.tile
-    if th > rows or tw >= cols + max(1, stack.outputs):
-        raise ValueError(
-            f"{where}: stack {stack.key!r} has tile {stack.tile}, larger than its blocks "
-            f"(at most {rows} x {cols})."
+            _need(isinstance(p.trainable, bool), f"{at}.trainable", p.trainable, "a bool")
+            _need(grad or not p.trainable, f"{at}.dtype", p.dtype, "a floating dtype (trainable)")
+            _need(isinstance(p.reason, str), f"{at}.reason", p.reason, "a string")
+            continue
+        _need(grad, f"{at}.dtype", p.dtype, "a floating dtype")
+        _need(len(p.shape) >= 1 and 0 not in p.shape, f"{at}.shape", p.shape, "a non-empty shape")
+        if not (_is_int(p.stack, 0) and p.stack < len(plan.stacks)):
+            raise _Bad(
+                f"{at} names stack {p.stack!r:.100}; the plan has {len(plan.stacks)} stacks."
+            )
+        _need(
+            _is_int(p.split_dim, 0) and p.split_dim <= 1, f"{at}.split_dim", p.split_dim, "0 or 1"
+        )
+        _need(_finite(p.scale) and p.scale > 0, f"{at}.scale", p.scale, "a finite number > 0")
+        _need(isinstance(p.center, bool), f"{at}.center", p.center, "a bool")
+        _need(isinstance(p.blocks, tuple) and len(p.blocks) > 0, f"{at}.blocks", p.blocks, "blocks")
+        for k, b in enumerate(p.blocks):
+            bt = f"{at}.blocks[{k}]"
+            _need(isinstance(b, Block), bt, b, "a block")
+            _need(_is_int(b.rows, 1), f"{bt}.rows", b.rows, "an integer >= 1")
+            _need(_is_int(b.cols, 1), f"{bt}.cols", b.cols, "an integer >= 1")
+            _need(_ints(b.grid, 1, 2), f"{bt}.grid", b.grid, "[rows, cols] >= 1")
+            if not _is_int(b.first_tile, 0):
+                raise _Bad(f"{bt}.first_tile is {b.first_tile!r:.100}, outside its stack.")
+    keys = set()
+    for j, s in enumerate(plan.stacks):
+        at = f"stacks[{j}]"
+        _need(isinstance(s, Stack), at, type(s).__name__, "a stack")
+        ok = isinstance(s.key, str) and s.key != "" and "/" not in s.key and s.key not in keys
+        _need(ok, f"{at}.key", s.key, "a unique name without '/'")
+        keys.add(s.key)
+        _need(isinstance(s.genome, Genome), f"{at}.genome", s.genome, "a genome")
+        _need(_ints(s.tile, 1, 2), f"{at}.tile", s.tile, "[th, tw] >= 1")
+        _need(_ints(s.kernel, 1), f"{at}.kernel", s.kernel, "a list of sizes >= 1")
+        for field in ("outputs", "columns", "row_width", "col_width"):
+            _need(
+                _is_int(getattr(s, field), 1), f"{at}.{field}", getattr(s, field), "an integer >= 1"
+            )
+        _need(
+            _ints(s.tiles_per_gnet, 1) and len(s.tiles_per_gnet) > 0,
+            f"{at}.tiles_per_gnet",
+            s.tiles_per_gnet,
+            "a list of counts >= 1",
         )
 
 
-def _check_generated(p: Generated, plan: Plan, owners: list[list[str]], where: str) -> None:
-    name = f"parameter {p.name!r}"
-    if not (isinstance(p.stack, int) and 0 <= p.stack < len(plan.stacks)):
-        raise ValueError(f"{where}: {name} names stack {p.stack!r} of {len(plan.stacks)}.")
-    if not (isinstance(p.scale, int | float) and math.isfinite(p.scale) and p.scale > 0):
-        raise ValueError(f"{where}: {name} has scale {p.scale!r}; expected a positive number.")
-    if p.split_dim not in (0, 1) or not p.blocks:
-        raise ValueError(f"{where}: {name} has split_dim {p.split_dim!r}, {len(p.blocks)} blocks.")
-    stack = plan.stacks[p.stack]
-    th, tw = stack.tile
-    rows = p.shape[0]
-    cols = p.shape[1] if len(p.shape) > 1 else 1
-    if tuple(p.shape[2:]) != tuple(stack.kernel):
-        raise ValueError(f"{where}: {name} has kernel {p.shape[2:]}; stack has {stack.kernel}.")
-    along = [b.rows if p.split_dim == 0 else b.cols for b in p.blocks]
-    across = {b.cols if p.split_dim == 0 else b.rows for b in p.blocks}
-    if sum(along) != (rows if p.split_dim == 0 else cols) or across != {
-        cols if p.split_dim == 0 else rows
-    }:
-        raise ValueError(f"{where}: {name}'s blocks do not tile its {rows} x {cols} matrix.")
-    tiles = owners[p.stack]
-    for block in p.blocks:
-        grid = (-(-block.rows // th), -(-block.cols // tw))
-        if min(block.rows, block.cols) < 1 or tuple(block.grid) != grid:
-            raise ValueError(f"{where}: {name} has block {block}; its tile gives grid {grid}.")
-        first = block.first_tile
-        if not (isinstance(first, int) and 0 <= first <= len(tiles) - block.num_tiles):
-            raise ValueError(f"{where}: {name}'s tiles start at {first!r}, outside its stack.")
-        for t in range(first, first + block.num_tiles):
-            if tiles[t]:
-                raise ValueError(f"{where}: {name} and {tiles[t]!r} both claim tile {t}.")
-            tiles[t] = p.name
+def _check_layout(plan: Plan) -> None:
+    """Blocks against shapes and tiles, stacks against genomes, tiles against blocks."""
+    owners: list[list[tuple[int, int, str]]] = [[] for _ in plan.stacks]  # (first, tiles, who)
+    for i, p in enumerate(plan.params):
+        if not isinstance(p, Generated):
+            continue
+        at = f"params[{i}] ({p.name!r})"
+        s = plan.stacks[p.stack]
+        _need(
+            s.kernel == p.shape[2:],
+            f"stacks[{p.stack}].kernel",
+            s.kernel,
+            f"{p.shape[2:]}, the kernel of {at}",
+        )
+        _need(not (p.center and len(p.shape) == 1), f"{at}.center", p.center, "False for a vector")
+        for k, (b, (rows, cols)) in enumerate(zip(p.blocks, _blocks(p, at), strict=True)):
+            bt = f"{at}.blocks[{k}]"
+            _need(
+                (b.rows, b.cols) == (rows, cols),
+                f"{bt}",
+                f"{b.rows}x{b.cols}",
+                f"{rows}x{cols} for shape {p.shape} split {len(p.blocks)}-ways on dim "
+                f"{p.split_dim}",
+            )
+            outputs = s.genome.outputs
+            _need(
+                outputs <= cols,
+                f"stacks[{p.stack}].genome.outputs",
+                outputs,
+                f"at most the {cols} columns of {bt}",
+            )
+            th, tw = s.tile
+            _need(
+                th <= rows and tw <= -(-cols // outputs) * outputs,
+                f"stacks[{p.stack}].tile",
+                s.tile,
+                f"a tile no larger than {bt} ({rows}x{cols}), as gb.plan clips it",
+            )
+            grid = (-(-rows // th), -(-cols // tw))
+            _need(
+                b.grid == grid, f"{bt}.grid", b.grid, f"{grid} for {rows}x{cols} on {th}x{tw} tiles"
+            )
+            try:
+                _check_labels(p.name, s.genome, rows, cols, s.tile)
+            except ValueError as e:
+                raise _Bad(str(e).removeprefix("gb.plan: ")) from None
+            owners[p.stack].append((b.first_tile, b.num_tiles, bt))
+    for j, s in enumerate(plan.stacks):
+        _check_stack(f"stacks[{j}]", s, sorted(owners[j]))
 
 
-def _check_free(p: Free, where: str) -> None:
-    kind, value = p.init
-    if kind not in _FREE_INITS or not (isinstance(value, int | float) and math.isfinite(value)):
-        raise ValueError(f"{where}: parameter {p.name!r} has init {p.init!r}.")
+def _blocks(p: Generated, at: str) -> list[tuple[int, int]]:
+    """`(rows, cols)` of each block of `p`, as `gb.plan` splits it."""
+    if len(p.shape) == 1:  # a bias: one column of output neurons
+        rows, cols = p.shape[0], 1
+    else:
+        rows, cols = p.shape[0], p.shape[1]
+    n = len(p.blocks)
+    if n == 1:
+        _need(p.split_dim == 0, f"{at}.split_dim", p.split_dim, "0 for one block")
+        return [(rows, cols)]
+    _need(len(p.shape) > 1, f"{at}.blocks", f"{n} blocks", "one block for a vector")
+    size = (rows, cols)[p.split_dim]
+    _need(size % n == 0, f"{at}.blocks", f"{n} blocks", f"a divisor of {size}")
+    return [(rows // n, cols) if p.split_dim == 0 else (rows, cols // n)] * n
 
 
-def _check_dtype(name: str, param: str, where: str) -> None:
-    if not isinstance(getattr(torch, str(name), None), torch.dtype):
-        raise ValueError(f"{where}: parameter {param!r} has dtype {name!r}.")
-
-
-def _positive_pair(value: object, what: str, where: str) -> tuple[int, int]:
-    ok = isinstance(value, tuple) and len(value) == 2
-    if not ok or not all(isinstance(v, int) and v >= 1 for v in value):
-        raise ValueError(f"{where}: {what} is {value!r}; expected two positive integers.")
-    return value
+def _check_stack(at: str, s: Stack, owners: list[tuple[int, int, str]]) -> None:
+    _need(len(owners) > 0, at, s.key, "a stack that generates some block")
+    taps = math.prod(s.kernel)
+    genome = s.genome
+    if taps > 1:
+        _need(genome.outputs == 1, f"{at}.genome.outputs", genome.outputs, "1 for a kernel")
+    else:
+        _need(
+            s.tile[1] % genome.outputs == 0,
+            f"{at}.tile",
+            s.tile,
+            f"a width that is a multiple of outputs={genome.outputs}",
+        )
+    geometry = (s.outputs, s.columns, s.row_width, s.col_width)
+    want = stack_geometry(genome, s.tile, s.kernel)
+    _need(
+        geometry == want,
+        f"{at} (outputs, columns, row_width, col_width)",
+        geometry,
+        f"{want} for its genome, tile and kernel",
+    )
+    end, previous = 0, ""
+    for first, tiles, who in owners:  # sorted by first tile
+        if first + tiles > s.num_tiles:
+            raise _Bad(
+                f"{who} (tiles {first} to {first + tiles - 1}) is outside its stack {s.key!r} "
+                f"of {s.num_tiles} tiles."
+            )
+        if first < end:
+            raise _Bad(f"{previous} and {who} both claim tiles of {s.key!r} from tile {first}.")
+        end, previous = first + tiles, who
+    end = 0
+    for first, tiles, _ in [*owners, (s.num_tiles, 0, "")]:  # disjoint now: look for gaps
+        if first > end:
+            raise _Bad(f"tiles {end} to {first - 1} of {s.key!r} belong to no block.")
+        end = first + tiles
+    if genome.share:
+        counts = tuple(tiles for _, tiles, _ in owners)
+        _need(
+            s.tiles_per_gnet == counts,
+            f"{at}.tiles_per_gnet",
+            s.tiles_per_gnet,
+            f"{counts}, one g-net per block (share=True)",
+        )
+    else:
+        _need(
+            all(c == 1 for c in s.tiles_per_gnet),
+            f"{at}.tiles_per_gnet",
+            s.tiles_per_gnet,
+            "all ones, one g-net per tile",
+        )

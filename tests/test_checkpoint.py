@@ -7,8 +7,10 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 
 import pytest
+import safetensors
 import safetensors.torch
 import torch
 from torch import nn
@@ -366,3 +368,181 @@ def test_replicated_save_rank0_writes_all_ranks_read(tmp_path):
         outs.append(json.loads(out.strip().splitlines()[-1]))
     for rank, out in enumerate(outs):
         assert out == {"rank": rank, "meta": {"writer": 0}, "step": 5, "same": True}
+
+
+def rewrite(path, change) -> None:
+    """Apply `change(tensors, metadata)` to a checkpoint, then recompute its hash."""
+    with safetensors.safe_open(path, "pt") as f:
+        metadata = dict(f.metadata())
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    change(tensors, metadata)
+    metadata["sha256"] = content_hash(tensors, metadata)
+    safetensors.torch.save_file(tensors, path, metadata)
+
+
+def edit_plan(edit):
+    """A `rewrite` change that edits the plan's JSON (a dict) in place."""
+
+    def change(tensors, metadata):
+        data = json.loads(metadata["plan"])
+        edit(data)
+        metadata["plan"] = json.dumps(data)
+
+    return change
+
+
+def _set(path: str, value: object):
+    """An `edit_plan` edit setting `data[k1][k2]...` (path `"params.0.scale"`) to `value`."""
+
+    def edit(data):
+        *keys, last = (int(k) if k.isdigit() else k for k in path.split("."))
+        for k in keys:
+            data = data[k]
+        data[last] = value
+
+    return edit
+
+
+def twin() -> nn.Module:
+    """Two layers on one stack of 8x8 tiles: tiles 0-3 for `0.weight`, 4-7 for `2.weight`."""
+    return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+
+
+def _alias_opt_state(tensors, metadata) -> None:
+    metadata["opt_state"] = json.dumps({"$tensor": "free/0.bias"})
+
+
+CRAFTED = {
+    # Beyond tests/test_checkpoint_files.py: types, geometry, labels, stray and aliased tensors.
+    "float-shape": (
+        edit_plan(_set("params.0.shape", [16.0, 16])),
+        r"the plan is malformed: params\[0\] \('0.weight'\)\.shape is \(16\.0, 16\)",
+    ),
+    "kernel-dict": (
+        edit_plan(_set("stacks.0.kernel", {"a": 1})),
+        r"stacks\[0\]\.kernel is \{'a': 1\}",
+    ),
+    "labels": (
+        edit_plan(_set("stacks.0.genome.row_labels", [4, 4])),
+        r"inconsistent: 0.weight has row_labels=\(4, 4\), which label neurons, but its tile",
+    ),
+    "first-tile-beyond": (
+        edit_plan(_set("params.2.blocks.0.first_tile", 6)),
+        r"\('2.weight'\)\.blocks\[0\] \(tiles 6 to 9\) is outside its stack 's0_8x8' of 8 tiles",
+    ),
+    "unused-tiles": (
+        edit_plan(_set("stacks.0.tiles_per_gnet", [1] * 9)),
+        "tiles 8 to 8 of 's0_8x8' belong to no block",
+    ),
+    "negative-grid": (edit_plan(_set("params.0.blocks.0.grid", [-2, -2])), r"\.grid is \(-2, -2\)"),
+    "string-rows": (edit_plan(_set("params.0.blocks.0.rows", "16")), r"\.rows is '16'"),
+    "geometry": (
+        edit_plan(_set("stacks.0.row_width", 9)),
+        r"stacks\[0\] \(outputs, columns, row_width, col_width\) is \(1, 8, 9, 3\); "
+        r"expected \(1, 8, 3, 3\)",
+    ),
+    "dtype": (edit_plan(_set("params.1.dtype", "float99")), r"\.dtype is 'float99'"),
+    "stack-key": (edit_plan(_set("stacks.0.key", "../x")), r"\.key is '\.\./x'"),
+    "genome": (
+        edit_plan(_set("stacks.0.genome.hidden", 0)),
+        "unreadable metadata .*gb.Genome: hidden must be an integer >= 1, got 0",
+    ),
+    "unknown-field": (edit_plan(_set("params.0.evil", 1)), "malformed plan JSON"),
+    "step-negative": (lambda t, m: m.update(step="-3"), "step must be an int >= 0 or null, got -3"),
+    "extra-tensor": (
+        lambda t, m: t.update(evil=torch.zeros(2)),
+        "tensor 'evil' belongs to neither the plan nor opt_state",
+    ),
+    "opt-state-alias": (_alias_opt_state, "the optimizer state refers to tensor 'free/0.bias'"),
+}
+
+
+@pytest.mark.parametrize("name", list(CRAFTED))
+def test_a_crafted_checkpoint_with_a_valid_hash_is_refused(tmp_path, name):
+    change, match = CRAFTED[name]
+    plan = gb.plan(twin(), tile=(8, 8))
+    path = tmp_path / "c.safetensors"
+    gb.save(path, gb.init(plan), plan, step=2)
+    gb.load(path, twin())
+    rewrite(path, change)
+    with pytest.raises(gb.CheckpointCorruptError, match=match) as info:
+        gb.load(path, twin())
+    assert str(info.value).startswith(f"gb.load: {path}: ")
+
+
+def test_a_crafted_plan_for_another_shape_is_a_mismatch(tmp_path):
+    plan = gb.plan(twin(), tile=(8, 8))
+    path = tmp_path / "c.safetensors"
+    gb.save(path, gb.init(plan), plan)
+    rewrite(path, edit_plan(_set("params.0.shape", [16, 17])))
+    with pytest.raises(
+        gb.CheckpointMismatchError, match=r"'0.weight' has shape \(16, 17\) in the checkpoint"
+    ):
+        gb.load(path, twin())
+
+
+class WithCounts(nn.Module):
+    """A layer with an integer parameter, which can only be frozen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.counts = nn.Parameter(torch.arange(4), requires_grad=False)
+
+
+def test_an_integer_frozen_parameter_round_trips_and_keeps_its_dtype(tmp_path):
+    model = WithCounts()
+    plan = gb.plan(model, tile=(4, 4))
+    gparams = gb.init(plan)
+    path = tmp_path / "c.safetensors"
+    gb.save(path, gparams, plan)
+    loaded = gb.load(path, WithCounts()).gparams
+    assert loaded["frozen"]["counts"].dtype == torch.int64
+    assert torch.equal(loaded["frozen"]["counts"], torch.arange(4))
+
+    def as_float(tensors, metadata):
+        tensors["frozen/counts"] = tensors["frozen/counts"].float()
+
+    rewrite(path, as_float)
+    with pytest.raises(
+        gb.CheckpointCorruptError,
+        match=r"gparams\['frozen'\]\['counts'\] has dtype torch.float32; expected torch.int64",
+    ):
+        gb.load(path, WithCounts())
+
+
+def test_plans_of_every_kind_pass_the_checks_of_gb_load(tmp_path):
+    hf = types.ModuleType("transformers.pytorch_utils")
+
+    class Conv1D(nn.Module):  # transformers' Conv1D: weight (in, out); c_attn split on columns
+        def __init__(self, nf: int, nx: int) -> None:
+            super().__init__()
+            self.nf = nf
+            self.weight = nn.Parameter(torch.randn(nx, nf) * 0.02)
+            self.bias = nn.Parameter(torch.zeros(nf))
+
+    Conv1D.__module__, Conv1D.__qualname__ = hf.__name__, "Conv1D"
+    paper = {
+        "tile": "full",
+        "biases": True,
+        "center": True,
+        "overrides": {"1.weight": {"col_labels": (4, 4)}, "3.*": {"row_labels": "onehot"}},
+    }
+    cases = [
+        (lambda: nn.Conv2d(3, 8, 3), {"tile": (4, 2), "kernel": "output", "depth": 2}),
+        (lambda: nn.Conv1d(5, 11, 3), {"tile": (4, 4), "encoding": "gray"}),
+        (lambda: nn.TransformerEncoderLayer(16, 2, 32), {"tile": (4, 8), "share": True}),
+        (lambda: nn.Sequential(nn.Embedding(10, 6), nn.Linear(6, 9)), {"embeddings": True}),
+        (lambda: nn.Linear(50, 70), {"tile": (16, 7), "outputs": 3}),
+        (lambda: nn.ModuleDict({"c_attn": Conv1D(48, 16)}), {"tile": (8, 8)}),
+        (
+            lambda: nn.Sequential(nn.Flatten(), nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 3)),
+            paper,
+        ),
+    ]
+    for i, (make, options) in enumerate(cases):
+        torch.manual_seed(i)
+        model = make()
+        plan = gb.plan(model, **options)
+        gb.save(tmp_path / f"{i}.safetensors", gb.init(plan), plan)
+        assert gb.load(tmp_path / f"{i}.safetensors", make()).plan == plan, options
