@@ -8,7 +8,8 @@ Axis letters used in comments across gbfunc:
 """
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
@@ -64,28 +65,10 @@ class Genome:
     col_labels: Labels = "position"
 
     def __post_init__(self) -> None:
-        _check_int("hidden", self.hidden, 1)
-        _check_int("depth", self.depth, 1)
-        _check_int("fourier_features", self.fourier_features, 1)
-        _check_int("outputs", self.outputs, 1)
-        _check_int("embed_dim", self.embed_dim, 1)
-        _check_choice("activation", self.activation, ACTIVATIONS)
-        _check_choice("encoding", self.encoding, ENCODINGS)
-        _check_choice("kernel", self.kernel, KERNEL_MODES)
-        if not isinstance(self.share, bool):
-            raise TypeError(f"gb.Genome: share must be a bool, got {self.share!r}.")
         for name in ("row_labels", "col_labels"):
-            labels = getattr(self, name)
-            if isinstance(labels, list):
-                object.__setattr__(self, name, labels := tuple(labels))
-            grid = isinstance(labels, tuple) and all(
-                isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in labels
-            )
-            if not (labels in LABEL_KINDS or (grid and labels)):
-                raise ValueError(
-                    f"gb.Genome: {name} must be one of {LABEL_KINDS} or a grid shape such as "
-                    f"(8, 8), got {labels!r}."
-                )
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        check_genome({f.name: getattr(self, f.name) for f in fields(self)}, "gb.Genome")
 
     def param_shapes(self, code_width: int, outputs: int) -> dict[str, tuple[int, ...]]:
         """Shapes of one g-net's parameters, by leaf name (no stacking axis)."""
@@ -105,14 +88,47 @@ class Genome:
         return sum(math.prod(s) for s in self.param_shapes(code_width, outputs).values())
 
 
-def _check_int(name: str, value: object, low: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"gb.Genome: {name} must be an integer >= {low}, got {value!r}.")
+def check_genome(
+    options: Mapping[str, object], where: str, label: Callable[[str], str] = str
+) -> None:
+    """Raise, naming the call and the option, unless `options` are valid `Genome` fields.
+
+    Args:
+        options: `{field: value}` for some of `Genome`'s fields; other keys are ignored.
+        where: The call that received them, e.g. `"gb.plan"`.
+        label: How an option is named in messages, e.g. `lambda n: f"overrides['x'][{n!r}]"`.
+    """
+    for name in ("hidden", "depth", "fourier_features", "outputs", "embed_dim"):
+        if name in options:
+            _check_int(where, label(name), options[name], 1)
+    for name, choices in (
+        ("activation", ACTIVATIONS),
+        ("encoding", ENCODINGS),
+        ("kernel", KERNEL_MODES),
+    ):
+        if name in options and options[name] not in choices:
+            raise ValueError(
+                f"{where}: {label(name)} must be one of {choices}, got {options[name]!r}."
+            )
+    if "share" in options and not isinstance(options["share"], bool):
+        raise TypeError(f"{where}: {label('share')} must be a bool, got {options['share']!r}.")
+    for name in ("row_labels", "col_labels"):
+        labels = options.get(name, "position")
+        grid = isinstance(labels, tuple | list) and all(
+            isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in labels
+        )
+        if not (labels in LABEL_KINDS or (grid and labels)):
+            raise ValueError(
+                f"{where}: {label(name)} must be one of {LABEL_KINDS} or a grid shape such as "
+                f"(8, 8), got {labels!r}."
+            )
 
 
-def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"gb.Genome: {name} must be one of {choices}, got {value!r}.")
+def _check_int(where: str, name: str, value: object, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{where}: {name} must be an integer >= {low}, got {value!r}.")
+    if value < low:
+        raise ValueError(f"{where}: {name} must be an integer >= {low}, got {value!r}.")
 
 
 def bits(n: int) -> int:

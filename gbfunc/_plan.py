@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 from torch import Tensor, nn
 
-from ._genome import Genome, labels_width
+from ._genome import Genome, check_genome, labels_width
 from ._model import check_module
 from ._rules import Layout, free_init, rule_for
 
@@ -254,7 +254,7 @@ def plan(
     entries = _collect(model)
     _check_patterns(rules, [e[0] for e in entries])
     options = [_resolve(name, base, rules) for name, *_ in entries]
-    for flag, value in (("biases", biases), ("embeddings", embeddings)):
+    for flag, value in (("biases", biases), ("embeddings", embeddings), ("center", center)):
         if not isinstance(value, bool):
             raise TypeError(f"gb.plan: {flag} must be a bool, got {value!r}.")
     flags = {"embeddings": embeddings, "biases": biases}
@@ -270,7 +270,7 @@ def plan(
     return result
 
 
-def _check_tile(where: str, tile: object) -> tuple[int, int] | str:
+def _check_tile(where: str, tile: object, call: str = "gb.plan") -> tuple[int, int] | str:
     if tile == "full":
         return "full"
     ok = (
@@ -281,7 +281,7 @@ def _check_tile(where: str, tile: object) -> tuple[int, int] | str:
     )
     if not ok:
         raise ValueError(
-            f"gb.plan: {where} must be (th, tw) with positive integers or 'full', got {tile!r}."
+            f"{call}: {where} must be (th, tw) with positive integers or 'full', got {tile!r}."
         )
     return (tile[0], tile[1])
 
@@ -318,6 +318,15 @@ def _normalise_overrides(
                 f"known: {OPTIONS}."
             )
         opts = dict(opts)
+
+        def label(option: str, pattern: str = pattern) -> str:
+            return f"overrides[{pattern!r}][{option!r}]"
+
+        check_genome(opts, "gb.plan", label)
+        for flag in ("generate", "center"):
+            value = opts.get(flag, False)
+            if not (isinstance(value, bool) or (flag == "generate" and value is None)):
+                raise TypeError(f"gb.plan: {label(flag)} must be a bool, got {value!r}.")
         if "tile" in opts:
             opts["tile"] = _check_tile(f"overrides[{pattern!r}]['tile']", opts["tile"])
             opts["explicit_tile"] = True
@@ -557,8 +566,6 @@ def _build(entries: list[_Entry], options: list[dict[str, object]], flags: dict[
             stack_tiles[stack_id].extend([n] if genome.share else [1] * n)
             blocks.append(Block(rows, cols, grid, first))
         split_dim = layout.split_dim if layout.splits > 1 else 0
-        if not isinstance(opts["center"], bool):
-            raise TypeError(f"gb.plan: center must be a bool, got {opts['center']!r} for {name}.")
         center = opts["center"] and len(shape) > 1  # a bias has no inputs to centre over
         params.append(
             Generated(
@@ -625,10 +632,14 @@ def _search_tile(
     dims = {d for (_, _, blocks) in searched for shape in blocks for d in shape}
     sizes = sorted({-(-d // n) for d in dims for n in range(1, 65)} | {2**k for k in range(13)})
     sizes = [s for s in sizes if s <= max(dims)]
+    # A tile narrower than `outputs` is refused by `_tile_for` (a weight whose own columns are
+    # fewer is refused there whatever the tile).
+    widest = max(genome.outputs for genome, *_ in searched)
+    widths = [s for s in sizes if s >= widest] or sizes[-1:]
     best: tuple[bool, float, tuple[int, int]] | None = None
     lo, hi, best_err = math.inf, 0.0, math.inf
     for th in sizes:
-        for tw in sizes:
+        for tw in widths:
             weights, cost = fixed_weights, fixed
             for (genome, kernel, blocks), count in searched.items():
                 spent = _param_cost(genome, kernel, blocks, (th, tw))

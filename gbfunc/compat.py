@@ -27,8 +27,9 @@ What differs from torchGB, on purpose:
   so the replicas stay identical without further communication; `save` writes on rank 0 only.
 """
 
+import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 
 import torch
 from torch import Tensor, nn
@@ -37,7 +38,7 @@ from ._apply import apply
 from ._checkpoint import CheckpointMismatchError, load
 from ._init import init
 from ._model import unwrap
-from ._plan import Free, Generated, Plan, plan
+from ._plan import Free, Generated, Plan, _check_tile, plan
 from ._replicated import save_replicated
 from ._report import report
 
@@ -90,6 +91,7 @@ class GenomicBottleneck:
             raise TypeError(
                 f"GenomicBottleneck: num_batches must be an int or None, got {num_batches!r}."
             )
+        _check_options(hidden_dim, lr, compression, ignore_layers, tile, seed, optimizer)
         if isinstance(ignore_layers, str):
             ignore_layers = (ignore_layers,)
         self.model = model
@@ -223,6 +225,45 @@ class GenomicBottleneck:
             f"GenomicBottleneck({name}: {len(self.plan.generated)} generated tensors, {tiles} "
             f"tiles in {len(self.plan.stacks)} stacks, {rep.gnet_params:,} g-net parameters, "
             f"compression {rep.compression:.2f}x)\n{rep}"
+        )
+
+
+def _check_options(
+    hidden_dim: object,
+    lr: object,
+    compression: object,
+    ignore_layers: object,
+    tile: object,
+    seed: object,
+    optimizer: object,
+) -> None:
+    """Check `GenomicBottleneck`'s options: `TypeError` for a wrong type, `ValueError` for a
+    wrong value, each naming the option."""
+    where = "GenomicBottleneck"
+    for name, value, low, kind, noun in (
+        ("hidden_dim", hidden_dim, 1, int, "an integer"),
+        ("lr", lr, 0, int | float, "a number"),
+        ("compression", 1 if compression is None else compression, 1, int | float, "a number"),
+    ):
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise TypeError(f"{where}: {name} must be {noun}, got {value!r}.")
+        if not (math.isfinite(value) and (value > low if name == "lr" else value >= low)):
+            bound = "> 0" if name == "lr" else f">= {low}"
+            raise ValueError(f"{where}: {name} must be finite and {bound}, got {value!r}.")
+    layers = (ignore_layers,) if isinstance(ignore_layers, str) else ignore_layers
+    if not isinstance(layers, Sequence | Set) or not all(isinstance(s, str) for s in layers):
+        raise TypeError(
+            f"{where}: ignore_layers must be a name substring or a list of them (str), "
+            f"got {ignore_layers!r}."
+        )
+    if tile is not None:
+        _check_tile("tile", tile, call=where)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"{where}: seed must be an int, got {seed!r}.")
+    if optimizer is not None and not callable(optimizer):
+        raise TypeError(
+            f"{where}: optimizer must be a callable f(leaves) -> torch.optim.Optimizer or None, "
+            f"got {optimizer!r}."
         )
 
 

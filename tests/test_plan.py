@@ -293,3 +293,88 @@ def test_empty_parameters_stay_free(empty):
     reasons = {p.name: p.reason for p in plan.free}
     assert reasons["0.weight"].startswith("empty")
     gb.apply(gb.init(plan), plan)
+
+
+def test_compression_frees_a_costly_stem_and_keeps_tiles_the_caller_chose():
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3), nn.Conv2d(16, 128, 3), nn.Flatten(), nn.Linear(128, 10)
+    )
+    plan = gb.plan(model, compression=20)
+    stem = next(p for p in plan.params if p.name == "0.weight")  # 432 weights
+    assert isinstance(stem, gb.Free)
+    assert stem.trainable
+    assert stem.init == ("uniform", 1 / math.sqrt(27))  # as the module itself draws it
+    assert gb.report(plan).generated_compression == pytest.approx(20, rel=0.10)
+    # On a tile the caller chose (explicitly or by default), the weight is generated as asked.
+    for options in (
+        {"tile": (4, 4)},
+        {},
+        {"compression": 5, "overrides": {"0.*": {"tile": "full"}}},
+    ):
+        assert "0.weight" in {p.name for p in gb.plan(model, **options).generated}, options
+
+
+def test_compression_counts_a_shared_gnet_once_per_block():
+    # With share=True the 10x256 weight costs one g-net plus its tile embeddings, far below
+    # its 2,560 weights, though one g-net per tile would cost more than the weight.
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 10))
+    plan = gb.plan(model, compression=20, share=True)
+    small = next(p for p in plan.generated if p.name == "1.weight")
+    stack = plan.stacks[small.stack]
+    tiles = sum(b.num_tiles for b in small.blocks)
+    per_gnet = stack.genome.param_count(stack.row_width + stack.col_width, stack.outputs)
+    assert tiles * per_gnet > small.numel > per_gnet + tiles * stack.genome.embed_dim
+
+
+@pytest.mark.parametrize(("rows", "cols", "target", "outputs"), [(100, 30, 2, 3), (64, 64, 6, 2)])
+def test_compression_never_picks_a_tile_narrower_than_outputs(rows, cols, target, outputs):
+    plan = gb.plan(nn.Linear(cols, rows), compression=target, outputs=outputs, hidden=2)
+    assert all(s.tile[1] >= outputs for s in plan.stacks)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "match"),
+    [
+        (
+            {"0.*": {"hidden": "8"}},
+            TypeError,
+            r"overrides\['0.\*'\]\['hidden'\] must be an integer",
+        ),
+        ({"0.*": {"depth": 0}}, ValueError, r"overrides\['0.\*'\]\['depth'\] must be an integer"),
+        (
+            {"0.*": {"activation": "swish"}},
+            ValueError,
+            r"overrides\['0.\*'\]\['activation'\] must be one of",
+        ),
+        ({"0.*": {"share": 1}}, TypeError, r"overrides\['0.\*'\]\['share'\] must be a bool"),
+        ({"0.*": {"center": "yes"}}, TypeError, r"overrides\['0.\*'\]\['center'\] must be a bool"),
+        (
+            {"0.*": {"generate": "yes"}},
+            TypeError,
+            r"overrides\['0.\*'\]\['generate'\] must be a bool",
+        ),
+        (
+            {"0.*": {"row_labels": "rows"}},
+            ValueError,
+            r"overrides\['0.\*'\]\['row_labels'\] must be one of",
+        ),
+    ],
+)
+def test_override_values_are_checked_and_named(overrides, error, match):
+    with pytest.raises(error, match="gb.plan: " + match):
+        gb.plan(nn.Sequential(nn.Linear(40, 30), nn.Linear(30, 5)), overrides=overrides)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"hidden": 0}, ValueError, r"^gb.Genome: hidden must be an integer >= 1, got 0\.$"),
+        ({"outputs": 2.0}, TypeError, r"^gb.Genome: outputs must be an integer >= 1, got 2.0\.$"),
+        ({"encoding": "utf8"}, ValueError, r"^gb.Genome: encoding must be one of"),
+        ({"share": None}, TypeError, r"^gb.Genome: share must be a bool, got None\.$"),
+        ({"row_labels": (0,)}, ValueError, r"^gb.Genome: row_labels must be one of"),
+    ],
+)
+def test_genome_errors_name_gb_genome(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        gb.Genome(**kwargs)
