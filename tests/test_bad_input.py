@@ -4,11 +4,15 @@ Plus the inputs that look suspicious but are valid: tied and duplicated paramete
 generated once and stay tied; frozen parameters pass through untouched.
 """
 
+import json
 import re
+import struct
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
+import safetensors
 import safetensors.torch
 import torch
 import torch.distributed as dist
@@ -16,6 +20,7 @@ from torch import nn
 from torch.func import functional_call
 
 import gbfunc as gb
+from gbfunc._checkpoint import content_hash
 from gbfunc.compat import GenomicBottleneck
 
 
@@ -61,6 +66,55 @@ def nan_in(t: torch.Tensor) -> torch.Tensor:
     t = t.clone()
     t.view(-1)[0] = float("nan")
     return t
+
+
+def empty_linear() -> nn.Module:
+    """`nn.Linear(0, 5)`, without PyTorch's warning that initialising it does nothing."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return nn.Linear(0, 5)
+
+
+Change = Callable[[dict, dict], None]  # (tensors, metadata) -> None, in place
+
+
+def forge(path, change: Change) -> None:
+    """Rewrite a checkpoint with `change(tensors, metadata)`, then recompute its SHA-256."""
+    with safetensors.safe_open(path, "pt") as f:
+        metadata = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    change(tensors, metadata)
+    metadata["sha256"] = content_hash(tensors, metadata)
+    safetensors.torch.save_file(tensors, path, metadata)
+
+
+def in_plan(edit: Callable[[dict], None]) -> Change:
+    """A `Change` that edits the plan's JSON."""
+
+    def change(tensors: dict, metadata: dict) -> None:
+        plan = json.loads(metadata["plan"])
+        edit(plan)
+        metadata["plan"] = json.dumps(plan)
+
+    return change
+
+
+def int64_bias(tensors: dict, metadata: dict) -> None:
+    tensors["free/0.bias"] = tensors["free/0.bias"].to(torch.int64)
+
+
+# Crafted checkpoints of PLAN (one stack of 4x4 tiles: 0-3 for '0.weight', 4-5 for '2.weight')
+# whose hashes were recomputed, by file name.
+FORGED: dict[str, Change] = {
+    "tile": in_plan(lambda d: d["stacks"][0].update(tile=[65536, 65536])),
+    "nan-scale": in_plan(lambda d: d["params"][0].update(scale=float("nan"))),
+    "shared-tiles": in_plan(lambda d: d["params"][2]["blocks"][0].update(first_tile=0)),
+    "stack-index": in_plan(lambda d: d["params"][0].update(stack=1)),
+    "split-dim": in_plan(lambda d: d["params"][0].update(split_dim=2)),
+    "negative-count": in_plan(lambda d: d["stacks"][0].update(tiles_per_gnet=[-1] * 6)),
+    "step": lambda tensors, metadata: metadata.update(step='"abc"'),
+    "int64": int64_bias,
+}
 
 
 def with_extra_free() -> dict:
@@ -140,6 +194,29 @@ def cases(tmp) -> dict[str, Case]:
         ),
         "load-device-file": Case(
             lambda: gb.load("/dev/zero", mlp()), gb.CheckpointError, "not a regular file"
+        ),
+        "plan-empty-linear": Case(
+            lambda: gb.plan(empty_linear()),
+            ValueError,
+            r"Linear has no parameter to generate: every parameter is free \(.*empty",
+        ),
+        "plan-empty-embedding": Case(
+            lambda: gb.plan(nn.Embedding(0, 4), embeddings=True),
+            ValueError,
+            r"Embedding has no parameter to generate: every parameter is free \(empty",
+        ),
+        "plan-override-bad-hidden": Case(
+            lambda: gb.plan(mlp(), overrides={"0.*": {"hidden": "8"}}),
+            TypeError,
+            r"gb.plan: overrides\['0.\*'\]\['hidden'\] must be an integer >= 1, got '8'",
+        ),
+        "genome-bad-hidden": Case(
+            lambda: gb.Genome(hidden=0), ValueError, "gb.Genome: hidden must be an integer >= 1"
+        ),
+        "genome-float-outputs": Case(
+            lambda: gb.Genome(outputs=2.0),
+            TypeError,
+            "gb.Genome: outputs must be an integer >= 1, got 2.0",
         ),
         "plan-dataparallel": Case(
             lambda: gb.plan(nn.DataParallel(mlp())),
@@ -285,6 +362,68 @@ def cases(tmp) -> dict[str, Case]:
             gb.CheckpointCorruptError,
             "garbage.bin: the file is truncated",
         ),
+        "load-text-file": Case(
+            lambda: gb.load(tmp / "notes.txt", mlp()),
+            gb.CheckpointCorruptError,
+            "notes.txt: not a gbfunc checkpoint",
+        ),
+        "load-torch-save-file": Case(
+            lambda: gb.load(tmp / "model.pt", mlp()),
+            gb.CheckpointCorruptError,
+            "model.pt: not a gbfunc checkpoint",
+        ),
+        "load-nested-json": Case(
+            lambda: gb.load(tmp / "nested.safetensors", mlp()),
+            gb.CheckpointCorruptError,
+            "nested.safetensors: the header is damaged",
+        ),
+        "load-1e400-offsets": Case(
+            lambda: gb.load(tmp / "offsets.safetensors", mlp()),
+            gb.CheckpointCorruptError,
+            r"offsets.safetensors: the header is damaged \(tensor 'w' has data_offsets \[0, inf\]",
+        ),
+        "load-forged-tile": Case(
+            lambda: gb.load(tmp / "tile.safetensors", mlp()),
+            gb.CheckpointCorruptError,
+            r"tile.safetensors: the plan is inconsistent: stacks\[0\].tile is \(65536, 65536\)",
+        ),
+        "load-forged-nan-scale": Case(
+            lambda: gb.load(tmp / "nan-scale.safetensors", mlp()),
+            gb.CheckpointCorruptError,
+            r"nan-scale.safetensors: the plan is malformed: params\[0\] \('0.weight'\).scale "
+            "is nan",
+        ),
+        "load-forged-shared-tiles": Case(
+            lambda: gb.load(tmp / "shared-tiles.safetensors", mlp()),
+            gb.CheckpointCorruptError,
+            r"params\[2\] \('2.weight'\).blocks\[0\] and params\[0\] \('0.weight'\).blocks\[0\] "
+            "both claim tiles of 's0_4x4'",
+        ),
+        "load-forged-stack-index": Case(
+            lambda: gb.load(tmp / "stack-index.safetensors", mlp()),
+            gb.CheckpointCorruptError,
+            r"params\[0\] \('0.weight'\) names stack 1; the plan has 1 stacks",
+        ),
+        "load-forged-split-dim": Case(
+            lambda: gb.load(tmp / "split-dim.safetensors", mlp()),
+            gb.CheckpointCorruptError,
+            r"\('0.weight'\).split_dim is 2; expected 0 or 1",
+        ),
+        "load-forged-negative-count": Case(
+            lambda: gb.load(tmp / "negative-count.safetensors", mlp()),
+            gb.CheckpointCorruptError,
+            r"stacks\[0\].tiles_per_gnet is \(-1, -1, -1, -1, -1, -1\)",
+        ),
+        "load-forged-step": Case(
+            lambda: gb.load(tmp / "step.safetensors", mlp()),
+            gb.CheckpointCorruptError,
+            "step.safetensors: step must be an int >= 0 or null, got 'abc'",
+        ),
+        "load-forged-int64-tensor": Case(
+            lambda: gb.load(tmp / "int64.safetensors", mlp()),
+            gb.CheckpointCorruptError,
+            r"int64.safetensors: inconsistent contents .*\['0.bias'\] has dtype torch.int64",
+        ),
         "load-not-a-model": Case(
             lambda: gb.load(tmp / "ok.safetensors", "mlp"),
             TypeError,
@@ -327,6 +466,36 @@ def cases(tmp) -> dict[str, Case]:
             TypeError,
             "num_batches must be an int or None, got '100'",
         ),
+        "compat-bad-hidden-dim": Case(
+            lambda: GenomicBottleneck(mlp(), hidden_dim=0),
+            ValueError,
+            "GenomicBottleneck: hidden_dim must be finite and >= 1, got 0",
+        ),
+        "compat-bad-lr": Case(
+            lambda: GenomicBottleneck(mlp(), lr="fast"),
+            TypeError,
+            "GenomicBottleneck: lr must be a number, got 'fast'",
+        ),
+        "compat-compression-below-1": Case(
+            lambda: GenomicBottleneck(mlp(), compression=0.5),
+            ValueError,
+            "GenomicBottleneck: compression must be finite and >= 1, got 0.5",
+        ),
+        "compat-bad-ignore-layers": Case(
+            lambda: GenomicBottleneck(mlp(), ignore_layers=None),
+            TypeError,
+            "GenomicBottleneck: ignore_layers must be .*got None",
+        ),
+        "compat-bad-tile": Case(
+            lambda: GenomicBottleneck(mlp(), tile=(0, 4)),
+            ValueError,
+            r"GenomicBottleneck: tile must be \(th, tw\) .*got \(0, 4\)",
+        ),
+        "compat-bad-optimizer": Case(
+            lambda: GenomicBottleneck(mlp(), optimizer="adam"),
+            TypeError,
+            "GenomicBottleneck: optimizer must be a callable",
+        ),
         "compat-nothing-generatable": Case(
             lambda: GenomicBottleneck(nn.LayerNorm(3)),
             ValueError,
@@ -356,6 +525,16 @@ def files(tmp_path_factory):
     gb.save(tmp / "ok.safetensors", gparams(), PLAN)
     safetensors.torch.save_file(mlp().state_dict(), tmp / "dense.safetensors")
     (tmp / "garbage.bin").write_bytes(b"\x01\x02")
+    (tmp / "notes.txt").write_text("These are not the weights you are looking for.\n")
+    torch.save(mlp().state_dict(), tmp / "model.pt")
+    nested = b'{"a":' + b"[" * 5000 + b"]" * 5000 + b"}"
+    (tmp / "nested.safetensors").write_bytes(struct.pack("<Q", len(nested)) + nested)
+    offsets = b'{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,1e400]}}'
+    (tmp / "offsets.safetensors").write_bytes(struct.pack("<Q", len(offsets)) + offsets + b"\0" * 4)
+    for name, change in FORGED.items():
+        path = tmp / f"{name}.safetensors"
+        gb.save(path, gparams(), PLAN, step=1)
+        forge(path, change)
     return tmp
 
 
