@@ -249,7 +249,7 @@ def plan(
         "row_labels": row_labels,
         "col_labels": col_labels,
     }
-    Genome(**{k: base[k] for k in _GENOME_OPTIONS})  # validate the global options early
+    check_genome(base, "gb.plan")
     rules = _normalise_overrides(overrides, free)
     entries = _collect(model)
     _check_patterns(rules, [e[0] for e in entries])

@@ -273,8 +273,8 @@ def test_compression_leaves_weights_free_whose_gnets_would_cost_more():
         ({"overrides": {5: {"hidden": 4}}}, TypeError, r"gb\.plan: overrides keys must be"),
         ({"overrides": [("0.*", "free")]}, TypeError, r"gb\.plan: overrides must map"),
         ({"embeddings": "yes"}, TypeError, r"gb\.plan: embeddings must be a bool"),
-        ({"hidden": 0}, ValueError, r"gb\.Genome: hidden must be an integer >= 1"),
-        ({"share": 1}, TypeError, r"gb\.Genome: share must be a bool"),
+        ({"hidden": 0}, ValueError, r"gb\.plan: hidden must be an integer >= 1"),
+        ({"share": 1}, TypeError, r"gb\.plan: share must be a bool"),
     ],
 )
 def test_unchecked_options_round_two(kwargs, error, match):
