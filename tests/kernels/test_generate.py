@@ -127,7 +127,8 @@ def cases(draw) -> Case:
     if layer == "attention":  # (3E, E) in three blocks, plus out_proj: keep E small
         size = (min(size[0], 6), size[1])
     # A row of evaluations never outgrows the (clipped) tile: gb.plan refuses that.
-    widths = [o for o in (1, 1, 2, 3) if o <= min(tile[1], size[1])]
+    cols = size[0] if layer == "attention" else size[1]  # attention's blocks are (E, E)
+    widths = [o for o in (1, 1, 2, 3) if o <= min(tile[1], cols)]
     return Case(
         layer=layer,
         size=size,
