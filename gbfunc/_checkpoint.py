@@ -129,10 +129,9 @@ def load(
     endless or block); it is a whole gbfunc checkpoint of a known format version, its
     header bounded before it is read; its SHA-256 matches; its plan is well formed and fits
     `model` (every field, against the model's shapes, so that whatever it sizes is bounded
-    by the model); its tensors, read no larger than the file, are
-    the ones that plan and the optimizer state need, with their dtypes. Each
-    failure raises a `gb.CheckpointError` subclass naming the file; on success, new tensors
-    are returned and nothing else is touched.
+    by the model); its tensors are the ones that plan and the optimizer state need, with
+    their dtypes. Each failure raises a `gb.CheckpointError` subclass naming the file; on
+    success, new tensors are returned and nothing else is touched.
 
     The SHA-256 detects damage (a flipped bit, a truncated copy), not forgery: anyone can
     write a file with a matching hash. What makes a crafted file safe to load is the
