@@ -216,8 +216,10 @@ def plan(
             layer's output-neuron labels (at high ratios free biases dominate the count).
         center: Remove each generated weight row's mean over its inputs (see `Generated`);
             with neuron labels it makes image-input genomes train stably.
-        compression: Choose a square tile so that generated weights / g-net parameters is
-            within 10% of this ratio. Exclusive with `tile`.
+        compression: Choose the `(TH, TW)` tile (one for every weight whose tile is not given)
+            so that generated weights / g-net parameters is within 10% of this ratio (the
+            squarest within 2%); a weight whose g-nets would cost more than itself stays
+            free. Exclusive with `tile`.
         overrides: `{name_pattern: {option: value}}` (fnmatch on parameter names, applied in
             order) with options from `OPTIONS`, or `{name_pattern: "free"}`.
         free: Name patterns of parameters to leave free.
@@ -259,7 +261,7 @@ def plan(
             raise TypeError(f"gb.plan: {flag} must be a bool, got {value!r}.")
     flags = {"embeddings": embeddings, "biases": biases}
     if compression is not None:
-        options = _search_tile(entries, options, rules, compression, flags)
+        options = _search_tile(entries, options, compression, flags)
     result = replace(_build(entries, options, flags), source=weakref.ref(model))
     if not result.generated:
         raise ValueError(
@@ -594,14 +596,11 @@ def _why_free(p: Plan) -> str:
     return "every parameter is free (" + "; ".join(reasons[:4]) + ")."
 
 
-def compression_of(p: Plan) -> float:
-    """Generated weights per g-net parameter (tile embeddings included)."""
-    weights = sum(g.numel for g in p.generated)
-    return weights / max(1, sum(s.num_params for s in p.stacks))
-
-
 def _search_tile(
-    entries, options, rules, target: float, flags: dict[str, bool]
+    entries: list[_Entry],
+    options: list[dict[str, object]],
+    target: float,
+    flags: dict[str, bool],
 ) -> list[dict[str, object]]:
     """Pick the `(TH, TW)` whose generated-weights / g-net-params ratio is closest to `target`.
 
