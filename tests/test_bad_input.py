@@ -4,7 +4,6 @@ Plus the inputs that look suspicious but are valid: tied and duplicated paramete
 generated once and stay tied; frozen parameters pass through untouched.
 """
 
-import json
 import re
 import struct
 import warnings
@@ -16,11 +15,11 @@ import safetensors
 import safetensors.torch
 import torch
 import torch.distributed as dist
+from forged import Change, forge, in_plan
 from torch import nn
 from torch.func import functional_call
 
 import gbfunc as gb
-from gbfunc._checkpoint import content_hash
 from gbfunc.compat import GenomicBottleneck
 
 
@@ -73,30 +72,6 @@ def empty_linear() -> nn.Module:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return nn.Linear(0, 5)
-
-
-Change = Callable[[dict, dict], None]  # (tensors, metadata) -> None, in place
-
-
-def forge(path, change: Change) -> None:
-    """Rewrite a checkpoint with `change(tensors, metadata)`, then recompute its SHA-256."""
-    with safetensors.safe_open(path, "pt") as f:
-        metadata = f.metadata()
-        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-    change(tensors, metadata)
-    metadata["sha256"] = content_hash(tensors, metadata)
-    safetensors.torch.save_file(tensors, path, metadata)
-
-
-def in_plan(edit: Callable[[dict], None]) -> Change:
-    """A `Change` that edits the plan's JSON."""
-
-    def change(tensors: dict, metadata: dict) -> None:
-        plan = json.loads(metadata["plan"])
-        edit(plan)
-        metadata["plan"] = json.dumps(plan)
-
-    return change
 
 
 def int64_bias(tensors: dict, metadata: dict) -> None:

@@ -13,11 +13,11 @@ import pytest
 import safetensors
 import safetensors.torch
 import torch
+from forged import forge, in_plan
 from torch import nn
 from torch.func import functional_call
 
 import gbfunc as gb
-from gbfunc._checkpoint import content_hash
 from gbfunc._serial import plan_from_json, plan_to_json
 
 
@@ -233,11 +233,7 @@ def test_unknown_format_version(saved):
 
 
 def test_a_forged_file_with_a_valid_hash_but_a_missing_tensor(saved):
-    with safetensors.safe_open(saved, "pt") as f:
-        metadata = f.metadata()
-        tensors = {k: f.get_tensor(k) for k in f.keys() if k != "free/0.bias"}  # noqa: SIM118
-    metadata["sha256"] = content_hash(tensors, metadata)
-    safetensors.torch.save_file(tensors, saved, metadata)
+    forge(saved, lambda tensors, metadata: tensors.pop("free/0.bias"))
     with pytest.raises(
         gb.CheckpointCorruptError,
         match=f"{saved}: inconsistent contents \\(tensor 'free/0.bias' is missing",
@@ -370,27 +366,6 @@ def test_replicated_save_rank0_writes_all_ranks_read(tmp_path):
         assert out == {"rank": rank, "meta": {"writer": 0}, "step": 5, "same": True}
 
 
-def rewrite(path, change) -> None:
-    """Apply `change(tensors, metadata)` to a checkpoint, then recompute its hash."""
-    with safetensors.safe_open(path, "pt") as f:
-        metadata = dict(f.metadata())
-        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-    change(tensors, metadata)
-    metadata["sha256"] = content_hash(tensors, metadata)
-    safetensors.torch.save_file(tensors, path, metadata)
-
-
-def edit_plan(edit):
-    """A `rewrite` change that edits the plan's JSON (a dict) in place."""
-
-    def change(tensors, metadata):
-        data = json.loads(metadata["plan"])
-        edit(data)
-        metadata["plan"] = json.dumps(data)
-
-    return change
-
-
 def _set(path: str, value: object):
     """An `edit_plan` edit setting `data[k1][k2]...` (path `"params.0.scale"`) to `value`."""
 
@@ -415,39 +390,39 @@ def _alias_opt_state(tensors, metadata) -> None:
 CRAFTED = {
     # Beyond tests/test_checkpoint_files.py: types, geometry, labels, stray and aliased tensors.
     "float-shape": (
-        edit_plan(_set("params.0.shape", [16.0, 16])),
+        in_plan(_set("params.0.shape", [16.0, 16])),
         r"the plan is malformed: params\[0\] \('0.weight'\)\.shape is \(16\.0, 16\)",
     ),
     "kernel-dict": (
-        edit_plan(_set("stacks.0.kernel", {"a": 1})),
+        in_plan(_set("stacks.0.kernel", {"a": 1})),
         r"stacks\[0\]\.kernel is \{'a': 1\}",
     ),
     "labels": (
-        edit_plan(_set("stacks.0.genome.row_labels", [4, 4])),
+        in_plan(_set("stacks.0.genome.row_labels", [4, 4])),
         r"inconsistent: 0.weight has row_labels=\(4, 4\), which label neurons, but its tile",
     ),
     "first-tile-beyond": (
-        edit_plan(_set("params.2.blocks.0.first_tile", 6)),
+        in_plan(_set("params.2.blocks.0.first_tile", 6)),
         r"\('2.weight'\)\.blocks\[0\] \(tiles 6 to 9\) is outside its stack 's0_8x8' of 8 tiles",
     ),
     "unused-tiles": (
-        edit_plan(_set("stacks.0.tiles_per_gnet", [1] * 9)),
+        in_plan(_set("stacks.0.tiles_per_gnet", [1] * 9)),
         "tiles 8 to 8 of 's0_8x8' belong to no block",
     ),
-    "negative-grid": (edit_plan(_set("params.0.blocks.0.grid", [-2, -2])), r"\.grid is \(-2, -2\)"),
-    "string-rows": (edit_plan(_set("params.0.blocks.0.rows", "16")), r"\.rows is '16'"),
+    "negative-grid": (in_plan(_set("params.0.blocks.0.grid", [-2, -2])), r"\.grid is \(-2, -2\)"),
+    "string-rows": (in_plan(_set("params.0.blocks.0.rows", "16")), r"\.rows is '16'"),
     "geometry": (
-        edit_plan(_set("stacks.0.row_width", 9)),
+        in_plan(_set("stacks.0.row_width", 9)),
         r"stacks\[0\] \(outputs, columns, row_width, col_width\) is \(1, 8, 9, 3\); "
         r"expected \(1, 8, 3, 3\)",
     ),
-    "dtype": (edit_plan(_set("params.1.dtype", "float99")), r"\.dtype is 'float99'"),
-    "stack-key": (edit_plan(_set("stacks.0.key", "../x")), r"\.key is '\.\./x'"),
+    "dtype": (in_plan(_set("params.1.dtype", "float99")), r"\.dtype is 'float99'"),
+    "stack-key": (in_plan(_set("stacks.0.key", "../x")), r"\.key is '\.\./x'"),
     "genome": (
-        edit_plan(_set("stacks.0.genome.hidden", 0)),
+        in_plan(_set("stacks.0.genome.hidden", 0)),
         "unreadable metadata .*gb.Genome: hidden must be an integer >= 1, got 0",
     ),
-    "unknown-field": (edit_plan(_set("params.0.evil", 1)), "malformed plan JSON"),
+    "unknown-field": (in_plan(_set("params.0.evil", 1)), "malformed plan JSON"),
     "step-negative": (lambda t, m: m.update(step="-3"), "step must be an int >= 0 or null, got -3"),
     "extra-tensor": (
         lambda t, m: t.update(evil=torch.zeros(2)),
@@ -464,7 +439,7 @@ def test_a_crafted_checkpoint_with_a_valid_hash_is_refused(tmp_path, name):
     path = tmp_path / "c.safetensors"
     gb.save(path, gb.init(plan), plan, step=2)
     gb.load(path, twin())
-    rewrite(path, change)
+    forge(path, change)
     with pytest.raises(gb.CheckpointCorruptError, match=match) as info:
         gb.load(path, twin())
     assert str(info.value).startswith(f"gb.load: {path}: ")
@@ -474,7 +449,7 @@ def test_a_crafted_plan_for_another_shape_is_a_mismatch(tmp_path):
     plan = gb.plan(twin(), tile=(8, 8))
     path = tmp_path / "c.safetensors"
     gb.save(path, gb.init(plan), plan)
-    rewrite(path, edit_plan(_set("params.0.shape", [16, 17])))
+    forge(path, in_plan(_set("params.0.shape", [16, 17])))
     with pytest.raises(
         gb.CheckpointMismatchError, match=r"'0.weight' has shape \(16, 17\) in the checkpoint"
     ):
@@ -503,7 +478,7 @@ def test_an_integer_frozen_parameter_round_trips_and_keeps_its_dtype(tmp_path):
     def as_float(tensors, metadata):
         tensors["frozen/counts"] = tensors["frozen/counts"].float()
 
-    rewrite(path, as_float)
+    forge(path, as_float)
     with pytest.raises(
         gb.CheckpointCorruptError,
         match=r"gparams\['frozen'\]\['counts'\] has dtype torch.float32; expected torch.int64",

@@ -8,13 +8,11 @@ import struct
 import threading
 
 import pytest
-import safetensors
-import safetensors.torch
 import torch
+from forged import forge, in_plan
 from torch import nn
 
 import gbfunc as gb
-from gbfunc._checkpoint import content_hash
 
 
 @pytest.fixture
@@ -24,16 +22,6 @@ def saved(tmp_path):
     path = tmp_path / "c.safetensors"
     gb.save(path, gb.init(plan), plan, step=2)
     return path, model
-
-
-def rewrite(path, change) -> None:
-    """Apply `change(tensors, metadata)` to a checkpoint and recompute its hash."""
-    with safetensors.safe_open(path, "pt") as f:
-        metadata = dict(f.metadata())
-        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-    change(tensors, metadata)
-    metadata["sha256"] = content_hash(tensors, metadata)
-    safetensors.torch.save_file(tensors, path, metadata)
 
 
 def load_fails(path, model, match: str) -> None:
@@ -90,16 +78,16 @@ def test_deeply_nested_and_overflowing_headers_are_corrupt(tmp_path):
 
 def test_crafted_step_and_integer_tensors_are_refused(saved):
     path, model = saved
-    rewrite(path, lambda t, m: m.update(step='"abc"'))
+    forge(path, lambda t, m: m.update(step='"abc"'))
     load_fails(path, model, "step must be an int")
-    rewrite(path, lambda t, m: m.update(step="2"))
+    forge(path, lambda t, m: m.update(step="2"))
     gb.load(path, model)  # the same file, made valid again
 
     def integer_free(tensors, metadata):
         key = next(k for k in tensors if k.startswith("free/"))
         tensors[key] = tensors[key].to(torch.int64)
 
-    rewrite(path, integer_free)
+    forge(path, integer_free)
     load_fails(path, model, "inconsistent contents")
 
 
@@ -117,15 +105,6 @@ def test_new_files_follow_the_umask_and_existing_files_keep_their_mode(tmp_path)
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "private.safetensors").stat().st_mode) == 0o600
     assert stat.S_IMODE(existing.stat().st_mode) == 0o640
-
-
-def _edit_plan(edit):
-    def change(tensors, metadata):
-        plan = json.loads(metadata["plan"])
-        edit(plan)
-        metadata["plan"] = json.dumps(plan)
-
-    return change
 
 
 def _generated(plan: dict, index: int = 0) -> dict:
@@ -152,5 +131,5 @@ def test_a_crafted_plan_is_refused_before_anything_is_allocated(tmp_path, edit, 
     plan = gb.plan(model, tile=(4, 4))
     path = tmp_path / "c.safetensors"
     gb.save(path, gb.init(plan), plan)
-    rewrite(path, _edit_plan(edit))
+    forge(path, in_plan(edit))
     load_fails(path, model, match)
