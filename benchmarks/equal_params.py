@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
+from torch.utils._pytree import tree_leaves
 
 import gbfunc as gb
 from benchmarks._meta import RESULTS, header_md, markdown_table, provenance_line, write_json
@@ -155,7 +156,7 @@ def train(
 ) -> float:
     """Validation accuracy of `arm` after `steps` of the shared protocol."""
     x_train, y_train, x_val, y_val = data
-    leaves = [v for v in torch.utils._pytree.tree_leaves(arm.tree) if v.requires_grad]
+    leaves = [v for v in tree_leaves(arm.tree) if v.requires_grad]
     optimizer = torch.optim.Adam(leaves, lr=lr)
     warmup = min(100, steps // 10)
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -191,10 +192,12 @@ def run(task: Task, seeds: int, steps: int) -> list[dict[str, Any]]:
             for arm in arms:
                 lrs = {"dense": DENSE_LRS, "gbfunc": GB_LRS}.get(arm.family, BASELINE_LRS)
                 for lr in lrs:
-                    fresh = {k: v.detach().clone() for k, v in _flat(arm.tree).items()}
+                    fresh = [v.detach().clone() for v in tree_leaves(arm.tree)]
                     start = time.perf_counter()
                     acc = train(arm, lr, data, steps, task.batch, seed)
-                    _restore(arm.tree, fresh)
+                    with torch.no_grad():  # every lr starts from the same tensors
+                        for leaf, saved in zip(tree_leaves(arm.tree), fresh, strict=True):
+                            leaf.copy_(saved)
                     rows.append(
                         {
                             "ratio": ratio,
@@ -214,23 +217,6 @@ def run(task: Task, seeds: int, steps: int) -> list[dict[str, Any]]:
                         flush=True,
                     )
     return rows
-
-
-def _flat(tree: dict, prefix: str = "") -> dict[str, Tensor]:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out |= _flat(value, f"{prefix}{key}/")
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def _restore(tree: dict, saved: dict[str, Tensor]) -> None:
-    """Put every leaf back to its saved start, in place, so each lr starts alike."""
-    with torch.no_grad():
-        for key, value in _flat(tree).items():
-            value.copy_(saved[key])
 
 
 def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -177,7 +177,7 @@ def narrow_arm(
     build: Callable[[int], nn.Module],
     target: int,
     widths: Sequence[int],
-    cfg: "TrainConfig",
+    cfg: TrainConfig,
     device: torch.device,
 ) -> Arm:
     """A dense arm of the narrower model whose parameter count is nearest `target`.

@@ -49,7 +49,7 @@ def apply(
         generated = fused_weights(plan, [stack_inputs(s, stacks[s.key]) for s in plan.stacks])
         for p in plan.generated:  # the kernels scale; centring reads whole rows, done here
             if p.center:
-                generated[p.name] = finish(p, generated[p.name] / p.scale)
+                generated[p.name] = center_rows(generated[p.name])
     else:
         tiles = [evaluate_stack(s, stacks[s.key]) for s in plan.stacks]
         generated = {
@@ -117,9 +117,12 @@ def assemble(p: Generated, stack: Stack, tiles: Tensor) -> Tensor:
 
 def finish(p: Generated, raw: Tensor) -> Tensor:
     """A parameter from its laid-out raw values `(rows, ...)`: centred rows if asked, scaled."""
-    if p.center:
-        raw = raw - raw.mean(dim=tuple(range(1, raw.dim())), keepdim=True)
-    return raw * p.scale
+    return (center_rows(raw) if p.center else raw) * p.scale
+
+
+def center_rows(weight: Tensor) -> Tensor:
+    """`weight` less each row's mean over its inputs (every dimension but the first)."""
+    return weight - weight.mean(dim=tuple(range(1, weight.dim())), keepdim=True)
 
 
 def _codes(stack: Stack, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:

@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_map
 
 from ._apply import GParams, apply
 from ._checks import check_gparams
@@ -86,8 +87,7 @@ def fit(
         return sum(errors(stacks).values()) / len(weights)
 
     step_loss = torch.compile(loss, dynamic=False) if compile else loss
-    leaves = [leaf for group in stacks.values() for leaf in group.values()]
-    optimizer = torch.optim.Adam(leaves, lr=lr)
+    optimizer = torch.optim.Adam([t for leaves in stacks.values() for t in leaves.values()], lr=lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda t: 0.5 * (1 + math.cos(math.pi * t / steps))
     )
@@ -98,22 +98,12 @@ def fit(
         schedule.step()
     with torch.no_grad():
         final = {name: float(e) for name, e in errors(stacks).items()}
-    out = {
-        "stacks": {
-            key: {
-                name: leaf.detach().requires_grad_(gparams["stacks"][key][name].requires_grad)
-                for name, leaf in leaves.items()
-            }
-            for key, leaves in stacks.items()
-        },
-        **{
-            group: {
-                name: value.requires_grad_(gparams[group][name].requires_grad)
-                for name, value in values.items()
-            }
-            for group, values in rest.items()
-        },
-    }
+    # The fitted leaves, marked trainable as their counterparts in `gparams` are.
+    out = tree_map(
+        lambda new, old: new.detach().requires_grad_(old.requires_grad),
+        {"stacks": stacks, **rest},
+        gparams,
+    )
     return Fitted(out, final)
 
 
