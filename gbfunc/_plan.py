@@ -429,15 +429,21 @@ def _free_reason(entry: _Entry, opts: dict[str, object], flags: dict[str, bool])
     return None
 
 
-def _block_shapes(shape: tuple[int, ...], layout: Layout) -> list[tuple[int, int]]:
+def block_shapes(shape: tuple[int, ...], splits: int, split_dim: int) -> list[tuple[int, int]]:
+    """`(rows, cols)` of each of a parameter's `splits` equal blocks along `split_dim`."""
     if len(shape) == 1:  # a bias: one column of output neurons
         return [(shape[0], 1)]
     rows, cols = shape[0], shape[1]
-    if layout.splits == 1:
+    if splits == 1:
         return [(rows, cols)]
-    if layout.split_dim == 0:
-        return [(rows // layout.splits, cols)] * layout.splits
-    return [(rows, cols // layout.splits)] * layout.splits
+    if split_dim == 0:
+        return [(rows // splits, cols)] * splits
+    return [(rows, cols // splits)] * splits
+
+
+def tile_grid(rows: int, cols: int, tile: tuple[int, int]) -> tuple[int, int]:
+    """Tiles along the rows and along the columns that cover a `rows x cols` block."""
+    return -(-rows // tile[0]), -(-cols // tile[1])
 
 
 def stack_geometry(
@@ -521,7 +527,7 @@ def _block_cost(
 ) -> int:
     """G-net parameters that generate one block (as `_build` would lay it out)."""
     outputs, _, row_width, col_width = stack_geometry(genome, tile, kernel)
-    tiles = -(-rows // tile[0]) * -(-cols // tile[1])
+    tiles = math.prod(tile_grid(rows, cols, tile))
     per_gnet = genome.param_count(row_width + col_width, outputs)
     return per_gnet + tiles * genome.embed_dim if genome.share else tiles * per_gnet
 
@@ -542,7 +548,12 @@ def _build(entries: list[_Entry], options: list[dict[str, object]], flags: dict[
         kernel = shape[2:]
         genome = _genome_for(opts, kernel, layout)
         if opts.get("searched"):
-            spent = _param_cost(genome, kernel, tuple(_block_shapes(shape, layout)), opts["tile"])
+            spent = _param_cost(
+                genome,
+                kernel,
+                tuple(block_shapes(shape, layout.splits, layout.split_dim)),
+                opts["tile"],
+            )
             if spent >= math.prod(shape):
                 reason = f"its g-nets would cost {spent:,} parameters for {math.prod(shape):,}"
                 init = free_init(module, local, shape)
@@ -550,7 +561,7 @@ def _build(entries: list[_Entry], options: list[dict[str, object]], flags: dict[
                 continue
         blocks = []
         stack_id = None
-        for rows, cols in _block_shapes(shape, layout):
+        for rows, cols in block_shapes(shape, layout.splits, layout.split_dim):
             tile = _tile_for(name, opts, rows, cols, genome.outputs)
             _check_labels(name, genome, rows, cols, tile)
             geometry = stack_geometry(genome, tile, kernel)
@@ -561,7 +572,7 @@ def _build(entries: list[_Entry], options: list[dict[str, object]], flags: dict[
                 stack_tiles.append([])
                 stack_counts.append(0)
             stack_id = stack_index[key]
-            grid = (-(-rows // tile[0]), -(-cols // tile[1]))
+            grid = tile_grid(rows, cols, tile)
             first = stack_counts[stack_id]
             n = grid[0] * grid[1]
             stack_counts[stack_id] += n
@@ -617,7 +628,7 @@ def _search_tile(
         if _free_reason(entry, opts, flags) is not None:
             continue
         genome = _genome_for(opts, shape[2:], layout)
-        blocks = tuple(_block_shapes(shape, layout))
+        blocks = tuple(block_shapes(shape, layout.splits, layout.split_dim))
         if opts.get("explicit_tile"):
             fixed_weights += math.prod(shape)
             for rows, cols in blocks:

@@ -14,7 +14,17 @@ from torch import nn
 
 from ._genome import Genome
 from ._model import check_matches
-from ._plan import Block, Free, Generated, Plan, Stack, _check_labels, stack_geometry
+from ._plan import (
+    Block,
+    Free,
+    Generated,
+    Plan,
+    Stack,
+    _check_labels,
+    block_shapes,
+    stack_geometry,
+    tile_grid,
+)
 
 FREE_INITS = ("zeros", "ones", "uniform", "normal")  # what `gb.init` can draw a free tensor by
 
@@ -190,7 +200,7 @@ def _check_layout(plan: Plan) -> None:
                 s.tile,
                 f"a tile no larger than {bt} ({rows}x{cols}), as gb.plan clips it",
             )
-            grid = (-(-rows // th), -(-cols // tw))
+            grid = tile_grid(rows, cols, s.tile)
             _need(
                 b.grid == grid, f"{bt}.grid", b.grid, f"{grid} for {rows}x{cols} on {th}x{tw} tiles"
             )
@@ -216,7 +226,7 @@ def _blocks(p: Generated, at: str) -> list[tuple[int, int]]:
     _need(len(p.shape) > 1, f"{at}.blocks", f"{n} blocks", "one block for a vector")
     size = (rows, cols)[p.split_dim]
     _need(size % n == 0, f"{at}.blocks", f"{n} blocks", f"a divisor of {size}")
-    return [(rows // n, cols) if p.split_dim == 0 else (rows, cols // n)] * n
+    return block_shapes(p.shape, n, p.split_dim)
 
 
 def _check_stack(at: str, s: Stack, owners: list[tuple[int, int, str]]) -> None:
