@@ -65,7 +65,8 @@ def init(
     frozen: dict[str, Tensor] = {}
     for p in plan.free:
         if source is not None:
-            value = source[p.name].detach().to("cpu", copy=True)
+            # Copied straight to where the leaf will live (no round trip through the CPU).
+            value = source[p.name].detach().to(device or "cpu", copy=True)
         else:
             value = _draw_free(p.init, p.shape, gen)
             if not getattr(torch, p.dtype).is_floating_point:  # integer and bool keep theirs
