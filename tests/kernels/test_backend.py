@@ -5,6 +5,7 @@ On CPU the Triton backend runs through Triton's interpreter, so the model stays 
 
 import pytest
 import torch
+from devices import KERNEL_DEVICE
 from hypothesis import given, settings, strategies as st
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
@@ -17,12 +18,13 @@ requires_gpu = pytest.mark.skipif(
 )
 
 
-def tiny_net() -> nn.Module:
+def tiny_net(device: torch.device = KERNEL_DEVICE) -> nn.Module:
     # A conv (kernel folded into the codes or the outputs), a ragged linear, free biases.
-    return nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Flatten(0), nn.Linear(12, 5))
+    net = nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Flatten(0), nn.Linear(12, 5))
+    return net.to(device)
 
 
-INPUT = torch.randn(2, 4, 4, generator=torch.Generator().manual_seed(0))
+INPUT = torch.randn(2, 4, 4, generator=torch.Generator().manual_seed(0)).to(KERNEL_DEVICE)
 
 
 @st.composite
@@ -77,7 +79,7 @@ def assert_trees_close(got: dict, want: dict, what: str) -> None:
 def test_triton_backend_equals_torch_backend_under_grad(genome, seed):
     model = tiny_net()
     plan = gb.plan(model, **genome)
-    gparams = gb.init(plan, seed=seed)
+    gparams = gb.init(plan, seed=seed, device=KERNEL_DEVICE)
     assert_trees_close(
         gb.apply(gparams, plan, backend="triton"),
         gb.apply(gparams, plan, backend="torch"),
@@ -91,7 +93,7 @@ def test_triton_backend_equals_torch_backend_under_grad(genome, seed):
 def test_vmap_over_genomes_equals_loop_and_torch():
     model = tiny_net()
     plan = gb.plan(model, tile=(2, 3), depth=2, activation="tanh")
-    population = [gb.init(plan, seed=s) for s in range(3)]
+    population = [gb.init(plan, seed=s, device=KERNEL_DEVICE) for s in range(3)]
     stacked = tree_map(lambda *xs: torch.stack(xs), *population)
     fused = vmap(lambda g: gb.apply(g, plan, backend="triton"))(stacked)
     for k, gparams in enumerate(population):
@@ -104,7 +106,7 @@ def test_vmap_over_genomes_equals_loop_and_torch():
 
 
 def test_backend_auto_is_torch_on_cpu_and_triton_is_the_fused_op():
-    model = tiny_net()
+    model = tiny_net("cpu")
     plan = gb.plan(model, tile=(4, 4))
     gparams = gb.init(plan)
     assert "_GenerateBackward" not in node_names(gb.apply(gparams, plan)["0.weight"])
@@ -112,7 +114,7 @@ def test_backend_auto_is_torch_on_cpu_and_triton_is_the_fused_op():
 
 
 class TestBadInput:
-    model = tiny_net()
+    model = tiny_net("cpu")
     plan = gb.plan(model, tile=(4, 4))
 
     def test_unknown_backend(self):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import triton
+from devices import KERNEL_DEVICE
 from hypothesis import given, settings, strategies as st
 from torch import Tensor, nn
 from torch.func import grad, vmap
@@ -108,7 +109,7 @@ class Case:
             n: None if draws[0][n] is None else torch.stack([d[n] for d in draws]) for n in NAMES
         }
         return {
-            n: None if x is None else (x if genomes else x[0]).to(dtype).contiguous()
+            n: None if x is None else (x if genomes else x[0]).to(KERNEL_DEVICE, dtype).contiguous()
             for n, x in stacked.items()
         }
 
@@ -193,7 +194,7 @@ def test_backward_kernel_matches_reference(case):
     del terms["b_out"]
     cotangent = torch.randn(
         sum(p.numel for p in params), generator=torch.Generator().manual_seed(case.seed)
-    )
+    ).to(KERNEL_DEVICE)
     grads = backward_kernel.generate_backward(cotangent, **terms, stack=stack, params=params)
     expected = backward_reference.generate_backward(
         cotangent.double(), **as64(terms), stack=stack, params=params
@@ -208,7 +209,7 @@ def test_grad_of_op_matches_grad_of_reference(case):
     terms = case.terms(torch.float32)
     cotangent = torch.randn(
         sum(p.numel for p in params), generator=torch.Generator().manual_seed(case.seed)
-    )
+    ).to(KERNEL_DEVICE)
     tensors, absent = split(terms)
 
     def loss(fn, cot):
@@ -228,7 +229,7 @@ def test_vmap_over_genomes_is_a_loop(case, genomes):
     terms, absent = split(case.terms(torch.float32, genomes))
     terms["c"] = terms["c"][0]  # one input left unbatched: vmap broadcasts it
     in_dims = {n: None if n == "c" else 0 for n in terms}
-    cotangent = torch.randn(genomes, sum(p.numel for p in params))
+    cotangent = torch.randn(genomes, sum(p.numel for p in params), device=KERNEL_DEVICE)
 
     def op(t):
         return kernels.generate(**t, **absent, stack=stack, params=params)
@@ -271,7 +272,7 @@ def test_nested_vmap_and_second_order():
         assert_close(got[name], want[name], 10 * reductions(stack)[1], f"second-order {name}")
 
 
-def test_half_precision_through_the_interpreter():
+def test_half_precision():
     case = Case("conv2d", (3, 5), 3, (4, 2), 8, 2, "silu", 1, "output", 3)
     stack, params, _ = case.stack()
     terms = case.terms(torch.float16)
@@ -337,7 +338,8 @@ class TestErrors:
             self.call(**self.case.terms(torch.float64))
 
     def test_device_mismatch_names_the_argument(self):
-        with pytest.raises(ValueError, match=r"b_hidden is on meta; expected cpu, like a"):
+        first = self.case.terms(torch.float32)["a"].device
+        with pytest.raises(ValueError, match=rf"b_hidden is on meta; expected {first}, like a"):
             self.call(b_hidden=self.case.terms(torch.float32)["b_hidden"].to("meta"))
 
     def test_non_contiguous_is_rejected_by_the_launcher_and_copied_by_the_op(self):
@@ -355,7 +357,7 @@ class TestErrors:
         with pytest.raises(
             ValueError, match=r"a has shape \(2, 4, 4\); expected \(4, 4, 4\) for stack 's0_4x4'"
         ):
-            self.call(a=torch.zeros(2, 4, 4))
+            self.call(a=torch.zeros(2, 4, 4, device=KERNEL_DEVICE))
 
     def test_missing_hidden_layers(self):
         with pytest.raises(
@@ -380,7 +382,10 @@ class TestErrors:
         _, params, _ = self.case.stack()
         with pytest.raises(TypeError, match=r"stack must be a gb.Stack"):
             backward_kernel.generate_backward(
-                torch.zeros(30), **{n: None for n in NAMES[:-1]}, stack="s0", params=params
+                torch.zeros(30, device=KERNEL_DEVICE),
+                **{n: None for n in NAMES[:-1]},
+                stack="s0",
+                params=params,
             )
 
 
