@@ -1,10 +1,12 @@
-"""gbfunc against the obvious alternatives at equal trainable parameters, on digits.
+"""gbfunc against the obvious alternatives at equal trainable parameters.
 
 Tasks (`--task`):
 
 - `mlp`: the paper's MLP shape (Shuvaev et al. 2024: 784-800-10 on MNIST) on data that
   ships, 64-800-10 on scikit-learn's 8x8 digits (60,010 parameters), at ~20x, ~100x, ~300x;
-- `cnn`: the main job's digits CNN (151k parameters) at ~23x and ~135x.
+- `cnn`: the main job's digits CNN (151k parameters) at ~23x and ~135x;
+- `charlm`: the main job's character transformer (440k parameters) at ~5x and ~20x of the
+  whole model; scored by validation loss (nats per character, lower is better).
 
 At each ratio three families are trained with the same protocol, batches and seeds:
 
@@ -12,29 +14,40 @@ At each ratio three families are trained with the same protocol, batches and see
   and per bias, `tile="full"`, `biases=True`; neurons labelled by their identity: hidden
   units by the Gray code of their index, pixels by the Gray codes of their (row, column),
   classes one-hot; tanh g-nets; each generated row centred, `center=True`); for the CNN the
-  main job's tiled genome and the paper-style one;
+  main job's tiled genome and the paper-style one; for the transformer tiled genomes, with
+  the embeddings and the output layer generated at ~20x;
 - **narrow**: the same architecture at the width whose parameter count is nearest;
 - **low rank**: the weights as `U @ V.T`, everything else free, ranks spread by size
   (infeasible where the free parameters alone exceed the budget).
 
 Protocol, every arm: Adam, no weight decay, the task's steps and batch (MLP 1000 x 128, CNN
-400 x 64), linear warm-up over the first tenth (at most 100 steps) then cosine decay to 0,
-each arm's best learning rate from its own sweep of 3-4 values (chosen on the mean over
-seeds), validation accuracy at the last step.
+400 x 64, transformer 800 x 32 windows of 128 characters), linear warm-up over the first
+tenth (at most 100 steps) then cosine decay to 0, each arm's best learning rate from its own
+sweep of 3-4 values (chosen on the mean over seeds), scored at the last step. The free
+tensors of a gbfunc arm (biases, norms, layers left free) train at `free_lr_factor` times
+its g-net rate, which puts them on the baselines' grid.
 
-    python -m benchmarks.equal_params               # MLP, 3 seeds, ~30 minutes on one core
-    python -m benchmarks.equal_params --task cnn    # ~10 minutes
-    python -m benchmarks.equal_params --quick       # 1 seed, a third of the steps
+With `--distill` every arm but the dense one is also trained towards the dense model's
+logits (knowledge distillation: `(1 - a) * CE + a * T^2 * KL(teacher_T || student_T)`,
+`a = 0.5`, `T = 2`; the teacher is that seed's dense model at its best learning rate), the
+same for gbfunc and the baselines.
 
-Writes `benchmarks/results/equal_params[_cnn][_quick].{md,json,png}`.
+    python -m benchmarks.equal_params                  # MLP, 3 seeds, ~15 minutes on one core
+    python -m benchmarks.equal_params --task cnn       # ~6 minutes
+    python -m benchmarks.equal_params --task charlm    # 1 seed, ~60 minutes
+    python -m benchmarks.equal_params --distill        # the distillation recipe
+    python -m benchmarks.equal_params --quick          # 1 seed, a third of the steps
+
+Writes `benchmarks/results/equal_params[_cnn|_charlm][_distill][_quick].{md,json,png}`.
 """
 
 import argparse
+import functools
 import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,14 +60,64 @@ from torch.utils._pytree import tree_leaves
 import gbfunc as gb
 from benchmarks._meta import RESULTS, header_md, markdown_table, provenance_line, write_json
 from benchmarks.baselines import low_rank, tree_count
-from examples.data import digits_split
-from examples.main_job import DigitsConfig
-from examples.models import DigitsCNN, digits_mlp, paper_genome
-from examples.training import narrowest_match, trainable_count as count
+from examples.data import CharCorpus, char_batch, char_windows, digits_split, pydoc_text
+from examples.main_job import CharLMConfig, DigitsConfig
+from examples.models import CharTransformer, DigitsCNN, digits_mlp, paper_genome
+from examples.training import evaluate, narrowest_match, trainable_count as count
 
-DENSE_LRS = (3e-4, 1e-3, 3e-3)
-BASELINE_LRS = (3e-3, 1e-2, 3e-2, 0.1)
-GB_LRS = (0.03, 0.1, 0.3, 1.0)
+DIGITS_LRS = {
+    "dense": (3e-4, 1e-3, 3e-3),
+    "narrow": (3e-3, 1e-2, 3e-2, 0.1),
+    "low rank": (3e-3, 1e-2, 3e-2, 0.1),
+    "gbfunc": (0.03, 0.1, 0.3, 1.0),
+}
+CNN_LRS = {**DIGITS_LRS, "gbfunc": (0.01, 0.03, 0.1, 0.3)}  # 1.0 diverged, 0.03 was the best
+CHARLM_LRS = {
+    "dense": (1e-2,),  # the main job's measured optimum; the dense model is only the reference
+    "narrow": (3e-3, 1e-2, 3e-2),
+    "low rank": (3e-3, 1e-2, 3e-2),
+    "gbfunc": (1e-2, 2e-2, 4e-2),
+}
+DISTILL_WEIGHT, DISTILL_TEMPERATURE = 0.5, 2.0
+
+
+@dataclass(frozen=True)
+class Data:
+    """A task's data: random training batches, and the validation score of a model."""
+
+    sample: Callable[[torch.Generator, int], tuple[Tensor, Tensor]]
+    validate: Callable[[nn.Module, dict[str, Tensor]], tuple[float, float]]  # (loss, accuracy)
+
+
+def digits_data() -> Data:
+    x_train, y_train, x_val, y_val = digits_split(seed=0)
+
+    def sample(gen: torch.Generator, batch: int) -> tuple[Tensor, Tensor]:
+        index = torch.randint(len(x_train), (batch,), generator=gen)
+        return x_train[index], y_train[index]
+
+    return Data(sample, lambda model, params: evaluate(model, params, x_val, y_val, len(x_val)))
+
+
+@functools.cache
+def _corpus() -> CharCorpus:
+    return CharCorpus.from_text(pydoc_text())
+
+
+def charlm_data() -> Data:
+    cfg = CharLMConfig()
+    corpus = _corpus()
+    val_x, val_y = char_windows(corpus.val, cfg.context)
+    return Data(
+        lambda gen, batch: char_batch(corpus.train, batch, cfg.context, gen),
+        lambda model, params: evaluate(model, params, val_x, val_y, 128),
+    )
+
+
+def charlm_model(width: int | None) -> CharTransformer:
+    cfg = CharLMConfig()
+    w = cfg.width if width is None else width
+    return CharTransformer(_corpus().vocab_size, cfg.context, w, cfg.depth, cfg.heads)
 
 
 @dataclass(frozen=True)
@@ -67,8 +130,13 @@ class Task:
         build: The model at a width (`None`: the full-size model).
         widths: Widths the narrow baseline may take.
         genomes: `(ratio label, arm label, gb.plan options)` of the gbfunc arms.
-        factored: Weights the low-rank baseline factors (the rest stays free).
-        steps, batch: The protocol's training length.
+        factored: Weights the low-rank baseline factors (the rest stays free); empty: every
+            parameter with two or more dimensions.
+        steps, batch, seeds: The protocol's training length and repeats.
+        data: Builds the task's `Data`.
+        metric: `"val_acc"` (higher is better) or `"val_loss"` (lower is better).
+        lrs: Learning rates swept per family.
+        free_lr_factor: A gbfunc arm's free tensors train at this times its g-net rate.
     """
 
     name: str
@@ -79,6 +147,15 @@ class Task:
     factored: tuple[str, ...]
     steps: int
     batch: int
+    seeds: int = 3
+    data: Callable[[], Data] = digits_data
+    metric: str = "val_acc"
+    lrs: dict[str, tuple[float, ...]] = field(default_factory=lambda: DIGITS_LRS)
+    free_lr_factor: float = 0.1
+
+    def better(self, a: float, b: float) -> bool:
+        """Whether score `a` beats score `b` on this task's metric."""
+        return a > b if self.metric == "val_acc" else a < b
 
 
 TASKS = {
@@ -113,13 +190,48 @@ TASKS = {
         ("features.0.weight", "features.2.weight", "classifier.1.weight", "classifier.3.weight"),
         400,
         64,
+        lrs=CNN_LRS,
+    ),
+    "charlm": Task(
+        "character transformer (main job)",
+        "width 128, 2 blocks",
+        charlm_model,
+        range(4, 129, 4),
+        (
+            (
+                "~5x",
+                "tiles 64x64 H=32 P=2",
+                {
+                    "tile": (64, 64),
+                    "hidden": 32,
+                    "outputs": 2,
+                    "overrides": {"head.weight": "free"},
+                },
+            ),
+            (
+                "~20x",
+                "tiles 64x64 H=8 P=8, embeddings and head generated",
+                {"tile": (64, 64), "hidden": 8, "outputs": 8, "embeddings": True},
+            ),
+        ),
+        (),
+        800,
+        32,
+        seeds=1,
+        data=charlm_data,
+        metric="val_loss",
+        lrs=CHARLM_LRS,
+        free_lr_factor=0.5,  # the main job's measured pair: g-nets 2e-2, free tensors 1e-2
     ),
 }
 
 
 @dataclass(frozen=True)
 class Arm:
-    """One trainable configuration: its family, its tree and how the tree becomes weights."""
+    """One trainable configuration: its family, its tree and how the tree becomes weights.
+
+    `lr_scales` maps a top-level key of `tree` to a factor of the swept learning rate.
+    """
 
     family: str
     label: str
@@ -127,6 +239,7 @@ class Arm:
     tree: dict
     to_params: Callable[[dict], dict[str, Tensor]]
     params: int
+    lr_scales: dict[str, float] = field(default_factory=dict)
 
 
 def arms_at(task: Task, label: str, options: dict, seed: int) -> list[Arm]:
@@ -136,28 +249,47 @@ def arms_at(task: Task, label: str, options: dict, seed: int) -> list[Arm]:
     plan = gb.plan(model, **options)
     gparams = gb.init(plan, seed=seed)
     ours = gb.report(plan).stored_params
-    arms = [Arm("gbfunc", label, model, gparams, lambda t: gb.apply(t, plan), ours)]
+    free_lr = {"free": task.free_lr_factor}
+    arms = [Arm("gbfunc", label, model, gparams, lambda t: gb.apply(t, plan), ours, free_lr)]
     width, _ = narrowest_match(task.build, ours, task.widths)
     torch.manual_seed(seed)
     narrow = task.build(width)
     tree = {k: v.detach().clone().requires_grad_() for k, v in narrow.named_parameters()}
     arms.append(Arm("narrow", f"width {width}", narrow, tree, lambda t: t, count(narrow)))
     params = dict(model.named_parameters())
-    free = sum(v.numel() for k, v in params.items() if k not in task.factored)
-    rank_one = sum(params[k].shape[0] + params[k][0].numel() for k in task.factored)
+    factored = task.factored or tuple(k for k, v in params.items() if v.dim() >= 2)
+    free = sum(v.numel() for k, v in params.items() if k not in factored)
+    rank_one = sum(params[k].shape[0] + params[k][0].numel() for k in factored)
     if ours >= free + rank_one:  # room for rank 1 everywhere
-        tree, to_params = low_rank(model, list(task.factored), ours - free, seed=seed)
+        tree, to_params = low_rank(model, list(factored), ours - free, seed=seed)
         arms.append(Arm("low rank", "U V^T", model, tree, to_params, tree_count(tree)))
     return arms
 
 
+Teacher = Callable[[Tensor], Tensor]
+
+
 def train(
-    arm: Arm, lr: float, data: tuple[Tensor, ...], steps: int, batch: int, seed: int
-) -> float:
-    """Validation accuracy of `arm` after `steps` of the shared protocol."""
-    x_train, y_train, x_val, y_val = data
-    leaves = [v for v in tree_leaves(arm.tree) if v.requires_grad]
-    optimizer = torch.optim.Adam(leaves, lr=lr)
+    arm: Arm,
+    lr: float,
+    data: Data,
+    steps: int,
+    batch: int,
+    seed: int,
+    teacher: Teacher | None = None,
+) -> tuple[float, float]:
+    """Validation `(loss, accuracy)` of `arm` after `steps` of the shared protocol.
+
+    With a `teacher` (inputs to logits) the loss mixes in distillation towards its logits.
+    """
+    groups = [
+        {
+            "params": [v for v in tree_leaves(part) if v.requires_grad],
+            "lr": lr * arm.lr_scales.get(key, 1.0),
+        }
+        for key, part in arm.tree.items()
+    ]
+    optimizer = torch.optim.Adam([g for g in groups if g["params"]])
     warmup = min(100, steps // 10)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
@@ -165,21 +297,33 @@ def train(
     )
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
-        index = torch.randint(len(x_train), (batch,), generator=gen)
-        logits = functional_call(arm.model, arm.to_params(arm.tree), (x_train[index],))
-        loss = F.cross_entropy(logits, y_train[index])
+        x, y = data.sample(gen, batch)
+        logits = functional_call(arm.model, arm.to_params(arm.tree), (x,))
+        loss = F.cross_entropy(logits.flatten(0, -2), y.flatten())
+        if teacher is not None:
+            loss = distill(loss, logits, teacher(x))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         schedule.step()
-    with torch.no_grad():
-        logits = functional_call(arm.model, arm.to_params(arm.tree), (x_val,))
-    return float((logits.argmax(1) == y_val).float().mean())
+    return data.validate(arm.model, arm.to_params(arm.tree))
 
 
-def run(task: Task, seeds: int, steps: int) -> list[dict[str, Any]]:
+def distill(ce: Tensor, logits: Tensor, target: Tensor) -> Tensor:
+    """Hinton et al.'s mix of cross-entropy and temperature-softened KL to a teacher."""
+    t = DISTILL_TEMPERATURE
+    kl = F.kl_div(
+        F.log_softmax(logits.flatten(0, -2) / t, -1),
+        F.log_softmax(target.flatten(0, -2) / t, -1),
+        log_target=True,
+        reduction="batchmean",
+    )
+    return (1 - DISTILL_WEIGHT) * ce + DISTILL_WEIGHT * t * t * kl
+
+
+def run(task: Task, seeds: int, steps: int, distilled: bool = False) -> list[dict[str, Any]]:
     """One row per (ratio, family, lr, seed), the dense model first."""
-    data = digits_split(seed=0)
+    data = task.data()
     rows = []
     for seed in range(seeds):
         torch.manual_seed(seed)
@@ -188,13 +332,21 @@ def run(task: Task, seeds: int, steps: int) -> list[dict[str, Any]]:
         tree = {k: v.detach().clone().requires_grad_() for k, v in dense.named_parameters()}
         groups = [("dense", [Arm("dense", task.dense, dense, tree, lambda t: t, full)])]
         groups += [(ratio, arms_at(task, label, opts, seed)) for ratio, label, opts in task.genomes]
+        teacher, best = None, None
         for ratio, arms in groups:
             for arm in arms:
-                lrs = {"dense": DENSE_LRS, "gbfunc": GB_LRS}.get(arm.family, BASELINE_LRS)
-                for lr in lrs:
+                for lr in task.lrs[arm.family]:
                     fresh = [v.detach().clone() for v in tree_leaves(arm.tree)]
                     start = time.perf_counter()
-                    acc = train(arm, lr, data, steps, task.batch, seed)
+                    guide = None if arm.family == "dense" else teacher
+                    loss, acc = train(arm, lr, data, steps, task.batch, seed, guide)
+                    score = acc if task.metric == "val_acc" else loss
+                    if (
+                        distilled
+                        and arm.family == "dense"
+                        and (best is None or task.better(score, best))
+                    ):
+                        best, teacher = score, _frozen_teacher(arm)
                     with torch.no_grad():  # every lr starts from the same tensors
                         for leaf, saved in zip(tree_leaves(arm.tree), fresh, strict=True):
                             leaf.copy_(saved)
@@ -207,29 +359,42 @@ def run(task: Task, seeds: int, steps: int) -> list[dict[str, Any]]:
                             "compression": full / arm.params,
                             "lr": lr,
                             "seed": seed,
+                            "val_loss": loss,
                             "val_acc": acc,
                             "seconds": time.perf_counter() - start,
                         }
                     )
                     print(
                         f"seed {seed} {ratio:>6} {arm.family:<8} {arm.label:<18} "
-                        f"{arm.params:>6,} lr {lr:<6g} acc {100 * acc:.2f}",
+                        f"{arm.params:>7,} lr {lr:<6g} loss {loss:.4f} acc {100 * acc:.2f}",
                         flush=True,
                     )
     return rows
 
 
-def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (ratio, family, arm): the best lr by mean accuracy over seeds, with mean and std."""
+def _frozen_teacher(arm: Arm) -> Teacher:
+    """The arm's model with its current parameters, as a no-grad function of the inputs."""
+    params = {k: v.detach().clone() for k, v in arm.to_params(arm.tree).items()}
+
+    @torch.no_grad()
+    def logits(x: Tensor) -> Tensor:
+        return functional_call(arm.model, params, (x,))
+
+    return logits
+
+
+def summarise(rows: list[dict[str, Any]], metric: str = "val_acc") -> list[dict[str, Any]]:
+    """Per (ratio, family, arm): the best lr by the mean `metric` over seeds, mean and std."""
+    sign = 1 if metric == "val_acc" else -1
     out = []
     keys = dict.fromkeys((r["ratio"], r["family"], r["arm"]) for r in rows)
     for ratio, family, arm in keys:
         group = [r for r in rows if (r["ratio"], r["family"], r["arm"]) == (ratio, family, arm)]
         by_lr: dict[float, list[float]] = {}
         for r in group:
-            by_lr.setdefault(r["lr"], []).append(r["val_acc"])
-        lr = max(by_lr, key=lambda k: statistics.fmean(by_lr[k]))
-        accs = by_lr[lr]
+            by_lr.setdefault(r["lr"], []).append(r[metric])
+        lr = max(by_lr, key=lambda k: sign * statistics.fmean(by_lr[k]))
+        scores = by_lr[lr]
         out.append(
             {
                 "ratio": ratio,
@@ -239,18 +404,25 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "compression": group[0]["compression"],
                 "lr": lr,
                 "lrs": sorted(by_lr),
-                "val_acc": statistics.fmean(accs),
-                "val_acc_std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
-                "seeds": len(accs),
+                "metric": metric,
+                "score": statistics.fmean(scores),
+                "score_std": statistics.stdev(scores) if len(scores) > 1 else 0.0,
+                "seeds": len(scores),
                 "seconds": statistics.fmean(r["seconds"] for r in group),
             }
         )
     return out
 
 
+def _shown(metric: str, value: float) -> str:
+    return f"{100 * value:.2f}" if metric == "val_acc" else f"{value:.4f}"
+
+
 def table(summary: list[dict[str, Any]]) -> str:
+    metric = summary[0]["metric"]
+    heading = "val acc %" if metric == "val_acc" else "val loss (nats)"
     columns = [("ratio", "l"), ("family", "l"), ("arm", "l")] + [
-        (t, "r") for t in ("trainable params", "compression", "best lr", "val acc %", "s/run")
+        (t, "r") for t in ("trainable params", "compression", "best lr", heading, "s/run")
     ]
     rows = (
         [
@@ -260,7 +432,7 @@ def table(summary: list[dict[str, Any]]) -> str:
             f"{s['params']:,}",
             f"{s['compression']:.1f}x",
             f"{s['lr']:g} of {', '.join(f'{v:g}' for v in s['lrs'])}",
-            f"{100 * s['val_acc']:.2f} ± {100 * s['val_acc_std']:.2f}",
+            f"{_shown(metric, s['score'])} ± {_shown(metric, s['score_std'])}",
             f"{s['seconds']:.1f}",
         ]
         for s in summary
@@ -269,7 +441,8 @@ def table(summary: list[dict[str, Any]]) -> str:
 
 
 def findings(summary: list[dict[str, Any]]) -> str:
-    """Per ratio: gbfunc's margin over each baseline, in accuracy points."""
+    """Per ratio: gbfunc's margin over each baseline (positive: gbfunc is better)."""
+    metric = summary[0]["metric"]
     lines = []
     for ratio in dict.fromkeys(s["ratio"] for s in summary if s["ratio"] != "dense"):
         group = {s["family"]: s for s in summary if s["ratio"] == ratio}
@@ -280,24 +453,30 @@ def findings(summary: list[dict[str, Any]]) -> str:
                 continue
             off = s["params"] / ours["params"] - 1
             window = "" if abs(off) <= 0.1 else f", {off:+.0%}: no width within ±10%"
-            margin = 100 * (ours["val_acc"] - s["val_acc"])
-            parts.append(f"{margin:+.2f} pt vs {family} ({s['params']:,} params{window})")
+            if metric == "val_acc":
+                margin = f"{100 * (ours['score'] - s['score']):+.2f} pt"
+            else:
+                margin = f"{s['score'] - ours['score']:+.3f} nats"
+            parts.append(f"{margin} vs {family} ({s['params']:,} params{window})")
         if "low rank" not in group:
             parts.append("low rank infeasible (the free parameters alone exceed the budget)")
+        unit = "%" if metric == "val_acc" else " nats"
         lines.append(
-            f"- **{ratio}** (gbfunc {ours['params']:,} params, {100 * ours['val_acc']:.2f}%): "
-            + "; ".join(parts)
+            f"- **{ratio}** (gbfunc {ours['params']:,} params, "
+            f"{_shown(metric, ours['score'])}{unit}): " + "; ".join(parts)
         )
     return "\n".join(lines)
 
 
 def plot(summary: list[dict[str, Any]], path: Path, title: str) -> None:
-    """Validation accuracy against trainable parameters (log), one line per family."""
+    """The score against trainable parameters (log), one line per family."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    metric = summary[0]["metric"]
+    scale = 100 if metric == "val_acc" else 1
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for family, color in (
         ("gbfunc", "tab:orange"),
@@ -308,19 +487,19 @@ def plot(summary: list[dict[str, Any]], path: Path, title: str) -> None:
         if points:
             ax.errorbar(
                 [p for p, _ in points],
-                [100 * s["val_acc"] for _, s in points],
-                [100 * s["val_acc_std"] for _, s in points],
+                [scale * s["score"] for _, s in points],
+                [scale * s["score_std"] for _, s in points],
                 fmt="o-",
                 color=color,
                 label=family,
                 capsize=3,
             )
     dense = next(s for s in summary if s["family"] == "dense")
-    ax.axhline(100 * dense["val_acc"], color="gray", ls=":", label="dense, full size")
+    ax.axhline(scale * dense["score"], color="gray", ls=":", label="dense, full size")
     ax.set(
         xscale="log",
         xlabel="trainable parameters (log)",
-        ylabel="validation accuracy (%)",
+        ylabel="validation accuracy (%)" if metric == "val_acc" else "validation loss (nats)",
         title=f"{title}: equal-parameter comparison",
     )
     ax.grid(alpha=0.3, which="both")
@@ -335,29 +514,39 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--task", choices=sorted(TASKS), default="mlp")
     parser.add_argument("--quick", action="store_true", help="1 seed, a third of the steps")
+    parser.add_argument("--distill", action="store_true", help="distil every arm from dense")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     torch.set_num_threads(1)
     task = TASKS[args.task]
-    seeds, steps = (1, task.steps // 3) if args.quick else (3, task.steps)
+    seeds, steps = (1, task.steps // 3) if args.quick else (task.seeds, task.steps)
     started = time.perf_counter()
-    rows = run(task, seeds, steps)
-    summary = summarise(rows)
+    rows = run(task, seeds, steps, args.distill)
+    summary = summarise(rows, task.metric)
     name = "equal_params" + ("" if args.task == "mlp" else f"_{args.task}")
+    name += "_distill" if args.distill else ""
     stem = args.out / (name + ("_quick" if args.quick else ""))
     stem.parent.mkdir(parents=True, exist_ok=True)
     text = (
         header_md(f"gbfunc vs a narrower model and low rank at equal parameters ({task.name})")
         + f"- {seeds} seed(s), {steps} steps, batch {task.batch}; "
         + f"total {time.perf_counter() - started:.0f} s\n"
-        + f"- lr sweeps: dense {DENSE_LRS}, narrow and low rank {BASELINE_LRS}, gbfunc {GB_LRS}\n"
+        + "- lr sweeps: "
+        + ", ".join(f"{family} {lrs}" for family, lrs in task.lrs.items())
+        + f"; a gbfunc arm's free tensors at {task.free_lr_factor:g}x its rate\n"
+        + (
+            f"- distilled from the dense model: weight {DISTILL_WEIGHT}, "
+            f"temperature {DISTILL_TEMPERATURE}\n"
+            if args.distill
+            else ""
+        )
         + "".join(
             f"- {ratio} {label}: `gb.plan(model, **{opts})`\n"
             for ratio, label, opts in task.genomes
         )
         + "\n"
         + table(summary)
-        + "\n## Margins\n\n"
+        + "\n## Margins (positive: gbfunc is better)\n\n"
         + findings(summary)
         + "\n"
     )

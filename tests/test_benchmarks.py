@@ -133,12 +133,43 @@ def test_equal_params_picks_each_arms_best_lr_by_its_mean_over_seeds():
     rows += [row("narrow", 0.03, s, 0.93, 610) for s in range(2)]
     summary = summarise(rows)
     ours = next(s for s in summary if s["family"] == "gbfunc")
-    assert ours["lr"] == 0.3 and ours["val_acc"] == pytest.approx(0.95)
-    assert ours["lrs"] == [0.1, 0.3] and ours["seeds"] == 2
+    assert ours["lr"] == 0.3
+    assert ours["score"] == pytest.approx(0.95)
+    assert ours["lrs"] == [0.1, 0.3]
+    assert ours["seeds"] == 2
     text = findings(summary)
     assert "+2.00 pt vs narrow (610 params)" in text
     assert "low rank infeasible" in text
     assert "no width within" not in text  # 610 is within 10% of 598
+
+
+def test_equal_params_on_a_loss_metric_keeps_the_lowest_and_signs_margins_for_gbfunc():
+    from benchmarks.equal_params import findings, summarise
+
+    def row(family, lr, loss, params):
+        ratio = "dense" if family == "dense" else "~20x"
+        return {"ratio": ratio, "family": family, "arm": family, "params": params,
+                "compression": 1.0, "lr": lr, "seed": 0, "val_loss": loss, "val_acc": 0.5,
+                "seconds": 1.0}  # fmt: skip
+
+    rows = [row("dense", 1e-2, 1.25, 440_000), row("gbfunc", 1e-2, 1.90, 20_000)]
+    rows += [row("gbfunc", 2e-2, 1.70, 20_000), row("narrow", 1e-2, 1.75, 21_000)]
+    summary = summarise(rows, "val_loss")
+    ours = next(s for s in summary if s["family"] == "gbfunc")
+    assert ours["lr"] == 2e-2
+    assert ours["score"] == pytest.approx(1.70)
+    assert "+0.050 nats vs narrow (21,000 params)" in findings(summary)
+
+
+def test_distillation_is_half_the_cross_entropy_when_the_student_matches_its_teacher():
+    import torch
+
+    from benchmarks.equal_params import distill
+
+    logits = torch.randn(4, 7, 10)
+    ce = torch.tensor(2.0)
+    assert float(distill(ce, logits, logits.clone())) == pytest.approx(1.0, abs=1e-6)
+    assert float(distill(ce, logits, torch.zeros_like(logits))) > 1.0
 
 
 def test_low_rank_baseline_holds_its_budget_and_the_dense_scale():
@@ -153,6 +184,7 @@ def test_low_rank_baseline_holds_its_budget_and_the_dense_scale():
     factors = tree_count(tree) - 210  # the biases stay free
     assert 0.8 * 2000 <= factors <= 1.2 * 2000
     params = to_params(tree)
-    assert params["0.weight"].shape == (200, 64) and params["2.weight"].shape == (10, 200)
+    assert params["0.weight"].shape == (200, 64)
+    assert params["2.weight"].shape == (10, 200)
     std = float(params["0.weight"].detach().std())
     assert std == pytest.approx(float(model[0].weight.detach().std()), rel=0.3)
