@@ -160,7 +160,7 @@ def test_step_zero_loss_matches_the_dense_classifier():
     assert dense == pytest.approx(math.log(10), rel=0.05)
 
 
-def test_saved_bytes_per_generated_weight_stay_at_or_under_16():
+def test_autograd_keeps_about_4_bytes_per_generated_weight():
     model = nn.Sequential(
         nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
     )
@@ -168,7 +168,8 @@ def test_saved_bytes_per_generated_weight_stay_at_or_under_16():
     gparams = gb.init(plan)
     saved = gb.saved_bytes(lambda: gb.apply(gparams, plan))
     per_weight = saved / gb.report(plan).generated_weights
-    assert per_weight <= 16, per_weight
+    # The README says "about 4 bytes" (measured 4.3: one float per weight plus the codes).
+    assert per_weight <= 4.5, per_weight
     # The plain-autograd path (what torchGB's per-tile MLPs amount to) saves ~H*4 B per weight.
     stacks = plan.stacks
     plain = gb.saved_bytes(

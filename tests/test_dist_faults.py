@@ -1,6 +1,7 @@
 """Faults on real gloo ranks: a rank with another plan, a rank that dies, a child that raises."""
 
 import os
+import threading
 import time
 
 import pytest
@@ -51,11 +52,11 @@ def faults_worker(rank: int, world: int) -> dict:
 def raising_worker(rank: int, world: int) -> None:
     if rank == 1:
         raise KeyError("rank 1 is broken")
-    time.sleep(60)  # must be terminated once rank 1 fails
+    threading.Event().wait()  # never set: rank 0 returns only by being terminated
 
 
-def sleeping_worker(rank: int, world: int) -> None:
-    time.sleep(60)
+def hanging_worker(rank: int, world: int) -> None:
+    threading.Event().wait()  # never set
 
 
 @pytest.mark.slow
@@ -82,4 +83,4 @@ def test_child_exception_is_reraised_with_its_traceback_and_peers_stopped():
 @pytest.mark.slow
 def test_spawn_kills_ranks_past_the_global_timeout():
     with pytest.raises(TimeoutError, match=r"ran over 3\.0 s"):
-        spawn(sleeping_worker, 1, timeout=3.0)
+        spawn(hanging_worker, 1, timeout=3.0)
