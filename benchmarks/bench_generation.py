@@ -36,9 +36,9 @@ from torch import Tensor, nn
 from torch.func import vmap
 
 import gbfunc as gb
-from gbfunc._apply import assemble, stack_inputs
+from gbfunc._apply import assemble, stack_terms
 from gbfunc._genome import stack_codes
-from gbfunc._tilemlp import activate
+from gbfunc._tilemlp import Terms, activate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._meta import RESULTS, compile_static, recorded
@@ -228,14 +228,16 @@ def gpu_paths(plan: gb.Plan, gparams: dict, launch: Callable) -> dict[str, dict[
     """Eager `gb.apply` per backend, forward and forward+backward; also the bare forward launch."""
     stack, params = plan.stacks[0], plan.generated
     leaves = gparams["stacks"][stack.key]
-    terms = [None if t is None else t.detach().contiguous() for t in stack_inputs(stack, leaves)]
+    terms = Terms(
+        *(None if t is None else t.detach().contiguous() for t in stack_terms(stack, leaves))
+    )
 
     def fwd_bwd(backend: str) -> tuple[Tensor, ...]:
         return gradients(gb.apply(gparams, plan, backend=backend)["weight"], list(leaves.values()))
 
     return {
         "fwd": {
-            "triton kernel": lambda: launch(*terms, stack, params),
+            "triton kernel": lambda: launch(terms, stack, params),
             "triton": lambda: gb.apply(gparams, plan, backend="triton")["weight"],
             "torch": lambda: gb.apply(gparams, plan, backend="torch")["weight"],
         },

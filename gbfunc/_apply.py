@@ -11,7 +11,7 @@ from ._backend import fused_weights, use_triton
 from ._checks import check_gparams
 from ._genome import stack_codes
 from ._plan import Generated, Plan, Stack
-from ._tilemlp import reference, tile_mlp
+from ._tilemlp import Terms, reference, tile_mlp
 
 GParams = dict[str, dict]
 
@@ -46,7 +46,7 @@ def apply(
     check_gparams(gparams, plan, "gb.apply", values=check)
     stacks = gparams["stacks"]
     if use_triton(backend, plan, stacks):
-        generated = fused_weights(plan, [stack_inputs(s, stacks[s.key]) for s in plan.stacks])
+        generated = fused_weights(plan, [stack_terms(s, stacks[s.key]) for s in plan.stacks])
         for p in plan.generated:  # the kernels scale; centring reads whole rows, done here
             if p.center:
                 generated[p.name] = center_rows(generated[p.name])
@@ -73,15 +73,15 @@ def evaluate_stack(stack: Stack, leaves: dict[str, Tensor], *, recompute: bool =
         recompute: Use the recomputing backward (`tile_mlp`); False runs plain autograd.
     """
     fn = tile_mlp if recompute else reference
-    y = fn(*stack_inputs(stack, leaves), stack.genome.activation)  # (T, TH, Q, P)
+    y = fn(stack_terms(stack, leaves), stack.genome.activation)  # (T, TH, Q, P)
     return y.reshape(y.shape[0], y.shape[1], -1)
 
 
-def stack_inputs(stack: Stack, leaves: dict[str, Tensor]) -> tuple[Tensor | None, ...]:
-    """Per-tile g-net terms `(a, b, c, w_hidden, b_hidden, w_out, b_out)` of a stack.
+def stack_terms(stack: Stack, leaves: dict[str, Tensor]) -> Terms:
+    """A stack's g-nets as per-tile `Terms`, from its leaves in `gparams["stacks"]`.
 
-    `a` `(T, TH, H)` and `b` `(T, Q, H)` are the row and column parts of the separable first
-    layer, `c` `(T, H)` its bias (plus the tile embedding when g-nets are shared).
+    The code tables go through the first layer here (`a`, `b`); `c` is its bias plus the
+    tile embedding when g-nets are shared, and shared g-nets are repeated over their tiles.
     """
     w_in = leaves["w_in"]
     row, col = _codes(stack, w_in.dtype, w_in.device)
@@ -98,7 +98,7 @@ def stack_inputs(stack: Stack, leaves: dict[str, Tensor]) -> tuple[Tensor | None
         a, b, w_out, b_out = (_per_tile(x, counts) for x in (a, b, w_out, b_out))
         if w_hidden is not None:
             w_hidden, b_hidden = _per_tile(w_hidden, counts), _per_tile(b_hidden, counts)
-    return a, b, c, w_hidden, b_hidden, w_out, b_out
+    return Terms(a, b, c, w_hidden, b_hidden, w_out, b_out)
 
 
 def assemble(p: Generated, stack: Stack, tiles: Tensor) -> Tensor:

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from ._plan import Plan
+from ._tilemlp import Terms
 
 BACKENDS = ("auto", "torch", "triton")
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -65,12 +66,12 @@ def _check_runnable(plan: Plan, stacks: dict[str, dict[str, Tensor]]) -> None:
             )
 
 
-def fused_weights(plan: Plan, inputs: list[tuple[Tensor | None, ...]]) -> dict[str, Tensor]:
+def fused_weights(plan: Plan, inputs: list[Terms]) -> dict[str, Tensor]:
     """Every generated parameter, one fused kernel per stack.
 
     Args:
         plan: The plan.
-        inputs: Per stack, its g-net terms from `_apply.stack_inputs`.
+        inputs: Per stack, its g-net terms from `_apply.stack_terms`.
 
     Returns:
         `{name: weight}`; the weights of a stack are views of the one buffer its kernel wrote.
@@ -80,7 +81,7 @@ def fused_weights(plan: Plan, inputs: list[tuple[Tensor | None, ...]]) -> dict[s
     out: dict[str, Tensor] = {}
     for index, (stack, terms) in enumerate(zip(plan.stacks, inputs, strict=True)):
         params = tuple(p for p in plan.generated if p.stack == index)
-        flat = kernels.generate(*terms, stack, params)  # (numel,)
+        flat = kernels.generate(terms, stack, params)  # (numel,)
         offset = 0
         for p in params:
             out[p.name] = flat[offset : offset + p.numel].view(p.shape)

@@ -11,6 +11,7 @@ A tile therefore costs two tiny matmuls and ~3H FLOPs per weight, and nothing of
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,28 @@ from torch import Tensor
 # Eager evaluation is chunked over tiles so that the transient (chunk, TH, Q, H) tensor stays
 # cache-sized; compiled graphs are left whole for inductor to fuse.
 CHUNK_ELEMENTS = 1 << 18
+
+
+class Terms(NamedTuple):
+    """A stack's g-nets as per-tile terms: the inputs of the tile MLP and of the fused kernels.
+
+    Shapes, after any leading batch (genome) dims: `a` `(T, TH, H)` row terms and `b`
+    `(T, Q, H)` column terms of the separable first layer, `c` `(T, H)` its bias;
+    `w_hidden` `(T, D-1, H, H)` and `b_hidden` `(T, D-1, H)`, or `None` for one hidden layer;
+    `w_out` `(T, H, P)`, `b_out` `(T, P)`. Gradients come back as `Terms` of the same shapes.
+    """
+
+    a: Tensor
+    b: Tensor
+    c: Tensor
+    w_hidden: Tensor | None
+    b_hidden: Tensor | None
+    w_out: Tensor
+    b_out: Tensor | None
+
+    def tiles(self, lo: int, hi: int) -> "Terms":
+        """The terms of tiles `lo:hi` (the first axis)."""
+        return Terms(*(None if x is None else x[lo:hi] for x in self))
 
 
 def activate(z: Tensor, activation: str) -> Tensor:
@@ -54,31 +77,17 @@ def _first_layer(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
     return a[:, :, None, :] + b[:, None, :, :] + c[:, None, None, :]  # (T, TH, Q, H)
 
 
-def reference(
-    a: Tensor,
-    b: Tensor,
-    c: Tensor,
-    w_hidden: Tensor | None,
-    b_hidden: Tensor | None,
-    w_out: Tensor,
-    b_out: Tensor,
-    activation: str,
-) -> Tensor:
+def reference(terms: Terms, activation: str) -> Tensor:
     """Outputs of every g-net of a stack at every position of its tile.
 
     Args:
-        a: Row terms of the first layer, `(T, TH, H)`.
-        b: Column terms of the first layer, `(T, Q, H)`.
-        c: First-layer bias per tile, `(T, H)`.
-        w_hidden: Hidden-to-hidden weights `(T, D-1, H, H)`, or `None` for one hidden layer.
-        b_hidden: Hidden biases `(T, D-1, H)`, or `None`.
-        w_out: Output weights `(T, H, P)`.
-        b_out: Output biases `(T, P)`.
+        terms: The stack's g-nets, see `Terms`.
         activation: Name of the activation.
 
     Returns:
         `(T, TH, Q, P)`: `out[t, i, q] = mlp_t(code(i, q))`.
     """
+    a, b, c, w_hidden, b_hidden, w_out, b_out = terms
     h = activate(_first_layer(a, b, c), activation)
     for layer in range(0 if w_hidden is None else w_hidden.shape[1]):
         z = torch.einsum("tiqh,thk->tiqk", h, w_hidden[:, layer]) + b_hidden[:, layer, None, None]
@@ -86,20 +95,22 @@ def reference(
     return torch.einsum("tiqh,thp->tiqp", h, w_out) + b_out[:, None, None, :]
 
 
-def _forward_no_save(a, b, c, w_hidden, b_hidden, w_out, b_out, activation) -> Tensor:
+def _forward_no_save(terms: Terms, activation: str) -> Tensor:
+    a, b, c, w_hidden, _, w_out, b_out = terms
     if w_hidden is None and w_out.shape[-1] == 1:
         # One hidden layer, one output: a single fused reduction over H.
         h = activate(_first_layer(a, b, c), activation)
         return (h * w_out[:, None, None, :, 0]).sum(-1, keepdim=True) + b_out[:, None, None, :]
-    return reference(a, b, c, w_hidden, b_hidden, w_out, b_out, activation)
+    return reference(terms, activation)
 
 
-def _backward_recompute(grad, a, b, c, w_hidden, b_hidden, w_out, activation):
-    """Gradients of `reference` w.r.t. (a, b, c, w_hidden, b_hidden, w_out, b_out)."""
+def _backward_recompute(grad: Tensor, terms: Terms, activation: str) -> Terms:
+    """Gradients of `reference` w.r.t. every term (`terms.b_out` is not read)."""
+    a, b, c, w_hidden, b_hidden, w_out, _ = terms
     g_b_out = grad.sum((1, 2))  # (T, P)
     if w_hidden is None and w_out.shape[-1] == 1 and torch.compiler.is_compiling():
         g_a, g_b, g_w_out = _fused_reductions(grad[..., 0], a, b, c, w_out[..., 0], activation)
-        return g_a, g_b, g_a.sum(1), None, None, g_w_out[..., None], g_b_out
+        return Terms(g_a, g_b, g_a.sum(1), None, None, g_w_out[..., None], g_b_out)
     z = _first_layer(a, b, c)  # (T, TH, Q, H), one chunk at a time in eager mode
     if w_hidden is None and w_out.shape[-1] == 1:
         num_tiles, hidden = a.shape[0], a.shape[-1]
@@ -129,7 +140,7 @@ def _backward_recompute(grad, a, b, c, w_hidden, b_hidden, w_out, activation):
         g_b_hidden = torch.stack(g_bs[::-1], 1) if g_bs else None
     g_a = g_z.sum(2)
     g_b = g_z.sum(1)
-    return g_a, g_b, g_a.sum(1), g_w_hidden, g_b_hidden, g_w_out, g_b_out
+    return Terms(g_a, g_b, g_a.sum(1), g_w_hidden, g_b_hidden, g_w_out, g_b_out)
 
 
 def _fused_reductions(g: Tensor, a: Tensor, b: Tensor, c: Tensor, w: Tensor, activation: str):
@@ -167,41 +178,33 @@ def _chunks(num_tiles: int, per_tile: int) -> list[tuple[int, int]]:
     return [(s, min(num_tiles, s + size)) for s in range(0, num_tiles, size)]
 
 
-def _sliced(x: Tensor | None, lo: int, hi: int) -> Tensor | None:
-    return None if x is None else x[lo:hi]
-
-
 class _TileMLP(torch.autograd.Function):
+    """`reference` with a recomputing backward; its arguments are a flat `Terms`, then the
+    activation (`autograd.Function` takes tensors one by one)."""
+
     @staticmethod
-    def forward(a, b, c, w_hidden, b_hidden, w_out, b_out, activation):
-        num_tiles, rows, hidden = a.shape
-        parts = _chunks(num_tiles, rows * b.shape[1] * hidden)
-        outs = [
-            _forward_no_save(
-                *(_sliced(x, lo, hi) for x in (a, b, c, w_hidden, b_hidden, w_out, b_out)),
-                activation,
-            )
-            for lo, hi in parts
-        ]
+    def forward(*inputs):
+        *flat, activation = inputs
+        terms = Terms(*flat)
+        num_tiles, rows, hidden = terms.a.shape
+        parts = _chunks(num_tiles, rows * terms.b.shape[1] * hidden)
+        outs = [_forward_no_save(terms.tiles(lo, hi), activation) for lo, hi in parts]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        a, b, c, w_hidden, b_hidden, w_out, _, activation = inputs
-        ctx.save_for_backward(a, b, c, w_hidden, b_hidden, w_out)
+        *flat, activation = inputs
+        ctx.save_for_backward(*flat[:-1])  # b_out is not needed
         ctx.activation = activation
 
     @staticmethod
     def backward(ctx, grad):
-        a, b, c, w_hidden, b_hidden, w_out = ctx.saved_tensors
+        terms = Terms(*ctx.saved_tensors, None)
         grad = grad.contiguous()
+        a, b = terms.a, terms.b
         parts = _chunks(a.shape[0], a.shape[1] * b.shape[1] * a.shape[2])
         results = [
-            _backward_recompute(
-                grad[lo:hi],
-                *(_sliced(x, lo, hi) for x in (a, b, c, w_hidden, b_hidden, w_out)),
-                ctx.activation,
-            )
+            _backward_recompute(grad[lo:hi], terms.tiles(lo, hi), ctx.activation)
             for lo, hi in parts
         ]
         grads = [
@@ -215,7 +218,7 @@ class _TileMLP(torch.autograd.Function):
         return (*grads, None)
 
     @staticmethod
-    def vmap(info, in_dims, a, b, c, w_hidden, b_hidden, w_out, b_out, activation):
+    def vmap(info, in_dims, *inputs):
         # Fold the vmapped genomes into the tile axis: K stacks of T tiles are one stack of K*T.
         size = info.batch_size
 
@@ -225,23 +228,12 @@ class _TileMLP(torch.autograd.Function):
             x = x.unsqueeze(0).expand(size, *x.shape) if dim is None else x.movedim(dim, 0)
             return x.reshape(size * x.shape[1], *x.shape[2:])
 
-        args = [
-            fold(x, d)
-            for x, d in zip((a, b, c, w_hidden, b_hidden, w_out, b_out), in_dims, strict=False)
-        ]
+        *flat, activation = inputs
+        args = [fold(x, d) for x, d in zip(flat, in_dims, strict=False)]
         out = _TileMLP.apply(*args, activation)
         return out.reshape(size, -1, *out.shape[1:]), 0
 
 
-def tile_mlp(
-    a: Tensor,
-    b: Tensor,
-    c: Tensor,
-    w_hidden: Tensor | None,
-    b_hidden: Tensor | None,
-    w_out: Tensor,
-    b_out: Tensor,
-    activation: str,
-) -> Tensor:
+def tile_mlp(terms: Terms, activation: str) -> Tensor:
     """`reference`, with a backward that recomputes instead of saving `(T, TH, Q, H)`."""
-    return _TileMLP.apply(a, b, c, w_hidden, b_hidden, w_out, b_out, activation)
+    return _TileMLP.apply(*terms, activation)

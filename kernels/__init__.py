@@ -10,7 +10,12 @@ the process has to enable itself: `@triton.jit` reads `TRITON_INTERPRET` when a 
 defined, Triton's own library included, so it must be `1` before anything imports triton
 (`TRITON_INTERPRET=1 python train.py`). Importing this package never changes the
 environment; a launch that cannot run says why (`_runtime.check_runnable`).
+
+A stack's g-nets reach the kernels as `Terms`, from `stack_terms(stack, leaves)`.
 """
+
+from gbfunc._apply import stack_terms as stack_terms
+from gbfunc._tilemlp import Terms as Terms
 
 from ._runtime import DTYPES as DTYPES, check_runnable as check_runnable
 from .generate import generate as generate

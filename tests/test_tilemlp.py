@@ -4,7 +4,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from gbfunc._tilemlp import _backward_recompute, _fused_reductions, reference, tile_mlp
+from gbfunc._tilemlp import Terms, _backward_recompute, _fused_reductions, reference, tile_mlp
 
 ACTIVATIONS = ["relu", "gelu", "tanh", "silu"]
 
@@ -16,7 +16,7 @@ def inputs(tiles, rows, cols, hidden, depth, outputs, seed):
         return torch.randn(shape, generator=gen, dtype=torch.float64, requires_grad=True)
 
     deep = depth > 1
-    return [
+    return Terms(
         rand(tiles, rows, hidden),
         rand(tiles, cols, hidden),
         rand(tiles, hidden),
@@ -24,7 +24,7 @@ def inputs(tiles, rows, cols, hidden, depth, outputs, seed):
         rand(tiles, depth - 1, hidden) if deep else None,
         rand(tiles, hidden, outputs),
         rand(tiles, outputs),
-    ]
+    )
 
 
 @given(
@@ -41,26 +41,25 @@ def test_outputs_and_every_gradient_match_the_reference(
     tiles, rows, cols, hidden, depth, outputs, activation, seed
 ):
     args = inputs(tiles, rows, cols, hidden, depth, outputs, seed)
-    ours = tile_mlp(*args, activation)
-    spec = reference(*args, activation)
+    ours = tile_mlp(args, activation)
+    spec = reference(args, activation)
     torch.testing.assert_close(ours, spec, rtol=1e-12, atol=1e-12)
     grad = torch.randn_like(spec)
     present = [x for x in args if x is not None]
     got = torch.autograd.grad(ours, present, grad)
     want = torch.autograd.grad(spec, present, grad)
-    for name, g, w in zip(
-        ["a", "b", "c", "w_hidden", "b_hidden", "w_out", "b_out"], got, want, strict=False
-    ):
+    names = [n for n, x in args._asdict().items() if x is not None]
+    for name, g, w in zip(names, got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=name)
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_compiled_reductions_equal_the_eager_backward(activation):
     """`_fused_reductions` is what compiled graphs run for one layer and one output."""
-    a, b, c, _, _, w_out, _ = inputs(3, 5, 7, 4, 1, 1, seed=1)
+    terms = inputs(3, 5, 7, 4, 1, 1, seed=1)
     g = torch.randn(3, 5, 7, dtype=torch.float64)
-    got = _fused_reductions(g, a, b, c, w_out[..., 0], activation)
-    want = _backward_recompute(g[..., None], a, b, c, None, None, w_out, activation)
-    torch.testing.assert_close(got[0], want[0], msg="a")
-    torch.testing.assert_close(got[1], want[1], msg="b")
-    torch.testing.assert_close(got[2], want[5][..., 0], msg="w_out")
+    got = _fused_reductions(g, terms.a, terms.b, terms.c, terms.w_out[..., 0], activation)
+    want = _backward_recompute(g[..., None], terms, activation)
+    torch.testing.assert_close(got[0], want.a, msg="a")
+    torch.testing.assert_close(got[1], want.b, msg="b")
+    torch.testing.assert_close(got[2], want.w_out[..., 0], msg="w_out")

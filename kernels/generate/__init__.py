@@ -4,6 +4,7 @@ import torch
 from torch import Tensor
 
 from gbfunc import Generated, Stack
+from gbfunc._tilemlp import Terms
 
 from .._batching import batch_first
 from .._checks import contiguous
@@ -12,44 +13,35 @@ from . import kernel, reference
 
 
 class _Generate(torch.autograd.Function):
+    """`generate` as an op; its arguments are a flat `Terms`, then the stack and its params."""
+
     @staticmethod
-    def forward(a, b, c, w_hidden, b_hidden, w_out, b_out, stack, params):
-        tensors = (a, b, c, w_hidden, b_hidden, w_out, b_out)
-        return kernel.generate(*(contiguous(x) for x in tensors), stack, params)
+    def forward(*inputs):
+        *flat, stack, params = inputs
+        return kernel.generate(Terms(*(contiguous(x) for x in flat)), stack, params)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        a, b, c, w_hidden, b_hidden, w_out, _, stack, params = inputs
-        ctx.save_for_backward(a, b, c, w_hidden, b_hidden, w_out)  # g-net sized: no activations
+        *flat, stack, params = inputs
+        ctx.save_for_backward(*flat[:-1])  # g-net sized, no activations; b_out is not needed
         ctx.stack, ctx.params = stack, params
 
     @staticmethod
     def backward(ctx, grad):
         # The backward is itself an op (kernel + vmap rule), so grad composes with vmap and
         # differentiates again.
-        grads = generate_backward(grad, *ctx.saved_tensors, ctx.stack, ctx.params)
-        return (*grads, None, None)
+        terms = Terms(*ctx.saved_tensors, None)
+        return (*generate_backward(grad, terms, ctx.stack, ctx.params), None, None)
 
     @staticmethod
-    def vmap(info, in_dims, a, b, c, w_hidden, b_hidden, w_out, b_out, stack, params):
+    def vmap(info, in_dims, *inputs):
         # The launcher takes leading batch dims: K genomes are K times the tiles, one launch.
-        tensors = batch_first(
-            info.batch_size, (a, b, c, w_hidden, b_hidden, w_out, b_out), in_dims[:7]
-        )
+        *flat, stack, params = inputs
+        tensors = batch_first(info.batch_size, flat, in_dims[: len(flat)])
         return _Generate.apply(*tensors, stack, params), 0
 
 
-def generate(
-    a: Tensor,
-    b: Tensor,
-    c: Tensor,
-    w_hidden: Tensor | None,
-    b_hidden: Tensor | None,
-    w_out: Tensor,
-    b_out: Tensor,
-    stack: Stack,
-    params: tuple[Generated, ...],
-) -> Tensor:
+def generate(terms: Terms, stack: Stack, params: tuple[Generated, ...]) -> Tensor:
     """Every weight of a stack's parameters, flat, from its g-net terms; fused and differentiable.
 
     `reference.generate` is the specification (same arguments and result); this runs the
@@ -57,11 +49,11 @@ def generate(
     are genomes, launched as one grid). Inputs are made contiguous first.
 
     Example:
-        >>> inputs = gb._apply.stack_inputs(stack, gparams["stacks"][stack.key])
+        >>> terms = stack_terms(stack, gparams["stacks"][stack.key])
         >>> params = tuple(p for p in plan.generated if p.stack == 0)
-        >>> flat = generate(*inputs, stack, params)  # (sum of p.numel,)
+        >>> flat = generate(terms, stack, params)  # (sum of p.numel,)
     """
-    return _Generate.apply(a, b, c, w_hidden, b_hidden, w_out, b_out, stack, params)
+    return _Generate.apply(*terms, stack, params)
 
 
 __all__ = ["generate", "kernel", "reference"]

@@ -14,6 +14,7 @@ import triton.language as tl
 from torch import Tensor
 
 from gbfunc import Generated, Stack
+from gbfunc._tilemlp import Terms
 
 from .. import _checks, _gnet, _placement, _runtime
 
@@ -120,21 +121,10 @@ def _generate_kernel(
     )
 
 
-def generate(
-    a: Tensor,
-    b: Tensor,
-    c: Tensor,
-    w_hidden: Tensor | None,
-    b_hidden: Tensor | None,
-    w_out: Tensor,
-    b_out: Tensor,
-    stack: Stack,
-    params: tuple[Generated, ...],
-) -> Tensor:
+def generate(terms: Terms, stack: Stack, params: tuple[Generated, ...]) -> Tensor:
     """Launch `_generate_kernel`; same contract as `reference.generate`, contiguous inputs only."""
-    tensors = {"a": a, "b": b, "c": c, "w_out": w_out, "b_out": b_out}
-    tensors |= {"w_hidden": w_hidden, "b_hidden": b_hidden}
-    batch, numel = _checks.check_launch("kernels.generate", stack, params, tensors)
+    a, b, c, w_hidden, b_hidden, w_out, b_out = terms
+    batch, numel = _checks.check_launch("kernels.generate", stack, params, terms._asdict())
     places, scales = _placement.placement_tensors(stack, params, a.device)
     out = torch.empty((*batch, numel), dtype=a.dtype, device=a.device)
     num_tiles, depth, hidden, outputs = (

@@ -4,6 +4,7 @@ import torch
 from torch import Tensor
 
 from gbfunc import Generated, Stack
+from gbfunc._tilemlp import Terms
 
 from .._batching import batch_first
 from .._checks import contiguous
@@ -11,10 +12,14 @@ from . import kernel, reference
 
 
 class _GenerateGrad(torch.autograd.Function):
+    """`generate_backward` as an op; its arguments are the output gradient, the six terms
+    that matter (all but `b_out`), then the stack and its params."""
+
     @staticmethod
-    def forward(grad, a, b, c, w_hidden, b_hidden, w_out, stack, params):
-        tensors = (grad, a, b, c, w_hidden, b_hidden, w_out)
-        return kernel.generate_backward(*(contiguous(x) for x in tensors), stack, params)
+    def forward(*inputs):
+        grad, *flat, stack, params = inputs
+        terms = Terms(*(contiguous(x) for x in flat), None)
+        return tuple(kernel.generate_backward(contiguous(grad), terms, stack, params))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -25,46 +30,40 @@ class _GenerateGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *cotangents):
         # Second order is rare (Hessian-vector products): differentiate the reference.
-        inputs = ctx.saved_tensors
-        present = [x for x in inputs if x is not None]
+        grad, *flat = ctx.saved_tensors
+        terms = Terms(*flat, None)
+        present = {name: x for name, x in terms._asdict().items() if x is not None}
 
-        def gradients(*xs: Tensor) -> reference.Grads:
-            it = iter(xs)
-            return reference.generate_backward(
-                *(None if x is None else next(it) for x in inputs), ctx.stack, ctx.params
-            )
+        def gradients(grad: Tensor, present: dict[str, Tensor]) -> dict[str, Tensor]:
+            given = terms._replace(**present)
+            grads = reference.generate_backward(grad, given, ctx.stack, ctx.params)
+            return {name: g for name, g in grads._asdict().items() if g is not None}
 
-        _, vjp = torch.func.vjp(gradients, *present)
-        grads = iter(vjp(cotangents))
-        return (*(None if x is None else next(grads) for x in inputs), None, None)
+        out, vjp = torch.func.vjp(gradients, grad, present)
+        given = dict(zip(Terms._fields, cotangents, strict=True))
+        cot = {n: torch.zeros_like(g) if given[n] is None else given[n] for n, g in out.items()}
+        grad_grad, grad_present = vjp(cot)
+        grad_terms = (grad_present.get(name) for name in Terms._fields[:-1])
+        return (grad_grad, *grad_terms, None, None)
 
     @staticmethod
-    def vmap(info, in_dims, grad, a, b, c, w_hidden, b_hidden, w_out, stack, params):
-        tensors = batch_first(
-            info.batch_size, (grad, a, b, c, w_hidden, b_hidden, w_out), in_dims[:7]
-        )
+    def vmap(info, in_dims, *inputs):
+        *tensors, stack, params = inputs
+        tensors = batch_first(info.batch_size, tensors, in_dims[: len(tensors)])
         grads = _GenerateGrad.apply(*tensors, stack, params)
         return grads, tuple(None if x is None else 0 for x in grads)
 
 
 def generate_backward(
-    grad: Tensor,
-    a: Tensor,
-    b: Tensor,
-    c: Tensor,
-    w_hidden: Tensor | None,
-    b_hidden: Tensor | None,
-    w_out: Tensor,
-    stack: Stack,
-    params: tuple[Generated, ...],
-) -> reference.Grads:
-    """Gradients of `generate` w.r.t. `(a, b, c, w_hidden, b_hidden, w_out, b_out)`; fused.
+    grad: Tensor, terms: Terms, stack: Stack, params: tuple[Generated, ...]
+) -> Terms:
+    """Gradients of `generate` w.r.t. every term (`Terms`), given `grad` of its output; fused.
 
     `reference.generate_backward` is the specification. The kernel recomputes the hidden
     activations block by block instead of reading saved ones; it composes with `vmap`, and
-    differentiates again through the reference.
+    differentiates again through the reference. `terms.b_out` is not read.
     """
-    return _GenerateGrad.apply(grad, a, b, c, w_hidden, b_hidden, w_out, stack, params)
+    return Terms(*_GenerateGrad.apply(grad, *terms[:-1], stack, params))
 
 
 __all__ = ["generate_backward", "kernel", "reference"]

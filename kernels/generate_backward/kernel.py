@@ -19,11 +19,10 @@ import triton.language as tl
 from torch import Tensor
 
 from gbfunc import Generated, Stack
+from gbfunc._tilemlp import Terms
 
 from .. import _checks, _gnet, _placement, _runtime
 from ..generate.kernel import block_h, block_p, block_sizes
-
-Grads = tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor, Tensor]
 
 
 @triton.jit
@@ -184,17 +183,10 @@ def splits_for(device: torch.device, genome_tiles: int, rows: int) -> int:
 
 
 def generate_backward(
-    grad: Tensor,
-    a: Tensor,
-    b: Tensor,
-    c: Tensor,
-    w_hidden: Tensor | None,
-    b_hidden: Tensor | None,
-    w_out: Tensor,
-    stack: Stack,
-    params: tuple[Generated, ...],
-) -> Grads:
+    grad: Tensor, terms: Terms, stack: Stack, params: tuple[Generated, ...]
+) -> Terms:
     """Launch `_generate_backward_kernel`; same contract as `reference.generate_backward`."""
+    a, b, c, w_hidden, b_hidden, w_out, _ = terms
     tensors = {"a": a, "grad": grad, "b": b, "c": c, "w_out": w_out}
     tensors |= {"w_hidden": w_hidden, "b_hidden": b_hidden}
     batch, numel = _checks.check_launch("kernels.generate_backward", stack, params, tensors)
@@ -231,7 +223,7 @@ def generate_backward(
         return None if partials is None else partials.sum(0).reshape(like.shape).to(a.dtype)
 
     g_a = g_a.reshape(a.shape)
-    return (
+    return Terms(
         g_a.to(a.dtype),
         total(g_b, b),
         g_a.sum(-2).to(a.dtype),  # c is added at every row: its gradient sums a's

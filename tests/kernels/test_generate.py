@@ -18,15 +18,15 @@ from torch.func import grad, vmap
 
 import gbfunc as gb
 from gbfunc import kernels
-from gbfunc._apply import assemble, stack_inputs
-from gbfunc.kernels import _placement, _runtime
+from gbfunc._apply import assemble
+from gbfunc.kernels import Terms, _placement, _runtime, stack_terms
 from gbfunc.kernels.generate import kernel as forward_kernel, reference as forward_reference
 from gbfunc.kernels.generate_backward import (
     kernel as backward_kernel,
     reference as backward_reference,
 )
 
-NAMES = ("a", "b", "c", "w_hidden", "b_hidden", "w_out", "b_out")
+NAMES = Terms._fields
 GRAD_NAMES = tuple(f"grad_{n}" for n in NAMES)
 
 # (rtol, atol per sqrt(reduction length)), relative to the largest expected magnitude.
@@ -102,7 +102,7 @@ class Case:
                 k: v.detach() + 0.2 * torch.randn(v.shape, generator=gen, dtype=v.dtype)
                 for k, v in leaves.items()
             }
-            return dict(zip(NAMES, stack_inputs(stack, noisy), strict=True))
+            return dict(zip(NAMES, stack_terms(stack, noisy), strict=True))
 
         draws = [draw() for _ in range(max(genomes, 1))]
         stacked = {
@@ -181,8 +181,8 @@ def split(terms: dict[str, Tensor | None]) -> tuple[dict[str, Tensor], dict[str,
 def test_forward_kernel_matches_reference(case):
     stack, params, _ = case.stack()
     terms = case.terms(torch.float32)
-    out = forward_kernel.generate(**terms, stack=stack, params=params)
-    expected = forward_reference.generate(**as64(terms), stack=stack, params=params)
+    out = forward_kernel.generate(Terms(**terms), stack, params)
+    expected = forward_reference.generate(Terms(**as64(terms)), stack, params)
     assert out.shape == (sum(p.numel for p in params),)
     assert_close(out, expected, reductions(stack)[0], "out")
 
@@ -191,13 +191,12 @@ def test_forward_kernel_matches_reference(case):
 def test_backward_kernel_matches_reference(case):
     stack, params, _ = case.stack()
     terms = case.terms(torch.float32)
-    del terms["b_out"]
     cotangent = torch.randn(
         sum(p.numel for p in params), generator=torch.Generator().manual_seed(case.seed)
     ).to(KERNEL_DEVICE)
-    grads = backward_kernel.generate_backward(cotangent, **terms, stack=stack, params=params)
+    grads = backward_kernel.generate_backward(cotangent, Terms(**terms), stack, params)
     expected = backward_reference.generate_backward(
-        cotangent.double(), **as64(terms), stack=stack, params=params
+        cotangent.double(), Terms(**as64(terms)), stack, params
     )
     for name, g, e in zip(GRAD_NAMES, grads, expected, strict=True):
         assert_close(g, e, reductions(stack)[1], name)
@@ -213,7 +212,7 @@ def test_grad_of_op_matches_grad_of_reference(case):
     tensors, absent = split(terms)
 
     def loss(fn, cot):
-        return lambda t: (fn(**t, **absent, stack=stack, params=params) * cot).sum()
+        return lambda t: (fn(Terms(**t, **absent), stack, params) * cot).sum()
 
     got = grad(loss(kernels.generate, cotangent))(tensors)
     expected = grad(loss(forward_reference.generate, cotangent.double()))(as64(tensors))
@@ -232,7 +231,7 @@ def test_vmap_over_genomes_is_a_loop(case, genomes):
     cotangent = torch.randn(genomes, sum(p.numel for p in params), device=KERNEL_DEVICE)
 
     def op(t):
-        return kernels.generate(**t, **absent, stack=stack, params=params)
+        return kernels.generate(Terms(**t, **absent), stack, params)
 
     def loss(t, cot):
         return (op(t) * cot).sum()
@@ -251,18 +250,18 @@ def test_nested_vmap_and_second_order():
     case = Case("attention", (4, 4), 1, (3, 2), 5, 2, "gelu", 1, "code", 7)
     stack, params, _ = case.stack()
     terms = case.terms(torch.float32, genomes=2)
-    nested = vmap(vmap(lambda t: kernels.generate(**t, stack=stack, params=params)))
+    nested = vmap(vmap(lambda t: kernels.generate(Terms(**t), stack, params)))
     twice = {
         n: None if x is None else torch.stack([x, 2 * x]) for n, x in terms.items()
     }  # (2, 2, ...)
-    expected = forward_reference.generate(**as64(twice), stack=stack, params=params)
+    expected = forward_reference.generate(Terms(**as64(twice)), stack, params)
     assert_close(nested(twice), expected, reductions(stack)[0], "nested vmap")
 
     one = {n: x[0] for n, x in terms.items()}  # depth 2: every term is a tensor
 
     def second(fn, t):
         def loss(u):
-            return (fn(**u, stack=stack, params=params) ** 2).sum()
+            return (fn(Terms(**u), stack, params) ** 2).sum()
 
         return sum((g**2).sum() for g in grad(loss)(t).values())
 
@@ -272,17 +271,36 @@ def test_nested_vmap_and_second_order():
         assert_close(got[name], want[name], 10 * reductions(stack)[1], f"second-order {name}")
 
 
+def test_second_order_of_a_one_layer_gnet():
+    # No hidden-to-hidden terms: the backward op has `None` gradients among its outputs.
+    case = Case("linear", (5, 6), 1, (4, 4), 3, 1, "tanh", 2, "code", 0)
+    stack, params, _ = case.stack()
+    tensors, absent = split(case.terms(torch.float32))
+
+    def second(fn, t):
+        def loss(u):
+            return (fn(Terms(**u, **absent), stack, params) ** 2).sum()
+
+        return sum((g**2).sum() for g in grad(loss)(t).values())
+
+    got = grad(lambda t: second(kernels.generate, t))(tensors)
+    want = grad(lambda t: second(forward_reference.generate, t))(as64(tensors))
+    assert set(got) == {"a", "b", "c", "w_out", "b_out"}
+    for name in got:
+        assert_close(got[name], want[name], 10 * reductions(stack)[1], f"second-order {name}")
+
+
 def test_half_precision():
     case = Case("conv2d", (3, 5), 3, (4, 2), 8, 2, "silu", 1, "output", 3)
     stack, params, _ = case.stack()
     terms = case.terms(torch.float16)
-    out = kernels.generate(**terms, stack=stack, params=params)
+    out = kernels.generate(Terms(**terms), stack, params)
     assert out.dtype == torch.float16
     assert_close(
-        out, forward_reference.generate(**as64(terms), stack=stack, params=params), 16, "fp16 out"
+        out, forward_reference.generate(Terms(**as64(terms)), stack, params), 16, "fp16 out"
     )
-    grads = grad(lambda t: kernels.generate(**t, stack=stack, params=params).float().sum())(terms)
-    expected = grad(lambda t: forward_reference.generate(**t, stack=stack, params=params).sum())(
+    grads = grad(lambda t: kernels.generate(Terms(**t), stack, params).float().sum())(terms)
+    expected = grad(lambda t: forward_reference.generate(Terms(**t), stack, params).sum())(
         as64(terms)
     )
     for name in NAMES:  # depth 2: every term is a tensor
@@ -325,7 +343,7 @@ class TestErrors:
     def call(self, **changes):
         stack, params, _ = self.case.stack()
         terms = {**self.case.terms(torch.float32), **changes}
-        return forward_kernel.generate(**terms, stack=stack, params=params)
+        return forward_kernel.generate(Terms(**terms), stack, params)
 
     def test_dtype_mismatch_names_the_argument(self):
         with pytest.raises(
@@ -347,10 +365,10 @@ class TestErrors:
         terms = self.case.terms(torch.float32)
         strided = {**terms, "b": terms["b"].transpose(-1, -2).contiguous().transpose(-1, -2)}
         with pytest.raises(ValueError, match=r"kernels.generate: b is not contiguous"):
-            forward_kernel.generate(**strided, stack=stack, params=params)
+            forward_kernel.generate(Terms(**strided), stack, params)
         torch.testing.assert_close(
-            kernels.generate(**strided, stack=stack, params=params),
-            kernels.generate(**terms, stack=stack, params=params),
+            kernels.generate(Terms(**strided), stack, params),
+            kernels.generate(Terms(**terms), stack, params),
         )
 
     def test_shape_from_another_stack(self):
@@ -371,21 +389,21 @@ class TestErrors:
         with pytest.raises(
             ValueError, match=r"genome.hidden=300; .* at most 256\. Use backend='torch'"
         ):
-            forward_kernel.generate(**wide.terms(torch.float32), stack=stack, params=params)
+            forward_kernel.generate(Terms(**wide.terms(torch.float32)), stack, params)
 
     def test_params_of_another_stack(self):
         stack, _, _ = self.case.stack()
         with pytest.raises(ValueError, match=r"params \[\] do not tile stack 's0_4x4' \(4 tiles\)"):
-            forward_kernel.generate(**self.case.terms(torch.float32), stack=stack, params=())
+            forward_kernel.generate(Terms(**self.case.terms(torch.float32)), stack, ())
 
     def test_not_a_stack(self):
         _, params, _ = self.case.stack()
         with pytest.raises(TypeError, match=r"stack must be a gb.Stack"):
             backward_kernel.generate_backward(
                 torch.zeros(30, device=KERNEL_DEVICE),
-                **{n: None for n in NAMES[:-1]},
-                stack="s0",
-                params=params,
+                Terms(*[None] * len(NAMES)),
+                "s0",
+                params,
             )
 
 
@@ -396,14 +414,12 @@ def test_gpu_dtypes_match_reference(dtype):
     case = Case("conv2d", (24, 40), 3, (16, 8), 32, 2, "gelu", 1, "code", 0)
     stack, params, _ = case.stack()
     terms = {n: None if x is None else x.cuda() for n, x in case.terms(dtype).items()}
-    out = kernels.generate(**terms, stack=stack, params=params)
-    assert_close(
-        out, forward_reference.generate(**as64(terms), stack=stack, params=params), 64, "out"
-    )
-    expected = grad(lambda t: forward_reference.generate(**t, stack=stack, params=params).sum())(
+    out = kernels.generate(Terms(**terms), stack, params)
+    assert_close(out, forward_reference.generate(Terms(**as64(terms)), stack, params), 64, "out")
+    expected = grad(lambda t: forward_reference.generate(Terms(**t), stack, params).sum())(
         as64(terms)
     )
-    grads = grad(lambda t: kernels.generate(**t, stack=stack, params=params).float().sum())(terms)
+    grads = grad(lambda t: kernels.generate(Terms(**t), stack, params).float().sum())(terms)
     for name in NAMES:
         assert_close(grads[name], expected[name], reductions(stack)[1], f"grad_{name}")
 
@@ -420,10 +436,10 @@ def test_gpu_autotune_sweep_picks_a_config_per_shape():
         case = Case("linear", (200, 300), 1, tile, hidden, depth, "relu", outputs, "code", 0)
         stack, params, _ = case.stack()
         terms = {n: None if x is None else x.cuda() for n, x in case.terms(torch.float32).items()}
-        out = kernels.generate(**terms, stack=stack, params=params)
+        out = kernels.generate(Terms(**terms), stack, params)
         assert_close(
             out,
-            forward_reference.generate(**as64(terms), stack=stack, params=params),
+            forward_reference.generate(Terms(**as64(terms)), stack, params),
             256,
             str(tile),
         )
