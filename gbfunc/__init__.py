@@ -11,6 +11,7 @@ g-nets are trained and stored.
 
 from . import compat as compat, optim as optim
 from ._apply import apply as apply
+from ._calibrate import calibrate as calibrate
 from ._checkpoint import (
     Checkpoint as Checkpoint,
     CheckpointCorruptError as CheckpointCorruptError,

@@ -1,0 +1,80 @@
+"""`gb.calibrate`: every layer starts at zero-mean outputs, through free or generated biases."""
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.utils._pytree import tree_leaves
+
+import gbfunc as gb
+
+
+def cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 6, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(6 * 25, 12),
+        nn.ReLU(), nn.Linear(12, 3),
+    )  # fmt: skip
+
+
+def layer_outputs(model: nn.Module, params: dict, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    outputs = {}
+    hooks = [
+        m.register_forward_hook(lambda _m, _i, out, n=n: outputs.__setitem__(n, out))
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear | nn.Conv2d)
+    ]
+    with torch.no_grad():
+        functional_call(model, params, (x,))
+    for h in hooks:
+        h.remove()
+    return outputs
+
+
+X = torch.rand(128, 1, 5, 5, generator=torch.Generator().manual_seed(0)) + 0.5  # all positive
+
+
+@pytest.mark.parametrize("biases", [True, False])
+def test_every_layer_starts_at_zero_mean_outputs(biases):
+    model = cnn()
+    plan = (
+        gb.plan(model, tile="full", biases=True, hidden=4)
+        if biases
+        else gb.plan(model, tile=(4, 4), hidden=4)
+    )
+    gparams = gb.init(plan, seed=3)
+    before = layer_outputs(model, gb.apply(gparams, plan), X)
+    calibrated = gb.calibrate(gparams, plan, model, X)
+    after = layer_outputs(model, gb.apply(calibrated, plan), X)
+    assert max(abs(float(y.mean())) for y in before.values()) > 1e-2  # there was an offset
+    for name, y in after.items():
+        unit = 1 if name == "0" else -1
+        per_unit = y.movedim(unit, -1).reshape(-1, y.shape[unit]).mean(0)
+        if biases:  # one shift of the generated vector: the mean over units is zero
+            assert abs(float(per_unit.mean())) < 1e-5, name
+        else:  # a free bias: every unit's mean is zero
+            torch.testing.assert_close(per_unit, torch.zeros_like(per_unit), atol=1e-5, rtol=0)
+
+
+def test_only_biases_move_and_the_input_is_left_alone():
+    model = cnn()
+    plan = gb.plan(model, tile="full", biases=True, hidden=4)
+    gparams = gb.init(plan, seed=3)
+    saved = [t.clone() for t in tree_leaves(gparams)]
+    calibrated = gb.calibrate(gparams, plan, model, (X,))
+    assert all(torch.equal(a, b) for a, b in zip(tree_leaves(gparams), saved, strict=True))
+    before, after = gb.apply(gparams, plan), gb.apply(calibrated, plan)
+    for name in before:
+        same = torch.equal(before[name], after[name])
+        assert same == name.endswith("weight"), name
+    assert all(t.requires_grad for t in tree_leaves(calibrated))
+
+
+def test_frozen_biases_stay_and_wrong_gparams_are_named():
+    model = cnn()
+    model[5].bias.requires_grad_(False)
+    plan = gb.plan(model, tile=(4, 4), hidden=4)
+    gparams = gb.init(plan, seed=1)
+    calibrated = gb.calibrate(gparams, plan, model, X)
+    assert torch.equal(calibrated["frozen"]["5.bias"], gparams["frozen"]["5.bias"])
+    with pytest.raises(ValueError, match=r"gb\.calibrate"):
+        gb.calibrate({"stacks": {}, "free": {}, "frozen": {}}, plan, model, X)
