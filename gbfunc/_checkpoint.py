@@ -89,8 +89,14 @@ def save(
         meta: Anything JSON can hold.
 
     Example:
+        >>> model = nn.Linear(64, 32)
+        >>> plan = gb.plan(model, tile=(16, 16))
+        >>> gparams = gb.init(plan)
+        >>> opt = torch.optim.AdamW(gb.trainable_leaves(gparams))
         >>> gb.save("ckpt.safetensors", gparams, plan, opt_state=opt.state_dict(), step=100)
         >>> gparams, plan, opt_state, step, meta = gb.load("ckpt.safetensors", model)
+        >>> step, sorted(opt_state)
+        (100, ['param_groups', 'state'])
     """
     path = os.fspath(path)
     check_gparams(gparams, plan, "gb.save")

@@ -28,8 +28,11 @@ def export(gparams: GParams, plan: Plan, *, model: nn.Module | None = None) -> d
         `{name: Tensor}`, detached, each parameter in the dtype the p-net had.
 
     Example:
-        >>> sd = gb.export(gparams, plan, model=model)
-        >>> fresh.load_state_dict(sd, strict=True)  # an ordinary model again
+        >>> model = nn.Linear(64, 32)
+        >>> plan = gb.plan(model, tile=(16, 16))
+        >>> sd = gb.export(gb.init(plan), plan, model=model)
+        >>> nn.Linear(64, 32).load_state_dict(sd, strict=True)  # an ordinary model again
+        <All keys matched successfully>
     """
     check_gparams(gparams, plan, "gb.export")
     check_no_meta(leaves(gparams, plan), "gb.export")
@@ -66,8 +69,12 @@ def save_dense(
     plus `metadata`.
 
     Example:
-        >>> gb.save_dense("model.safetensors", gparams, plan, model=model)
+        >>> import safetensors.torch
+        >>> model = nn.Linear(64, 32)
+        >>> plan = gb.plan(model, tile=(16, 16))
+        >>> gb.save_dense("model.safetensors", gb.init(plan), plan, model=model)
         >>> model.load_state_dict(safetensors.torch.load_file("model.safetensors"))
+        <All keys matched successfully>
     """
     path = os.fspath(path)
     if metadata is not None and not all(

@@ -58,8 +58,13 @@ def fit(
         `Fitted(gparams, errors)`, leaves with the `requires_grad` flags of `gparams`.
 
     Example:
-        >>> fitted = gb.fit(gb.init(plan), plan, trained_model.state_dict(), steps=1000)
-        >>> model.load_state_dict(gb.export(fitted.gparams, plan, model=model))
+        >>> trained = nn.Linear(64, 32)
+        >>> plan = gb.plan(trained, tile=(16, 16))
+        >>> fitted = gb.fit(gb.init(plan), plan, trained.state_dict(), steps=50)
+        >>> sorted(fitted.errors)  # relative squared error per generated weight
+        ['weight']
+        >>> trained.load_state_dict(gb.export(fitted.gparams, plan, model=trained))
+        <All keys matched successfully>
     """
     check_gparams(gparams, plan, "gb.fit")
     _check_options(plan, target, steps, lr)

@@ -200,8 +200,13 @@ class Bottleneck(nn.Module):
         For the optimizer state, step and meta of the same file, read it with `gb.load`.
 
         Example:
+            >>> model = nn.Linear(64, 32)
+            >>> b = gb.Bottleneck(model, tile=(16, 16))
             >>> gb.save("ckpt.safetensors", b.gparams, b.plan)
             >>> b2 = gb.Bottleneck.from_checkpoint("ckpt.safetensors", model)
+            >>> x = torch.ones(1, 64)
+            >>> torch.equal(b2(x), b(x))
+            True
         """
         ckpt = load(path, model, device=device)
         module = cls(model, ckpt.plan)

@@ -43,8 +43,11 @@ def save_replicated(
         meta: As in `gb.save`.
 
     Example:
-        >>> gb.save_replicated("ckpt.safetensors", gparams, plan, opt_state=opt.state_dict())
-        >>> gparams, plan, opt_state, step, meta = gb.load("ckpt.safetensors", model)
+        >>> model = nn.Linear(64, 32)
+        >>> plan = gb.plan(model, tile=(16, 16))
+        >>> gb.save_replicated("ckpt.safetensors", gb.init(plan), plan, step=7)  # every rank
+        >>> gb.load("ckpt.safetensors", model).step  # any rank, afterwards
+        7
     """
     if not (dist.is_available() and dist.is_initialized()):
         save(path, gparams, plan, opt_state=opt_state, step=step, meta=meta)

@@ -5,8 +5,13 @@ step (generate, forward, loss, grad, update) can run under `torch.compile(fullgr
 The `"frozen"` group is carried through unchanged.
 
 Example:
+    >>> model = nn.Linear(8, 2)
+    >>> plan = gb.plan(model, tile=(4, 4))
+    >>> gparams = gb.init(plan)
+    >>> def loss_fn(gparams, x):
+    ...     return functional_call(model, gb.apply(gparams, plan), (x,)).square().mean()
     >>> state = gb.optim.adamw_init(gparams)
-    >>> grads = torch.func.grad(loss_fn)(gparams, x, y)
+    >>> grads = torch.func.grad(loss_fn)(gparams, torch.randn(16, 8))
     >>> gparams, state = gb.optim.adamw_update(gparams, grads, state, lr=1e-3)
 """
 

@@ -50,7 +50,7 @@ def check_plan(plan: Plan, group: dist.ProcessGroup | None = None) -> None:
         group: Process group (default: the world).
 
     Example:
-        >>> gb.dist.check_plan(plan)
+        >>> gb.dist.check_plan(plan)  # every rank, under torchrun  # doctest: +SKIP
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"gb.dist.check_plan: plan must be a gb.Plan, got {type(plan).__name__}.")

@@ -36,7 +36,7 @@ def shard_batch(batch: Tensor | Sequence[Tensor], mesh: DeviceMesh) -> Tensor | 
         mesh: From `init_mesh`.
 
     Example:
-        >>> x, y = gb.dist.shard_batch((x, y), mesh)  # 64 rows on 4 dp ranks: 16 each
+        >>> x, y = gb.dist.shard_batch((x, y), mesh)  # 64 rows on 4 dp ranks: 16 each  # doctest: +SKIP
     """
     tensors = (batch,) if isinstance(batch, Tensor) else tuple(batch)
     rows = {t.shape[0] for t in tensors}
@@ -73,7 +73,7 @@ def data_loader(
         **kwargs: Passed to `DataLoader` (`num_workers`, `collate_fn`, ...).
 
     Example:
-        >>> loader = gb.dist.data_loader(dataset, global_batch_size=64, mesh=mesh)
+        >>> loader = gb.dist.data_loader(dataset, global_batch_size=64, mesh=mesh)  # doctest: +SKIP
     """
     size = local_batch_size(global_batch_size, mesh, "gb.dist.data_loader")
     sampler = DistributedSampler(

@@ -74,8 +74,10 @@ def assign(plan: Plan, world_size: int) -> Ownership:
         world_size: Number of ranks.
 
     Example:
-        >>> assign(plan, 8).imbalance
-        1.0003
+        >>> model = nn.Sequential(nn.Linear(100, 300), nn.ReLU(), nn.Linear(300, 10))
+        >>> plan = gb.plan(model, tile=(64, 64))  # 10 + 5 g-nets of two sizes
+        >>> round(assign(plan, 4).imbalance, 3)  # the busiest rank over the mean
+        1.113
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"gb.dist.assign: world_size must be an integer >= 1, got {world_size!r}.")
@@ -110,9 +112,11 @@ class RankOwned:
             is made so these collectives never interleave with others on `group`.
 
     Example:
-        >>> owned = RankOwned(plan)
-        >>> local = owned.shard(gb.init(plan, seed=0))  # this rank's g-nets only
-        >>> out = functional_call(model, owned.apply(local), (x,))
+        Under `torchrun`, on every rank:
+
+        >>> owned = RankOwned(plan)  # doctest: +SKIP
+        >>> local = owned.shard(gb.init(plan, seed=0))  # this rank's g-nets only  # doctest: +SKIP
+        >>> out = functional_call(model, owned.apply(local), (x,))  # doctest: +SKIP
     """
 
     def __init__(self, plan: Plan, group: dist.ProcessGroup | None = None) -> None:

@@ -31,8 +31,10 @@ class StageGenerator:
             model (a subset of them, e.g. `blocks.2.mlp.fc1.weight`).
 
     Example:
-        >>> gen = StageGenerator(plan, stage_module)
-        >>> gen.load(gparams); schedule.step(...); gen.backward(gparams); sync.wait()
+        On each pipeline rank, under `torchrun`:
+
+        >>> gen = StageGenerator(plan, stage_module)  # doctest: +SKIP
+        >>> gen.load(gparams); schedule.step(...); gen.backward(gparams); sync.wait()  # doctest: +SKIP
     """
 
     def __init__(self, plan: Plan, stage: nn.Module) -> None:

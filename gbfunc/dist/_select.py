@@ -124,8 +124,10 @@ class Selection:
         regions: `{name: region}` for the parameters to produce (generated or free).
 
     Example:
+        >>> model = nn.ModuleDict({"fc": nn.Linear(128, 256)})
+        >>> plan = gb.plan(model, tile=(32, 32))
         >>> sel = Selection(plan, {"fc.weight": ((0, 64), (0, 128))})  # the first 64 rows
-        >>> sel.apply(gparams)["fc.weight"].shape
+        >>> sel.apply(gb.init(plan))["fc.weight"].shape
         torch.Size([64, 128])
     """
 

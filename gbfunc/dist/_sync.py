@@ -55,8 +55,10 @@ class GradSync:
         bucket_bytes: Target size of one bucket.
 
     Example:
-        >>> sync = GradSync(gb.trainable_leaves(gparams), mesh)
-        >>> loss.backward(); sync.wait(); opt.step(); opt.zero_grad()
+        On every rank, under `torchrun`:
+
+        >>> sync = GradSync(gb.trainable_leaves(gparams), mesh)  # doctest: +SKIP
+        >>> loss.backward(); sync.wait(); opt.step(); opt.zero_grad()  # doctest: +SKIP
     """
 
     def __init__(

@@ -63,9 +63,11 @@ class TensorParallel:
             on both neighbouring ranks. Choose tiles that divide `dim / tp` to avoid it.
 
     Example:
-        >>> parallelize_module(model, mesh["tp"], gpt.tp_plan(model))
-        >>> tp = TensorParallel(plan, model, mesh["tp"])
-        >>> out = functional_call(model, tp.apply(gparams), (x,))
+        On every tensor-parallel rank, under `torchrun`:
+
+        >>> parallelize_module(model, mesh["tp"], gpt.tp_plan(model))  # doctest: +SKIP
+        >>> tp = TensorParallel(plan, model, mesh["tp"])  # doctest: +SKIP
+        >>> out = functional_call(model, tp.apply(gparams), (x,))  # doctest: +SKIP
     """
 
     def __init__(self, plan: Plan, model: nn.Module, mesh: DeviceMesh) -> None:

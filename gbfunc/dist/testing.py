@@ -42,8 +42,10 @@ def spawn(
         Each rank's return value, or `None` for a rank that exited without returning.
 
     Example:
-        >>> def check(rank, world): return dist.get_world_size()
-        >>> spawn(check, 2)
+        With `check` defined at the top level of a module (the children import it):
+
+        >>> def check(rank, world): return dist.get_world_size()  # doctest: +SKIP
+        >>> spawn(check, 2)  # doctest: +SKIP
         [2, 2]
     """
     if worker.__qualname__ != worker.__name__:

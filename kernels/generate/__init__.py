@@ -49,9 +49,13 @@ def generate(terms: Terms, stack: Stack, params: tuple[Generated, ...]) -> Tenso
     are genomes, launched as one grid). Inputs are made contiguous first.
 
     Example:
+        >>> from gbfunc.kernels import stack_terms
+        >>> plan = gb.plan(nn.Linear(12, 10), tile=(4, 4))
+        >>> stack, gparams = plan.stacks[0], gb.init(plan)
         >>> terms = stack_terms(stack, gparams["stacks"][stack.key])
         >>> params = tuple(p for p in plan.generated if p.stack == 0)
-        >>> flat = generate(terms, stack, params)  # (sum of p.numel,)
+        >>> generate(terms, stack, params).shape  # the 120 weights, flat
+        torch.Size([120])
     """
     return _Generate.apply(*terms, stack, params)
 

@@ -26,7 +26,12 @@ def generate(terms: Terms, stack: Stack, params: tuple[Generated, ...]) -> Tenso
         `(*batch, numel)`: `out[..., offset:offset + p.numel].view(p.shape)` is parameter `p`.
 
     Example:
-        >>> flat = generate(stack_terms(stack, gparams["stacks"][stack.key]), stack, params)
+        >>> from gbfunc.kernels import stack_terms
+        >>> plan = gb.plan(nn.Linear(12, 10), tile=(4, 4))
+        >>> stack, gparams = plan.stacks[0], gb.init(plan)
+        >>> terms = stack_terms(stack, gparams["stacks"][stack.key])
+        >>> generate(terms, stack, plan.generated).shape
+        torch.Size([120])
     """
     fn = functools.partial(_one_genome, stack=stack, params=params)
     for _ in range(terms.a.dim() - 3):  # leading batch dims: one vmap each
