@@ -43,17 +43,21 @@ def block_p(outputs: int) -> int:
     return 1 if outputs == 1 else max(triton.next_power_of_2(outputs), 16)
 
 
-@triton.autotune(
-    configs=_runtime.configs((32, 64, 128, 256), (2, 4, 8)),
-    key=["TH", "Q", "H", "P", "DEPTH"],
-    prune_configs_by={"early_config_prune": _runtime.fit_registers},
-)
-@triton.heuristics(
+# The tile's row and column blocks, from its shape; the backward kernel uses them too.
+tile_blocks = triton.heuristics(
     {
         "BLOCK_Q": lambda args: block_sizes(args)["BLOCK_Q"],
         "BLOCK_I": lambda args: block_sizes(args)["BLOCK_I"],
     }
 )
+
+
+@triton.autotune(
+    configs=_runtime.configs((32, 64, 128, 256), (2, 4, 8)),
+    key=["TH", "Q", "H", "P", "DEPTH"],
+    prune_configs_by={"early_config_prune": _runtime.fit_registers},
+)
+@tile_blocks
 @triton.jit
 def _generate_kernel(
     # G-net terms, contiguous, genome-major tile axis (B * T): a (., TH, H), b (., Q, H), c (., H),

@@ -22,7 +22,7 @@ from gbfunc import Generated, Stack
 from gbfunc._tilemlp import Terms
 
 from .. import _checks, _gnet, _placement, _runtime
-from ..generate.kernel import block_h, block_p, block_sizes
+from ..generate.kernel import block_h, block_p, tile_blocks
 
 
 @triton.jit
@@ -38,12 +38,7 @@ def _accumulate(ptr, value, mask):
     prune_configs_by={"early_config_prune": _runtime.fit_registers},
     reset_to_zero=["gb_ptr", "gwh_ptr", "gbh_ptr"],
 )
-@triton.heuristics(
-    {
-        "BLOCK_Q": lambda args: block_sizes(args)["BLOCK_Q"],
-        "BLOCK_I": lambda args: block_sizes(args)["BLOCK_I"],
-    }
-)
+@tile_blocks
 @triton.jit
 def _generate_backward_kernel(
     # Incoming gradient of the weights (B, NUMEL).
