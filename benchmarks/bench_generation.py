@@ -83,20 +83,6 @@ def forward_flops(stack: gb.Stack) -> float:
     return first + positions * per_position
 
 
-def saved_bytes(fn: Callable[[], Tensor]) -> int:
-    """Bytes of the distinct storages autograd saves for backward while `fn` runs."""
-    storages: dict[int, int] = {}
-
-    def pack(x: Tensor) -> Tensor:
-        storage = x.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-        return x
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        fn()
-    return sum(storages.values())
-
-
 def naive(plan: gb.Plan, gparams: dict) -> Tensor:
     """Baseline: one plain MLP per tile over the full code matrix, vmapped (batched matmuls)."""
     (stack,), (param,) = plan.stacks, plan.generated
@@ -153,7 +139,7 @@ def run_cpu(args: argparse.Namespace) -> None:
             for name, fn in paths.items():
                 t = times[name]
                 roofline = max(work * flops / flops_peak, written / write_peak) / t
-                saved = saved_bytes(fn) / numel
+                saved = gb.memory.saved_bytes(fn) / numel
                 print(
                     f"{numel:>9} {label:<8} {name:<13} {t * 1e3:>9.2f} {numel / t / 1e6:>11.1f} "
                     f"{saved:>10.1f} {roofline:>8.1%} {times['naive vmap'] / t:>8.2f}x"
@@ -166,7 +152,8 @@ def run_cpu(args: argparse.Namespace) -> None:
 def saved_by_triton(args: argparse.Namespace) -> float:
     """Bytes per weight the Triton path saves for backward (interpreted on CPU: not timed)."""
     plan, gparams = setup(128, args, "cpu")
-    return saved_bytes(lambda: gb.apply(gparams, plan, backend="triton")["weight"]) / 128**2
+    saved = gb.memory.saved_bytes(lambda: gb.apply(gparams, plan, backend="triton")["weight"])
+    return saved / 128**2
 
 
 def timed(fn: Callable[[], Tensor], label: str, leaves: list[Tensor]) -> Callable[[], object]:

@@ -9,7 +9,7 @@ g-nets are trained and stored.
     out = torch.func.functional_call(model, params, (x,))
 """
 
-from . import compat as compat, optim as optim
+from . import compat as compat, memory as memory, optim as optim
 from ._apply import apply as apply
 from ._calibrate import calibrate as calibrate
 from ._checkpoint import (
@@ -26,10 +26,8 @@ from ._export import export as export, save_dense as save_dense
 from ._fit import Fitted as Fitted, fit as fit, train_alternating as train_alternating
 from ._genome import Genome as Genome
 from ._init import init as init
-from ._memory import saved_bytes as saved_bytes
 from ._module import Bottleneck as Bottleneck
 from ._plan import (
-    OPTIONS as OPTIONS,
     Block as Block,
     Free as Free,
     Generated as Generated,
@@ -37,7 +35,6 @@ from ._plan import (
     Stack as Stack,
     plan as plan,
 )
-from ._replicated import save_replicated as save_replicated
 from ._report import Report as Report, Row as Row, report as report
 from ._rules import Layout as Layout, register_rule as register_rule
 from ._tree import trainable_leaves as trainable_leaves

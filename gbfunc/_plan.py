@@ -221,7 +221,8 @@ def plan(
             squarest within 2%); a weight whose g-nets would cost more than itself stays
             free. Exclusive with `tile`.
         overrides: `{name_pattern: {option: value}}` (fnmatch on parameter names, applied in
-            order) with options from `OPTIONS`, or `{name_pattern: "free"}`.
+            order) with options `tile`, `generate`, `center` and any `gb.Genome` field, or
+            `{name_pattern: "free"}`.
         free: Name patterns of parameters to leave free.
 
     Returns:

@@ -1,4 +1,4 @@
-"""`gb.save_replicated`: one checkpoint for g-nets replicated on every rank.
+"""`gb.dist.save_replicated`: one checkpoint for g-nets replicated on every rank.
 
 With replicated g-nets (data parallel), every rank holds the same `gparams`, so rank 0
 writes the file and every rank reads it back with `gb.load`. Sharded g-nets (rank-owned
@@ -45,7 +45,7 @@ def save_replicated(
     Example:
         >>> model = nn.Linear(64, 32)
         >>> plan = gb.plan(model, tile=(16, 16))
-        >>> gb.save_replicated("ckpt.safetensors", gb.init(plan), plan, step=7)  # every rank
+        >>> gb.dist.save_replicated("ckpt.safetensors", gb.init(plan), plan, step=7)  # every rank
         >>> gb.load("ckpt.safetensors", model).step  # any rank, afterwards
         7
     """
@@ -70,5 +70,5 @@ def save_replicated(
         raise error
     if failed.item():
         raise CheckpointError(
-            f"gb.save_replicated: {os.fspath(path)}: rank 0 failed to write the checkpoint."
+            f"gb.dist.save_replicated: {os.fspath(path)}: rank 0 failed to write the checkpoint."
         )

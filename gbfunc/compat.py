@@ -178,7 +178,7 @@ class GenomicBottleneck:
         """Write g-nets, free parameters and g-net optimizer state (`gb.save` format).
 
         Under `torch.distributed` rank 0 writes and every rank returns once the file is
-        complete (`gb.save_replicated`); call it on every rank.
+        complete (`gb.dist.save_replicated`); call it on every rank.
         """
         meta = {"writer": "gbfunc.compat.GenomicBottleneck"}
         save_replicated(

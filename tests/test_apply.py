@@ -166,13 +166,13 @@ def test_autograd_keeps_about_4_bytes_per_generated_weight():
     )
     plan = gb.plan(model, tile=(64, 64))
     gparams = gb.init(plan)
-    saved = gb.saved_bytes(lambda: gb.apply(gparams, plan))
+    saved = gb.memory.saved_bytes(lambda: gb.apply(gparams, plan))
     per_weight = saved / gb.report(plan).generated_weights
     # The README says "about 4 bytes" (measured 4.3: one float per weight plus the codes).
     assert per_weight <= 4.5, per_weight
     # The plain-autograd path (what torchGB's per-tile MLPs amount to) saves ~H*4 B per weight.
     stacks = plan.stacks
-    plain = gb.saved_bytes(
+    plain = gb.memory.saved_bytes(
         lambda: [
             gb._apply.evaluate_stack(s, gparams["stacks"][s.key], recompute=False) for s in stacks
         ]

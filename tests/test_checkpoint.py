@@ -338,7 +338,7 @@ def test_sigkill_during_save_leaves_the_previous_checkpoint(tmp_path, point):
 
 _RANK = textwrap.dedent(
     """
-    import sys, json, torch, torch.distributed as dist, gbfunc as gb
+    import sys, json, torch, torch.distributed as dist, gbfunc as gb, gbfunc.dist
     from torch import nn
     rank, store_path, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
@@ -346,7 +346,7 @@ _RANK = textwrap.dedent(
     model = nn.Linear(16, 8)  # the same model on every rank, as DDP users build it
     plan = gb.plan(model, tile=(4, 4))
     gparams = gb.init(plan, seed=0)  # bitwise the same replica on every rank
-    gb.save_replicated(path, gparams, plan, step=5, meta={"writer": rank})
+    gb.dist.save_replicated(path, gparams, plan, step=5, meta={"writer": rank})
     ckpt = gb.load(path, model)  # every rank reads, right after the collective
     same = all(torch.equal(a, b) for a, b in zip(
         torch.utils._pytree.tree_leaves(ckpt.gparams), torch.utils._pytree.tree_leaves(gparams)))

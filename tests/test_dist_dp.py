@@ -68,7 +68,7 @@ def dp_worker(rank: int, world: int, tmp: str) -> dict:
     sync, opt = gbd.GradSync(gbd.trainable_leaves(gparams), mesh), _sgd(gparams)
     _train(gparams, generate, model, opt, range(SAVE_AT), shard, sync.wait)
     path = os.path.join(tmp, "ckpt.safetensors")
-    gb.save_replicated(path, gparams, plan, opt_state=opt.state_dict(), step=SAVE_AT)
+    gb.dist.save_replicated(path, gparams, plan, opt_state=opt.state_dict(), step=SAVE_AT)
     _train(gparams, generate, model, opt, range(SAVE_AT, STEPS), shard, sync.wait)
     out["replicated_diff"] = _max_diff(gparams, ref)
     out["replicated_digest"] = _digest(gparams)

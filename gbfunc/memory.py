@@ -1,4 +1,4 @@
-"""Measure what autograd keeps for backward."""
+"""Measure what autograd keeps for backward (`gb.memory.saved_bytes`)."""
 
 from collections.abc import Callable
 
@@ -10,7 +10,7 @@ def saved_bytes(fn: Callable[[], object]) -> int:
 
     Example:
         >>> x = torch.randn(1000, requires_grad=True)
-        >>> gb.saved_bytes(lambda: x.exp())  # exp saves its output
+        >>> gb.memory.saved_bytes(lambda: x.exp())  # exp saves its output
         4000
     """
     storages: dict[tuple[int, int], int] = {}
