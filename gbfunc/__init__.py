@@ -33,10 +33,9 @@ from ._plan import (
     Generated as Generated,
     Plan as Plan,
     Stack as Stack,
-    plan as plan,
 )
+from ._planner import plan as plan
 from ._report import Report as Report, Row as Row, report as report
 from ._rules import Layout as Layout, register_rule as register_rule
 from ._tree import trainable_leaves as trainable_leaves
-
-__version__ = "0.1.0"
+from ._version import __version__ as __version__

@@ -33,6 +33,7 @@ from ._model import check_module
 from ._plan import Plan
 from ._serial import flatten, plan_from_json, plan_to_json, unflatten
 from ._validate import check_plan
+from ._version import __version__
 
 FORMAT = "gbfunc.checkpoint"
 FORMAT_VERSION = 1
@@ -115,7 +116,7 @@ def save(
     metadata = {
         "format": FORMAT,
         "format_version": str(FORMAT_VERSION),
-        "gbfunc_version": _gbfunc_version(),
+        "gbfunc_version": __version__,
         "torch_version": torch.__version__,
         "plan": plan_to_json(plan),
         "opt_state": json.dumps(skeleton),
@@ -308,7 +309,7 @@ def _read_metadata(data: bytes, where: str) -> dict[str, str]:
     if version != str(FORMAT_VERSION):
         raise CheckpointVersionError(
             f"{where}: format version {version} (written by gbfunc {writer}); this gbfunc "
-            f"{_gbfunc_version()} reads version {FORMAT_VERSION}. Use a matching gbfunc."
+            f"{__version__} reads version {FORMAT_VERSION}. Use a matching gbfunc."
         )
     return metadata
 
@@ -327,9 +328,3 @@ def _tensor_end(key: str, entry: object) -> int:
             f"tensor {key!r:.100} has data_offsets {offsets!r:.100}; expected [begin, end]"
         )
     return offsets[1]
-
-
-def _gbfunc_version() -> str:
-    from . import __version__
-
-    return __version__

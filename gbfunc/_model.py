@@ -1,13 +1,8 @@
 """Checks on the user's p-net: that it is a plain module, and that it matches a plan."""
 
-from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
 from torch import nn
 
-if TYPE_CHECKING:  # _plan imports this module
-    from ._plan import Plan
+from ._plan import Plan
 
 _WRAPPERS = (nn.parallel.DistributedDataParallel, nn.DataParallel)
 

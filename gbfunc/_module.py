@@ -25,7 +25,8 @@ from ._checks import check_gparams, expected_shapes
 from ._export import export
 from ._init import init
 from ._model import check_matches, check_module
-from ._plan import Plan, plan as make_plan
+from ._plan import Plan
+from ._planner import plan as make_plan
 from ._report import Report, report
 
 _ESCAPES = {"%25": "%", "%2E": "."}

@@ -12,6 +12,7 @@ import math
 import torch
 from torch import nn
 
+from ._entries import check_labels
 from ._genome import Genome
 from ._model import check_matches
 from ._plan import (
@@ -20,7 +21,6 @@ from ._plan import (
     Generated,
     Plan,
     Stack,
-    _check_labels,
     block_shapes,
     stack_geometry,
     tile_grid,
@@ -205,7 +205,7 @@ def _check_layout(plan: Plan) -> None:
                 b.grid == grid, f"{bt}.grid", b.grid, f"{grid} for {rows}x{cols} on {th}x{tw} tiles"
             )
             try:
-                _check_labels(p.name, s.genome, rows, cols, s.tile)
+                check_labels(p.name, s.genome, rows, cols, s.tile)
             except ValueError as e:
                 raise _Bad(str(e).removeprefix("gb.plan: ")) from None
             owners[p.stack].append((b.first_tile, b.num_tiles, bt))

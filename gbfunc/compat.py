@@ -38,7 +38,9 @@ from ._apply import apply
 from ._checkpoint import CheckpointMismatchError, load
 from ._init import init
 from ._model import unwrap
-from ._plan import Free, Generated, Plan, _check_tile, plan
+from ._options import check_tile
+from ._plan import Free, Generated, Plan
+from ._planner import plan
 from ._replicated import save_replicated
 from ._report import report
 
@@ -257,7 +259,7 @@ def _check_options(
             f"got {ignore_layers!r}."
         )
     if tile is not None:
-        _check_tile("tile", tile, call=where)
+        check_tile("tile", tile, call=where)
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"{where}: seed must be an int, got {seed!r}.")
     if optimizer is not None and not callable(optimizer):

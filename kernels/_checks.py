@@ -7,7 +7,7 @@ invariants alike.
 
 from torch import Tensor
 
-from gbfunc import Generated, Stack
+from gbfunc._plan import Generated, Stack
 
 from . import _placement, _runtime
 

@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor
 
-from gbfunc import Generated, Stack
+from gbfunc._plan import Generated, Stack
 
 # One row per tile: offset of its (0, 0) element, row stride, valid rows, valid flat columns.
 Place = tuple[int, int, int, int]

@@ -3,7 +3,7 @@
 import torch
 from torch import Tensor
 
-from gbfunc import Generated, Stack
+from gbfunc._plan import Generated, Stack
 from gbfunc._tilemlp import Terms
 
 from .._batching import batch_first

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from gbfunc import Generated, Stack
+from gbfunc._plan import Generated, Stack
 from gbfunc._tilemlp import Terms
 
 from .. import _checks, _gnet, _placement, _runtime

@@ -9,8 +9,8 @@ import functools
 import torch
 from torch import Tensor
 
-from gbfunc import Generated, Stack
 from gbfunc._apply import assemble
+from gbfunc._plan import Generated, Stack
 from gbfunc._tilemlp import Terms, reference
 
 

@@ -7,7 +7,7 @@ defines every gradient; the kernel must agree with it without storing the activa
 import torch
 from torch import Tensor
 
-from gbfunc import Generated, Stack
+from gbfunc._plan import Generated, Stack
 from gbfunc._tilemlp import Terms
 
 from ..generate import reference

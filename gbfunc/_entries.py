@@ -1,0 +1,186 @@
+"""The model's parameters as the planner sees them, and what is decided for each one.
+
+Free or generated, by which genome, in which tiles, at what cost in g-net parameters: the
+plan builder (`_planner`) and the compression search (`_search`) both ask these questions.
+"""
+
+import math
+from dataclasses import dataclass, replace
+
+from torch import Tensor, nn
+
+from ._genome import Genome
+from ._options import GENOME_OPTIONS
+from ._plan import stack_geometry, tile_grid
+from ._rules import Layout, rule_for
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One parameter of the model: where it lives and the rule's layout for it (if any).
+
+    Attributes:
+        name: Its name in `named_parameters()`.
+        shape, dtype: Its shape, and its dtype without the `torch.` prefix.
+        trainable: `requires_grad`.
+        module, local: The module that holds it, and its name there.
+        layout: How its rule generates it, with the start scale measured; `None`: no rule.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    trainable: bool
+    module: nn.Module
+    local: str
+    layout: Layout | None
+
+
+def collect(model: nn.Module) -> list[Entry]:
+    seen: set[int] = set()
+    entries: list[Entry] = []
+    for prefix, module in model.named_modules():
+        rule = rule_for(module)
+        layouts = rule(module) if rule is not None else {}
+        for local, param in module.named_parameters(recurse=False):
+            if id(param) in seen:  # tied: generated once, functional_call keeps the tie
+                continue
+            seen.add(id(param))
+            name = f"{prefix}.{local}" if prefix else local
+            dtype = str(param.dtype).removeprefix("torch.")
+            layout = layouts.get(local)
+            if layout is not None:
+                layout = replace(layout, init_std=start_scale(param, layout.init_std))
+            entries.append(
+                Entry(name, tuple(param.shape), dtype, param.requires_grad, module, local, layout)
+            )
+    return entries
+
+
+# A measured std within this fraction of the rule's std is taken to be the rule's, so that
+# plans of equally built models agree whatever their seed.
+_SNAP = 0.2
+
+
+def start_scale(param: Tensor, rule_std: float) -> float:
+    """The std a generated weight starts at: its model tensor's own, measured now.
+
+    On the `meta` device (no values), for constant tensors (e.g. zero-initialised) and for
+    single values, the rule's std. A measured std within 20% of the rule's is the rule's, and
+    others are rounded to two significant digits, so that equally built models with different
+    seeds get equal plans; pretrained or custom-initialised weights keep their own scale.
+    """
+    if param.is_meta or param.numel() < 2 or not param.is_floating_point():
+        return rule_std
+    std = float(param.detach().double().std())
+    if not math.isfinite(std) or std == 0.0:
+        return rule_std
+    if abs(std / rule_std - 1) <= _SNAP:
+        return rule_std
+    return float(f"{std:.2g}")
+
+
+def free_reason(entry: Entry, opts: dict[str, object], flags: dict[str, bool]) -> str | None:
+    """Why `entry` stays free under `opts` and the plan's `flags`; `None`: it is generated."""
+    name, shape, module, local, layout = (
+        entry.name, entry.shape, entry.module, entry.local, entry.layout
+    )  # fmt: skip
+    if not entry.trainable:
+        return "frozen (requires_grad=False)"
+    if math.prod(shape) == 0:
+        return "empty (a dimension of size 0)"
+    if layout is None:
+        if opts["generate"]:
+            raise ValueError(
+                f"gb.plan: {name} {shape} was asked to be generated but no rule covers "
+                f"{type(module).__name__}.{local}; register one with gb.register_rule."
+            )
+        if rule_for(module) is None:
+            return f"no rule for {type(module).__name__}"
+        return f"{type(module).__name__}.{local} is not generated"
+    if opts["generate"] is False:
+        return "left free by the caller"
+    if layout.embedding and not (flags["embeddings"] or opts["generate"]):
+        return "embedding (pass embeddings=True to generate)"
+    if layout.bias and not (flags["biases"] or opts["generate"]):
+        return "bias (pass biases=True to generate)"
+    if len(shape) < 2 and not layout.bias:
+        return "fewer than 2 dims"
+    return None
+
+
+def tile_for(
+    name: str, opts: dict[str, object], rows: int, cols: int, outputs: int
+) -> tuple[int, int]:
+    tile = opts["tile"]
+    if tile == "full":
+        th, tw = rows, cols
+    else:
+        th, tw = tile
+        if opts.get("explicit_tile") and (th > rows or tw > cols):
+            raise ValueError(
+                f"gb.plan: tile {tile} is larger than {name}'s weight matrix ({rows}, {cols}); "
+                "use a tile that fits, or 'full'."
+            )
+        th, tw = min(th, rows), min(tw, cols)
+    if outputs > tw:
+        raise ValueError(
+            f"gb.plan: {name}: outputs={outputs} is wider than its tile's {tw} columns; use "
+            "outputs <= the tile width (a row of evaluations may not outgrow the weight)."
+        )
+    return th, -(-tw // outputs) * outputs  # a whole number of evaluations per row
+
+
+def genome_for(opts: dict[str, object], kernel: tuple[int, ...], layout: Layout) -> Genome:
+    genome = Genome(**{k: opts[k] for k in GENOME_OPTIONS})
+    if math.prod(kernel) > 1:
+        genome = replace(genome, outputs=1)  # `outputs` is for matrices; kernels use `kernel`
+    if layout.bias:  # one value per output neuron, labelled like its weight's rows
+        genome = replace(genome, outputs=1, col_labels="position")
+    return genome
+
+
+def check_labels(name: str, genome: Genome, rows: int, cols: int, tile: tuple[int, int]) -> None:
+    """Labels other than positions name neurons: their axis must be one tile, of matching size."""
+    for axis, labels, size, span in (
+        ("row_labels", genome.row_labels, rows, tile[0]),
+        ("col_labels", genome.col_labels, cols, tile[1]),
+    ):
+        if labels == "position":
+            continue
+        if span != size:
+            raise ValueError(
+                f"gb.plan: {name} has {axis}={labels!r}, which label neurons, but its tile "
+                f"{tile} splits that axis ({size}); use tile='full' for it."
+            )
+        if isinstance(labels, tuple) and math.prod(labels) != size:
+            raise ValueError(
+                f"gb.plan: {name} has {axis}={labels} ({math.prod(labels)} cells) for an axis "
+                f"of {size} neurons."
+            )
+        if axis == "col_labels" and genome.outputs > 1:
+            raise ValueError(
+                f"gb.plan: {name} has col_labels={labels!r} with outputs={genome.outputs}; "
+                "neuron labels on columns need outputs=1."
+            )
+
+
+def block_cost(
+    genome: Genome, kernel: tuple[int, ...], rows: int, cols: int, tile: tuple[int, int]
+) -> int:
+    """G-net parameters that generate one block (as the plan builder lays it out)."""
+    outputs, _, row_width, col_width = stack_geometry(genome, tile, kernel)
+    tiles = math.prod(tile_grid(rows, cols, tile))
+    per_gnet = genome.param_count(row_width + col_width, outputs)
+    return per_gnet + tiles * genome.embed_dim if genome.share else tiles * per_gnet
+
+
+def param_cost(
+    genome: Genome, kernel: tuple[int, ...], blocks: tuple[tuple[int, int], ...], tile: tuple
+) -> int:
+    """G-net parameters of a parameter with these blocks under a candidate `tile`."""
+    total = 0
+    for rows, cols in blocks:
+        clipped = (min(tile[0], rows), -(-min(tile[1], cols) // genome.outputs) * genome.outputs)
+        total += block_cost(genome, kernel, rows, cols, clipped)
+    return total

@@ -1,0 +1,94 @@
+"""`gb.plan`'s options: checked, and resolved per parameter from the overrides that match it."""
+
+import fnmatch
+from collections.abc import Mapping, Sequence
+from dataclasses import fields
+
+from ._genome import Genome, check_genome
+
+DEFAULT_TILE = (64, 64)
+GENOME_OPTIONS = tuple(f.name for f in fields(Genome))
+OPTIONS = ("tile", "generate", "center", *GENOME_OPTIONS)
+
+Rules = list[tuple[str, dict[str, object]]]
+
+
+def check_tile(where: str, tile: object, call: str = "gb.plan") -> tuple[int, int] | str:
+    if tile == "full":
+        return "full"
+    ok = (
+        isinstance(tile, Sequence)
+        and not isinstance(tile, str)
+        and len(tile) == 2
+        and all(isinstance(t, int) and not isinstance(t, bool) and t > 0 for t in tile)
+    )
+    if not ok:
+        raise ValueError(
+            f"{call}: {where} must be (th, tw) with positive integers or 'full', got {tile!r}."
+        )
+    return (tile[0], tile[1])
+
+
+def normalise_overrides(
+    overrides: Mapping[str, Mapping[str, object] | str] | None, free: Sequence[str]
+) -> Rules:
+    if isinstance(free, str):
+        free = (free,)
+    if not isinstance(free, Sequence) or not all(isinstance(p, str) for p in free):
+        raise TypeError(f"gb.plan: free must be a sequence of name patterns (str), got {free!r}.")
+    if overrides is not None and not isinstance(overrides, Mapping):
+        raise TypeError(
+            f"gb.plan: overrides must map name patterns to options, got {type(overrides).__name__}."
+        )
+    rules: Rules = [(p, {"generate": False}) for p in free]
+    for pattern, opts in (overrides or {}).items():
+        if not isinstance(pattern, str):
+            raise TypeError(
+                f"gb.plan: overrides keys must be name patterns (str), got {pattern!r}."
+            )
+        if opts == "free":
+            rules.append((pattern, {"generate": False}))
+            continue
+        if not isinstance(opts, Mapping):
+            raise TypeError(
+                f"gb.plan: overrides[{pattern!r}] must be a dict of options or 'free', "
+                f"got {opts!r}."
+            )
+        unknown = sorted(set(opts) - set(OPTIONS))
+        if unknown:
+            raise ValueError(
+                f"gb.plan: overrides[{pattern!r}] has unknown option(s) {unknown}; "
+                f"known: {OPTIONS}."
+            )
+        opts = dict(opts)
+
+        def label(option: str, pattern: str = pattern) -> str:
+            return f"overrides[{pattern!r}][{option!r}]"
+
+        check_genome(opts, "gb.plan", label)
+        for flag in ("generate", "center"):
+            value = opts.get(flag, False)
+            if not (isinstance(value, bool) or (flag == "generate" and value is None)):
+                raise TypeError(f"gb.plan: {label(flag)} must be a bool, got {value!r}.")
+        if "tile" in opts:
+            opts["tile"] = check_tile(f"overrides[{pattern!r}]['tile']", opts["tile"])
+            opts["explicit_tile"] = True
+        rules.append((pattern, opts))
+    return rules
+
+
+def check_patterns(rules: Rules, names: list[str]) -> None:
+    for pattern, _ in rules:
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+            raise ValueError(
+                f"gb.plan: pattern {pattern!r} matches no parameter (parameters: {shown})."
+            )
+
+
+def resolve(name: str, base: dict[str, object], rules: Rules) -> dict[str, object]:
+    opts = dict(base)
+    for pattern, over in rules:
+        if fnmatch.fnmatchcase(name, pattern):
+            opts.update(over)
+    return opts

@@ -1,0 +1,3 @@
+"""The package version, in one place (`gbfunc.__version__`, written into checkpoints)."""
+
+__version__ = "0.1.0"
