@@ -1,4 +1,4 @@
-"""Low-rank equal-parameter baselines for compression results.
+"""Equal-parameter baselines for compression results: low rank and hashed weight sharing.
 
 A compression number means something only next to the obvious alternatives with the same
 number of trainable parameters: a narrower dense model (`examples.training.narrowest_match`,
@@ -6,7 +6,10 @@ the same architecture at the width whose parameter count is nearest) and, here,
 
 - `low_rank`: every chosen weight as `U @ V.T` (conv kernels as their `(out, in * k)` matrix
   view), ranks spread over the matrices in proportion to their sizes so that the factors
-  together hold a target count; every other parameter trained as it is.
+  together hold a target count; every other parameter trained as it is;
+- `hashed`: HashedNets (Chen et al. 2015, "Compressing neural networks with the hashing
+  trick"): every entry of a chosen weight reads one of a few shared values through a fixed
+  random hash, times a fixed random sign; values spread over the weights by size.
 """
 
 import math
@@ -51,6 +54,43 @@ def low_rank(
         out = {k: v for k, v in tree.items() if not k.endswith((".U", ".V"))}
         for name, shape in shapes.items():
             out[name] = (tree[f"{name}.U"] @ tree[f"{name}.V"].T).reshape(shape)
+        return out
+
+    return tree, to_params
+
+
+def hashed(
+    model: nn.Module, names: Sequence[str], budget: int, *, seed: int = 0
+) -> tuple[Tree, Callable[[Tree], Tree]]:
+    """Share `names`' entries among `budget` trained values by a fixed hash; the rest as is.
+
+    Each weight gets `max(1, round(budget * share))` values, `share` its fraction of the
+    chosen weights by size, drawn with the dense weight's std; each entry reads a uniformly
+    random one of them (the hash, fixed by `seed`) times a random sign (as in the paper).
+
+    Returns:
+        `(tree, to_params)`, as `low_rank`.
+    """
+    params = dict(model.named_parameters())
+    total = sum(params[n].numel() for n in names)
+    gen = torch.Generator().manual_seed(seed)
+    tree: Tree = {}
+    hashes: dict[str, tuple[Tensor, Tensor]] = {}
+    for name, value in params.items():
+        if name not in names:
+            tree[name] = value.detach().clone().requires_grad_()
+            continue
+        size = max(1, round(budget * value.numel() / total))
+        std = float(value.detach().std())
+        tree[f"{name}.pool"] = (torch.randn(size, generator=gen) * std).requires_grad_()
+        index = torch.randint(size, value.shape, generator=gen)
+        sign = torch.randint(2, value.shape, generator=gen).float() * 2 - 1
+        hashes[name] = (index, sign)
+
+    def to_params(tree: Tree) -> Tree:
+        out = {k: v for k, v in tree.items() if not k.endswith(".pool")}
+        for name, (index, sign) in hashes.items():
+            out[name] = tree[f"{name}.pool"][index] * sign
         return out
 
     return tree, to_params

@@ -8,7 +8,7 @@ Tasks (`--task`):
 - `charlm`: the main job's character transformer (440k parameters) at ~5x and ~20x of the
   whole model; scored by validation loss (nats per character, lower is better).
 
-At each ratio three families are trained with the same protocol, batches and seeds:
+At each ratio four families are trained with the same protocol, batches and seeds:
 
 - **gbfunc**: for the MLP the paper's genome through `gb.plan` options (one g-net per weight
   and per bias, `tile="full"`, `biases=True`; neurons labelled by their identity: hidden
@@ -18,7 +18,10 @@ At each ratio three families are trained with the same protocol, batches and see
   the embeddings and the output layer generated at ~20x;
 - **narrow**: the same architecture at the width whose parameter count is nearest;
 - **low rank**: the weights as `U @ V.T`, everything else free, ranks spread by size
-  (infeasible where the free parameters alone exceed the budget).
+  (infeasible where the free parameters alone exceed the budget);
+- **hashed**: HashedNets (Chen et al. 2015), the weights' entries shared among the budget's
+  values by a fixed random hash and sign, everything else free (a recipe the paper reports
+  beating equal-size networks; infeasible where the free parameters exceed the budget).
 
 Protocol, every arm: Adam, no weight decay, the task's steps and batch (MLP 1000 x 128, CNN
 400 x 64, transformer 800 x 32 windows of 128 characters), linear warm-up over the first
@@ -61,7 +64,7 @@ from torch.utils._pytree import tree_leaves
 
 import gbfunc as gb
 from benchmarks._meta import RESULTS, header_md, markdown_table, provenance_line, write_json
-from benchmarks.baselines import low_rank, tree_count
+from benchmarks.baselines import hashed, low_rank, tree_count
 from examples.data import CharCorpus, char_batch, char_windows, digits_split, pydoc_text
 from examples.main_job import CharLMConfig, DigitsConfig
 from examples.models import CharTransformer, DigitsCNN, digits_mlp, paper_genome
@@ -71,6 +74,7 @@ DIGITS_LRS = {
     "dense": (3e-4, 1e-3, 3e-3),
     "narrow": (3e-3, 1e-2, 3e-2, 0.1),
     "low rank": (3e-3, 1e-2, 3e-2, 0.1),
+    "hashed": (3e-3, 1e-2, 3e-2, 0.1),
     "gbfunc": (0.03, 0.1, 0.3, 1.0),
 }
 CNN_LRS = {**DIGITS_LRS, "gbfunc": (0.01, 0.03, 0.1, 0.3)}  # 1.0 diverged, 0.03 was the best
@@ -78,6 +82,7 @@ CHARLM_LRS = {
     "dense": (1e-2,),  # the main job's measured optimum; the dense model is only the reference
     "narrow": (3e-3, 1e-2, 3e-2),
     "low rank": (3e-3, 1e-2, 3e-2),
+    "hashed": (3e-3, 1e-2, 3e-2),
     "gbfunc": (1e-2, 2e-2, 4e-2),
 }
 DISTILL_WEIGHT, DISTILL_TEMPERATURE = 0.5, 2.0
@@ -272,6 +277,9 @@ def arms_at(task: Task, label: str, options: dict, seed: int, data: Data) -> lis
     if ours >= free + rank_one:  # room for rank 1 everywhere
         tree, to_params = low_rank(model, list(factored), ours - free, seed=seed)
         arms.append(Arm("low rank", "U V^T", model, tree, to_params, tree_count(tree)))
+    if ours >= free + len(factored):  # room for one shared value per weight
+        tree, to_params = hashed(model, list(factored), ours - free, seed=seed)
+        arms.append(Arm("hashed", "HashedNets", model, tree, to_params, tree_count(tree)))
     return arms
 
 
@@ -469,8 +477,9 @@ def findings(summary: list[dict[str, Any]]) -> str:
             else:
                 margin = f"{s['score'] - ours['score']:+.3f} nats"
             parts.append(f"{margin} vs {family} ({s['params']:,} params{window})")
-        if "low rank" not in group:
-            parts.append("low rank infeasible (the free parameters alone exceed the budget)")
+        for family in ("low rank", "hashed"):
+            if family not in group:
+                parts.append(f"{family} infeasible (the free parameters alone exceed the budget)")
         unit = "%" if metric == "val_acc" else " nats"
         lines.append(
             f"- **{ratio}** (gbfunc {ours['params']:,} params, "
@@ -493,6 +502,7 @@ def plot(summary: list[dict[str, Any]], path: Path, title: str) -> None:
         ("gbfunc", "tab:orange"),
         ("narrow", "tab:blue"),
         ("low rank", "tab:green"),
+        ("hashed", "tab:purple"),
     ):
         points = sorted((s["params"], s) for s in summary if s["family"] == family)
         if points:
@@ -539,7 +549,7 @@ def main() -> None:
     stem = args.out / (name + ("_quick" if args.quick else ""))
     stem.parent.mkdir(parents=True, exist_ok=True)
     text = (
-        header_md(f"gbfunc vs a narrower model and low rank at equal parameters ({task.name})")
+        header_md(f"gbfunc vs narrower, low-rank and hashed models at equal parameters ({task.name})")
         + f"- {seeds} seed(s), {steps} steps, batch {task.batch}; "
         + f"total {time.perf_counter() - started:.0f} s\n"
         + "- lr sweeps: "

@@ -140,6 +140,7 @@ def test_equal_params_picks_each_arms_best_lr_by_its_mean_over_seeds():
     text = findings(summary)
     assert "+2.00 pt vs narrow (610 params)" in text
     assert "low rank infeasible" in text
+    assert "hashed infeasible" in text
     assert "no width within" not in text  # 610 is within 10% of 598
 
 
@@ -188,3 +189,23 @@ def test_low_rank_baseline_holds_its_budget_and_the_dense_scale():
     assert params["2.weight"].shape == (10, 200)
     std = float(params["0.weight"].detach().std())
     assert std == pytest.approx(float(model[0].weight.detach().std()), rel=0.3)
+
+
+def test_hashed_baseline_shares_its_budget_of_values_by_a_fixed_hash():
+    import torch
+    from torch import nn
+
+    from benchmarks.baselines import hashed, tree_count
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 200), nn.ReLU(), nn.Linear(200, 10))
+    tree, to_params = hashed(model, ["0.weight", "2.weight"], 500, seed=1)
+    assert tree_count(tree) == 500 + 200 + 10  # the values, and the free biases
+    assert tree["0.weight.pool"].numel() + tree["2.weight.pool"].numel() == 500
+    params = to_params(tree)
+    assert params["0.weight"].shape == (200, 64)
+    assert set(params["0.weight"].abs().unique().tolist()) <= set(tree["0.weight.pool"].abs().tolist())
+    again, _ = hashed(model, ["0.weight", "2.weight"], 500, seed=1)
+    torch.testing.assert_close(to_params(again)["2.weight"], params["2.weight"])  # fixed hash
+    params["0.weight"].sum().backward()
+    assert tree["0.weight.pool"].grad is not None
