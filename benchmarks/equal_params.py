@@ -309,7 +309,7 @@ def train(
         for key, part in arm.tree.items()
     ]
     optimizer = torch.optim.Adam([g for g in groups if g["params"]])
-    warmup = min(100, steps // 10)
+    warmup = max(1, min(100, steps // 10))
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda t: min(1.0, (t + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, t / steps))),

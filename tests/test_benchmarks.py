@@ -1,5 +1,6 @@
 """The benchmark scripts' own logic: provenance, summaries, findings, and tiny runs of each."""
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -204,8 +205,20 @@ def test_hashed_baseline_shares_its_budget_of_values_by_a_fixed_hash():
     assert tree["0.weight.pool"].numel() + tree["2.weight.pool"].numel() == 500
     params = to_params(tree)
     assert params["0.weight"].shape == (200, 64)
-    assert set(params["0.weight"].abs().unique().tolist()) <= set(tree["0.weight.pool"].abs().tolist())
+    values = set(tree["0.weight.pool"].abs().tolist())
+    assert set(params["0.weight"].abs().unique().tolist()) <= values
     again, _ = hashed(model, ["0.weight", "2.weight"], 500, seed=1)
     torch.testing.assert_close(to_params(again)["2.weight"], params["2.weight"])  # fixed hash
     params["0.weight"].sum().backward()
     assert tree["0.weight.pool"].grad is not None
+
+
+def test_recipes_trains_one_genome_under_the_protocol(capsys):
+    from benchmarks import recipes
+
+    options = {"tile": "full", "hidden": 3, "overrides": {"1.weight": {"col_labels": [8, 8]}}}
+    plan = json.dumps(options)
+    recipes.main(["--task", "mlp", "--plan", plan, "--lrs", "0.1", "0.3", "--steps", "3"])
+    out = capsys.readouterr().out
+    assert "trainable parameters" in out
+    assert out.count("val acc") == 2

@@ -1,0 +1,58 @@
+"""One gbfunc genome on one task, under `equal_params`' protocol: for trying recipes.
+
+A genome that looks promising goes into `equal_params.py`'s tasks, beside the baselines;
+one that does not is written down in `results/recipes.md` with the command that measured it.
+
+    python -m benchmarks.recipes --task cnn --lrs 0.01 0.03 0.1 \\
+        --plan '{"tile": "full", "encoding": "gray", "hidden": 60, "activation": "tanh",
+                 "biases": true, "center": true}'
+
+Prints the trainable parameter count and, per seed and learning rate, the validation loss
+and accuracy; `--no-calibrate` starts from `gb.init` alone.
+"""
+
+import argparse
+import json
+import time
+from dataclasses import replace
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from benchmarks.equal_params import TASKS, arms_at, train
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--task", choices=sorted(TASKS), required=True)
+    parser.add_argument("--plan", required=True, help="gb.plan options as JSON")
+    parser.add_argument("--lrs", type=float, nargs="+", required=True)
+    parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--steps", type=int, help="default: the task's")
+    parser.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    task = TASKS[args.task]
+    if args.calibrate is not None:
+        task = replace(task, calibrate=args.calibrate)
+    options = json.loads(args.plan)
+    data = task.data()
+    for seed in range(args.seeds):
+        arm = next(a for a in arms_at(task, "recipe", options, seed, data) if a.family == "gbfunc")
+        print(f"trainable parameters {arm.params:,}", flush=True)
+        start_values = [v.detach().clone() for v in tree_leaves(arm.tree)]
+        for lr in args.lrs:
+            started = time.perf_counter()
+            loss, acc = train(arm, lr, data, args.steps or task.steps, task.batch, seed)
+            with torch.no_grad():
+                for leaf, value in zip(tree_leaves(arm.tree), start_values, strict=True):
+                    leaf.copy_(value)
+            print(
+                f"seed {seed} lr {lr:g}: val loss {loss:.4f}, val acc {100 * acc:.2f}% "
+                f"({time.perf_counter() - started:.0f} s)",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
