@@ -16,7 +16,7 @@ from ._entries import (
     param_cost,
     tile_for,
 )
-from ._genome import check_genome
+from ._genome import Genome, check_genome
 from ._model import check_module
 from ._options import DEFAULT_TILE, check_patterns, check_tile, normalise_overrides, resolve
 from ._plan import Block, Free, Generated, Plan, Stack, block_shapes, stack_geometry, tile_grid
@@ -128,72 +128,74 @@ def plan(
 
 def _build(entries: list[Entry], options: list[dict[str, object]], flags: dict[str, bool]) -> Plan:
     params: list[Generated | Free] = []
-    stack_index: dict[tuple, int] = {}
-    stack_tiles: list[list[int]] = []  # tiles per g-net, per stack
-    stack_specs: list[tuple] = []
-    stack_counts: list[int] = []
+    stacks = _Stacks()
     for entry, opts in zip(entries, options, strict=True):
-        name, shape, dtype, layout = entry.name, entry.shape, entry.dtype, entry.layout
+        shape, layout = entry.shape, entry.layout
         reason = free_reason(entry, opts, flags)
-        if reason is not None:
-            init = free_init(entry.module, entry.local, shape)
-            params.append(Free(name, shape, dtype, init, entry.trainable, reason))
-            continue
-        kernel = shape[2:]
-        genome = genome_for(opts, kernel, layout)
-        if opts.get("searched"):
-            spent = param_cost(
-                genome,
-                kernel,
-                tuple(block_shapes(shape, layout.splits, layout.split_dim)),
-                opts["tile"],
-            )
+        genome = None if reason is not None else genome_for(opts, shape[2:], layout)
+        if genome is not None and opts.get("searched"):
+            blocks = tuple(block_shapes(shape, layout.splits, layout.split_dim))
+            spent = param_cost(genome, shape[2:], blocks, opts["tile"])
             if spent >= math.prod(shape):
                 reason = f"its g-nets would cost {spent:,} parameters for {math.prod(shape):,}"
-                init = free_init(entry.module, entry.local, shape)
-                params.append(Free(name, shape, dtype, init, entry.trainable, reason))
-                continue
-        blocks = []
-        stack_id = None
+        if reason is not None:
+            init = free_init(entry.module, entry.local, shape)
+            params.append(Free(entry.name, shape, entry.dtype, init, entry.trainable, reason))
+            continue
+        stack_id, blocks = None, []
         for rows, cols in block_shapes(shape, layout.splits, layout.split_dim):
-            tile = tile_for(name, opts, rows, cols, genome.outputs)
-            check_labels(name, genome, rows, cols, tile)
-            geometry = stack_geometry(genome, tile, kernel)
-            key = (genome, tile, kernel, geometry)
-            if key not in stack_index:
-                stack_index[key] = len(stack_specs)
-                stack_specs.append(key)
-                stack_tiles.append([])
-                stack_counts.append(0)
-            stack_id = stack_index[key]
-            grid = tile_grid(rows, cols, tile)
-            first = stack_counts[stack_id]
-            n = grid[0] * grid[1]
-            stack_counts[stack_id] += n
-            stack_tiles[stack_id].extend([n] if genome.share else [1] * n)
-            blocks.append(Block(rows, cols, grid, first))
+            tile = tile_for(entry.name, opts, rows, cols, genome.outputs)
+            check_labels(entry.name, genome, rows, cols, tile)
+            stack_id, block = stacks.add(genome, tile, shape[2:], rows, cols)
+            blocks.append(block)
         split_dim = layout.split_dim if layout.splits > 1 else 0
         center = opts["center"] and len(shape) > 1  # a bias has no inputs to centre over
+        where = {"stack": stack_id, "blocks": tuple(blocks), "split_dim": split_dim}
         params.append(
-            Generated(
-                name, shape, dtype, stack_id, tuple(blocks), split_dim, layout.init_std, center
+            Generated(entry.name, shape, entry.dtype, **where, scale=layout.init_std, center=center)
+        )
+    return Plan(tuple(params), stacks.stacks())
+
+
+class _Stacks:
+    """The stacks of a plan being built: blocks of equal genome, tile and kernel share one."""
+
+    def __init__(self) -> None:
+        self._index: dict[tuple, int] = {}
+        self._specs: list[tuple] = []  # (genome, tile, kernel, geometry) per stack
+        self._tiles: list[list[int]] = []  # tiles per g-net, per stack
+
+    def add(
+        self, genome: Genome, tile: tuple[int, int], kernel: tuple[int, ...], rows: int, cols: int
+    ) -> tuple[int, Block]:
+        """Lay a `rows x cols` block out as the next tiles of its stack: `(stack, block)`."""
+        key = (genome, tile, kernel, stack_geometry(genome, tile, kernel))
+        if key not in self._index:
+            self._index[key] = len(self._specs)
+            self._specs.append(key)
+            self._tiles.append([])
+        stack = self._index[key]
+        grid = tile_grid(rows, cols, tile)
+        first, count = sum(self._tiles[stack]), grid[0] * grid[1]
+        self._tiles[stack].extend([count] if genome.share else [1] * count)
+        return stack, Block(rows, cols, grid, first)
+
+    def stacks(self) -> tuple[Stack, ...]:
+        return tuple(
+            Stack(
+                key=f"s{i}_{tile[0]}x{tile[1]}"
+                + (f"k{'x'.join(map(str, kernel))}" if kernel else ""),
+                genome=genome,
+                tile=tile,
+                kernel=kernel,
+                outputs=geometry[0],
+                columns=geometry[1],
+                row_width=geometry[2],
+                col_width=geometry[3],
+                tiles_per_gnet=tuple(self._tiles[i]),
             )
+            for i, (genome, tile, kernel, geometry) in enumerate(self._specs)
         )
-    stacks = tuple(
-        Stack(
-            key=f"s{i}_{tile[0]}x{tile[1]}" + (f"k{'x'.join(map(str, kernel))}" if kernel else ""),
-            genome=genome,
-            tile=tile,
-            kernel=kernel,
-            outputs=geometry[0],
-            columns=geometry[1],
-            row_width=geometry[2],
-            col_width=geometry[3],
-            tiles_per_gnet=tuple(stack_tiles[i]),
-        )
-        for i, (genome, tile, kernel, geometry) in enumerate(stack_specs)
-    )
-    return Plan(tuple(params), stacks)
 
 
 def _why_free(p: Plan) -> str:
