@@ -28,7 +28,8 @@ def calibrate(
     `nn.ConvNd` whose bias the plan covers gets the mean of its outputs over `inputs` (the
     batch and every position) subtracted through that bias: per output unit where the bias
     is free, as one shift of the whole vector where it is generated (the output bias of the
-    g-nets that generate it, which generate nothing else). Frozen biases are left alone.
+    g-nets that generate it, which generate nothing else). Frozen biases are left alone, and
+    so are the model's buffers (the forward passes run on copies: BatchNorm statistics stay).
 
     Args:
         gparams: From `gb.init(plan, ...)`.
@@ -74,11 +75,17 @@ def _forward_order(
     ]
     try:
         with torch.no_grad():
-            functional_call(model, apply(gparams, plan), args)
+            functional_call(model, _tensors(model, gparams, plan), args)
     finally:
         for hook in hooks:
             hook.remove()
     return list(dict.fromkeys(order))
+
+
+def _tensors(model: nn.Module, gparams: GParams, plan: Plan) -> dict[str, Tensor]:
+    """The generated parameters, and copies of the model's buffers for a forward to update."""
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    return {**apply(gparams, plan), **buffers}
 
 
 def _output_mean(
@@ -88,7 +95,7 @@ def _output_mean(
     outputs: list[Tensor] = []
     hook = layer.register_forward_hook(lambda _m, _i, out: outputs.append(out))
     try:
-        functional_call(model, apply(gparams, plan), args)
+        functional_call(model, _tensors(model, gparams, plan), args)
     finally:
         hook.remove()
     out = outputs[0]

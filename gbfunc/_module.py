@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from ._apply import GParams, apply
+from ._calibrate import calibrate
 from ._checkpoint import load
 from ._checks import check_gparams, expected_shapes
 from ._export import export
@@ -176,6 +177,14 @@ class Bottleneck(nn.Module):
     def report(self) -> Report:
         """Parameter counts and compression, `gb.report(b.plan)`."""
         return report(self.plan)
+
+    def calibrate(self, *inputs: Tensor) -> None:
+        """Shift biases so every layer starts at zero-mean outputs on `inputs`, in place.
+
+        `gb.calibrate` on this module's g-nets, e.g. `b.calibrate(next(iter(loader))[0])`
+        before training: untrained g-nets can generate layers that are dead behind a ReLU.
+        """
+        self.load_gparams(calibrate(self.gparams, self.plan, self._pnet, inputs))
 
     def load_gparams(self, gparams: GParams) -> None:
         """Copy `gparams` (e.g. `gb.load(...).gparams`) into this module's tensors, in place.

@@ -78,3 +78,17 @@ def test_frozen_biases_stay_and_wrong_gparams_are_named():
     assert torch.equal(calibrated["frozen"]["5.bias"], gparams["frozen"]["5.bias"])
     with pytest.raises(ValueError, match=r"gb\.calibrate"):
         gb.calibrate({"stacks": {}, "free": {}, "frozen": {}}, plan, model, X)
+
+
+def test_buffers_stay_and_the_module_calibrates_in_place():
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    before = {n: b.clone() for n, b in model.named_buffers()}
+    b = gb.Bottleneck(model, tile="full", biases=True, hidden=4)
+    x = torch.rand(64, 6) + 1.0
+    weight = b.stacks  # the parameters an optimizer would hold
+    b.calibrate(x)
+    assert b.stacks is weight
+    for name, value in model.named_buffers():
+        assert torch.equal(value, before[name]), name  # no running statistics were updated
+    outputs = layer_outputs(model, gb.apply(b.gparams, b.plan), x)
+    assert abs(float(outputs["3"].mean())) < 1e-5
