@@ -156,6 +156,15 @@ def load(
     check_module(model, "gb.load")
     path = os.fspath(path)
     where = f"gb.load: {path}"
+    tensors, metadata = _verified(path, where)
+    plan, skeleton, step, meta = _header(metadata, where)
+    check_plan(plan, model, where, corrupt=CheckpointCorruptError, mismatch=CheckpointMismatchError)
+    gparams, opt_state = _contents(tensors, plan, skeleton, where, device)
+    return Checkpoint(gparams, plan, opt_state, step, meta)
+
+
+def _verified(path: str, where: str) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """The file's tensors and metadata, once it is known to be a whole checkpoint."""
     data = _read_file(path, where)
     metadata = _read_metadata(data, where)
     try:
@@ -167,6 +176,11 @@ def load(
         raise CheckpointCorruptError(
             f"{where}: SHA-256 mismatch: the file was altered or damaged after it was written."
         )
+    return tensors, metadata
+
+
+def _header(metadata: dict[str, str], where: str) -> tuple[Plan, Any, int | None, Any]:
+    """The plan, optimizer-state skeleton, step and meta the metadata holds."""
     try:
         plan = plan_from_json(metadata["plan"])
         skeleton, step, meta = (json.loads(metadata[k]) for k in ("opt_state", "step", "meta"))
@@ -176,7 +190,17 @@ def load(
         raise CheckpointCorruptError(
             f"{where}: step must be an int >= 0 or null, got {step!r:.100}."
         )
-    check_plan(plan, model, where, corrupt=CheckpointCorruptError, mismatch=CheckpointMismatchError)
+    return plan, skeleton, step, meta
+
+
+def _contents(
+    tensors: dict[str, Tensor],
+    plan: Plan,
+    skeleton: Any,
+    where: str,
+    device: torch.device | str | None,
+) -> tuple[GParams, Any]:
+    """`(gparams, opt_state)` from the file's tensors: exactly those the plan and skeleton use."""
     used: set[str] = set()
 
     def tensor(key: str) -> Tensor:
@@ -213,7 +237,7 @@ def load(
         "free": {k: finish(t, True) for k, t in loaded["free"].items()},
         "frozen": {k: finish(t, False) for k, t in loaded["frozen"].items()},
     }
-    return Checkpoint(gparams, plan, opt_state, step, meta)
+    return gparams, opt_state
 
 
 def content_hash(tensors: dict[str, Tensor], metadata: dict[str, str]) -> str:
