@@ -1,5 +1,7 @@
 """Checks that `gparams` fit a plan, raising errors that name the leaf and the shapes."""
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -45,11 +47,7 @@ def check_gparams(gparams: object, plan: Plan, where: str, *, values: bool = Fal
     }
     stack_first: dict[str, tuple[tuple[str, ...], Tensor]] = {}
     for keys, shape in expected.items():
-        node: object = gparams
-        for depth, key in enumerate(keys):
-            if not isinstance(node, dict) or key not in node:
-                raise ValueError(f"{where}: {_path(keys[: depth + 1])} is missing. {hint}")
-            node = node[key]
+        node = _leaf(gparams, keys, lambda path: f"{where}: {path} is missing. {hint}")
         if not isinstance(node, Tensor):
             raise TypeError(f"{where}: {_path(keys)} must be a Tensor, got {type(node).__name__}.")
         if tuple(node.shape) != shape:
@@ -76,15 +74,29 @@ def check_gparams(gparams: object, plan: Plan, where: str, *, values: bool = Fal
             raise ValueError(f"{where}: {_path(keys)} is on the meta device: it has no values.")
         if values and not bool(torch.isfinite(node).all()):
             raise ValueError(f"{where}: {_path(keys)} contains NaN or inf.")
+    for keys in _paths(gparams):
+        if keys not in expected:
+            raise ValueError(f"{where}: {_path(keys)} is not in the plan. {hint}")
+
+
+def _leaf(gparams: object, keys: tuple[str, ...], missing: Callable[[str], str]) -> object:
+    """The node at `keys`; raise `ValueError(missing(path))` at the first absent key."""
+    node = gparams
+    for depth, key in enumerate(keys):
+        if not isinstance(node, dict) or key not in node:
+            raise ValueError(missing(_path(keys[: depth + 1])))
+        node = node[key]
+    return node
+
+
+def _paths(gparams: dict) -> list[tuple[str, ...]]:
+    """The path of every entry of gparams' groups, one level down in `"stacks"`."""
+    out = []
     for group in _GROUPS:
         for key, value in gparams[group].items():
-            extra = [
-                k for k in (value if isinstance(value, dict) else {None: None}) if k is not None
-            ]
-            keys = [(group, key, k) for k in extra] if extra else [(group, key)]
-            for k in keys:
-                if k not in expected:
-                    raise ValueError(f"{where}: {_path(k)} is not in the plan. {hint}")
+            inner = [k for k in value if k is not None] if isinstance(value, dict) else []
+            out += [(group, key, k) for k in inner] if inner else [(group, key)]
+    return out
 
 
 def leaves(gparams: dict, plan: Plan) -> dict[str, Tensor]:
