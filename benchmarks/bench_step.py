@@ -28,8 +28,8 @@ import gbfunc as gb
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._meta import RESULTS, compile_static, recorded
-from examples.main_job import CharLMConfig
 from examples.models import CharTransformer
+from examples.tasks import CharLMConfig
 
 Step = Callable[[], object]
 

@@ -67,8 +67,8 @@ import gbfunc as gb
 from benchmarks._meta import RESULTS, header_md, markdown_table, provenance_line, write_json
 from benchmarks.baselines import hashed, low_rank, tree_count
 from examples.data import CharCorpus, char_batch, char_windows, digits_split, pydoc_text
-from examples.main_job import CharLMConfig, DigitsConfig
 from examples.models import CharTransformer, DigitsCNN, digits_mlp, paper_genome
+from examples.tasks import CharLMConfig, DigitsConfig
 from examples.training import evaluate, narrowest_match, trainable_count as count
 
 DIGITS_LRS = {

@@ -42,8 +42,8 @@ import gbfunc as gb
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._meta import RESULTS, header_md, markdown_table, provenance_line, write_json
 from examples.data import CharCorpus, char_batch, char_windows, digits_split, pydoc_text
-from examples.main_job import EVAL_TOKENS, CharLMConfig, DigitsConfig
 from examples.models import CharTransformer, DigitsCNN
+from examples.tasks import EVAL_TOKENS, CharLMConfig, DigitsConfig
 from examples.training import Arm, TrainConfig, evaluate, make_arm, train
 
 # label -> gb.plan options (None: the dense model), the same for both tasks; each task adds

@@ -22,8 +22,8 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,8 @@ if __package__ in (None, ""):  # run as `python examples/main_job.py`: make `exa
 
 import gbfunc as gb
 from examples.data import CharCorpus, char_batch, char_windows, digits_split, pydoc_text
-from examples.models import CharTransformer, DigitsCNN, digits_mlp, paper_genome
+from examples.models import CharTransformer, DigitsCNN, digits_mlp
+from examples.tasks import EVAL_TOKENS, CharLMConfig, DigitsConfig, MLPConfig
 from examples.training import (
     Arm,
     Batches,
@@ -47,86 +48,6 @@ from examples.training import (
     plot,
     train,
 )
-
-EVAL_TOKENS = 16384  # characters per validation forward pass
-
-# Choices measured on 2 CPU cores (torch 2.13):
-# - Eager by default: torch.compile of the loss made neither arm faster (a step is matmuls and
-#   flash attention already: dense 99 -> 106 ms, gb 108 -> 109 ms per step) and costs 6-20 s
-#   of compilation per arm.
-# - G-nets: (64, 64) tiles, 8 hidden units, 8 weights per evaluation (`outputs=8`). Validation
-#   loss after 300 steps, every block weight and the head generated: 2.35 at 27x, against 2.68
-#   for one 32-hidden g-net per whole matrix (59x) and 2.42 for (32, 32) tiles with 4 hidden
-#   units (21x); torchGB's (64, 64) tiles with 32 hidden units compress only 9x.
-# - The output layer stays free, like the input embeddings: generating its 13k weights (3% of
-#   the generated ones) cost 0.16 nats of validation loss.
-# - Learning rates: the dense optimum (1e-2 for the transformer, 3e-3 for the CNN) for every
-#   directly trained tensor. G-nets: 2e-2 for the transformer (val loss after 800 steps 1.79,
-#   against 1.82 at 1.5e-2 and 1.86 at 1e-2; 3e-2 is 0.06 worse after 900 steps), 3e-2 for
-#   the CNN (val loss after 400 steps 0.09, against 0.18 at 2e-2).
-
-
-@dataclass(frozen=True)
-class CharLMConfig(TrainConfig):
-    """The character-level language model task; defaults are the measured main job."""
-
-    steps: int = 800
-    batch: int = 32
-    plan: Mapping[str, Any] = field(
-        default_factory=lambda: {
-            "tile": (64, 64),
-            "hidden": 8,
-            "outputs": 8,
-            "overrides": {"head.weight": "free"},
-        }
-    )
-    context: int = 128
-    width: int = 128
-    depth: int = 2
-    heads: int = 4
-    eval_windows: int = 96  # validation windows per curve point; the final score uses all
-
-
-@dataclass(frozen=True)
-class DigitsConfig(TrainConfig):
-    """The digits CNN task; defaults are the measured main job."""
-
-    steps: int = 400
-    batch: int = 64
-    plan: Mapping[str, Any] = field(
-        default_factory=lambda: {
-            "tile": (64, 64),
-            "hidden": 8,
-            "outputs": 8,
-            "overrides": {"classifier.3.weight": "free"},
-        }
-    )
-    lr_dense: float = 3e-3
-    lr_gb: float = 3e-2
-    lr_narrow: float | None = 3e-2  # the narrow CNN's best in benchmarks/equal_params.py
-    warmup: int = 20
-    eval_every: int = 25
-    channels: tuple[int, int] = (32, 64)
-    hidden: int = 128
-
-
-@dataclass(frozen=True)
-class MLPConfig(TrainConfig):
-    """The digits MLP task, 64-800-10 with the paper's genome at ~100x.
-
-    Learning rates: each arm's best of `benchmarks/equal_params.py`'s sweep (Adam, 1000
-    steps, batch 128): dense 1e-3, narrow 3e-2, g-nets 0.3.
-    """
-
-    steps: int = 1000
-    batch: int = 128
-    plan: Mapping[str, Any] = field(default_factory=lambda: paper_genome(9))
-    lr_dense: float = 1e-3
-    lr_gb: float = 0.3
-    lr_narrow: float | None = 3e-2
-    warmup: int = 100
-    eval_every: int = 100
-    hidden: int = 800
 
 
 @dataclass(frozen=True)

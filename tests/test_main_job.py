@@ -15,8 +15,9 @@ if str(ROOT) not in sys.path:  # `examples` is a folder at the top of the repo, 
 
 import gbfunc as gb  # noqa: E402
 from examples.data import CharCorpus, digits_split, pydoc_text  # noqa: E402
-from examples.main_job import CharLMConfig, DigitsConfig, main, run_charlm  # noqa: E402
+from examples.main_job import main, run_charlm  # noqa: E402
 from examples.models import CharTransformer, DigitsCNN  # noqa: E402
+from examples.tasks import CharLMConfig, DigitsConfig  # noqa: E402
 
 TINY_CHARLM = CharLMConfig(
     steps=3, batch=4, context=16, width=32, depth=1, heads=2, eval_every=2, eval_windows=8
