@@ -590,6 +590,7 @@ def main() -> None:
         + "- lr sweeps: "
         + ", ".join(f"{family} {lrs}" for family, lrs in task.lrs.items())
         + f"; a gbfunc arm's free tensors at {task.free_lr_factor:g}x its rate\n"
+        + f"- gbfunc arms start from gb.calibrate: {'yes' if task.calibrate else 'no'}\n"
         + (
             f"- distilled from the dense model: weight {DISTILL_WEIGHT}, "
             f"temperature {DISTILL_TEMPERATURE}\n"
