@@ -178,7 +178,10 @@ def _normalise_outputs(stack: Stack, leaves: dict[str, Tensor]) -> None:
         mean = sums / counts[:, None]  # (G, P)
         sq = (y - mean[owner][:, None, :]).square().sum((1, 2))  # (T,)
         var = torch.zeros(stack.num_gnets, dtype=y.dtype).index_add_(0, owner, sq)
-        std = (var / (counts * stack.outputs)).sqrt().clamp_min(1e-8)  # (G,)
+        std = (var / (counts * stack.outputs)).sqrt()  # (G,)
+        # A g-net constant over its positions (e.g. every unit dead behind a ReLU) is left
+        # unscaled: dividing by a vanishing std would blow its rounding errors up to O(1).
+        std = torch.where(std < 1e-6, torch.ones_like(std), std)
         leaves["b_out"] = (leaves["b_out"] - mean) / std[:, None]
         leaves["w_out"] = leaves["w_out"] / std[:, None, None]
 

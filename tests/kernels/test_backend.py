@@ -56,7 +56,15 @@ def node_names(t: Tensor) -> set[str]:
     return seen
 
 
-def assert_trees_close(got: dict, want: dict, what: str) -> None:
+# Gradients are float32 sums over every tile and position, in different orders on the two
+# backends; where they cancel (e.g. behind a layer generated near zero) their rounding errors
+# reach ~1e-5 of the result.
+GRAD_TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
+
+
+def assert_trees_close(
+    got: dict, want: dict, what: str, *, rtol: float = 1e-5, atol: float = 2e-6
+) -> None:
     """Nested dicts of tensors: same paths, close values."""
     flat_got, flat_want = {}, {}
     for tree, flat in ((got, flat_got), (want, flat_want)):
@@ -70,7 +78,7 @@ def assert_trees_close(got: dict, want: dict, what: str) -> None:
     assert flat_got.keys() == flat_want.keys(), what
     for path, x in flat_got.items():
         torch.testing.assert_close(
-            x, flat_want[path], rtol=1e-5, atol=2e-6, msg=lambda m, p=path: f"{what}{list(p)}: {m}"
+            x, flat_want[path], rtol=rtol, atol=atol, msg=lambda m, p=path: f"{what}{list(p)}: {m}"
         )
 
 
@@ -87,7 +95,20 @@ def test_triton_backend_equals_torch_backend_under_grad(genome, seed):
     )
     got = grad(loss)(gparams, plan, model, "triton")
     want = grad(loss)(gparams, plan, model, "torch")
-    assert_trees_close(got, want, "grad gparams")
+    assert_trees_close(got, want, "grad gparams", **GRAD_TOLERANCE)
+
+
+def test_a_gnet_dead_at_init_generates_the_same_weights_on_both_backends():
+    # Every unit of this shared g-net starts dead behind its ReLU: its output is constant, and
+    # gb.init once divided it by its vanishing std, making the weights rounding noise that
+    # differed between backends (found by hypothesis in random order).
+    model = tiny_net()
+    plan = gb.plan(model, tile=(2, 2), hidden=5, kernel="output", share=True)
+    gparams = gb.init(plan, seed=1, device=KERNEL_DEVICE)
+    fused = gb.apply(gparams, plan, backend="triton")["0.weight"]
+    ours = gb.apply(gparams, plan, backend="torch")["0.weight"]
+    torch.testing.assert_close(fused, ours, rtol=1e-5, atol=2e-6)
+    assert float(ours.detach().abs().max()) < 1e-3  # a dead g-net generates (almost) nothing
 
 
 def test_vmap_over_genomes_equals_loop_and_torch():
@@ -102,7 +123,7 @@ def test_vmap_over_genomes_equals_loop_and_torch():
             torch.testing.assert_close(fused[name][k], weight, rtol=0, atol=0)
     grads = vmap(grad(loss), in_dims=(0, None, None, None))(stacked, plan, model, "triton")
     want = vmap(grad(loss), in_dims=(0, None, None, None))(stacked, plan, model, "torch")
-    assert_trees_close(grads, want, "vmap grad")
+    assert_trees_close(grads, want, "vmap grad", **GRAD_TOLERANCE)
 
 
 def test_backend_auto_is_torch_on_cpu_and_triton_is_the_fused_op():
@@ -148,5 +169,6 @@ def test_gpu_auto_picks_triton_and_compiles_fullgraph():
     x = INPUT.cuda()
     eager = grad(loss)(gparams, plan, model, "auto", x)
     compiled = torch.compile(grad(loss), fullgraph=True)(gparams, plan, model, "triton", x)
-    assert_trees_close(compiled, eager, "compiled grad")
-    assert_trees_close(eager, grad(loss)(gparams, plan, model, "torch", x), "triton vs torch")
+    assert_trees_close(compiled, eager, "compiled grad", **GRAD_TOLERANCE)
+    torch_grads = grad(loss)(gparams, plan, model, "torch", x)
+    assert_trees_close(eager, torch_grads, "triton vs torch", **GRAD_TOLERANCE)
