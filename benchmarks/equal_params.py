@@ -492,6 +492,8 @@ def findings(summary: list[dict[str, Any]], families: tuple[str, ...] = FAMILIES
         for family in ("low rank", "hashed"):
             if family in families and family not in group:
                 parts.append(f"{family} infeasible (the free parameters alone exceed the budget)")
+        if not parts:
+            parts.append("no baseline trained in this run")
         unit = "%" if metric == "val_acc" else " nats"
         lines.append(
             f"- **{ratio}** (gbfunc {ours['params']:,} params, "
