@@ -106,7 +106,7 @@ def _output_mean(
 def _shift_generated(gparams: GParams, plan: Plan, param: Generated, shift: float) -> None:
     """Add `shift` to every value of a generated parameter, through its g-nets' output bias."""
     stack = plan.stacks[param.stack]
-    owner = torch.repeat_interleave(torch.tensor(stack.tiles_per_gnet))  # tile -> g-net
+    owner = torch.tensor(stack.gnet_of_tile)
     tiles = torch.cat(
         [torch.arange(b.first_tile, b.first_tile + b.num_tiles) for b in param.blocks]
     )

@@ -169,9 +169,7 @@ def _normalise_outputs(stack: Stack, leaves: dict[str, Tensor]) -> None:
         if y.shape[1] < 2 and stack.num_tiles == stack.num_gnets:
             return  # a single position per g-net: nothing to standardise against
         counts = torch.tensor(stack.tiles_per_gnet, dtype=y.dtype) * y.shape[1]  # (G,)
-        owner = torch.repeat_interleave(
-            torch.arange(stack.num_gnets), torch.tensor(stack.tiles_per_gnet)
-        )
+        owner = torch.tensor(stack.gnet_of_tile)
         sums = torch.zeros(stack.num_gnets, stack.outputs, dtype=y.dtype).index_add_(
             0, owner, y.sum(1)
         )

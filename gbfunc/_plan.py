@@ -109,6 +109,11 @@ class Stack:
     def num_gnets(self) -> int:
         return len(self.tiles_per_gnet)
 
+    @property
+    def gnet_of_tile(self) -> tuple[int, ...]:
+        """The g-net that generates each tile, in tile order."""
+        return tuple(g for g, n in enumerate(self.tiles_per_gnet) for _ in range(n))
+
     def leaf_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shapes of this stack's leaves in `gparams["stacks"][key]`."""
         one = self.genome.param_shapes(self.row_width + self.col_width, self.outputs)

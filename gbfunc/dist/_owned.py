@@ -18,7 +18,6 @@ from torch import Tensor
 
 from .._apply import GParams, assemble, evaluate_stack
 from .._plan import Generated, Plan, Stack
-from ._select import gnet_of_tile
 from ._sync import CollectiveError, failure_message, wait_or_raise
 
 # Renamed in torch 2.13 (the old names warn); keep both working.
@@ -61,7 +60,7 @@ class Ownership:
     def tiles(self, plan: Plan, stack: int, rank: int) -> list[int]:
         """The tiles of `stack` that `rank` generates, ascending."""
         owner = self.owners[stack]
-        return [t for t, g in enumerate(gnet_of_tile(plan.stacks[stack])) if owner[g] == rank]
+        return [t for t, g in enumerate(plan.stacks[stack].gnet_of_tile) if owner[g] == rank]
 
 
 def assign(plan: Plan, world_size: int) -> Ownership:

@@ -24,11 +24,6 @@ def full_region(shape: Sequence[int]) -> Region:
     return tuple((0, n) for n in shape)
 
 
-def gnet_of_tile(stack: Stack) -> list[int]:
-    """The g-net that generates each tile of a stack."""
-    return [g for g, n in enumerate(stack.tiles_per_gnet) for _ in range(n)]
-
-
 def evaluate_tiles(stack: Stack, leaves: Mapping[str, Tensor], tiles: Sequence[int]) -> Tensor:
     """Tiles `tiles` (ascending indices into the stack) of a stack, `(len(tiles), TH, TW * K)`.
 
@@ -40,7 +35,7 @@ def evaluate_tiles(stack: Stack, leaves: Mapping[str, Tensor], tiles: Sequence[i
     if list(tiles) == list(range(stack.num_tiles)):
         return evaluate_stack(stack, dict(leaves))
     device = leaves["w_in"].device
-    owner = gnet_of_tile(stack)
+    owner = stack.gnet_of_tile
     per_gnet = Counter(owner[t] for t in tiles)
     gnets = sorted(per_gnet)
     counts = tuple(per_gnet[g] for g in gnets)

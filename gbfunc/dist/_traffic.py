@@ -68,7 +68,7 @@ def rank_owned_traffic(plan: Plan, world_size: int, itemsize: int = 4) -> Traffi
     tiles = 0
     for s, stack in enumerate(plan.stacks):
         per_rank = Counter(
-            ownership.owners[s][g] for g, n in enumerate(stack.tiles_per_gnet) for _ in range(n)
+            ownership.owners[s][g] for g in stack.gnet_of_tile
         )
         tiles += (
             world_size
