@@ -29,7 +29,7 @@ from torch.func import functional_call
 
 import gbfunc as gb
 from benchmarks._meta import RESULTS, header_md, markdown_table
-from benchmarks.equal_params import TASKS, arms_at, train
+from benchmarks.equal_params import TASKS, gbfunc_arm, train
 from examples.models import paper_genome
 
 GENOME = paper_genome(9)  # ~100x, as in equal_params
@@ -41,8 +41,7 @@ def alternating(seed: int, generations: int) -> tuple[float, float, float]:
     """`(generated accuracy, last dense accuracy, seconds)` of `gb.train_alternating`."""
     task = TASKS["mlp"]
     data = task.data()
-    arm = next(a for a in arms_at(task, "paper", GENOME, seed, data) if a.family == "gbfunc")
-    plan = gb.plan(arm.model, **GENOME)
+    arm, plan = gbfunc_arm(task, "paper", GENOME, seed, data)
     gen = torch.Generator().manual_seed(seed)
     steps = STEPS // generations
     last: dict[str, Tensor] = {}
@@ -75,7 +74,7 @@ def end_to_end(seed: int) -> tuple[float, float]:
     """`(accuracy, seconds)` of `equal_params`' protocol on the same genome."""
     task = TASKS["mlp"]
     data = task.data()
-    arm = next(a for a in arms_at(task, "paper", GENOME, seed, data) if a.family == "gbfunc")
+    arm, _ = gbfunc_arm(task, "paper", GENOME, seed, data)
     started = time.perf_counter()
     _, acc = train(arm, END_TO_END_LR, data, STEPS, task.batch, seed)
     return acc, time.perf_counter() - started

@@ -257,8 +257,8 @@ class Arm:
     lr_scales: dict[str, float] = field(default_factory=dict)
 
 
-def arms_at(task: Task, label: str, options: dict, seed: int, data: Data) -> list[Arm]:
-    """The gbfunc arm planned with `options`, and its baselines at its parameter count."""
+def gbfunc_arm(task: Task, label: str, options: dict, seed: int, data: Data) -> tuple[Arm, gb.Plan]:
+    """The gbfunc arm planned with `options` (calibrated if the task says so), and its plan."""
     torch.manual_seed(seed)
     model = task.build(None)
     plan = gb.plan(model, **options)
@@ -268,7 +268,15 @@ def arms_at(task: Task, label: str, options: dict, seed: int, data: Data) -> lis
         gparams = gb.calibrate(gparams, plan, model, x)
     ours = gb.report(plan).stored_params
     free_lr = {"free": task.free_lr_factor}
-    arms = [Arm("gbfunc", label, model, gparams, lambda t: gb.apply(t, plan), ours, free_lr)]
+    arm = Arm("gbfunc", label, model, gparams, lambda t: gb.apply(t, plan), ours, free_lr)
+    return arm, plan
+
+
+def arms_at(task: Task, label: str, options: dict, seed: int, data: Data) -> list[Arm]:
+    """The gbfunc arm planned with `options`, and its baselines at its parameter count."""
+    arm, _ = gbfunc_arm(task, label, options, seed, data)
+    model, ours = arm.model, arm.params
+    arms = [arm]
     width, _ = narrowest_match(task.build, ours, task.widths)
     torch.manual_seed(seed)
     narrow = task.build(width)

@@ -19,7 +19,7 @@ from dataclasses import replace
 import torch
 from torch.utils._pytree import tree_leaves
 
-from benchmarks.equal_params import TASKS, arms_at, train
+from benchmarks.equal_params import TASKS, gbfunc_arm, train
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     options = json.loads(args.plan)
     data = task.data()
     for seed in range(args.seeds):
-        arm = next(a for a in arms_at(task, "recipe", options, seed, data) if a.family == "gbfunc")
+        arm, _ = gbfunc_arm(task, "recipe", options, seed, data)
         print(f"trainable parameters {arm.params:,}", flush=True)
         start_values = [v.detach().clone() for v in tree_leaves(arm.tree)]
         for lr in args.lrs:
