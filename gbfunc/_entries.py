@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from ._genome import Genome
 from ._options import GENOME_OPTIONS
-from ._plan import stack_geometry, tile_grid
+from ._plan import stack_geometry, tile_buckets, tile_grid
 from ._rules import Layout, rule_for
 
 
@@ -172,7 +172,8 @@ def block_cost(
     outputs, _, row_width, col_width = stack_geometry(genome, tile, kernel)
     tiles = math.prod(tile_grid(rows, cols, tile))
     per_gnet = genome.param_count(row_width + col_width, outputs)
-    return per_gnet + tiles * genome.embed_dim if genome.share else tiles * per_gnet
+    gnets = per_gnet + tiles * genome.embed_dim if genome.share else tiles * per_gnet
+    return gnets + tiles * tile_buckets(genome, tile, kernel)
 
 
 def param_cost(

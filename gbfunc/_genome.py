@@ -50,6 +50,12 @@ class Genome:
             (inputs) of a weight: `"position"`, `"onehot"` or a grid shape, see `Labels`.
             Anything but `"position"` needs the axis to be a single tile (`tile="full"`),
             so that labels name neurons, as in Shuvaev et al. 2024.
+        hashed: Buckets of a per-tile table of weights shared by hashing (HashedNets, Chen
+            et al. 2015), added to the g-net's output: every position of a tile adds
+            `sign * table[bucket]`, bucket and sign fixed by the position (`hash_buckets`).
+            The table starts random with the tile's variance and the g-nets at zero output,
+            so the model starts as HashedNets; the g-nets learn what the sharing misses. The
+            table is stored divided by 10, so that one learning rate suits both. 0: no table.
     """
 
     hidden: int = 32
@@ -63,6 +69,7 @@ class Genome:
     embed_dim: int = 8
     row_labels: Labels = "position"
     col_labels: Labels = "position"
+    hashed: int = 0
 
     def __post_init__(self) -> None:
         for name in ("row_labels", "col_labels"):
@@ -101,6 +108,8 @@ def check_genome(
     for name in ("hidden", "depth", "fourier_features", "outputs", "embed_dim"):
         if name in options:
             _check_int(where, label(name), options[name], 1)
+    if "hashed" in options:
+        _check_int(where, label("hashed"), options["hashed"], 0)
     for name, choices in (
         ("activation", ACTIVATIONS),
         ("encoding", ENCODINGS),
@@ -172,6 +181,36 @@ def labels_code(n: int, labels: Labels, encoding: str, fourier_features: int) ->
         parts.append(axis_code(d, encoding, fourier_features)[idx % d])
         idx = idx // d
     return torch.cat(parts[::-1], dim=1)
+
+
+def hash_buckets(positions: int, buckets: int) -> tuple[Tensor, Tensor]:
+    """Bucket `(positions,)` int64 and sign `(positions,)` float64 of each position of a tile.
+
+    Positions are ranked by MurmurHash3's 32-bit finaliser of their index, and the rank modulo
+    `buckets` is the bucket, so buckets differ in size by at most one; the sign is the low bit
+    of the finaliser of the index with the top bit set. Pure integer arithmetic: the same on
+    every machine and torch version, so a saved table keeps its meaning.
+    """
+    idx = torch.arange(positions, dtype=torch.int64)
+    rank = torch.empty_like(idx)
+    rank[torch.argsort(_fmix32(idx))] = idx
+    sign = (_fmix32(idx | (1 << 31)) & 1).double() * 2 - 1
+    return rank % buckets, sign
+
+
+def _fmix32(x: Tensor) -> Tensor:
+    """MurmurHash3's finaliser: a bijection on 32-bit integers (held in int64)."""
+    x = x & 0xFFFFFFFF
+    x = _mul32(x ^ (x >> 16), 0x85EBCA6B)
+    x = _mul32(x ^ (x >> 13), 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    """`x * c` modulo 2**32, in halves of `c` so that no int64 product overflows."""
+    low = x * (c & 0xFFFF)
+    high = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (low + high) & 0xFFFFFFFF
 
 
 def kernel_code(kernel: tuple[int, ...]) -> Tensor:

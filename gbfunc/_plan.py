@@ -15,6 +15,8 @@ from torch import nn
 
 from ._genome import Genome, labels_width
 
+TILE_LEAVES = ("tile_embed", "tile_hash")  # stack leaves with a row per tile, not per g-net
+
 
 @dataclass(frozen=True)
 class Block:
@@ -120,6 +122,8 @@ class Stack:
         shapes = {name: (self.num_gnets, *shape) for name, shape in one.items()}
         if self.genome.share:
             shapes["tile_embed"] = (self.num_tiles, self.genome.embed_dim)
+        if self.genome.hashed:
+            shapes["tile_hash"] = (self.num_tiles, self.genome.hashed)
         return shapes
 
     @property
@@ -184,6 +188,11 @@ def block_shapes(shape: tuple[int, ...], splits: int, split_dim: int) -> list[tu
 def tile_grid(rows: int, cols: int, tile: tuple[int, int]) -> tuple[int, int]:
     """Tiles along the rows and along the columns that cover a `rows x cols` block."""
     return -(-rows // tile[0]), -(-cols // tile[1])
+
+
+def tile_buckets(genome: Genome, tile: tuple[int, int], kernel: tuple[int, ...]) -> int:
+    """Buckets of a tile's hashed table: `genome.hashed`, at most one per position of the tile."""
+    return min(genome.hashed, tile[0] * tile[1] * math.prod(kernel))
 
 
 def stack_geometry(

@@ -19,7 +19,17 @@ from ._entries import (
 from ._genome import Genome, check_genome
 from ._model import check_module
 from ._options import DEFAULT_TILE, check_patterns, check_tile, normalise_overrides, resolve
-from ._plan import Block, Free, Generated, Plan, Stack, block_shapes, stack_geometry, tile_grid
+from ._plan import (
+    Block,
+    Free,
+    Generated,
+    Plan,
+    Stack,
+    block_shapes,
+    stack_geometry,
+    tile_buckets,
+    tile_grid,
+)
 from ._rules import free_init
 from ._search import search_tile
 
@@ -39,6 +49,7 @@ def plan(
     embed_dim: int = 8,
     row_labels: str | tuple[int, ...] = "position",
     col_labels: str | tuple[int, ...] = "position",
+    hashed: int = 0,
     embeddings: bool = False,
     biases: bool = False,
     center: bool = False,
@@ -63,7 +74,8 @@ def plan(
             whole kernel), or `"full"` for one tile per weight matrix. Clipped to smaller
             weights. Default `(64, 64)`, or chosen by `compression`.
         hidden, depth, activation, encoding, fourier_features, outputs, kernel, share,
-            embed_dim, row_labels, col_labels: The g-net architecture, see `gb.Genome`.
+            embed_dim, row_labels, col_labels, hashed: The g-net architecture, see
+            `gb.Genome`.
         embeddings: Generate `nn.Embedding` tables too.
         biases: Generate the biases of generated layers too, each by its own g-net on the
             layer's output-neuron labels (at high ratios free biases dominate the count).
@@ -104,6 +116,7 @@ def plan(
         "embed_dim": embed_dim,
         "row_labels": row_labels,
         "col_labels": col_labels,
+        "hashed": hashed,
     }
     check_genome(base, "gb.plan")
     rules = normalise_overrides(overrides, free)
@@ -169,6 +182,7 @@ class _Stacks:
         self, genome: Genome, tile: tuple[int, int], kernel: tuple[int, ...], rows: int, cols: int
     ) -> tuple[int, Block]:
         """Lay a `rows x cols` block out as the next tiles of its stack: `(stack, block)`."""
+        genome = replace(genome, hashed=tile_buckets(genome, tile, kernel))
         key = (genome, tile, kernel, stack_geometry(genome, tile, kernel))
         if key not in self._index:
             self._index[key] = len(self._specs)

@@ -90,6 +90,21 @@ def activate(z: Tensor, name: str) -> Tensor:
     raise ValueError(name)
 
 
+def fmix32(x: int) -> int:
+    """MurmurHash3's 32-bit finaliser, in Python integers."""
+    x &= 0xFFFFFFFF
+    x = ((x ^ (x >> 16)) * 0x85EBCA6B) & 0xFFFFFFFF
+    x = ((x ^ (x >> 13)) * 0xC2B2AE35) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def hash_slots(positions: int, buckets: int) -> list[tuple[int, float]]:
+    """(bucket, sign) of each position of a tile: buckets by rank of the hashed index."""
+    order = sorted(range(positions), key=fmix32)
+    rank = {n: r for r, n in enumerate(order)}
+    return [(rank[n] % buckets, 1.0 if fmix32(n | 1 << 31) & 1 else -1.0) for n in range(positions)]
+
+
 def naive_apply(gparams: dict, plan: Plan) -> dict[str, Tensor]:
     """Every parameter of the p-net: g-nets run tile by tile, tiles placed by explicit copies."""
     out = {}
@@ -117,6 +132,14 @@ def naive_apply(gparams: dict, plan: Plan) -> dict[str, Tensor]:
                     h = h @ leaves["w_hidden"][g, layer] + leaves["b_hidden"][g, layer]
                     h = activate(h, stack.genome.activation)
                 y = (h @ leaves["w_out"][g] + leaves["b_out"][g]).reshape(th, tw, taps)
+                if stack.genome.hashed:
+                    slots = hash_slots(th * tw * taps, stack.genome.hashed)
+                    for n, (bucket, sign) in enumerate(slots):
+                        i, rest = divmod(n, tw * taps)
+                        # The table is stored divided by its gain, 10.
+                        y[i, rest // taps, rest % taps] += (
+                            10 * sign * leaves["tile_hash"][t, bucket]
+                        )
                 r, c = divmod(k, block.grid[1])
                 for i in range(th):
                     for j in range(tw):

@@ -32,6 +32,10 @@ def models() -> dict[str, tuple[nn.Module, dict]]:
             {"tile": (8, 8), "activation": "silu"},
         ),
         "tanh-deep": (nn.Linear(9, 11), {"tile": (4, 4), "depth": 2, "activation": "tanh"}),
+        "cnn-hashed": (
+            nn.Sequential(nn.Conv2d(3, 10, 3), nn.Linear(9, 11)),
+            {"tile": (4, 3), "hashed": 7, "share": True, "biases": True},
+        ),
         "cnn-gray": (
             nn.Sequential(nn.Conv2d(3, 6, 3), nn.Conv1d(3, 4, 2)),
             {"tile": (4, 3), "encoding": "gray", "outputs": 2},
@@ -54,6 +58,9 @@ def test_apply_equals_the_unstacked_per_tile_reference(name):
     model, kwargs = models()[name]
     plan = gb.plan(model, **kwargs)
     gparams = gb.init(plan, dtype=torch.float64)
+    for leaves in gparams["stacks"].values():
+        if "tile_hash" in leaves:  # the g-nets start at zero output beside a table: wake them
+            leaves["w_out"].data.normal_(generator=torch.Generator().manual_seed(0))
     fast, slow = gb.apply(gparams, plan), naive_apply(gparams, plan)
     assert list(fast) == [n for n, _ in model.named_parameters()]
     for key in fast:
@@ -126,6 +133,7 @@ def target_stds(model: nn.Module, plan: gb.Plan, draws: int = 4) -> dict[str, fl
         (nn.Embedding(200, 32), {"tile": (32, 32), "embeddings": True}),
         (nn.Linear(256, 256), {"tile": (32, 32), "share": True}),
         (nn.Linear(256, 256), {"tile": (64, 64), "outputs": 8, "depth": 2}),
+        (nn.Sequential(nn.Conv2d(8, 32, 3), nn.Linear(300, 64)), {"tile": (32, 32), "hashed": 90}),
     ],
 )
 def test_generated_weights_start_at_the_pnet_init_std(model, kwargs):
@@ -195,3 +203,24 @@ def test_weights_left_free_start_with_their_modules_own_init():
     for name in ("fc.weight", "conv.weight", "attn.in_proj_weight", "attn.out_proj.weight"):
         assert free[name].std().item() == pytest.approx(own[name].std().item(), rel=0.1), name
     assert not free["attn.out_proj.bias"].any()
+
+
+def test_hashed_tables_start_as_hashednets_and_share_their_values():
+    """A hashed genome starts with zero g-net output: each weight is +-one of its tile's values."""
+    model = nn.Linear(40, 24)
+    plan = gb.plan(model, tile=(8, 8), hashed=6)
+    gparams = gb.init(plan)
+    leaves = gparams["stacks"][plan.stacks[0].key]
+    assert not leaves["w_out"].any()
+    assert not leaves["b_out"].any()
+    weight = gb.apply(gparams, plan)["weight"] / plan.params[0].scale
+    tile = weight[:8, :8].abs()
+    table = (leaves["tile_hash"][0] * 10).abs()  # stored divided by its gain
+    assert len(torch.unique(tile)) == 6
+    torch.testing.assert_close(torch.unique(tile), torch.unique(table))
+    # The plan counts the tables: 15 tiles of 6 values beside the g-nets.
+    stack = plan.stacks[0]
+    assert gb.report(plan).stored_params == stack.num_params + 24
+    assert stack.num_params == 15 * (
+        stack.genome.param_count(stack.row_width + stack.col_width, 1) + 6
+    )

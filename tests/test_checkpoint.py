@@ -59,8 +59,9 @@ def assert_trees_equal(a: object, b: object, path: str = "") -> None:
         (nn.Conv2d(3, 8, 3), {"tile": (4, 2), "kernel": "output", "depth": 2}),
         (nn.MultiheadAttention(16, 2), {"tile": (4, 8), "share": True, "encoding": "fourier"}),
         (nn.Sequential(nn.Embedding(10, 6), nn.Linear(6, 9)), {"tile": "full", "embeddings": True}),
+        (nn.Conv2d(3, 8, 3), {"tile": (4, 2), "hashed": 5, "share": True}),
     ],
-    ids=["mlp", "conv", "attention-shared", "embedding-full"],
+    ids=["mlp", "conv", "attention-shared", "embedding-full", "conv-hashed-shared"],
 )
 def test_plan_json_round_trip_gives_an_equal_plan(model, kwargs):
     plan = gb.plan(model, **kwargs)
@@ -519,6 +520,7 @@ def test_plans_of_every_kind_pass_the_checks_of_gb_load(tmp_path):
         (lambda: nn.TransformerEncoderLayer(16, 2, 32), {"tile": (4, 8), "share": True}),
         (lambda: nn.Sequential(nn.Embedding(10, 6), nn.Linear(6, 9)), {"embeddings": True}),
         (lambda: nn.Linear(50, 70), {"tile": (16, 7), "outputs": 3}),
+        (lambda: nn.Linear(50, 70), {"tile": (16, 7), "outputs": 3, "hashed": 9}),
         (lambda: nn.ModuleDict({"c_attn": Conv1D(48, 16)}), {"tile": (8, 8)}),
         (
             lambda: nn.Sequential(nn.Flatten(), nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 3)),

@@ -15,6 +15,7 @@ GENOMES = {
     "shared-fourier": {"tile": (3, 4), "share": True, "encoding": "fourier", "hidden": 8},
     "outputs": {"tile": (4, 4), "outputs": 2, "hidden": 8, "activation": "tanh"},
     "conv-output": {"tile": (2, 2), "kernel": "output", "hidden": 8},
+    "conv-hashed": {"tile": (2, 3), "hashed": 5, "hidden": 6},
 }
 
 
@@ -138,9 +139,10 @@ def batch_xy(seed: int = 0):
 
 @pytest.mark.slow
 def test_compiled_grad_of_shared_gnets_matches_eager():
-    """Shared g-nets repeat per-g-net rows over tiles; their backward must compile too."""
+    """Shared g-nets repeat per-g-net rows over tiles, hashed tables gather per position:
+    their backward must compile too."""
     model = nn.Sequential(nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 10))
-    plan = gb.plan(model, tile=(16, 16), share=True, hidden=8)
+    plan = gb.plan(model, tile=(16, 16), share=True, hidden=8, hashed=20)
     gparams = gb.init(plan, requires_grad=False)
     x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
     grad_fn = grad(loss_fn(model, plan))

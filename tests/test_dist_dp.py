@@ -20,7 +20,10 @@ LOCAL_BATCH, STEPS, SAVE_AT = 2, 3, 2
 def _setup() -> tuple[torch.nn.Module, gb.Plan]:
     with torch.device("meta"):
         model = GPT(CFG)
-    return model, gb.plan(model, tile=(16, 16))
+    # The first block's g-nets are shared and hashed: per-tile leaves are sharded by tile.
+    return model, gb.plan(
+        model, tile=(16, 16), overrides={"blocks.0.*": {"share": True, "hashed": 6}}
+    )
 
 
 def _batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -275,6 +275,12 @@ def test_compression_leaves_weights_free_whose_gnets_would_cost_more():
         ({"embeddings": "yes"}, TypeError, r"gb\.plan: embeddings must be a bool"),
         ({"hidden": 0}, ValueError, r"gb\.plan: hidden must be an integer >= 1"),
         ({"share": 1}, TypeError, r"gb\.plan: share must be a bool"),
+        ({"hashed": -1}, ValueError, r"gb\.plan: hashed must be an integer >= 0, got -1"),
+        (
+            {"overrides": {"0.weight": {"hashed": True}}},
+            TypeError,
+            r"gb\.plan: overrides\['0\.weight'\]\['hashed'\] must be an integer >= 0",
+        ),
     ],
 )
 def test_unchecked_options_round_two(kwargs, error, match):
@@ -373,8 +379,20 @@ def test_override_values_are_checked_and_named(overrides, error, match):
         ({"encoding": "utf8"}, ValueError, r"^gb.Genome: encoding must be one of"),
         ({"share": None}, TypeError, r"^gb.Genome: share must be a bool, got None\.$"),
         ({"row_labels": (0,)}, ValueError, r"^gb.Genome: row_labels must be one of"),
+        ({"hashed": 2.5}, TypeError, r"^gb.Genome: hashed must be an integer >= 0, got 2.5\.$"),
     ],
 )
 def test_genome_errors_name_gb_genome(kwargs, error, match):
     with pytest.raises(error, match=match):
         gb.Genome(**kwargs)
+
+
+def test_hashed_tables_are_clipped_to_the_tile_and_counted_by_compression():
+    """A table never has more buckets than its tile has positions; the search counts tables."""
+    model = nn.Sequential(nn.Linear(40, 30), nn.ReLU(), nn.Linear(30, 4))
+    plan = gb.plan(model, tile=(8, 8), hashed=100, biases=True)
+    buckets = {s.key: s.genome.hashed for s in plan.stacks}
+    assert buckets == {"s0_8x8": 64, "s1_8x1": 8, "s2_4x8": 32, "s3_4x1": 4}
+    assert all(s.leaf_shapes()["tile_hash"] == (s.num_tiles, s.genome.hashed) for s in plan.stacks)
+    searched = gb.plan(nn.Linear(256, 256), compression=20, hidden=4, hashed=16)
+    assert gb.report(searched).compression == pytest.approx(20, rel=0.1)

@@ -17,7 +17,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 from .._apply import GParams, assemble, evaluate_stack
-from .._plan import Generated, Plan, Stack
+from .._plan import TILE_LEAVES, Generated, Plan, Stack
 from ._sync import CollectiveError, failure_message, wait_or_raise
 
 # Renamed in torch 2.13 (the old names warn); keep both working.
@@ -151,7 +151,7 @@ class RankOwned:
             device = leaves["w_in"].device
             rows = {
                 name: torch.tensor(
-                    self._tiles[s] if name == "tile_embed" else self._gnets[s], device=device
+                    self._tiles[s] if name in TILE_LEAVES else self._gnets[s], device=device
                 )
                 for name in leaves
             }
@@ -209,7 +209,7 @@ class RankOwned:
             per_rank = [self.ownership.gnets(s, r) for r in range(self.world)]
             per_rank_tiles = [self.ownership.tiles(self.plan, s, r) for r in range(self.world)]
             stacks[stack.key] = {
-                name: self._gather_rows(v, per_rank_tiles if name == "tile_embed" else per_rank)
+                name: self._gather_rows(v, per_rank_tiles if name in TILE_LEAVES else per_rank)
                 for name, v in local["stacks"][stack.key].items()
             }
         return {"stacks": stacks, "free": local["free"], "frozen": local["frozen"]}

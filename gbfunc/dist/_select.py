@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from .._apply import GParams, evaluate_stack, finish
-from .._plan import Generated, Plan, Stack
+from .._plan import TILE_LEAVES, Generated, Plan, Stack
 
 Region = tuple[tuple[int, int], ...]  # [start, stop) along every dim of a parameter
 
@@ -42,7 +42,7 @@ def evaluate_tiles(stack: Stack, leaves: Mapping[str, Tensor], tiles: Sequence[i
     by_gnet = torch.tensor(gnets, device=device)
     by_tile = torch.tensor(list(tiles), device=device)
     sub = {
-        k: v.index_select(0, by_tile if k == "tile_embed" else by_gnet) for k, v in leaves.items()
+        k: v.index_select(0, by_tile if k in TILE_LEAVES else by_gnet) for k, v in leaves.items()
     }
     return evaluate_stack(replace(stack, tiles_per_gnet=counts), sub)
 
