@@ -38,9 +38,9 @@ def _invocation() -> str:
     return shlex.join([os.path.relpath(sys.argv[0]), *sys.argv[1:]])
 
 
-def provenance_line() -> str:
-    """The provenance in one line, for plot titles and CSV comments."""
-    p = provenance()
+def provenance_line(p: dict[str, Any] | None = None) -> str:
+    """The provenance `p` (default: this run's) in one line, for plot titles and CSV comments."""
+    p = provenance() if p is None else p
     return f"{p['command']} | {p['machine']}, torch {p['torch']} | {p['date']}"
 
 

@@ -13,9 +13,12 @@ At each ratio four families are trained with the same protocol, batches and seed
 - **gbfunc**: for the MLP the paper's genome through `gb.plan` options (one g-net per weight
   and per bias, `tile="full"`, `biases=True`; neurons labelled by their identity: hidden
   units by the Gray code of their index, pixels by the Gray codes of their (row, column),
-  classes one-hot; tanh g-nets; each generated row centred, `center=True`); for the CNN the
-  main job's tiled genome and the paper-style one; for the transformer tiled genomes, with
-  the embeddings and the output layer generated at ~20x;
+  classes one-hot; tanh g-nets; each generated row centred, `center=True`); for the CNN a
+  tiled genome (the main job's until the hashed one) and the paper-style one; for the
+  transformer tiled genomes, with the embeddings and the output layer generated at ~20x; on
+  the MLP and the CNN also the hashed genome (`hashed=B`: each weight matrix one tile whose
+  HashedNets table of `B` shared values is added to a tiny g-net's output; the ratio label
+  says "hashed genome"; the CNN's ~23x one is the main job's);
 - **narrow**: the same architecture at the width whose parameter count is nearest;
 - **low rank**: the weights as `U @ V.T`, everything else free, ranks spread by size
   (infeasible where the free parameters alone exceed the budget);
@@ -38,18 +41,21 @@ logits (knowledge distillation: `(1 - a) * CE + a * T^2 * KL(teacher_T || studen
 `a = 0.5`, `T = 2`; the teacher is that seed's dense model at its best learning rate), the
 same for gbfunc and the baselines.
 
-    python -m benchmarks.equal_params                  # MLP, 3 seeds, ~15 minutes on one core
-    python -m benchmarks.equal_params --task cnn       # ~6 minutes
-    python -m benchmarks.equal_params --task charlm    # 1 seed, ~60 minutes
+    python -m benchmarks.equal_params                  # MLP, 3 seeds, ~25 minutes on one core
+    python -m benchmarks.equal_params --task cnn       # ~12 minutes
+    python -m benchmarks.equal_params --task charlm    # 1 seed, ~100 minutes
     python -m benchmarks.equal_params --distill        # the distillation recipe
     python -m benchmarks.equal_params --task charlm --families hashed   # one family only
+    python -m benchmarks.equal_params --task charlm --families gbfunc --arm "hashed genome"
     python -m benchmarks.equal_params --quick          # 1 seed, a third of the steps
+    python -m benchmarks.equal_params --task cnn --replot benchmarks/results/equal_params_cnn.json
 
 Writes `benchmarks/results/equal_params[_cnn|_charlm][_distill][_quick].{md,json,png}`.
 """
 
 import argparse
 import functools
+import json
 import math
 import statistics
 import time
@@ -62,7 +68,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten_with_path, tree_leaves
 
 import gbfunc as gb
 from benchmarks._meta import RESULTS, header_md, markdown_table, provenance_line, write_json
@@ -131,6 +137,44 @@ def charlm_model(width: int | None) -> CharTransformer:
     return CharTransformer(_corpus().vocab_size, cfg.context, w, cfg.depth, cfg.heads)
 
 
+HASHED = "hashed genome"
+# The MLP's hashed genome with free biases (at ~20x they fit): tiny tanh g-nets on the paper's
+# labels, every row centred.
+MLP_HASHED = {
+    "tile": "full",
+    "encoding": "gray",
+    "hidden": 4,
+    "activation": "tanh",
+    "center": True,
+    "overrides": {"1.weight": {"col_labels": (8, 8)}, "3.weight": {"row_labels": "onehot"}},
+}
+# The transformer's hashed genome: tables on (64, 64) tiles beside g-nets shared per matrix.
+CHARLM_HASHED = {"tile": (64, 64), "hidden": 8, "outputs": 8, "share": True, "embed_dim": 4}
+# The main job's CNN genome before the hashed one: (64, 64) tiles, 8 hidden units, 8 outputs.
+TILED_CNN = {
+    "tile": (64, 64),
+    "hidden": 8,
+    "outputs": 8,
+    "overrides": {"classifier.3.weight": "free"},
+}
+CNN_TABLES_135X = {
+    "features.0.weight": 30,
+    "features.2.weight": 200,
+    "classifier.1.weight": 450,
+    "classifier.3.weight": 100,
+}
+
+
+def with_tables(options: dict, tables: dict[str, int]) -> dict:
+    """`gb.plan` options with a hashed table of `tables[name]` values per tile of `name`."""
+    overrides = {
+        k: dict(v) if isinstance(v, dict) else v for k, v in options.get("overrides", {}).items()
+    }
+    for name, buckets in tables.items():
+        overrides[name] = {**overrides.get(name, {}), "hashed": buckets}
+    return {**options, "overrides": overrides}
+
+
 @dataclass(frozen=True)
 class Task:
     """A model family at several sizes, the gbfunc genomes to compare, and the protocol.
@@ -147,6 +191,7 @@ class Task:
         data: Builds the task's `Data`.
         metric: `"val_acc"` (higher is better) or `"val_loss"` (lower is better).
         lrs: Learning rates swept per family.
+        arm_lrs: Learning rates swept for the gbfunc arm of this label instead of its family's.
         free_lr_factor: A gbfunc arm's free tensors train at this times its g-net rate.
         calibrate: Start gbfunc arms with `gb.calibrate` on a training batch.
     """
@@ -163,6 +208,7 @@ class Task:
     data: Callable[[], Data] = digits_data
     metric: str = "val_acc"
     lrs: dict[str, tuple[float, ...]] = field(default_factory=lambda: DIGITS_LRS)
+    arm_lrs: dict[str, tuple[float, ...]] = field(default_factory=dict)
     free_lr_factor: float = 0.1
     calibrate: bool = True
 
@@ -181,10 +227,26 @@ TASKS = {
             ("~20x", "g-nets H=47", paper_genome(47)),
             ("~100x", "g-nets H=9", paper_genome(9)),
             ("~300x", "g-nets H=3", paper_genome(3)),
+            (
+                "~20x, hashed genome",
+                HASHED,
+                with_tables(MLP_HASHED, {"1.weight": 1850, "3.weight": 290}),
+            ),
+            (
+                "~100x, hashed genome",
+                HASHED,
+                with_tables(paper_genome(4), {"1.weight": 280, "3.weight": 60}),
+            ),
+            (
+                "~300x, hashed genome",
+                HASHED,
+                with_tables(paper_genome(2), {"1.weight": 50, "3.weight": 15}),
+            ),
         ),
         ("1.weight", "3.weight"),
         1000,
         128,
+        arm_lrs={HASHED: (0.01, 0.03, 0.1, 0.3)},  # the tables' rate is the g-nets' (HASH_GAIN)
         calibrate=False,  # measured: it lowers the paper genome's accuracy here (--calibrate)
     ),
     "cnn": Task(
@@ -193,18 +255,25 @@ TASKS = {
         lambda w: DigitsCNN() if w is None else DigitsCNN((w, 2 * w), 4 * w),
         range(1, 33),
         (
-            ("~23x", "main job genome", DigitsConfig().plan),
+            ("~23x", "tiled genome", TILED_CNN),
             # the first classifier layer's inputs labelled by (channel, row, column)
             (
                 "~135x",
                 "paper genome H=10",
                 paper_genome(10, "classifier.1.weight", (64, 4, 4), "classifier.3.*"),
             ),
+            ("~23x, hashed genome", HASHED, DigitsConfig().plan),  # the main job's
+            (
+                "~135x, hashed genome",
+                HASHED,
+                with_tables({"tile": "full", "hidden": 2}, CNN_TABLES_135X),
+            ),
         ),
         ("features.0.weight", "features.2.weight", "classifier.1.weight", "classifier.3.weight"),
         400,
         64,
         lrs=CNN_LRS,
+        arm_lrs={HASHED: (0.01, 0.03, 0.1, 0.3)},
     ),
     "charlm": Task(
         "character transformer (main job)",
@@ -227,6 +296,12 @@ TASKS = {
                 "tiles 64x64 H=8 P=8, embeddings and head generated",
                 {"tile": (64, 64), "hidden": 8, "outputs": 8, "embeddings": True},
             ),
+            (
+                "~5x, hashed genome",
+                HASHED,
+                {**CHARLM_HASHED, "hashed": 420, "overrides": {"head.weight": "free"}},
+            ),
+            ("~20x, hashed genome", HASHED, {**CHARLM_HASHED, "hashed": 124, "embeddings": True}),
         ),
         (),
         800,
@@ -235,6 +310,7 @@ TASKS = {
         data=charlm_data,
         metric="val_loss",
         lrs=CHARLM_LRS,
+        arm_lrs={HASHED: (0.02, 0.04, 0.08)},  # 0.04 was the best of 0.01, 0.02, 0.04 at ~5x
         free_lr_factor=0.5,  # the main job's measured pair: g-nets 2e-2, free tensors 1e-2
         calibrate=False,  # not measured on the transformer
     ),
@@ -245,7 +321,8 @@ TASKS = {
 class Arm:
     """One trainable configuration: its family, its tree and how the tree becomes weights.
 
-    `lr_scales` maps a top-level key of `tree` to a factor of the swept learning rate.
+    `lr_scales` maps a top-level key of `tree`, or the name of a leaf anywhere in it (e.g.
+    gbfunc's `tile_hash`), to a factor of the swept learning rate; a leaf's own name wins.
     """
 
     family: str
@@ -311,14 +388,13 @@ def train(
 
     With a `teacher` (inputs to logits) the loss mixes in distillation towards its logits.
     """
-    groups = [
-        {
-            "params": [v for v in tree_leaves(part) if v.requires_grad],
-            "lr": lr * arm.lr_scales.get(key, 1.0),
-        }
-        for key, part in arm.tree.items()
-    ]
-    optimizer = torch.optim.Adam([g for g in groups if g["params"]])
+    by_scale: dict[float, list[Tensor]] = {}
+    for path, leaf in tree_flatten_with_path(arm.tree)[0]:
+        if leaf.requires_grad:
+            top, name = str(path[0].key), str(path[-1].key)
+            scale = arm.lr_scales.get(name, arm.lr_scales.get(top, 1.0))
+            by_scale.setdefault(scale, []).append(leaf)
+    optimizer = torch.optim.Adam([{"params": v, "lr": lr * s} for s, v in by_scale.items()])
     warmup = max(1, min(100, steps // 10))
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
@@ -372,7 +448,8 @@ def run(
         teacher, best = None, None
         for ratio, arms in groups:
             for arm in (a for a in arms if a.family in families):
-                for lr in task.lrs[arm.family]:
+                lrs = task.arm_lrs.get(arm.label) if arm.family == "gbfunc" else None
+                for lr in lrs or task.lrs[arm.family]:
                     fresh = [v.detach().clone() for v in tree_leaves(arm.tree)]
                     start = time.perf_counter()
                     guide = None if arm.family == "dense" else teacher
@@ -510,8 +587,13 @@ def findings(summary: list[dict[str, Any]], families: tuple[str, ...] = FAMILIES
     return "\n".join(lines)
 
 
-def plot(summary: list[dict[str, Any]], path: Path, title: str) -> None:
-    """The score against trainable parameters (log), one line per family."""
+def _series(row: dict[str, Any]) -> str:
+    """The plot line of a summary row: its family, gbfunc's hashed genome on its own."""
+    return f"gbfunc, {HASHED}" if row["arm"] == HASHED else row["family"]
+
+
+def plot(summary: list[dict[str, Any]], path: Path, title: str, stamp: str) -> None:
+    """The score against trainable parameters (log), one line per family; `stamp` in a corner."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -520,13 +602,17 @@ def plot(summary: list[dict[str, Any]], path: Path, title: str) -> None:
     metric = summary[0]["metric"]
     scale = 100 if metric == "val_acc" else 1
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for family, color in (
+    for series, color in (
         ("gbfunc", "tab:orange"),
+        (f"gbfunc, {HASHED}", "tab:red"),
         ("narrow", "tab:blue"),
         ("low rank", "tab:green"),
         ("hashed", "tab:purple"),
     ):
-        points = sorted((s["params"], s) for s in summary if s["family"] == family)
+        # One point per parameter count (a baseline trained at two ratios' budgets is one).
+        points = sorted(
+            {s["params"]: s for s in summary if _series(s) == series}.items(), key=lambda p: p[0]
+        )
         if points:
             ax.errorbar(
                 [p for p, _ in points],
@@ -534,7 +620,7 @@ def plot(summary: list[dict[str, Any]], path: Path, title: str) -> None:
                 [scale * s["score_std"] for _, s in points],
                 fmt="o-",
                 color=color,
-                label=family,
+                label=series,
                 capsize=3,
             )
     for dense in (s for s in summary if s["family"] == "dense"):
@@ -547,7 +633,7 @@ def plot(summary: list[dict[str, Any]], path: Path, title: str) -> None:
     )
     ax.grid(alpha=0.3, which="both")
     ax.legend()
-    fig.text(0.01, 0.01, provenance_line(), fontsize=6)
+    fig.text(0.01, 0.01, stamp, fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -571,8 +657,19 @@ def main() -> None:
         default=FAMILIES,
         help="train only these (the file name says which); dense is the teacher of --distill",
     )
+    parser.add_argument(
+        "--arm", help="train only the gbfunc genomes of this arm label, e.g. 'hashed genome'"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--replot", type=Path, metavar="JSON", help="only redraw the plot of a results file"
+    )
     args = parser.parse_args()
+    if args.replot:
+        saved = json.loads(args.replot.read_text())
+        stamp = provenance_line(saved["provenance"])
+        plot(saved["summary"], args.replot.with_suffix(".png"), TASKS[args.task].name, stamp)
+        return
     torch.set_num_threads(1)
     task = TASKS[args.task]
     if args.calibrate is not None and args.calibrate != task.calibrate:
@@ -580,6 +677,12 @@ def main() -> None:
         suffix = "_calibrated" if args.calibrate else "_uncalibrated"
     else:
         suffix = ""
+    if args.arm:
+        genomes = tuple(g for g in task.genomes if g[1] == args.arm)
+        if not genomes:
+            parser.error(f"--arm {args.arm!r}: no such arm in {[g[1] for g in task.genomes]}")
+        task = replace(task, genomes=genomes)
+        suffix += "_" + args.arm.replace(" ", "_")
     seeds, steps = (1, task.steps // 3) if args.quick else (task.seeds, task.steps)
     started = time.perf_counter()
     families = tuple(args.families)
@@ -599,6 +702,7 @@ def main() -> None:
         + f"total {time.perf_counter() - started:.0f} s\n"
         + "- lr sweeps: "
         + ", ".join(f"{family} {lrs}" for family, lrs in task.lrs.items())
+        + "".join(f", gbfunc's {label} {lrs}" for label, lrs in task.arm_lrs.items())
         + f"; a gbfunc arm's free tensors at {task.free_lr_factor:g}x its rate\n"
         + f"- gbfunc arms start from gb.calibrate: {'yes' if task.calibrate else 'no'}\n"
         + (
@@ -620,7 +724,7 @@ def main() -> None:
     print("\n" + table(summary) + "\n" + findings(summary, families))
     stem.with_suffix(".md").write_text(text)
     write_json(stem.with_suffix(".json"), rows, summary=summary)
-    plot(summary, stem.with_suffix(".png"), task.name)
+    plot(summary, stem.with_suffix(".png"), task.name, provenance_line())
     print(f"wrote {stem}.{{md,json,png}}")
 
 

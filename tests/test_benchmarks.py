@@ -145,6 +145,48 @@ def test_equal_params_picks_each_arms_best_lr_by_its_mean_over_seeds():
     assert "no width within" not in text  # 610 is within 10% of 598
 
 
+def test_equal_params_plot_draws_each_genome_and_each_baseline_once(tmp_path, monkeypatch):
+    """Two ratios can share a baseline (same parameter count): one point, and no crash."""
+    from benchmarks import equal_params
+
+    def row(ratio, family, arm, params, score):
+        return {
+            "ratio": ratio,
+            "family": family,
+            "arm": arm,
+            "params": params,
+            "lr": 0.1,
+            "metric": "val_acc",
+            "score": score,
+            "score_std": 0.01,
+        }
+
+    summary = [
+        row("dense", "dense", "dense", 60_010, 0.97),
+        row("~20x", "gbfunc", "g-nets H=47", 3_106, 0.97),
+        row("~20x", "low rank", "U V^T", 3_348, 0.60),
+        row("~20x, hashed genome", "gbfunc", equal_params.HASHED, 3_112, 0.98),
+        row("~20x, hashed genome", "low rank", "U V^T", 3_348, 0.60),
+    ]
+    drawn = []
+    import matplotlib.axes
+
+    original = matplotlib.axes.Axes.errorbar
+
+    def spy(self, x, y, *args, **kwargs):
+        drawn.append((kwargs["label"], list(x)))
+        return original(self, x, y, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "errorbar", spy)
+    equal_params.plot(summary, tmp_path / "p.png", "task", "stamp")
+    assert sorted(drawn) == [
+        ("gbfunc", [3_106]),
+        ("gbfunc, hashed genome", [3_112]),
+        ("low rank", [3_348]),
+    ]
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
 def test_equal_params_on_a_loss_metric_keeps_the_lowest_and_signs_margins_for_gbfunc():
     from benchmarks.equal_params import findings, summarise
 
