@@ -4,7 +4,7 @@ Computed from the plan (`gb.dist.*_traffic`) for the demo GPT and for GPT-2-smal
 plans built on the meta device; for the demo GPT also measured, by running one step of each
 strategy as rank 0 of a fake process group and counting what is handed to collectives.
 
-    python benchmarks/bench_comm.py [--world 8]
+    python -m benchmarks.bench_comm [--world 8]
 """
 
 import argparse

@@ -12,8 +12,8 @@ with both peaks measured by this script in the same run. With CUDA it also times
 kernels (`triton.testing.do_bench`) in TFLOP/s and GB/s against peaks measured the same way
 on the GPU.
 
-    python benchmarks/bench_generation.py                 # CPU, one thread: ~1 minute
-    python benchmarks/bench_generation.py --threads 2 --sizes 512 2048 --hidden 64 --depth 2
+    python -m benchmarks.bench_generation                 # CPU, one thread: ~1 minute
+    python -m benchmarks.bench_generation --threads 2 --sizes 512 2048 --hidden 64 --depth 2
 
 Writes what it prints to `benchmarks/results/bench_generation.md` (`--out`) under the command,
 machine and date.
@@ -22,7 +22,6 @@ machine and date.
 import argparse
 import importlib.util
 import os
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,12 +35,10 @@ from torch import Tensor, nn
 from torch.func import vmap
 
 import gbfunc as gb
+from benchmarks._meta import RESULTS, compile_static, recorded
 from gbfunc._apply import assemble, stack_terms
 from gbfunc._genome import stack_codes
 from gbfunc._tilemlp import Terms, activate
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._meta import RESULTS, compile_static, recorded
 
 
 def best_times(fns: dict[str, Callable[[], object]], budget: float) -> dict[str, float]:

@@ -6,8 +6,8 @@ functional `gb.optim.adamw_update` inside one `torch.compile(fullgraph=True)` st
 compiled. Timings are medians over interleaved rounds, printed as ratios to the plain model
 in the same mode, from one run.
 
-    python benchmarks/bench_step.py            # MLP 784-512-512-10 and the main job's transformer
-    python benchmarks/bench_step.py --quick    # fewer rounds
+    python -m benchmarks.bench_step            # MLP 784-512-512-10 and the main job's transformer
+    python -m benchmarks.bench_step --quick    # fewer rounds
 
 Writes what it prints to `benchmarks/results/bench_step.md` under the command, machine and date.
 """
@@ -15,7 +15,6 @@ Writes what it prints to `benchmarks/results/bench_step.md` under the command, m
 import argparse
 import gc
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,8 +24,6 @@ from torch import nn
 from torch.func import functional_call, grad_and_value
 
 import gbfunc as gb
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._meta import RESULTS, compile_static, recorded
 from examples.models import CharTransformer
 from examples.tasks import CharLMConfig

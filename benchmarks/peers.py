@@ -28,13 +28,12 @@ The peers are not gbfunc dependencies (hyper-nn's metadata requires JAX; only it
 imported, so install it without dependencies):
 
     pip install -e ".[peers]" && pip install --no-deps hyper-nn
-    python benchmarks/peers.py            # about 3 minutes on 2 CPU cores
-    python benchmarks/peers.py --quick    # fewer rounds
+    python -m benchmarks.peers            # about 3 minutes on 2 CPU cores
+    python -m benchmarks.peers --quick    # fewer rounds
 """
 
 import argparse
 import math
-import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,8 +44,6 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 import gbfunc as gb
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._meta import RESULTS, header_md, markdown_table, peak_bytes, write_json
 from benchmarks.bench_step import (
     Step,

@@ -11,13 +11,12 @@ what was held before it (`torch.profiler` memory events).
 
 Writes `benchmarks/results/scaling[_quick].{md,json,png}`.
 
-    python benchmarks/scaling.py --quick   # compiled steps only, few rounds: a few minutes
-    python benchmarks/scaling.py           # eager and compiled, more rounds
+    python -m benchmarks.scaling --quick   # compiled steps only, few rounds: a few minutes
+    python -m benchmarks.scaling           # eager and compiled, more rounds
 """
 
 import argparse
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +24,6 @@ import torch
 from tqdm import tqdm
 
 import gbfunc as gb
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._meta import (
     RESULTS,
     header_md,

@@ -14,13 +14,12 @@ dense model of the same architecture whose parameter count is nearest the gbfunc
 obvious alternative at that size. The job prints the compression table and the three
 validation scores, saves the compressed model with `gb.save` and plots the curves.
 
-    python examples/main_job.py                  # all tasks, ~15 minutes on 2 busy CPU cores
-    python examples/main_job.py --task charlm --steps 3000 --device cuda
+    python -m examples.main_job                  # all tasks, ~15 minutes on 2 busy CPU cores
+    python -m examples.main_job --task charlm --steps 3000 --device cuda
 """
 
 import argparse
 import os
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
@@ -30,9 +29,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
-
-if __package__ in (None, ""):  # run as `python examples/main_job.py`: make `examples` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gbfunc as gb
 from examples.data import CharCorpus, char_batch, char_windows, digits_split, pydoc_text

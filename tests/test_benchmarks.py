@@ -2,17 +2,11 @@
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `benchmarks` and `examples` are folders, not installed
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks import peers, quality, scaling  # noqa: E402
-from benchmarks._meta import recorded  # noqa: E402
+from benchmarks import peers, quality, scaling
+from benchmarks._meta import recorded
 
 
 def test_recorded_writes_what_was_printed_under_the_provenance(tmp_path, capsys):

@@ -2,22 +2,17 @@
 
 import math
 import re
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch.func import functional_call
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `examples` is a folder at the top of the repo, not installed
-    sys.path.insert(0, str(ROOT))
-
-import gbfunc as gb  # noqa: E402
-from examples.data import CharCorpus, digits_split, pydoc_text  # noqa: E402
-from examples.main_job import main, run_charlm  # noqa: E402
-from examples.models import CharTransformer, DigitsCNN  # noqa: E402
-from examples.tasks import CharLMConfig, DigitsConfig  # noqa: E402
+import gbfunc as gb
+from examples.data import CharCorpus, digits_split, pydoc_text
+from examples.main_job import main, run_charlm
+from examples.models import CharTransformer, DigitsCNN
+from examples.tasks import CharLMConfig, DigitsConfig
 
 TINY_CHARLM = CharLMConfig(
     steps=3, batch=4, context=16, width=32, depth=1, heads=2, eval_every=2, eval_windows=8
