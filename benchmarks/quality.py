@@ -99,7 +99,8 @@ class Task:
 
 
 def charlm_task() -> Task:
-    cfg = CharLMConfig()
+    # Tiled genomes with the output layer free, as the main job's tiled genome had it.
+    cfg = replace(CharLMConfig(), plan={"overrides": {"head.weight": "free"}})
     corpus = CharCorpus.from_text(pydoc_text())
     val_x, val_y = char_windows(corpus.val, cfg.context)
 

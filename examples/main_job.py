@@ -2,8 +2,10 @@
 
 Every task uses data that ships with Python or a package, so nothing is downloaded:
 
-- `charlm`: a character-level GPT-like transformer on Python's own help text (`pydoc_data`).
-- `digits`: a small CNN on scikit-learn's 8x8 handwritten digits.
+- `charlm`: a character-level GPT-like transformer on Python's own help text (`pydoc_data`),
+  with the hashed genome at ~20x of the whole model (embeddings and head generated too).
+- `digits`: a small CNN on scikit-learn's 8x8 handwritten digits, with the hashed genome at
+  ~23x.
 - `mlp`: the paper's MLP shape (64-800-10) on the same digits, with the paper's genome
   (neuron labels, generated biases) at ~100x.
 
