@@ -166,15 +166,20 @@ def _hash(
     positions: int, buckets: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[Tensor, Tensor]:
     if torch.compiler.is_compiling():
-        bucket, sign = hash_buckets(positions, buckets)  # traced once into constants
-    else:
-        bucket, sign = _cached_hash(positions, buckets)
+        return _hash_on(positions, buckets, dtype, device)  # traced once into constants
+    return _cached_hash(positions, buckets, dtype, device)
+
+
+def _hash_on(
+    positions: int, buckets: int, dtype: torch.dtype, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    bucket, sign = hash_buckets(positions, buckets)
     return bucket.to(device), sign.to(dtype=dtype, device=device)
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_hash(positions: int, buckets: int) -> tuple[Tensor, Tensor]:
-    return hash_buckets(positions, buckets)
+def _cached_hash(*args) -> tuple[Tensor, Tensor]:
+    return _hash_on(*args)
 
 
 def _per_tile(x: Tensor, counts: tuple[int, ...]) -> Tensor:
