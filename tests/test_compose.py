@@ -182,3 +182,19 @@ def test_functional_adamw_matches_torch_optim_adamw(weight_decay):
     for a, b in zip(tree_leaves(gparams), tree_leaves(reference), strict=True):
         torch.testing.assert_close(a, b.detach(), rtol=0, atol=1e-6)
     assert torch.equal(gparams["frozen"]["1.weight"], model[1].weight.double())
+    # Moments exist for trainable leaves only, and are state, not graph inputs.
+    assert set(state["m"]) == set(state["v"]) == {"stacks", "free"}
+    assert not any(t.requires_grad for t in tree_leaves(state))
+
+
+def test_functional_adamw_defaults_are_lr_1e_3_without_weight_decay():
+    """The defaults are documented values (torch's AdamW decays by 1e-2; this one does not)."""
+    model = nn.Sequential(nn.Linear(12, 16), nn.Linear(16, 5))
+    plan = gb.plan(model, tile=(8, 8))
+    gparams = gb.init(plan, requires_grad=False)
+    grads = torch.func.grad(loss_fn(model, plan))(gparams, *batch_xy())
+    state = gb.optim.adamw_init(gparams)
+    default, _ = gb.optim.adamw_update(gparams, grads, state)
+    explicit, _ = gb.optim.adamw_update(gparams, grads, state, lr=1e-3, weight_decay=0.0)
+    for a, b in zip(tree_leaves(default), tree_leaves(explicit), strict=True):
+        assert torch.equal(a, b)
