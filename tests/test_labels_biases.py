@@ -1,6 +1,8 @@
 """Neuron labels (one-hot, grids of Gray-coded coordinates) and generated biases: the
 paper's genome (Shuvaev et al. 2024) through `gb.plan` options."""
 
+import math
+
 import pytest
 import torch
 from devices import KERNEL_DEVICE
@@ -8,7 +10,7 @@ from torch import nn
 from torch.func import functional_call
 
 import gbfunc as gb
-from gbfunc._genome import labels_code
+from gbfunc._genome import labels_code, labels_width
 
 
 def paper_mlp() -> nn.Module:
@@ -36,6 +38,27 @@ def test_label_codes_follow_their_definitions():
     assert grid[2].tolist() == [0.0, 1.0, 1.0]  # cell (0, 2)
     binary = labels_code(6, (2, 3), "binary", 4)
     assert binary[5].tolist() == [1.0, 1.0, 0.0]  # binary(2) = 0b10
+
+
+@pytest.mark.parametrize("encoding", ["binary", "gray", "fourier"])
+@pytest.mark.parametrize("labels", ["position", "onehot", (5, 5), (3, 4), (2, 3, 4)])
+def test_label_widths_are_the_widths_of_their_codes(labels, encoding):
+    """The plan sizes g-nets by `labels_width`; it must be the code's own width, per dim."""
+    n = 25 if labels in ("position", "onehot") else math.prod(labels)
+    code = labels_code(n, labels, encoding, 3)
+    assert code.shape == (n, labels_width(n, labels, encoding, 3))
+
+
+def test_a_grid_that_does_not_cover_the_neurons_is_named():
+    with pytest.raises(ValueError, match=r"^labels: grid \(3, 4\) has 12 cells for 10 neurons\.$"):
+        labels_code(10, (3, 4), "gray", 4)
+
+
+def test_genome_labels_given_as_lists_become_tuples():
+    """A frozen, hashable genome: `[8, 8]` (e.g. from JSON) is stored as `(8, 8)`."""
+    genome = gb.Genome(row_labels=[4, 2], col_labels=[8, 8])
+    assert (genome.row_labels, genome.col_labels) == ((4, 2), (8, 8))
+    assert hash(genome) == hash(gb.Genome(row_labels=(4, 2), col_labels=(8, 8)))
 
 
 def test_the_papers_genome_is_one_gnet_per_weight_and_bias():
