@@ -380,6 +380,9 @@ def test_override_values_are_checked_and_named(overrides, error, match):
         ({"share": None}, TypeError, r"^gb.Genome: share must be a bool, got None\.$"),
         ({"row_labels": (0,)}, ValueError, r"^gb.Genome: row_labels must be one of"),
         ({"hashed": 2.5}, TypeError, r"^gb.Genome: hashed must be an integer >= 0, got 2.5\.$"),
+        ({"fourier_features": 0}, ValueError, r"^gb.Genome: fourier_features must be an integer"),
+        ({"embed_dim": 0}, ValueError, r"^gb.Genome: embed_dim must be an integer >= 1, got 0"),
+        ({"kernel": "taps"}, ValueError, r"^gb.Genome: kernel must be one of \('code', 'output'\)"),
     ],
 )
 def test_genome_errors_name_gb_genome(kwargs, error, match):
@@ -396,3 +399,8 @@ def test_hashed_tables_are_clipped_to_the_tile_and_counted_by_compression():
     assert all(s.leaf_shapes()["tile_hash"] == (s.num_tiles, s.genome.hashed) for s in plan.stacks)
     searched = gb.plan(nn.Linear(256, 256), compression=20, hidden=4, hashed=16)
     assert gb.report(searched).compression == pytest.approx(20, rel=0.1)
+
+
+def test_a_grid_may_have_axes_of_one_neuron():
+    """`(1, 8)` labels a single row of 8 pixels: a valid grid, not an error."""
+    assert gb.Genome(col_labels=(1, 8)).col_labels == (1, 8)
