@@ -32,7 +32,7 @@ def models() -> dict[str, tuple[nn.Module, dict]]:
             {"tile": (8, 8), "activation": "silu"},
         ),
         "tanh-deep": (nn.Linear(9, 11), {"tile": (4, 4), "depth": 2, "activation": "tanh"}),
-        "cnn-fourier": (nn.Conv2d(3, 5, 3), {"tile": (4, 2), "encoding": "fourier"}),
+        "cnn-fourier": (nn.Sequential(nn.Conv2d(3, 5, 3)), {"tile": (4, 2), "encoding": "fourier"}),
         "cnn-hashed": (
             nn.Sequential(nn.Conv2d(3, 10, 3), nn.Linear(9, 11)),
             {"tile": (4, 3), "hashed": 7, "share": True, "biases": True},
