@@ -2,6 +2,7 @@
 
 import functools
 import math
+from collections.abc import Callable, Hashable
 
 import torch
 from einops import rearrange
@@ -14,6 +15,7 @@ from ._plan import Generated, Plan, Stack
 from ._tilemlp import Terms, reference, tile_mlp
 
 GParams = dict[str, dict]
+Tensors = tuple[Tensor, Tensor]
 # Hashed tables are stored divided by this, so one learning rate suits them and the g-nets:
 # measured on the digits CNN at ~23x, a table at the g-net's Adam rate reached 93.98%, at 10x
 # that rate 97.68% (3 seeds, the variance split evenly between table and g-nets at init).
@@ -92,12 +94,8 @@ def evaluate_stack(stack: Stack, leaves: dict[str, Tensor], *, recompute: bool =
 
 def hashed_tiles(stack: Stack, table: Tensor) -> Tensor:
     """Each tile's hashed weights `(T, TH, TW * K)` from its table `(T, buckets)`."""
-    bucket, sign = _hash(
-        stack.tile[0] * stack.columns * stack.outputs,
-        stack.genome.hashed,
-        table.dtype,
-        table.device,
-    )
+    positions = stack.tile[0] * stack.columns * stack.outputs
+    bucket, sign = _constant(_hash_on, positions, stack.genome.hashed, table.dtype, table.device)
     shared = table.index_select(1, bucket) * (sign * HASH_GAIN)
     return shared.reshape(table.shape[0], stack.tile[0], -1)
 
@@ -109,7 +107,9 @@ def stack_terms(stack: Stack, leaves: dict[str, Tensor]) -> Terms:
     tile embedding when g-nets are shared, and shared g-nets are repeated over their tiles.
     """
     w_in = leaves["w_in"]
-    row, col = _codes(stack, w_in.dtype, w_in.device)
+    row, col = _constant(
+        stack_codes, stack.tile, stack.kernel, stack.genome, stack.columns, w_in.dtype, w_in.device
+    )
     r = stack.row_width
     a = row @ w_in[:, :r]  # (G, TH, H)
     b = col @ w_in[:, r:]  # (G, Q, H)
@@ -150,36 +150,27 @@ def center_rows(weight: Tensor) -> Tensor:
     return weight - weight.mean(dim=tuple(range(1, weight.dim())), keepdim=True)
 
 
-def _codes(stack: Stack, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
-    args = (stack.tile, stack.kernel, stack.genome, stack.columns, dtype, device)
+def _constant(make: Callable[..., Tensors], *args: Hashable) -> Tensors:
+    """`make(*args)`, tensors fixed by the plan (codes, hash tables), cached per arguments.
+
+    Under `torch.compile` they are built in the graph instead and traced once into constants.
+    """
     if torch.compiler.is_compiling():
-        return stack_codes(*args)  # traced once into constants
-    return _cached_codes(*args)
+        return make(*args)
+    return _cached(make, *args)
 
 
 @functools.lru_cache(maxsize=256)
-def _cached_codes(*args) -> tuple[Tensor, Tensor]:
-    return stack_codes(*args)
-
-
-def _hash(
-    positions: int, buckets: int, dtype: torch.dtype, device: torch.device
-) -> tuple[Tensor, Tensor]:
-    if torch.compiler.is_compiling():
-        return _hash_on(positions, buckets, dtype, device)  # traced once into constants
-    return _cached_hash(positions, buckets, dtype, device)
+def _cached(make: Callable[..., Tensors], *args: Hashable) -> Tensors:
+    return make(*args)
 
 
 def _hash_on(
     positions: int, buckets: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[Tensor, Tensor]:
+    """`hash_buckets` on `device`, the signs in `dtype`."""
     bucket, sign = hash_buckets(positions, buckets)
     return bucket.to(device), sign.to(dtype=dtype, device=device)
-
-
-@functools.lru_cache(maxsize=64)
-def _cached_hash(*args) -> tuple[Tensor, Tensor]:
-    return _hash_on(*args)
 
 
 def _per_tile(x: Tensor, counts: tuple[int, ...]) -> Tensor:
