@@ -68,7 +68,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
-from torch.utils._pytree import tree_flatten_with_path, tree_leaves
+from torch.utils._pytree import tree_leaves
 
 import gbfunc as gb
 from benchmarks._meta import RESULTS, header_md, markdown_table, provenance_line, write_json
@@ -321,8 +321,7 @@ TASKS = {
 class Arm:
     """One trainable configuration: its family, its tree and how the tree becomes weights.
 
-    `lr_scales` maps a top-level key of `tree`, or the name of a leaf anywhere in it (e.g.
-    gbfunc's `tile_hash`), to a factor of the swept learning rate; a leaf's own name wins.
+    `lr_scales` maps a top-level key of `tree` to a factor of the swept learning rate.
     """
 
     family: str
@@ -388,13 +387,14 @@ def train(
 
     With a `teacher` (inputs to logits) the loss mixes in distillation towards its logits.
     """
-    by_scale: dict[float, list[Tensor]] = {}
-    for path, leaf in tree_flatten_with_path(arm.tree)[0]:
-        if leaf.requires_grad:
-            top, name = str(path[0].key), str(path[-1].key)
-            scale = arm.lr_scales.get(name, arm.lr_scales.get(top, 1.0))
-            by_scale.setdefault(scale, []).append(leaf)
-    optimizer = torch.optim.Adam([{"params": v, "lr": lr * s} for s, v in by_scale.items()])
+    groups = [
+        {
+            "params": [v for v in tree_leaves(part) if v.requires_grad],
+            "lr": lr * arm.lr_scales.get(key, 1.0),
+        }
+        for key, part in arm.tree.items()
+    ]
+    optimizer = torch.optim.Adam([g for g in groups if g["params"]])
     warmup = max(1, min(100, steps // 10))
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
