@@ -1,6 +1,7 @@
 """Shared by the benchmark scripts: provenance of results files, tables, compiling, memory."""
 
 import contextlib
+import csv
 import io
 import json
 import os
@@ -87,6 +88,20 @@ def write_json(path: Path, rows: list[dict[str, Any]], **extra: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     body = {"provenance": provenance(), **extra, "rows": rows}
     path.write_text(json.dumps(body, indent=1) + "\n")
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]], source: dict[str, Any] | None = None) -> None:
+    """`rows` as CSV, one column per key, under a `#` comment with the provenance `source`.
+
+    `source` defaults to this run's provenance; a file rewritten from saved JSON passes the
+    provenance saved with it.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        f.write(f"# {provenance_line(source)}\n")
+        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 def peak_bytes(fn: Callable[[], object]) -> int:

@@ -48,9 +48,13 @@ same for gbfunc and the baselines.
     python -m benchmarks.equal_params --task charlm --families hashed   # one family only
     python -m benchmarks.equal_params --task charlm --families gbfunc --arm "hashed genome"
     python -m benchmarks.equal_params --quick          # 1 seed, a third of the steps
+    python -m benchmarks.equal_params --task charlm --seeds 3 --families gbfunc narrow \\
+        --arm "hashed genome"                          # more seeds for the close comparison
     python -m benchmarks.equal_params --task cnn --replot benchmarks/results/equal_params_cnn.json
 
-Writes `benchmarks/results/equal_params[_cnn|_charlm][_distill][_quick].{md,json,png}`.
+Writes `benchmarks/results/equal_params[_cnn|_charlm][_distill][_quick].{md,json,csv,png}`:
+the table of each arm at its best learning rate, every run (ratio, family, learning rate,
+seed) as JSON and CSV, and the score against trainable parameters (log scale) per family.
 """
 
 import argparse
@@ -71,7 +75,14 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_leaves
 
 import gbfunc as gb
-from benchmarks._meta import RESULTS, header_md, markdown_table, provenance_line, write_json
+from benchmarks._meta import (
+    RESULTS,
+    header_md,
+    markdown_table,
+    provenance_line,
+    write_csv,
+    write_json,
+)
 from benchmarks.baselines import hashed, low_rank, tree_count
 from examples.data import CharCorpus, char_batch, char_windows, digits_split, pydoc_text
 from examples.models import CharTransformer, DigitsCNN, digits_mlp, paper_genome
@@ -88,7 +99,7 @@ DIGITS_LRS = {
 CNN_LRS = {**DIGITS_LRS, "gbfunc": (0.01, 0.03, 0.1, 0.3)}  # 1.0 diverged, 0.03 was the best
 CHARLM_LRS = {
     "dense": (1e-2,),  # the main job's measured optimum; the dense model is only the reference
-    "narrow": (3e-3, 1e-2, 3e-2),
+    "narrow": (1e-2, 3e-2, 6e-2),  # 3e-2 was the best of 3e-3, 1e-2, 3e-2 at both budgets
     "low rank": (3e-3, 1e-2, 3e-2),
     "hashed": (3e-3, 1e-2, 3e-2),
     "gbfunc": (1e-2, 2e-2, 4e-2),
@@ -660,15 +671,20 @@ def main() -> None:
     parser.add_argument(
         "--arm", help="train only the gbfunc genomes of this arm label, e.g. 'hashed genome'"
     )
+    parser.add_argument("--seeds", type=int, help="seeds 0..N-1 (default: the task's)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
-        "--replot", type=Path, metavar="JSON", help="only redraw the plot of a results file"
+        "--replot",
+        type=Path,
+        metavar="JSON",
+        help="only redraw the plot and rewrite the CSV of a results file",
     )
     args = parser.parse_args()
     if args.replot:
         saved = json.loads(args.replot.read_text())
         stamp = provenance_line(saved["provenance"])
         plot(saved["summary"], args.replot.with_suffix(".png"), TASKS[args.task].name, stamp)
+        write_csv(args.replot.with_suffix(".csv"), saved["rows"], saved["provenance"])
         return
     torch.set_num_threads(1)
     task = TASKS[args.task]
@@ -684,6 +700,9 @@ def main() -> None:
         task = replace(task, genomes=genomes)
         suffix += "_" + args.arm.replace(" ", "_")
     seeds, steps = (1, task.steps // 3) if args.quick else (task.seeds, task.steps)
+    if args.seeds is not None:
+        seeds = args.seeds
+        suffix += f"_{seeds}_seeds"
     started = time.perf_counter()
     families = tuple(args.families)
     if args.distill and "dense" not in families:
@@ -724,8 +743,9 @@ def main() -> None:
     print("\n" + table(summary) + "\n" + findings(summary, families))
     stem.with_suffix(".md").write_text(text)
     write_json(stem.with_suffix(".json"), rows, summary=summary)
+    write_csv(stem.with_suffix(".csv"), rows)
     plot(summary, stem.with_suffix(".png"), task.name, provenance_line())
-    print(f"wrote {stem}.{{md,json,png}}")
+    print(f"wrote {stem}.{{md,json,csv,png}}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from benchmarks import peers, quality, scaling
+from benchmarks import peers, scaling
 from benchmarks._meta import recorded
 
 
@@ -20,49 +20,6 @@ def test_recorded_writes_what_was_printed_under_the_provenance(tmp_path, capsys)
     for field in ("- command: `python ", "- machine: ", "torch ", "- date: 20"):
         assert field in text
     assert text.endswith("```\n| a | b |\nrow 2\n```\n")
-
-
-def _rows(losses: dict[str, float], accs: dict[str, float]) -> list[dict]:
-    ratios = {"dense": 1.0, "5x": 5.1, "row g-nets": 13.4, "20x": 19.8, "100x": 98, "300x": 305}
-    return [
-        {
-            "task": "charlm",
-            "setting": label,
-            "seed": seed,
-            "generated_compression": ratios[label],
-            "compression": ratios[label] / 2,
-            "trainable_params": int(1e6 / ratios[label]),
-            "val_loss": losses[label] + 0.01 * seed,
-            "val_acc": accs[label],
-            "step_ms": 10.0,
-            "train_s": 1.0,
-        }
-        for seed in range(2)
-        for label in ratios
-    ]
-
-
-def test_summary_orders_by_ratio_and_finds_the_bend():
-    losses = {"dense": 1.0, "5x": 1.03, "row g-nets": 1.04, "20x": 1.3, "100x": 1.5, "300x": 2.0}
-    accs = {"dense": 0.8, "5x": 0.795, "row g-nets": 0.78, "20x": 0.7, "100x": 0.6, "300x": 0.4}
-    summary = quality.summarise(_rows(losses, accs))
-    assert [s["setting"] for s in summary] == ["dense", "5x", "row g-nets", "20x", "100x", "300x"]
-    assert summary[1]["val_loss"] == pytest.approx(1.035)
-    assert summary[1]["val_loss_std"] == pytest.approx(math.sqrt(0.01**2 / 2))
-    text = quality.bend(summary, "charlm").lower()
-    assert "within 5% of the dense validation loss up to row g-nets" in text
-    assert "within 1 pt of its accuracy up to 5x" in text
-    assert "steepest loss increase is from 100x to 300x (+0.500 nats)" in text
-    table = quality.table(summary)
-    assert table.count("\n") == 2 + len(summary)
-
-
-def test_summary_says_when_nothing_comes_close():
-    losses = {"dense": 1.0, "5x": 1.2, "row g-nets": 1.3, "20x": 1.4, "100x": 1.5, "300x": 2.0}
-    accs = dict.fromkeys(losses, 0.5) | {"dense": 0.9}
-    text = quality.bend(quality.summarise(_rows(losses, accs)), "charlm")
-    assert "no compressed setting comes within 5%" in text.lower()
-    assert "none within 1 pt" in text
 
 
 def test_peers_table_reports_failures_and_fallbacks():
@@ -80,19 +37,51 @@ def test_peers_table_reports_failures_and_fallbacks():
 
 
 @pytest.mark.slow
-def test_quality_trains_every_setting_on_the_same_batches():
-    task = quality.digits_task()
-    rows = quality.run_seed(task, quality.Budget(steps=2, batch=8, seeds=1), seed=0, desc="test")
-    assert [r["setting"] for r in rows] == list(quality.SETTINGS)
-    for row in rows:
-        assert math.isfinite(row["val_loss"])
-        assert 0 <= row["val_acc"] <= 1
-        assert row["step_ms"] > 0
-        assert row["steps"] == 2
-    ratios = {r["setting"]: r["generated_compression"] for r in rows}
-    assert ratios["dense"] == 1
-    assert 18 <= ratios["20x"] <= 22
-    assert 270 <= ratios["300x"] <= 330
+def test_equal_params_trains_every_family_at_each_budget_from_the_same_start():
+    """A tiny run of the CNN task: each genome's baselines sized to its parameter count, and
+    every learning rate of an arm started from the same tensors (two equal rates, equal rows)."""
+    from dataclasses import replace
+
+    from benchmarks import equal_params
+
+    task = equal_params.TASKS["cnn"]
+    lrs = {family: (0.01, 0.01) for family in task.lrs}
+    task = replace(task, genomes=task.genomes[2:], lrs=lrs, arm_lrs={}, batch=8)
+    rows = equal_params.run(task, seeds=1, steps=2)
+    arms = {(r["ratio"], r["family"]) for r in rows}
+    assert arms == {
+        ("dense", "dense"),
+        *(("~23x, hashed genome", f) for f in ("gbfunc", "narrow", "low rank", "hashed")),
+        *(("~135x, hashed genome", f) for f in ("gbfunc", "narrow", "hashed")),  # no rank 1
+    }
+    for ratio in ("~23x, hashed genome", "~135x, hashed genome"):
+        group = {r["family"]: r for r in rows if r["ratio"] == ratio}
+        ours = group["gbfunc"]["params"]
+        assert group["hashed"]["params"] == pytest.approx(ours, rel=0.01)
+        assert abs(group["narrow"]["params"] / ours - 1) < 0.35
+    for first, second in zip(rows[::2], rows[1::2], strict=True):
+        assert (first["family"], first["ratio"]) == (second["family"], second["ratio"])
+        assert first["val_loss"] == second["val_loss"]
+        assert math.isfinite(first["val_loss"])
+        assert 0 <= first["val_acc"] <= 1
+
+
+def test_results_csv_has_the_provenance_and_a_column_per_key(tmp_path):
+    import csv
+
+    from benchmarks._meta import write_csv
+
+    rows = [{"ratio": "~20x", "lr": 0.1}, {"ratio": "~100x", "lr": 0.3, "seed": 1}]
+    source = {"command": "python -m x", "machine": "m", "torch": "t", "date": "d"}
+    path = tmp_path / "r.csv"
+    write_csv(path, rows, source)
+    first, *body = path.read_text().splitlines()
+    assert first == "# python -m x | m, torch t | d"
+    read = list(csv.DictReader(body))
+    assert read == [
+        {"ratio": "~20x", "lr": "0.1", "seed": ""},
+        {"ratio": "~100x", "lr": "0.3", "seed": "1"},
+    ]
 
 
 @pytest.mark.slow
