@@ -23,6 +23,8 @@ KERNEL_MODES = ("code", "output")
 # pixels of an 8x8 image) and codes each coordinate with `encoding`.
 Labels = str | tuple[int, ...]
 LABEL_KINDS = ("position", "onehot")
+# `hashed=AUTO` in `gb.plan`: the tables' sizes are chosen to reach its `compression=`.
+AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class Genome:
             The table starts random with the tile's variance and the g-nets at zero output,
             so the model starts as HashedNets; the g-nets learn what the sharing misses. The
             table is stored divided by 10, so that one learning rate suits both. 0: no table.
+            `gb.plan` also takes `"auto"`: tables sized to reach its `compression=`.
     """
 
     hidden: int = 32
@@ -76,6 +79,11 @@ class Genome:
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         check_genome({f.name: getattr(self, f.name) for f in fields(self)}, "gb.Genome")
+        if self.hashed == AUTO:
+            raise ValueError(
+                "gb.Genome: hashed='auto' is for gb.plan(..., compression=...), which sizes the "
+                "tables; a Genome takes a number of buckets."
+            )
 
     def param_shapes(self, code_width: int, outputs: int) -> dict[str, tuple[int, ...]]:
         """Shapes of one g-net's parameters, by leaf name (no stacking axis)."""
@@ -108,7 +116,7 @@ def check_genome(
     for name in ("hidden", "depth", "fourier_features", "outputs", "embed_dim"):
         if name in options:
             _check_int(where, label(name), options[name], 1)
-    if "hashed" in options:
+    if "hashed" in options and options["hashed"] != AUTO:
         _check_int(where, label("hashed"), options["hashed"], 0)
     for name, choices in (
         ("activation", ACTIVATIONS),

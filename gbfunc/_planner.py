@@ -16,7 +16,7 @@ from ._entries import (
     param_cost,
     tile_for,
 )
-from ._genome import Genome, check_genome
+from ._genome import AUTO, Genome, check_genome
 from ._model import check_module
 from ._options import DEFAULT_TILE, check_patterns, check_tile, normalise_overrides, resolve
 from ._plan import (
@@ -31,7 +31,7 @@ from ._plan import (
     tile_grid,
 )
 from ._rules import free_init
-from ._search import search_tile
+from ._search import search_tile, size_tables
 
 
 def plan(
@@ -49,7 +49,7 @@ def plan(
     embed_dim: int = 8,
     row_labels: str | tuple[int, ...] = "position",
     col_labels: str | tuple[int, ...] = "position",
-    hashed: int = 0,
+    hashed: int | str = 0,
     embeddings: bool = False,
     biases: bool = False,
     center: bool = False,
@@ -75,16 +75,19 @@ def plan(
             weights. Default `(64, 64)`, or chosen by `compression`.
         hidden, depth, activation, encoding, fourier_features, outputs, kernel, share,
             embed_dim, row_labels, col_labels, hashed: The g-net architecture, see
-            `gb.Genome`.
+            `gb.Genome`. `hashed="auto"` (here or per parameter in `overrides`) sizes the
+            hashed tables to reach `compression`.
         embeddings: Generate `nn.Embedding` tables too.
         biases: Generate the biases of generated layers too, each by its own g-net on the
             layer's output-neuron labels (at high ratios free biases dominate the count).
         center: Remove each generated weight row's mean over its inputs (see `Generated`);
             with neuron labels it makes image-input genomes train stably.
-        compression: Choose the `(TH, TW)` tile (one for every weight whose tile is not given)
-            so that generated weights / g-net parameters is within 10% of this ratio (the
-            squarest within 2%); a weight whose g-nets would cost more than itself stays
-            free. Exclusive with `tile`.
+        compression: Generated weights / g-net parameters to reach, within 10%. With
+            `hashed="auto"` somewhere, by sizing those tables (each tile's buckets in
+            proportion to the square root of its positions); otherwise by choosing the
+            `(TH, TW)` tile of every weight whose tile is not given (the squarest within 2%;
+            a weight whose g-nets would cost more than itself stays free), and then it is
+            exclusive with `tile`.
         overrides: `{name_pattern: {option: value}}` (fnmatch on parameter names, applied in
             order) with options `tile`, `generate`, `center` and any `gb.Genome` field, or
             `{name_pattern: "free"}`.
@@ -99,8 +102,6 @@ def plan(
         32
     """
     check_module(model, "gb.plan")
-    if tile is not None and compression is not None:
-        raise ValueError("gb.plan: pass either tile or compression, not both.")
     base = {
         "tile": check_tile("tile", DEFAULT_TILE if tile is None else tile),
         "generate": None,
@@ -127,7 +128,16 @@ def plan(
         if not isinstance(value, bool):
             raise TypeError(f"gb.plan: {flag} must be a bool, got {value!r}.")
     flags = {"embeddings": embeddings, "biases": biases}
-    if compression is not None:
+    if any(o["hashed"] == AUTO for o in options):
+        if compression is None:
+            raise ValueError(
+                "gb.plan: hashed='auto' sizes the tables to reach compression=; pass "
+                "compression=, or give hashed= a number of buckets."
+            )
+        options = size_tables(entries, options, compression, flags)
+    elif compression is not None:
+        if tile is not None:
+            raise ValueError("gb.plan: pass either tile or compression, not both.")
         options = search_tile(entries, options, compression, flags)
     result = replace(_build(entries, options, flags), source=weakref.ref(model))
     if not result.generated:

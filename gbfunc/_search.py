@@ -1,9 +1,10 @@
-"""`gb.plan(compression=...)`: the tile whose compression ratio is nearest the target."""
+"""`gb.plan(compression=...)`: the tile, or the hashed tables' sizes, that reach the target."""
 
 import math
 
 from ._entries import Entry, block_cost, free_reason, genome_for, param_cost, tile_for
-from ._plan import block_shapes
+from ._genome import AUTO
+from ._plan import block_shapes, tile_grid
 
 
 def search_tile(
@@ -18,8 +19,7 @@ def search_tile(
     tiles (sizes that split some weight dimension evenly, plus powers of two) takes well
     under a second even for GPT-2-sized plans.
     """
-    if not (isinstance(target, int | float) and not isinstance(target, bool) and target >= 1):
-        raise ValueError(f"gb.plan: compression must be a number >= 1, got {target!r}.")
+    check_target(target)
     fixed_weights, fixed = 0, 0  # weights and g-net parameters of tiles the caller fixed
     searched: dict[tuple, int] = {}  # (genome, kernel, block shapes) -> parameters like it
     for entry, opts in zip(entries, options, strict=True):
@@ -72,3 +72,59 @@ def search_tile(
         )
     tile = best[2]
     return [o if o.get("explicit_tile") else {**o, "tile": tile, "searched": True} for o in options]
+
+
+def check_target(target: object) -> None:
+    if not (isinstance(target, int | float) and not isinstance(target, bool) and target >= 1):
+        raise ValueError(f"gb.plan: compression must be a number >= 1, got {target!r}.")
+
+
+def size_tables(
+    entries: list[Entry],
+    options: list[dict[str, object]],
+    target: float,
+    flags: dict[str, bool],
+) -> list[dict[str, object]]:
+    """Buckets for every `hashed="auto"` parameter, so that the plan's ratio is near `target`.
+
+    A tile's table gets `round(k * sqrt(positions))` buckets (at least one, at most one per
+    position), one factor `k` for the whole plan, found by bisection. On the digits CNN this
+    rule gives nearly the tables that were tuned by hand per layer: small layers get more
+    buckets per weight than large ones, and equal tiles get equal tables.
+    """
+    check_target(target)
+    weights, spent = 0, 0  # generated weights, and g-net parameters other than auto tables
+    auto: list[tuple[int, int, int]] = []  # (entry index, tiles, positions per tile)
+    for index, (entry, opts) in enumerate(zip(entries, options, strict=True)):
+        if free_reason(entry, opts, flags) is not None:
+            continue
+        shape, layout, kernel = entry.shape, entry.layout, entry.shape[2:]
+        sized = opts["hashed"] == AUTO
+        genome = genome_for({**opts, "hashed": 0} if sized else opts, kernel, layout)
+        weights += math.prod(shape)
+        for rows, cols in block_shapes(shape, layout.splits, layout.split_dim):
+            tile = tile_for(entry.name, opts, rows, cols, genome.outputs)
+            spent += block_cost(genome, kernel, rows, cols, tile)
+            if sized:
+                positions = tile[0] * tile[1] * math.prod(kernel)
+                auto.append((index, math.prod(tile_grid(rows, cols, tile)), positions))
+
+    def buckets(k: float, positions: int) -> int:
+        return min(positions, max(1, round(k * math.sqrt(positions))))
+
+    def ratio(k: float) -> float:
+        return weights / (spent + sum(tiles * buckets(k, p) for _, tiles, p in auto))
+
+    lo, hi = 0.0, max(math.sqrt(p) for _, _, p in auto)  # one bucket per tile; one per position
+    if not ratio(hi) <= target * 1.1 or not ratio(lo) >= target / 1.1:
+        raise ValueError(
+            f"gb.plan: compression={target} cannot be reached within 10% by sizing the hashed "
+            f"tables: they give {ratio(hi):.2f}x (a bucket per position) to {ratio(lo):.2f}x "
+            "(one per tile). Change hidden/tile, or give hashed= a number of buckets."
+        )
+    for _ in range(60):  # the largest k whose ratio stays at or above the target
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ratio(mid) >= target else (lo, mid)
+    k = lo if abs(ratio(lo) / target - 1) <= abs(ratio(hi) / target - 1) else hi
+    sized = {index: buckets(k, positions) for index, _, positions in auto}
+    return [{**opts, "hashed": sized[i]} if i in sized else opts for i, opts in enumerate(options)]

@@ -401,6 +401,50 @@ def test_hashed_tables_are_clipped_to_the_tile_and_counted_by_compression():
     assert gb.report(searched).compression == pytest.approx(20, rel=0.1)
 
 
+def test_auto_tables_reach_the_compression_with_buckets_by_the_square_root_of_positions():
+    """`hashed="auto"`: one factor for the plan, each tile's buckets ~ sqrt(its positions)."""
+    model = nn.Sequential(nn.Linear(400, 300), nn.ReLU(), nn.Linear(300, 10))
+    for target in (20, 150):
+        plan = gb.plan(model, tile="full", hidden=2, hashed="auto", compression=target)
+        assert gb.report(plan).generated_compression == pytest.approx(target, rel=0.1)
+        big, small = (s.genome.hashed for s in plan.stacks)  # 120,000 and 3,000 positions
+        assert big / small == pytest.approx((120_000 / 3_000) ** 0.5, rel=0.05)
+    tiled = gb.plan(model, tile=(100, 100), hidden=2, hashed="auto", compression=50)
+    assert len({s.genome.hashed for s in tiled.stacks if s.tile == (100, 100)}) == 1
+    fixed = gb.plan(
+        model,
+        tile="full",
+        hidden=2,
+        compression=50,
+        overrides={"0.weight": {"hashed": "auto"}, "2.weight": {"hashed": 7}},
+    )
+    assert [s.genome.hashed for s in fixed.stacks][1] == 7  # only "auto" tables are sized
+    assert gb.report(fixed).generated_compression == pytest.approx(50, rel=0.1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"hashed": "auto"}, r"gb\.plan: hashed='auto' sizes the tables to reach compression="),
+        (
+            {"hashed": "auto", "compression": 1e6},
+            r"gb\.plan: compression=1000000\.0 cannot be reached within 10% by sizing the hashed "
+            r"tables: they give [0-9.]+x \(a bucket per position\) to [0-9.]+x \(one per tile\)",
+        ),
+        ({"hashed": "auto", "compression": 0}, r"compression must be a number >= 1, got 0"),
+        ({"hashed": "many"}, r"gb\.plan: hashed must be an integer >= 0, got 'many'"),
+    ],
+)
+def test_auto_tables_need_a_reachable_compression(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        gb.plan(nn.Sequential(nn.Linear(40, 30), nn.ReLU(), nn.Linear(30, 4)), **kwargs)
+
+
+def test_a_genome_takes_a_number_of_buckets_not_auto():
+    with pytest.raises(ValueError, match=r"^gb\.Genome: hashed='auto' is for gb\.plan"):
+        gb.Genome(hashed="auto")
+
+
 def test_a_grid_may_have_axes_of_one_neuron():
     """`(1, 8)` labels a single row of 8 pixels: a valid grid, not an error."""
     assert gb.Genome(col_labels=(1, 8)).col_labels == (1, 8)
