@@ -247,3 +247,32 @@ def test_recipes_trains_one_genome_under_the_protocol(capsys):
     out = capsys.readouterr().out
     assert "trainable parameters" in out
     assert out.count("val acc") == 2
+
+
+def test_recipe_gains_scale_rows_and_columns_and_are_counted():
+    import torch
+    from torch import nn
+
+    import gbfunc as gb
+    from benchmarks.equal_params import Arm
+    from benchmarks.recipes import with_gains
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4, 5))
+    plan = gb.plan(model, tile="full", hidden=2)
+    gparams = gb.init(plan, seed=0)
+    arm = Arm("gbfunc", "g", model, gparams, lambda t: gb.apply(t, plan), 100, {"free": 0.1})
+    scaled = with_gains(arm, plan)
+    assert scaled.params == 100 + (4 + 3) + (5 + 4)
+    assert scaled.lr_scales["gains"] == 0.1
+    plain = arm.to_params(arm.tree)
+    for name, w in scaled.to_params(scaled.tree).items():  # gains start at 1
+        torch.testing.assert_close(w, plain[name])
+    with torch.no_grad():
+        scaled.tree["gains"]["0.weight"]["rows"][1] = 2.0
+        scaled.tree["gains"]["0.weight"]["cols"][2] = 3.0
+    w = scaled.to_params(scaled.tree)["0.weight"]
+    torch.testing.assert_close(w[1, 2], 6 * plain["0.weight"][1, 2])
+    torch.testing.assert_close(w[0, 1], plain["0.weight"][0, 1])
+    w.sum().backward()
+    assert scaled.tree["gains"]["2.weight"]["cols"].grad is None  # not used by 0.weight
+    assert scaled.tree["gains"]["0.weight"]["rows"].grad is not None
