@@ -5,7 +5,7 @@ rank generates every weight and only g-net gradients are all-reduced; with `--st
 owned` each rank generates its own g-nets' tiles and all-gathers them.
 
     TMPDIR=/tmp/torchrun GLOO_SOCKET_IFNAME=lo \\
-        torchrun --nproc_per_node=2 examples/train_ddp.py [--strategy owned] [--steps 60]
+        torchrun --nproc_per_node=2 -m examples.train_ddp [--strategy owned] [--steps 60]
 
 On GPUs the same command runs with NCCL, one GPU per rank.
 """
@@ -19,7 +19,7 @@ from torch.func import functional_call
 
 import gbfunc as gb
 import gbfunc.dist as gbd
-from gbfunc.dist.gpt import GPT, GPTConfig, counting_data, loss_fn
+from examples.gpt import GPT, GPTConfig, counting_data, loss_fn
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ weights are generated once per step before the schedule, and the stage's gradien
 pushed into the g-nets after it (two-phase generation, `gb.dist.StageGenerator`).
 
     TMPDIR=/tmp/torchrun GLOO_SOCKET_IFNAME=lo \\
-        torchrun --nproc_per_node=2 examples/train_pipeline.py --pp 2
+        torchrun --nproc_per_node=2 -m examples.train_pipeline --pp 2
 
 More ranks than stages add data parallelism; on GPUs the same command runs with NCCL.
 """
@@ -19,7 +19,7 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 import gbfunc as gb
 import gbfunc.dist as gbd
-from gbfunc.dist.gpt import GPT, GPTConfig, counting_data, loss_fn
+from examples.gpt import GPT, GPTConfig, counting_data, loss_fn
 
 
 def main() -> None:

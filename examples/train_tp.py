@@ -5,7 +5,7 @@ Q/K/V and fc1 are column-parallel, the attention output and fc2 row-parallel
 so no weight is communicated. The tile (32 x 32) divides every local shard at `--tp 2`.
 
     TMPDIR=/tmp/torchrun GLOO_SOCKET_IFNAME=lo \\
-        torchrun --nproc_per_node=2 examples/train_tp.py --tp 2
+        torchrun --nproc_per_node=2 -m examples.train_tp --tp 2
 
 With 4 ranks and `--tp 2` it runs 2-way data parallel x 2-way tensor parallel; on GPUs the
 same command runs with NCCL.
@@ -21,7 +21,7 @@ from torch.func import functional_call
 
 import gbfunc as gb
 import gbfunc.dist as gbd
-from gbfunc.dist.gpt import GPT, GPTConfig, counting_data, loss_fn, tp_plan
+from examples.gpt import GPT, GPTConfig, counting_data, loss_fn, tp_plan
 
 
 def main() -> None:

@@ -10,7 +10,8 @@ from torch.func import functional_call
 
 import gbfunc as gb
 import gbfunc.dist as gbd
-from gbfunc.dist.gpt import GPT, GPTConfig, loss_fn
+from benchmarks.bench_comm import rank_owned_traffic, replicated_traffic
+from examples.gpt import GPT, GPTConfig, loss_fn
 from gbfunc.dist.testing import spawn
 
 CFG = GPTConfig(vocab=64, dim=32, layers=2, heads=4, seq=16)
@@ -109,6 +110,6 @@ def test_data_parallel_matches_one_process_on_the_global_batch(tmp_path):
         assert r["resumed_digest"] == r["replicated_digest"]  # bitwise the same trajectory
     assert len({r["replicated_digest"] for r in results}) == 1  # bitwise-identical g-nets
     assert len({r["owned_digest"] for r in results}) == 1
-    assert results[0]["replicated_bytes"] == gbd.replicated_traffic(plan, world).payload
-    assert results[0]["owned_bytes"] == gbd.rank_owned_traffic(plan, world).payload
+    assert results[0]["replicated_bytes"] == replicated_traffic(plan, world).payload
+    assert results[0]["owned_bytes"] == rank_owned_traffic(plan, world).payload
     assert sum(r["owned_gnets"] for r in results) == sum(s.num_gnets for s in plan.stacks)

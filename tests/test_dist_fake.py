@@ -15,8 +15,9 @@ from torch.utils.data import TensorDataset
 
 import gbfunc as gb
 import gbfunc.dist as gbd
+from benchmarks.bench_comm import rank_owned_traffic, replicated_traffic
+from examples.gpt import GPT, GPTConfig, loss_fn, tp_plan
 from gbfunc.dist._tp import local_region
-from gbfunc.dist.gpt import GPT, GPTConfig, loss_fn, tp_plan
 
 CFG = GPTConfig(vocab=64, dim=64, layers=2, heads=8, seq=16)
 RANK, WORLD = 5, 8
@@ -118,7 +119,7 @@ def test_grad_sync_buckets_divides_by_dp_and_counts_bytes(mesh):
     sync.wait()  # the fake all-reduce leaves each bucket as it was: local / dp
     for t, g in zip(leaves, local, strict=True):
         torch.testing.assert_close(t.grad, torch.zeros_like(t) if g is None else g / 2)
-    assert sync.comm_bytes == gbd.replicated_traffic(plan, WORLD).payload
+    assert sync.comm_bytes == replicated_traffic(plan, WORLD).payload
     assert len(sync._buckets) > 3
     loss_fn(functional_call(model, gb.apply(gparams, plan), (x,)), x).backward()
     with pytest.raises(RuntimeError, match="accumulated twice in one step"):
@@ -134,6 +135,6 @@ def test_rank_owned_generates_its_share_and_sends_what_the_model_says(mesh):
     assert owned.ownership.imbalance < 1.05
     x = torch.randint(0, CFG.vocab, (2, CFG.seq))
     loss_fn(functional_call(model, owned.apply(local), (x,)), x).backward()
-    traffic = dict(gbd.rank_owned_traffic(plan, WORLD).collectives)
+    traffic = dict(rank_owned_traffic(plan, WORLD).collectives)
     assert owned.comm_bytes == traffic["all_gather"] + traffic["reduce_scatter"]
     assert all(t.grad is not None for t in gbd.trainable_leaves(local))

@@ -11,7 +11,7 @@ from torch.multiprocessing import ProcessRaisedException
 
 import gbfunc as gb
 import gbfunc.dist as gbd
-from gbfunc.dist.gpt import GPT, GPTConfig, loss_fn
+from examples.gpt import GPT, GPTConfig, loss_fn
 from gbfunc.dist.testing import spawn
 
 CFG = GPTConfig(vocab=64, dim=32, layers=2, heads=4, seq=16)

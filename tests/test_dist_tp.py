@@ -9,7 +9,7 @@ from torch.func import functional_call
 
 import gbfunc as gb
 import gbfunc.dist as gbd
-from gbfunc.dist.gpt import GPT, GPTConfig, loss_fn, tp_plan
+from examples.gpt import GPT, GPTConfig, loss_fn, tp_plan
 from gbfunc.dist.testing import spawn
 
 CFG = GPTConfig(vocab=64, dim=32, layers=2, heads=4, seq=16)

@@ -11,8 +11,9 @@ from torch import nn
 
 import gbfunc as gb
 import gbfunc.dist as gbd
+from benchmarks.bench_comm import rank_owned_traffic, replicated_traffic, torchgb_traffic
+from examples.gpt import GPT, GPTConfig
 from gbfunc.dist._select import cuts_tiles, evaluate_tiles, full_region, region_tiles
-from gbfunc.dist.gpt import GPT, GPTConfig
 
 # ---------------------------------------------------------------- mesh sizes
 
@@ -179,10 +180,10 @@ def test_ownership_rejects_a_bad_world_size():
 def test_traffic_of_a_small_plan_by_hand():
     plan = gb.plan(nn.Linear(32, 32), tile=(16, 16))  # 4 tiles of 256 weights; bias of 32 free
     gnet = plan.stacks[0].num_params
-    assert gbd.replicated_traffic(plan, 2).payload == 4 * (gnet + 32)
-    owned = dict(gbd.rank_owned_traffic(plan, 2).collectives)
+    assert replicated_traffic(plan, 2).payload == 4 * (gnet + 32)
+    owned = dict(rank_owned_traffic(plan, 2).collectives)
     assert owned == {"all_gather": 4 * 4 * 256, "reduce_scatter": 4 * 4 * 256, "all_reduce": 4 * 32}
-    torchgb = gbd.torchgb_traffic(plan, 2)
+    torchgb = torchgb_traffic(plan, 2)
     assert dict(torchgb.collectives) == {"broadcast": 4 * 1024, "all_reduce": 4 * (1024 + 32)}
     assert torchgb.per_rank == pytest.approx(0.5 * 4 * 1024 + 2 * 0.5 * 4 * 1056)
 
@@ -190,9 +191,7 @@ def test_traffic_of_a_small_plan_by_hand():
 def test_torchgb_broadcast_of_gpt2_small_is_324_mib():
     with torch.device("meta"):
         model = GPT(GPTConfig(vocab=50304, dim=768, layers=12, heads=12, seq=1024))
-    broadcast = dict(gbd.torchgb_traffic(gb.plan(model, tile=(100, 100)), 8).collectives)[
-        "broadcast"
-    ]
+    broadcast = dict(torchgb_traffic(gb.plan(model, tile=(100, 100)), 8).collectives)["broadcast"]
     assert broadcast == 4 * 12 * 12 * 768 * 768
     assert math.isclose(broadcast / 2**20, 324, rel_tol=0.01)
 

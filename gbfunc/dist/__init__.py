@@ -9,7 +9,8 @@
     sync.wait(); opt.step(); opt.zero_grad()
 
 Strategies: replicated g-nets (the default above), `RankOwned` g-nets, `TensorParallel`
-p-nets and `StageGenerator` for pipeline stages; `*_traffic` give their bytes per step.
+p-nets and `StageGenerator` for pipeline stages (their bytes per step:
+`benchmarks/bench_comm.py`).
 """
 
 from .._tree import trainable_leaves as trainable_leaves  # gb.trainable_leaves, kept here too
@@ -22,9 +23,3 @@ from .._replicated import save_replicated as save_replicated
 from ._select import Selection as Selection
 from ._sync import CollectiveError as CollectiveError, GradSync as GradSync
 from ._tp import TensorParallel as TensorParallel
-from ._traffic import (
-    Traffic as Traffic,
-    rank_owned_traffic as rank_owned_traffic,
-    replicated_traffic as replicated_traffic,
-    torchgb_traffic as torchgb_traffic,
-)
