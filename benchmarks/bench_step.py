@@ -4,7 +4,8 @@ A step is: generate the weights (gbfunc only), forward, loss, backward, AdamW up
 sides use the same optimizer maths: `torch.optim.AdamW(foreach=True)` eagerly, and the
 functional `gb.optim.adamw_update` inside one `torch.compile(fullgraph=True)` step when
 compiled. Timings are medians over interleaved rounds, printed as ratios to the plain model
-in the same mode, from one run.
+in the same mode, from one run. "first s" is the first eager step, which compiles the tile
+MLP of the stacks large enough for `gb.apply`'s default `compile=None`.
 
     python -m benchmarks.bench_step            # MLP 784-512-512-10 and the main job's transformer
     python -m benchmarks.bench_step --quick    # fewer rounds
@@ -96,10 +97,17 @@ def gb_steps(model: nn.Module, plan: gb.Plan, batch: tuple, loss_of) -> tuple[St
     return eager, compiled
 
 
-def median_ms(steps: dict[str, Step], rounds: int, inner: int) -> dict[str, float]:
-    """Median time per call of every step, measured in interleaved, rotated rounds."""
-    for fn in steps.values():  # warm up (and compile)
-        for _ in range(3):
+def median_ms(
+    steps: dict[str, Step], rounds: int, inner: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Median ms per call of every step, measured in interleaved, rotated rounds; and the
+    seconds of each step's first call (which compiles)."""
+    first = {}
+    for name, fn in steps.items():  # warm up (and compile)
+        start = time.perf_counter()
+        fn()
+        first[name] = time.perf_counter() - start
+        for _ in range(2):
             fn()
     # Compiling leaves many objects behind; a garbage collection inside a timed round would be
     # charged to whichever step triggered it (timeit turns gc off for the same reason).
@@ -114,7 +122,7 @@ def median_ms(steps: dict[str, Step], rounds: int, inner: int) -> dict[str, floa
             for _ in range(inner):
                 fn()
             samples[name].append((time.perf_counter() - start) / inner * 1e3)
-    return {k: statistics.median(v) for k, v in samples.items()}
+    return {k: statistics.median(v) for k, v in samples.items()}, first
 
 
 def cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -134,17 +142,22 @@ def run(
         steps[f"{label} eager"], steps[f"{label} compiled"] = gb_steps(
             model, plan, batch, cross_entropy
         )
-    times = median_ms(steps, rounds, inner)
+    times, first = median_ms(steps, rounds, inner)
     print(f"\n## {title}  (torch {torch.__version__}, {torch.get_num_threads()} threads)")
-    head = ("variant", "compression", "eager ms", "x plain", "compiled ms", "x plain")
-    print(f"{head[0]:<34}{head[1]:>12}{head[2]:>10}{head[3]:>9}{head[4]:>13}{head[5]:>9}")
+    head = ("variant", "compression", "eager ms", "x plain", "compiled ms", "x plain", "first s")
+    print(
+        f"{head[0]:<34}{head[1]:>12}{head[2]:>10}{head[3]:>9}{head[4]:>13}{head[5]:>9}{head[6]:>9}"
+    )
     e, c = times["plain eager"], times["plain compiled"]
-    print(f"{'plain model':<34}{'1.0x':>12}{e:>10.2f}{1:>9.2f}{c:>13.2f}{1:>9.2f}")
+    print(
+        f"{'plain model':<34}{'1.0x':>12}{e:>10.2f}{1:>9.2f}{c:>13.2f}{1:>9.2f}"
+        f"{first['plain eager']:>9.1f}"
+    )
     for label in genomes:
         e, c = times[f"{label} eager"], times[f"{label} compiled"]
         print(
             f"{label:<34}{ratios[label]:>11.1f}x{e:>10.2f}{e / times['plain eager']:>9.2f}"
-            f"{c:>13.2f}{c / times['plain compiled']:>9.2f}"
+            f"{c:>13.2f}{c / times['plain compiled']:>9.2f}{first[f'{label} eager']:>9.1f}"
         )
 
 
@@ -157,6 +170,12 @@ MLP_GENOMES = {
     "shared + embeddings, tile 64": {"tile": (64, 64), "share": True, "hidden": 16},
     "row g-nets, hidden 8, tile 128": {"tile": (128, 128), "hidden": 8, "outputs": 128},
     "row g-nets, hidden 16, tile 256": {"tile": (256, 256), "hidden": 16, "outputs": 256},
+    "hashed genome, tile full, 20x": {
+        "tile": "full",
+        "hidden": 4,
+        "hashed": "auto",
+        "compression": 20,
+    },
 }
 # "row g-nets": `outputs` = the tile width, so one evaluation emits a whole tile row and the
 # output layer is one (TH, H) @ (H, TW) matmul per tile: the fastest genome on CPU.
@@ -186,7 +205,10 @@ def main() -> None:
         cfg = CharLMConfig()
         model = CharTransformer(96, cfg.context, cfg.width, cfg.depth, cfg.heads)
         idx = torch.randint(0, 96, (cfg.batch, cfg.context + 1))
-        genomes = TRANSFORMER_GENOMES | {"main job's tiled plan": TILED_PLAN}
+        genomes = TRANSFORMER_GENOMES | {
+            "main job's tiled plan": TILED_PLAN,
+            "main job's plan (hashed genome)": cfg.plan,
+        }
         title = (
             f"main job's character transformer (width {cfg.width}, batch {cfg.batch}x{cfg.context})"
         )

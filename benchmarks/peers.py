@@ -213,7 +213,7 @@ def main() -> None:
     peaks = {(r.name, m): peak_bytes(s) / 2**20 for r in rows for m, s in r.steps.items()}
     rounds, inner = (7, 5) if args.quick else (25, 10)
     steps = {(r.name, m): s for r in rows for m, s in r.steps.items()}
-    times = median_ms({f"{k[0]}|{k[1]}": s for k, s in steps.items()}, rounds, inner)
+    times, _ = median_ms({f"{k[0]}|{k[1]}": s for k, s in steps.items()}, rounds, inner)
     table = render(rows, times, peaks)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)

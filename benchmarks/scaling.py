@@ -66,7 +66,7 @@ def measure(width: int, modes: tuple[str, ...], rounds: int, inner: int) -> list
                 rows.append(
                     {"width": width, "variant": label, "mode": mode, "trainable_params": trainable}
                 )
-    times = median_ms({f"{k[0]}|{k[1]}": s for k, s in steps.items()}, rounds, inner)
+    times, _ = median_ms({f"{k[0]}|{k[1]}": s for k, s in steps.items()}, rounds, inner)
     dense_params = sum(p.numel() for p in model.parameters())
     for row in rows:
         key = (row["variant"], row["mode"])

@@ -20,10 +20,18 @@ Tensors = tuple[Tensor, Tensor]
 # measured on the digits CNN at ~23x, a table at the g-net's Adam rate reached 93.98%, at 10x
 # that rate 97.68% (3 seeds, the variance split evenly between table and g-nets at init).
 HASH_GAIN = 10.0
+# `gb.apply(compile=None)` compiles a stack's tile MLP in eager mode from this many elements of
+# its transient `(T, TH, Q, H)` on: below it, compiling costs more than it saves.
+AUTO_COMPILE_ELEMENTS = 1 << 22
 
 
 def apply(
-    gparams: GParams, plan: Plan, *, check: bool = False, backend: str = "auto"
+    gparams: GParams,
+    plan: Plan,
+    *,
+    check: bool = False,
+    backend: str = "auto",
+    compile: bool | None = None,
 ) -> dict[str, Tensor]:
     """Generate every parameter of the p-net described by `plan`.
 
@@ -37,6 +45,12 @@ def apply(
         check: Also reject NaN or inf in `gparams` (reads values: not for compiled code).
         backend: `"torch"`, `"triton"` (fused kernels, `gbfunc.kernels`; through Triton's
             interpreter on CPU) or `"auto"`: Triton for CUDA tensors, torch otherwise.
+        compile: On the torch backend, called eagerly (not under `torch.compile` or a
+            `torch.func` transform), run each stack's g-net evaluation, forward and backward,
+            as code compiled once per stack signature and cached; the first call of a new
+            signature compiles (seconds). `None`: only for stacks of at least
+            `AUTO_COMPILE_ELEMENTS` hidden activations, where it pays. `False`: never (for
+            debugging). The result is the same either way, to rounding.
 
     Returns:
         `{name: tensor}` for every parameter, ready for
@@ -50,6 +64,8 @@ def apply(
         torch.Size([2, 32])
     """
     check_gparams(gparams, plan, "gb.apply", values=check)
+    if compile is not None and not isinstance(compile, bool):
+        raise TypeError(f"gb.apply: compile must be True, False or None, got {compile!r}.")
     stacks = gparams["stacks"]
     if use_triton(backend, plan, stacks):
         generated = fused_weights(plan, [stack_terms(s, stacks[s.key]) for s in plan.stacks])
@@ -65,7 +81,9 @@ def apply(
             if stack.key in hashed:
                 generated[p.name] = generated[p.name] + assemble(p, stack, hashed[stack.key])
     else:
-        tiles = [evaluate_stack(s, stacks[s.key]) for s in plan.stacks]
+        tiles = [
+            evaluate_stack(s, stacks[s.key], compiled=_compiles(s, compile)) for s in plan.stacks
+        ]
         generated = {
             p.name: assemble(p, plan.stacks[p.stack], tiles[p.stack]) for p in plan.generated
         }
@@ -78,16 +96,30 @@ def apply(
     return out
 
 
-def evaluate_stack(stack: Stack, leaves: dict[str, Tensor], *, recompute: bool = True) -> Tensor:
+def _compiles(stack: Stack, compile: bool | None) -> bool:
+    """Whether `gb.apply(compile=compile)` runs this stack's tile MLP compiled when eager."""
+    if compile is not None:
+        return compile
+    work = stack.num_tiles * stack.tile[0] * stack.columns * stack.genome.hidden
+    return work >= AUTO_COMPILE_ELEMENTS
+
+
+def evaluate_stack(
+    stack: Stack, leaves: dict[str, Tensor], *, recompute: bool = True, compiled: bool = False
+) -> Tensor:
     """Every tile of a stack, `(T, TH, TW * K)`: one batched g-net evaluation.
 
     Args:
         stack: The stack's description.
         leaves: Its parameters, `gparams["stacks"][stack.key]`.
         recompute: Use the recomputing backward (`tile_mlp`); False runs plain autograd.
+        compiled: Run `tile_mlp` eagerly through compiled code (see `gb.apply`).
     """
-    fn = tile_mlp if recompute else reference
-    y = fn(stack_terms(stack, leaves), stack.genome.activation)  # (T, TH, Q, P)
+    terms = stack_terms(stack, leaves)
+    if recompute:
+        y = tile_mlp(terms, stack.genome.activation, compiled)  # (T, TH, Q, P)
+    else:
+        y = reference(terms, stack.genome.activation)
     y = y.reshape(y.shape[0], y.shape[1], -1)
     return y + hashed_tiles(stack, leaves["tile_hash"]) if stack.genome.hashed else y
 

@@ -7,10 +7,16 @@ A tile therefore costs two tiny matmuls and ~3H FLOPs per weight, and nothing of
 
 `reference` is the specification (plain autograd). `tile_mlp` is the same function as an
 `autograd.Function` whose backward recomputes; it composes with `grad`, `vmap` and
-`torch.compile(fullgraph=True)`.
+`torch.compile(fullgraph=True)`. Called eagerly with `compiled=True`, its forward and backward
+bodies run as code compiled once per signature (shapes, dtypes, device, activation), which
+is what makes eager training with large genomes fast; under `torch.func` transforms and
+inside an outer `torch.compile` they run as plain torch code.
 """
 
 import math
+import types
+import warnings
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -178,13 +184,75 @@ def _chunks(num_tiles: int, per_tile: int) -> list[tuple[int, int]]:
     return [(s, min(num_tiles, s + size)) for s in range(0, num_tiles, size)]
 
 
+def _plain_eager() -> bool:
+    """Neither traced by `torch.compile` nor inside a `torch.func` transform.
+
+    Dynamo refuses to run compiled code under a functorch transform ("Unsupported functorch
+    tracing attempt"), so compiled bodies are only used outside both.
+    """
+    return (
+        not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is None
+    )
+
+
+# Compiled bodies per signature; None: that signature failed to compile and runs eagerly.
+_COMPILED: dict[tuple, Callable | None] = {}
+
+
+def _compiled(body: Callable, *args: object) -> object | None:
+    """`body(*args)` through code compiled for these arguments' signature, cached.
+
+    Each signature gets its own copy of `body`'s code: dynamo keeps its compiled graphs on the
+    code object and caps their number, so sharing one would recompile (and fall back to eager)
+    once a model has more stack shapes than that cap. Returns None, having warned once, where
+    the signature cannot be compiled (e.g. no C++ compiler for inductor): run it eagerly.
+    """
+    signature = ((tuple(a.shape), a.dtype, a.device) if isinstance(a, Tensor) else a for a in args)
+    key = (body.__name__, *signature)
+    if key not in _COMPILED:
+        code = body.__code__.replace()
+        private = types.FunctionType(code, body.__globals__, body.__name__)
+        _COMPILED[key] = torch.compile(private, fullgraph=True, dynamic=False)
+    fn = _COMPILED[key]
+    if fn is None:
+        return None
+    try:
+        return fn(*args)
+    except torch._dynamo.exc.BackendCompilerFailed as error:
+        _COMPILED[key] = None
+        warnings.warn(
+            f"gbfunc: compiling the tile MLP failed ({type(error).__name__}: {error}); this "
+            "stack runs eagerly. gb.apply(..., compile=False) skips compiling.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+
+
+def _forward_body(*inputs) -> Tensor:
+    *flat, activation = inputs
+    return _forward_no_save(Terms(*flat), activation)
+
+
+def _backward_body(grad: Tensor, *inputs) -> tuple:
+    *saved, activation = inputs
+    return tuple(_backward_recompute(grad, Terms(*saved, None), activation))
+
+
 class _TileMLP(torch.autograd.Function):
-    """`reference` with a recomputing backward; its arguments are a flat `Terms`, then the
-    activation (`autograd.Function` takes tensors one by one)."""
+    """`reference` with a recomputing backward; its arguments are a flat `Terms`, the
+    activation and whether to run compiled bodies (`autograd.Function` takes tensors one by
+    one)."""
 
     @staticmethod
     def forward(*inputs):
-        *flat, activation = inputs
+        *flat, activation, compiled = inputs
+        if compiled and _plain_eager():
+            # Detached: autograd records this Function, not what runs inside (no_grad here).
+            detached = (None if x is None else x.detach() for x in flat)
+            out = _compiled(_forward_body, *detached, activation)
+            if out is not None:
+                return out
         terms = Terms(*flat)
         num_tiles, rows, hidden = terms.a.shape
         parts = _chunks(num_tiles, rows * terms.b.shape[1] * hidden)
@@ -193,14 +261,19 @@ class _TileMLP(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        *flat, activation = inputs
+        *flat, activation, compiled = inputs
         ctx.save_for_backward(*flat[:-1])  # b_out is not needed
-        ctx.activation = activation
+        ctx.activation, ctx.compiled = activation, compiled
 
     @staticmethod
     def backward(ctx, grad):
-        terms = Terms(*ctx.saved_tensors, None)
         grad = grad.contiguous()
+        if ctx.compiled and _plain_eager() and not torch.is_grad_enabled():  # not create_graph
+            saved = (None if x is None else x.detach() for x in ctx.saved_tensors)
+            grads = _compiled(_backward_body, grad, *saved, ctx.activation)
+            if grads is not None:
+                return (*grads, None, None)
+        terms = Terms(*ctx.saved_tensors, None)
         a, b = terms.a, terms.b
         parts = _chunks(a.shape[0], a.shape[1] * b.shape[1] * a.shape[2])
         results = [
@@ -215,7 +288,7 @@ class _TileMLP(torch.autograd.Function):
             else parts_of[0]
             for parts_of in zip(*results, strict=True)
         ]
-        return (*grads, None)
+        return (*grads, None, None)
 
     @staticmethod
     def vmap(info, in_dims, *inputs):
@@ -228,12 +301,16 @@ class _TileMLP(torch.autograd.Function):
             x = x.unsqueeze(0).expand(size, *x.shape) if dim is None else x.movedim(dim, 0)
             return x.reshape(size * x.shape[1], *x.shape[2:])
 
-        *flat, activation = inputs
+        *flat, activation, compiled = inputs
         args = [fold(x, d) for x, d in zip(flat, in_dims, strict=False)]
-        out = _TileMLP.apply(*args, activation)
+        out = _TileMLP.apply(*args, activation, compiled)
         return out.reshape(size, -1, *out.shape[1:]), 0
 
 
-def tile_mlp(terms: Terms, activation: str) -> Tensor:
-    """`reference`, with a backward that recomputes instead of saving `(T, TH, Q, H)`."""
-    return _TileMLP.apply(*terms, activation)
+def tile_mlp(terms: Terms, activation: str, compiled: bool = False) -> Tensor:
+    """`reference`, with a backward that recomputes instead of saving `(T, TH, Q, H)`.
+
+    With `compiled`, plain eager calls run the forward and the backward as code compiled
+    once per signature (the first call of a signature compiles: seconds).
+    """
+    return _TileMLP.apply(*terms, activation, compiled)

@@ -198,3 +198,52 @@ def test_functional_adamw_defaults_are_lr_1e_3_without_weight_decay():
     explicit, _ = gb.optim.adamw_update(gparams, grads, state, lr=1e-3, weight_decay=0.0)
     for a, b in zip(tree_leaves(default), tree_leaves(explicit), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+def test_eager_apply_with_compiled_bodies_matches_plain_eager_and_compiles_once():
+    """`gb.apply(compile=True)`: same weights and gradients, two graphs (forward, backward)
+    compiled on the first call and none after; under `torch.func.grad` it runs plain code."""
+    from torch._dynamo.utils import counters
+
+    model = nn.Linear(48, 40)  # one stack: (16, 16) tiles, a ragged last row of tiles
+    plan = gb.plan(model, tile=(16, 16), hidden=8, activation="gelu")
+    x = torch.randn(5, 48)
+
+    def loss(gparams, compile):
+        out = functional_call(model, gb.apply(gparams, plan, compile=compile), (x,))
+        return out.square().mean()
+
+    def grads(compile):
+        gparams = gb.init(plan, seed=3)
+        loss(gparams, compile).backward()
+        return [leaf.grad for leaf in gb.trainable_leaves(gparams)]
+
+    expected = grads(False)
+    before = counters["stats"]["unique_graphs"]
+    for leaf, ref in zip(grads(True), expected, strict=True):
+        torch.testing.assert_close(leaf, ref, rtol=1e-4, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] - before == 2
+    grads(True)  # the same signature again: nothing new compiled
+    assert counters["stats"]["unique_graphs"] - before == 2
+    gparams = gb.init(plan, seed=3)
+    functional = grad(loss)(gparams, True)  # inside a transform: plain torch code
+    torch.testing.assert_close(functional, grad(loss)(gparams, False))
+    assert counters["stats"]["unique_graphs"] - before == 2
+
+
+def test_apply_compiles_only_stacks_large_enough_to_pay_by_default():
+    from gbfunc._apply import AUTO_COMPILE_ELEMENTS, _compiles
+
+    with torch.device("meta"):
+        big, small = nn.Linear(2048, 2048), nn.Linear(64, 64)
+    (large,) = gb.plan(big, tile=(128, 128)).stacks  # 256 tiles x 128 x 128 x 32 hidden
+    (tiny,) = gb.plan(small, tile=(16, 16)).stacks
+    assert large.num_tiles * 128 * 128 * 32 >= AUTO_COMPILE_ELEMENTS
+    assert _compiles(large, None)
+    assert not _compiles(tiny, None)
+    assert not _compiles(large, False)
+    assert _compiles(tiny, True)
+    plan = gb.plan(nn.Linear(8, 8), tile=(4, 4))
+    with pytest.raises(TypeError, match=r"gb\.apply: compile must be True, False or None"):
+        gb.apply(gb.init(plan), plan, compile=1)
