@@ -74,6 +74,13 @@ def search_tile(
     return [o if o.get("explicit_tile") else {**o, "tile": tile, "searched": True} for o in options]
 
 
+# Under `hashed="auto"` a tile's table grows as (its positions) ** TABLE_EXPONENT. Measured
+# against tables sized by hand (digits, 3 seeds, best of 4 rates; benchmarks/results/recipes.md):
+# 0.5 ties them on the CNN at ~135x and the MLP at ~100x and trails by 1.1 points on the CNN at
+# ~23x; 0.6 wins that back and loses as much at the other two.
+TABLE_EXPONENT = 0.5
+
+
 def check_target(target: object) -> None:
     if not (isinstance(target, int | float) and not isinstance(target, bool) and target >= 1):
         raise ValueError(f"gb.plan: compression must be a number >= 1, got {target!r}.")
@@ -87,8 +94,9 @@ def size_tables(
 ) -> list[dict[str, object]]:
     """Buckets for every `hashed="auto"` parameter, so that the plan's ratio is near `target`.
 
-    A tile's table gets `round(k * sqrt(positions))` buckets (at least one, at most one per
-    position), one factor `k` for the whole plan, found by bisection. On the digits CNN this
+    A tile's table gets `round(k * positions ** TABLE_EXPONENT)` buckets (the square root;
+    at least one, at most one per position), one factor `k` for the whole plan, found by
+    bisection. On the digits CNN this
     rule gives nearly the tables that were tuned by hand per layer: small layers get more
     buckets per weight than large ones, and equal tiles get equal tables.
     """
@@ -110,12 +118,12 @@ def size_tables(
                 auto.append((index, math.prod(tile_grid(rows, cols, tile)), positions))
 
     def buckets(k: float, positions: int) -> int:
-        return min(positions, max(1, round(k * math.sqrt(positions))))
+        return min(positions, max(1, round(k * positions**TABLE_EXPONENT)))
 
     def ratio(k: float) -> float:
         return weights / (spent + sum(tiles * buckets(k, p) for _, tiles, p in auto))
 
-    lo, hi = 0.0, max(math.sqrt(p) for _, _, p in auto)  # one bucket per tile; one per position
+    lo, hi = 0.0, max(p ** (1 - TABLE_EXPONENT) for _, _, p in auto)  # 1 bucket; 1 per position
     if not ratio(hi) <= target * 1.1 or not ratio(lo) >= target / 1.1:
         raise ValueError(
             f"gb.plan: compression={target} cannot be reached within 10% by sizing the hashed "
