@@ -196,6 +196,49 @@ def test_torchgb_broadcast_of_gpt2_small_is_324_mib():
     assert math.isclose(broadcast / 2**20, 324, rel_tol=0.01)
 
 
+def test_cost_model_at_one_shard_is_the_measured_estimators():
+    """With no TP or PP the cost model's bytes are those of the estimators the spawned and
+    fake-group tests check against gloo; rank-owned agrees up to the estimators' padding."""
+    from benchmarks.bench_comm import Mesh, Sizes, per_rank_bytes
+
+    plan = gb.plan(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32)), tile=(16, 16))
+    sizes = Sizes.of(plan)
+    for world in (2, 4):
+        mesh = Mesh(world)
+        assert per_rank_bytes("replicated g-nets", sizes, mesh) == pytest.approx(
+            replicated_traffic(plan, world).per_rank
+        )
+        assert per_rank_bytes("torchGB", sizes, mesh) == pytest.approx(
+            torchgb_traffic(plan, world).per_rank
+        )
+        assert per_rank_bytes("rank-owned g-nets", sizes, mesh) == pytest.approx(
+            rank_owned_traffic(plan, world).per_rank, rel=0.05
+        )
+
+
+def test_cost_model_splits_shards_over_tp_and_pp_and_sums_gnets_over_the_world():
+    from benchmarks.bench_comm import Mesh, Sizes, generation_share, per_rank_bytes
+
+    sizes = Sizes(params=1000, generated=900, gnet=50, free=100, generation_flops=9000.0)
+    mesh = Mesh(dp=4, tp=2, pp=5)  # 40 ranks; each replica split over 10
+    assert per_rank_bytes("dense DDP", sizes, mesh) == pytest.approx(4 * 2 * 3 / 4 * 100)
+    assert per_rank_bytes("dense FSDP", sizes, mesh) == pytest.approx(4 * 3 * 3 / 4 * 100)
+    assert per_rank_bytes("replicated g-nets", sizes, mesh) == pytest.approx(
+        4 * (2 * 39 / 40 * 50 + 2 * 3 / 4 * 10)
+    )
+    assert per_rank_bytes("rank-owned g-nets", sizes, mesh) == pytest.approx(
+        4 * (2 * 3 / 4 * 90 + 2 * 3 / 4 * 10)
+    )
+    assert per_rank_bytes("torchGB", sizes, mesh) == pytest.approx(4 * (3 / 4 * 90 + 1.5 * 100))
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        per_rank_bytes("ZeRO-4", sizes, mesh)
+    share = generation_share("replicated g-nets", sizes, mesh, tokens_per_rank=10)
+    assert share == pytest.approx(3 * 9000 / 10 / (6 * 100 * 10))
+    owned = generation_share("rank-owned g-nets", sizes, mesh, tokens_per_rank=10)
+    assert owned == pytest.approx(share / 4)
+    assert generation_share("dense DDP", sizes, mesh, tokens_per_rank=10) == 0.0
+
+
 # ---------------------------------------------------------------- plan check
 
 
