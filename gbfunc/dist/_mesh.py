@@ -100,9 +100,25 @@ def init_mesh(
     if not dist.is_initialized():
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timeout)
+        _start_process_group("nccl" if device_type == "cuda" else "gloo", timeout)
     shape = mesh_shape(dist.get_world_size(), dp=dp, tp=tp, pp=pp)
     return init_device_mesh(device_type, (shape.pp, shape.dp, shape.tp), mesh_dim_names=DIMS)
+
+
+def _start_process_group(backend: str, timeout: datetime.timedelta) -> None:
+    """`init_process_group(backend)` from the environment, keyed per torchrun attempt.
+
+    torchrun keeps one store across the restarts of a job (`--max-restarts`): a restarted
+    rank would read the address its dead peer published in the failed attempt and fail to
+    connect. Prefixing the keys with `TORCHELASTIC_RESTART_COUNT` gives each attempt its own.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    store = dist.PrefixStore(f"gbfunc/attempt_{attempt}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def dim_size(mesh: DeviceMesh, dim: str) -> int:
