@@ -12,7 +12,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 from torch.utils.data import TensorDataset
 
 
@@ -116,6 +123,38 @@ def tp_plan(model: GPT) -> dict[str, ParallelStyle]:
             plan[f"blocks.{i}.{name}"] = ColwiseParallel()
         for name in ("attn.o", "mlp.fc2"):
             plan[f"blocks.{i}.{name}"] = RowwiseParallel()
+    return plan
+
+
+def sp_plan(model: GPT) -> dict[str, ParallelStyle]:
+    """`tp_plan` with Megatron-style sequence parallelism (Korthikanti et al. 2022).
+
+    Between the tensor-parallel regions the residual stream and the block LayerNorms are
+    sharded along the sequence (`SequenceParallel`); it is all-gathered before attention and
+    the MLP and reduce-scattered after their row-parallel outputs. The first block slices its
+    (replicated) input; the final LayerNorm gathers the sequence back for the tied head.
+    """
+    plan: dict[str, ParallelStyle] = {}
+    gather = PrepareModuleInput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+    )
+    for i in model.blocks:
+        block = f"blocks.{i}"
+        plan[f"{block}.ln1"] = SequenceParallel()
+        plan[f"{block}.ln2"] = SequenceParallel()
+        plan[f"{block}.attn"] = gather
+        plan[f"{block}.mlp"] = gather
+        for name in ("attn.q", "attn.k", "attn.v", "mlp.fc1"):
+            plan[f"{block}.{name}"] = ColwiseParallel()
+        for name in ("attn.o", "mlp.fc2"):
+            plan[f"{block}.{name}"] = RowwiseParallel(output_layouts=Shard(1))
+    if model.first:
+        first = f"blocks.{next(iter(model.blocks))}"
+        plan[first] = PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
+        )
+    if model.last:
+        plan["ln_f"] = gather
     return plan
 
 

@@ -9,7 +9,7 @@ from torch.func import functional_call
 
 import gbfunc as gb
 import gbfunc.dist as gbd
-from examples.gpt import GPT, GPTConfig, loss_fn, tp_plan
+from examples.gpt import GPT, GPTConfig, loss_fn, sp_plan, tp_plan
 from gbfunc.dist.testing import spawn
 
 CFG = GPTConfig(vocab=64, dim=32, layers=2, heads=4, seq=16)
@@ -28,14 +28,16 @@ def _diff(a: dict, b: dict) -> float:
     return max((x.detach() - y.detach()).abs().max().item() for x, y in pairs)
 
 
-def tp_worker(rank: int, world: int, dp: int, tp: int) -> dict:
+def tp_worker(rank: int, world: int, dp: int, tp: int, sequence: bool = False) -> dict:
     mesh = gbd.init_mesh(dp=dp, tp=tp)
     with torch.device("meta"):
         dense, model = GPT(CFG), GPT(CFG)
     plan = gb.plan(dense, tile=TILE)
-    parallelize_module(model, mesh["tp"], tp_plan(model))
+    parallelize_module(model, mesh["tp"], (sp_plan if sequence else tp_plan)(model))
     shards = gbd.TensorParallel(plan, model, mesh["tp"])
     out = {"misaligned": shards.misaligned, "tiles": shards.selection.num_tiles}
+    norm = shards.apply(gb.init(plan, seed=0))["blocks.0.ln1.weight"]
+    out["norm_replicated"] = [p.is_replicate() for p in getattr(norm, "placements", ())]
 
     ref = gb.init(plan, seed=0)
     gparams = gb.init(plan, seed=0)
@@ -79,6 +81,16 @@ def _check(results: list[dict], tp: int) -> None:
 @pytest.mark.slow
 def test_tensor_parallel_matches_one_process():
     _check(spawn(tp_worker, 2, 1, 2), tp=2)
+
+
+@pytest.mark.slow
+def test_sequence_parallel_matches_one_process_with_replicated_layernorms():
+    """Megatron-style SP on top of TP: the same loss, gradients and updates as one process;
+    the free LayerNorm weights are replicated DTensors whose gradients (partial sums over each
+    rank's part of the sequence) are summed before the update."""
+    results = spawn(tp_worker, 2, 1, 2, True)
+    _check(results, tp=2)
+    assert all(r["norm_replicated"] == [True] for r in results), results
 
 
 @pytest.mark.slow
