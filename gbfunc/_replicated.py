@@ -1,8 +1,8 @@
 """`gb.dist.save_replicated`: one checkpoint for g-nets replicated on every rank.
 
 With replicated g-nets (data parallel), every rank holds the same `gparams`, so rank 0
-writes the file and every rank reads it back with `gb.load`. Sharded g-nets (rank-owned
-stacks, tensor or pipeline parallel) need `torch.distributed.checkpoint` instead.
+writes the file and every rank reads it back with `gb.load`. Rank-owned g-nets use
+`gb.dist.save_sharded` instead (`torch.distributed.checkpoint`, no gather).
 """
 
 import os
