@@ -5,7 +5,8 @@ sides use the same optimizer maths: `torch.optim.AdamW(foreach=True)` eagerly, a
 functional `gb.optim.adamw_update` inside one `torch.compile(fullgraph=True)` step when
 compiled. Timings are medians over interleaved rounds, printed as ratios to the plain model
 in the same mode, from one run. "first s" is the first eager step, which compiles the tile
-MLP of the stacks large enough for `gb.apply`'s default `compile=None`.
+MLP of the stacks large enough for `gb.apply`'s default `compile=None`; for those genomes
+the last column times the eager step without it (`compile=False`), in the same rounds.
 
     python -m benchmarks.bench_step            # MLP 784-512-512-10 and the main job's transformer
     python -m benchmarks.bench_step --quick    # fewer rounds
@@ -28,6 +29,7 @@ import gbfunc as gb
 from benchmarks._meta import RESULTS, compile_static, recorded
 from examples.models import CharTransformer
 from examples.tasks import CharLMConfig
+from gbfunc._apply import _compiles
 
 Step = Callable[[], object]
 
@@ -67,14 +69,17 @@ def dense_steps(model: nn.Module, batch: tuple, loss_of) -> tuple[Step, Step]:
     return eager, compiled
 
 
-def gb_steps(model: nn.Module, plan: gb.Plan, batch: tuple, loss_of) -> tuple[Step, Step]:
-    """(eager, compiled) steps of the same model with generated weights."""
+def gb_steps(
+    model: nn.Module, plan: gb.Plan, batch: tuple, loss_of, *, eager_compile: bool | None = None
+) -> tuple[Step, Step]:
+    """(eager, compiled) steps of the same model with generated weights; `eager_compile` is
+    `gb.apply`'s `compile` in the eager step."""
     gparams = gb.init(plan)
     opt = torch.optim.AdamW(torch.utils._pytree.tree_leaves(gparams), lr=1e-3, foreach=True)
 
     def eager() -> None:
         opt.zero_grad(set_to_none=True)
-        out = functional_call(model, gb.apply(gparams, plan), batch[:-1])
+        out = functional_call(model, gb.apply(gparams, plan, compile=eager_compile), batch[:-1])
         loss_of(out, batch[-1]).backward()
         opt.step()
 
@@ -142,11 +147,16 @@ def run(
         steps[f"{label} eager"], steps[f"{label} compiled"] = gb_steps(
             model, plan, batch, cross_entropy
         )
+        if any(_compiles(s, None) for s in plan.stacks):  # what compile=None buys, eagerly
+            steps[f"{label} eager uncompiled"], _ = gb_steps(
+                model, plan, batch, cross_entropy, eager_compile=False
+            )
     times, first = median_ms(steps, rounds, inner)
     print(f"\n## {title}  (torch {torch.__version__}, {torch.get_num_threads()} threads)")
     head = ("variant", "compression", "eager ms", "x plain", "compiled ms", "x plain", "first s")
     print(
         f"{head[0]:<34}{head[1]:>12}{head[2]:>10}{head[3]:>9}{head[4]:>13}{head[5]:>9}{head[6]:>9}"
+        "  eager, compile=False"
     )
     e, c = times["plain eager"], times["plain compiled"]
     print(
@@ -155,9 +165,11 @@ def run(
     )
     for label in genomes:
         e, c = times[f"{label} eager"], times[f"{label} compiled"]
+        plain = times.get(f"{label} eager uncompiled")
+        before = "" if plain is None else f"  {plain:.2f} ms, {plain / times['plain eager']:.2f}x"
         print(
             f"{label:<34}{ratios[label]:>11.1f}x{e:>10.2f}{e / times['plain eager']:>9.2f}"
-            f"{c:>13.2f}{c / times['plain compiled']:>9.2f}{first[f'{label} eager']:>9.1f}"
+            f"{c:>13.2f}{c / times['plain compiled']:>9.2f}{first[f'{label} eager']:>9.1f}" + before
         )
 
 
