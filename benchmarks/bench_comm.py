@@ -154,7 +154,7 @@ class Sizes:
     @classmethod
     def of(cls, plan: gb.Plan) -> "Sizes":
         report = gb.report(plan)
-        flops = sum(s.num_tiles * _tile_flops(s) for s in plan.stacks)
+        flops = sum(s.num_tiles * s.tile_flops for s in plan.stacks)
         return cls(
             report.dense_params,
             report.generated_weights,
@@ -162,13 +162,6 @@ class Sizes:
             report.free_params,
             flops,
         )
-
-
-def _tile_flops(stack: gb.Stack) -> float:
-    """FLOPs of one tile's forward generation: the separable first layer, then the MLP."""
-    g = stack.genome
-    per_eval = 3 * g.hidden + 2 * (g.depth - 1) * g.hidden**2 + 2 * g.hidden * stack.outputs
-    return stack.tile[0] * stack.columns * per_eval
 
 
 STRATEGIES = ("dense DDP", "dense FSDP", "replicated g-nets", "rank-owned g-nets", "torchGB")

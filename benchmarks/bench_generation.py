@@ -70,16 +70,6 @@ def cpu_peaks() -> tuple[float, float]:
     return 2 * 1024**3 / t["mm"], buffer.nbytes / t["fill"]
 
 
-def forward_flops(stack: gb.Stack) -> float:
-    """FLOPs of one forward: the two small first-layer matmuls per tile, then per position
-    the separable sum (2H), activation (H), hidden layers (2H^2 each) and output (2HP)."""
-    t, (th, _), h, p = stack.num_tiles, stack.tile, stack.genome.hidden, stack.outputs
-    positions = t * th * stack.columns
-    first = 2 * t * h * (th * stack.row_width + stack.columns * stack.col_width)
-    per_position = 3 * h + 2 * h * h * (stack.genome.depth - 1) + 2 * h * p
-    return first + positions * per_position
-
-
 def naive(plan: gb.Plan, gparams: dict) -> Tensor:
     """Baseline: one plain MLP per tile over the full code matrix, vmapped (batched matmuls)."""
     (stack,), (param,) = plan.stacks, plan.generated
@@ -122,7 +112,7 @@ def run_cpu(args: argparse.Namespace) -> None:
         plan, gparams = setup(size, args, "cpu")
         leaves = list(gparams["stacks"][plan.stacks[0].key].values())
         numel = plan.generated[0].numel
-        flops = forward_flops(plan.stacks[0])
+        flops = plan.stacks[0].num_tiles * plan.stacks[0].tile_flops
         tiles = plan.stacks[0].num_tiles
         print(f"-- Linear({size}, {size}): {tiles} tiles, {flops / numel:.0f} FLOPs/weight forward")
         paths = cpu_paths(plan, gparams)
@@ -195,7 +185,7 @@ def run_gpu(args: argparse.Namespace) -> None:
     for size in args.gpu_sizes:
         plan, gparams = setup(size, args, "cuda")
         leaves = list(gparams["stacks"][plan.stacks[0].key].values())
-        numel, flops = plan.generated[0].numel, forward_flops(plan.stacks[0])
+        numel, flops = plan.generated[0].numel, plan.stacks[0].num_tiles * plan.stacks[0].tile_flops
         for label, fns in gpu_paths(plan, gparams, kernel.generate).items():
             work, written = (
                 (1, numel * 4) if label == "fwd" else (3, numel * 4 + sum(x.nbytes for x in leaves))

@@ -116,6 +116,16 @@ class Stack:
         """The g-net that generates each tile, in tile order."""
         return tuple(g for g, n in enumerate(self.tiles_per_gnet) for _ in range(n))
 
+    @property
+    def tile_flops(self) -> int:
+        """FLOPs of one tile's forward generation: the tile's two small first-layer matmuls
+        (`2H (TH R + Q C)`), then per evaluation the separable sum and activation (`3H`), the
+        hidden layers (`2H^2` each) and the output layer (`2HP`)."""
+        g, th = self.genome, self.tile[0]
+        first = 2 * g.hidden * (th * self.row_width + self.columns * self.col_width)
+        per_eval = 3 * g.hidden + 2 * g.hidden**2 * (g.depth - 1) + 2 * g.hidden * self.outputs
+        return first + th * self.columns * per_eval
+
     def leaf_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shapes of this stack's leaves in `gparams["stacks"][key]`."""
         one = self.genome.param_shapes(self.row_width + self.col_width, self.outputs)
