@@ -87,13 +87,20 @@ def apply(
         generated = {
             p.name: assemble(p, plan.stacks[p.stack], tiles[p.stack]) for p in plan.generated
         }
-    out: dict[str, Tensor] = {}
-    for p in plan.params:
-        if isinstance(p, Generated):
-            out[p.name] = generated[p.name]
-        else:
-            out[p.name] = gparams["free" if p.trainable else "frozen"][p.name]
-    return out
+    return parameters(plan, gparams, lambda p: generated[p.name])
+
+
+def parameters(
+    plan: Plan, gparams: GParams, generated: Callable[[Generated], Tensor]
+) -> dict[str, Tensor]:
+    """Every parameter in `plan` order: `generated(p)` for generated ones, the rest from
+    `gparams["free"]` or `gparams["frozen"]`."""
+    return {
+        p.name: generated(p)
+        if isinstance(p, Generated)
+        else gparams["free" if p.trainable else "frozen"][p.name]
+        for p in plan.params
+    }
 
 
 def _compiles(stack: Stack, compile: bool | None) -> bool:

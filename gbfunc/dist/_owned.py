@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
-from .._apply import GParams, assemble, evaluate_stack
+from .._apply import GParams, assemble, evaluate_stack, parameters
 from .._plan import TILE_LEAVES, Generated, Plan, Stack
 from ._sync import CollectiveError, failure_message, wait_or_raise
 
@@ -170,13 +170,9 @@ class RankOwned:
             if g.requires_grad:  # its gradient is reduce-scattered back to the owners
                 g.register_hook(lambda grad, nbytes=nbytes: self._count(nbytes))
             tiles.append(g.index_select(0, self._position[s].to(g.device)))
-        out: dict[str, Tensor] = {}
-        for p in self.plan.params:
-            if isinstance(p, Generated):
-                out[p.name] = assemble(p, self.plan.stacks[p.stack], tiles[p.stack])
-            else:
-                out[p.name] = local["free" if p.trainable else "frozen"][p.name]
-        return out
+        return parameters(
+            self.plan, local, lambda p: assemble(p, self.plan.stacks[p.stack], tiles[p.stack])
+        )
 
     def _generate_and_gather(self, s: int, local: GParams) -> Tensor:
         """Start the all-gather of this rank's tiles of stack `s` (padded to the busiest rank)."""
