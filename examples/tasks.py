@@ -38,9 +38,10 @@ class CharLMConfig(TrainConfig):
     batch: int = 32
     # The hashed genome at ~20x of the whole model: HashedNets tables of 124 values on (64, 64)
     # tiles beside g-nets shared per matrix, embeddings and head generated too. Validation
-    # loss 1.599 at g-net rate 4e-2 in benchmarks/equal_params.py, where a narrow transformer
-    # of as many parameters reached 1.729 and the tiled genome below 2.03 (at 7x, in an
-    # earlier main job, the tiled genome lost to the narrow model by 0.24 nats).
+    # loss 1.612 +- 0.031 (3 seeds) at g-net rate 4e-2 in benchmarks/equal_params.py, where a
+    # narrow transformer of as many parameters reached 1.654 +- 0.024 at its best rate and the
+    # tiled genome below 2.03 (at 7x, in an earlier main job, the tiled genome lost to the
+    # narrow model by 0.24 nats).
     plan: Mapping[str, Any] = field(
         default_factory=lambda: {
             "tile": (64, 64),
