@@ -96,7 +96,7 @@ def test_whole_regions_reproduce_gb_apply_bitwise():
     for share in (False, True):
         plan = gb.plan(model, tile=(16, 8), share=share, embeddings=True)
         gparams = gb.init(plan, seed=1)
-        full = gb.apply(gparams, plan)
+        full = gb.apply(gparams, plan, compile=False)  # Selection's eager evaluation, bitwise
         out = gbd.Selection(plan, {p.name: full_region(p.shape) for p in plan.params}).apply(
             gparams
         )
