@@ -61,7 +61,8 @@ def test_equal_params_trains_every_family_at_each_budget_from_the_same_start():
         assert abs(group["narrow"]["params"] / ours - 1) < 0.35
     for first, second in zip(rows[::2], rows[1::2], strict=True):
         assert (first["family"], first["ratio"]) == (second["family"], second["ratio"])
-        assert first["val_loss"] == second["val_loss"]
+        # Equal to rounding: with 2 threads, scatter-adds in the backward sum in any order.
+        assert first["val_loss"] == pytest.approx(second["val_loss"], rel=1e-5)
         assert math.isfinite(first["val_loss"])
         assert 0 <= first["val_acc"] <= 1
 
