@@ -7,9 +7,9 @@ collectives (the all-reduced buffer, the gathered output, the reduce-scattered i
 `2 (W-1)/W` of an all-reduce, `(W-1)/W` of an all-gather, a reduce-scatter or a set of
 broadcasts from every rank. The tests check them against the bytes measured on gloo.
 
-Computed for the demo GPT and for GPT-2-small-shaped
-plans built on the meta device; for the demo GPT also measured, by running one step of each
-strategy as rank 0 of a fake process group and counting what is handed to collectives.
+Computed for the demo GPT and for GPT-2-small-shaped plans built on the meta device; for the
+demo GPT also measured, by running one step of each strategy as rank 0 of a fake process
+group and counting what is handed to collectives.
 
 With `--scale`, the cost model at scale (`Sizes`, `per_rank_bytes`, `generation_share`):
 GPT-2 1.5B and Llama-shaped 7B and 70B models, DP x TP x PP meshes up to 1024 ranks, each
@@ -24,6 +24,7 @@ import inspect
 import math
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -41,7 +42,10 @@ GPT2_SMALL = GPTConfig(vocab=50304, dim=768, layers=12, heads=12, seq=1024)
 MIB = 2**20
 BUCKET_BYTES = inspect.signature(gbd.GradSync).parameters["bucket_bytes"].default
 
-_RING = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "broadcast": 1.0}
+
+def _ring(kind: str, n: int) -> float:
+    """Bytes one rank receives per payload byte of a collective over `n` ranks (ring)."""
+    return (2.0 if kind == "all_reduce" else 1.0) * (n - 1) / n
 
 
 @dataclass(frozen=True)
@@ -67,8 +71,7 @@ class Traffic:
 
     @property
     def per_rank(self) -> float:
-        w = self.world_size
-        return sum(_RING[kind] * (w - 1) / w * n for kind, n in self.collectives)
+        return sum(_ring(kind, self.world_size) * n for kind, n in self.collectives)
 
 
 def _free_numel(plan: gb.Plan) -> int:
@@ -165,11 +168,6 @@ class Sizes:
 
 
 STRATEGIES = ("dense DDP", "dense FSDP", "replicated g-nets", "rank-owned g-nets", "torchGB")
-
-
-def _ring(kind: str, n: int) -> float:
-    """Bytes one rank receives per payload byte of a collective over `n` ranks (ring)."""
-    return (2.0 if kind == "all_reduce" else 1.0) * (n - 1) / n
 
 
 def per_rank_bytes(strategy: str, sizes: Sizes, mesh: Mesh, itemsize: int = 4) -> float:
@@ -317,7 +315,7 @@ def crossovers(sized: dict[str, Sizes]) -> str:
     return "\n".join(lines)
 
 
-def scale_plot(sized: dict[str, Sizes], path) -> None:
+def scale_plot(sized: dict[str, Sizes], path: Path) -> None:
     """MiB per rank against TP x PP shards per replica (8-way dp), one panel per model.
 
     Dense strategies are wide dashed lines: rank-owned g-nets lie on dense DDP and torchGB

@@ -115,13 +115,18 @@ class GPT(nn.Module):
         return x
 
 
+# The linear layers of a block that tensor parallelism splits by output and by input.
+COLUMN_PARALLEL = ("attn.q", "attn.k", "attn.v", "mlp.fc1")
+ROW_PARALLEL = ("attn.o", "mlp.fc2")
+
+
 def tp_plan(model: GPT) -> dict[str, ParallelStyle]:
     """`parallelize_module` plan: column-parallel Q/K/V and fc1, row-parallel output and fc2."""
     plan: dict[str, ParallelStyle] = {}
     for i in model.blocks:
-        for name in ("attn.q", "attn.k", "attn.v", "mlp.fc1"):
+        for name in COLUMN_PARALLEL:
             plan[f"blocks.{i}.{name}"] = ColwiseParallel()
-        for name in ("attn.o", "mlp.fc2"):
+        for name in ROW_PARALLEL:
             plan[f"blocks.{i}.{name}"] = RowwiseParallel()
     return plan
 
@@ -134,7 +139,7 @@ def sp_plan(model: GPT) -> dict[str, ParallelStyle]:
     the MLP and reduce-scattered after their row-parallel outputs. The first block slices its
     (replicated) input; the final LayerNorm gathers the sequence back for the tied head.
     """
-    plan: dict[str, ParallelStyle] = {}
+    plan = tp_plan(model)
     gather = PrepareModuleInput(
         input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
     )
@@ -144,9 +149,7 @@ def sp_plan(model: GPT) -> dict[str, ParallelStyle]:
         plan[f"{block}.ln2"] = SequenceParallel()
         plan[f"{block}.attn"] = gather
         plan[f"{block}.mlp"] = gather
-        for name in ("attn.q", "attn.k", "attn.v", "mlp.fc1"):
-            plan[f"{block}.{name}"] = ColwiseParallel()
-        for name in ("attn.o", "mlp.fc2"):
+        for name in ROW_PARALLEL:  # reduce-scatter along the sequence instead of all-reduce
             plan[f"{block}.{name}"] = RowwiseParallel(output_layouts=Shard(1))
     if model.first:
         first = f"blocks.{next(iter(model.blocks))}"

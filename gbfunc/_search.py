@@ -96,9 +96,9 @@ def size_tables(
 
     A tile's table gets `round(k * positions ** TABLE_EXPONENT)` buckets (the square root;
     at least one, at most one per position), one factor `k` for the whole plan, found by
-    bisection. On the digits CNN this
-    rule gives nearly the tables that were tuned by hand per layer: small layers get more
-    buckets per weight than large ones, and equal tiles get equal tables.
+    bisection. On the digits CNN this gives nearly the tables that were tuned by hand per
+    layer: small layers get more buckets per weight than large ones, and equal tiles get
+    equal tables.
     """
     check_target(target)
     weights, spent = 0, 0  # generated weights, and g-net parameters other than auto tables

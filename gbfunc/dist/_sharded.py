@@ -10,7 +10,6 @@ shard, naming its file and entry. Unlike `gb.load`'s single file, DCP's data fil
 with `torch.load(weights_only=True)`: restricted unpickling, not none.
 """
 
-import hashlib
 import json
 import os
 import warnings
@@ -29,6 +28,7 @@ from .._checkpoint import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
     CheckpointVersionError,
+    content_hash,
 )
 from .._model import check_module
 from .._plan import TILE_LEAVES, Plan
@@ -62,10 +62,9 @@ def _key(stack: str, leaf: str, row: int) -> str:
     return f"stacks/{stack}/{leaf}/{row}"
 
 
-def _digest(t: Tensor) -> str:
-    h = hashlib.sha256(json.dumps([str(t.dtype), list(t.shape)]).encode())
-    h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy())
-    return h.hexdigest()
+def _digest(key: str, t: Tensor) -> str:
+    """`gb.save`'s SHA-256 (name, dtype, shape, bytes) of one entry."""
+    return content_hash({key: t.detach().cpu()}, {})
 
 
 def save_sharded(
@@ -105,15 +104,15 @@ def save_sharded(
     for kind in ("free", "frozen"):
         for name, value in local[kind].items():
             state[f"{kind}/{name}"] = value.detach()
-    digests = {k: _digest(v) for k, v in state.items()}
+    digests = {k: _digest(k, v) for k, v in state.items()}
     dtypes = {
         f"stacks/{key}/{leaf}": str(v.dtype).removeprefix("torch.")
         for key, leaves in local["stacks"].items()
         for leaf, v in leaves.items()
     }
     dcp.save(state, checkpoint_id=os.fspath(path), process_group=owned.group)
-    every: list[Any] = [None] * owned.world
-    dist.all_gather_object(every, (digests, dtypes), group=owned.group)
+    every: list[Any] = [None] * owned.world  # each rank's digests; dtypes are the same
+    dist.all_gather_object(every, digests, group=owned.group)
     if owned.rank == 0:
         manifest = {
             "format": FORMAT,
@@ -121,8 +120,8 @@ def save_sharded(
             "plan": plan_to_json(plan),
             "step": step,
             "meta": meta,
-            "dtypes": {k: v for _, d in every for k, v in d.items()},
-            "sha256": {k: v for d, _ in every for k, v in d.items()},
+            "dtypes": dtypes,
+            "sha256": {k: v for d in every for k, v in d.items()},
         }
         target = Path(path) / MANIFEST
         tmp = target.with_suffix(".tmp")
@@ -194,7 +193,7 @@ def load_sharded(
             f"{where}: a shard is missing or damaged ({e!s:.300})."
         ) from None
     for key, value in state.items():
-        if digests.get(key) != _digest(value):
+        if digests.get(key) != _digest(key, value):
             raise CheckpointCorruptError(
                 f"{where}: {key} in {_file_of(Path(path), key)} does not match its SHA-256: "
                 "the shard was altered or damaged after it was written."
@@ -241,6 +240,7 @@ def _assemble(
     device: torch.device | str | None,
 ) -> GParams:
     """`gparams` of this rank's rows from the loaded entries."""
+
     def ready(t: Tensor, trainable: bool) -> Tensor:
         return (t.to(device) if device is not None else t).requires_grad_(trainable)
 
