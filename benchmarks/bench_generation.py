@@ -36,8 +36,9 @@ from torch.func import vmap
 
 import gbfunc as gb
 from benchmarks._meta import RESULTS, compile_static, recorded
-from gbfunc._apply import assemble, stack_terms
+from gbfunc._evaluate import stack_terms
 from gbfunc._genome import stack_codes
+from gbfunc._select import assemble
 from gbfunc._tilemlp import Terms, activate
 
 

@@ -29,7 +29,7 @@ import gbfunc as gb
 from benchmarks._meta import RESULTS, compile_static, recorded
 from examples.models import CharTransformer
 from examples.tasks import CharLMConfig
-from gbfunc._apply import _compiles
+from gbfunc._evaluate import compiles_eagerly
 
 Step = Callable[[], object]
 
@@ -147,7 +147,7 @@ def run(
         steps[f"{label} eager"], steps[f"{label} compiled"] = gb_steps(
             model, plan, batch, cross_entropy
         )
-        if any(_compiles(s, None) for s in plan.stacks):  # what compile=None buys, eagerly
+        if any(compiles_eagerly(s, None) for s in plan.stacks):  # what compile=None buys, eagerly
             steps[f"{label} eager uncompiled"], _ = gb_steps(
                 model, plan, batch, cross_entropy, eager_compile=False
             )

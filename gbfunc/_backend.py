@@ -71,7 +71,7 @@ def fused_weights(plan: Plan, inputs: list[Terms]) -> dict[str, Tensor]:
 
     Args:
         plan: The plan.
-        inputs: Per stack, its g-net terms from `_apply.stack_terms`.
+        inputs: Per stack, its g-net terms from `_evaluate.stack_terms`.
 
     Returns:
         `{name: weight}`; the weights of a stack are views of the one buffer its kernel wrote.

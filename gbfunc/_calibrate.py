@@ -7,9 +7,10 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_map
 
-from ._apply import GParams, apply
+from ._apply import apply
 from ._checks import check_gparams
 from ._plan import Generated, Plan
+from ._tree import GParams
 
 _LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 

@@ -26,12 +26,12 @@ import safetensors.torch
 import torch
 from torch import Tensor, nn
 
-from ._apply import GParams
 from ._checks import check_gparams, expected_shapes, leaves
 from ._files import check_no_meta, standalone, write_atomic
 from ._model import check_module
 from ._plan import Plan
 from ._serial import flatten, plan_from_json, plan_to_json, unflatten
+from ._tree import GParams
 from ._validate import check_plan
 from ._version import __version__
 

@@ -6,11 +6,12 @@ import safetensors.torch
 import torch
 from torch import Tensor, nn
 
-from ._apply import GParams, apply
+from ._apply import apply
 from ._checks import check_gparams, leaves
 from ._files import check_no_meta, standalone, write_atomic
 from ._model import check_matches
 from ._plan import Free, Plan
+from ._tree import GParams
 
 
 def export(gparams: GParams, plan: Plan, *, model: nn.Module | None = None) -> dict[str, Tensor]:

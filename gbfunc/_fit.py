@@ -13,9 +13,10 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-from ._apply import GParams, apply
+from ._apply import apply
 from ._checks import check_gparams
 from ._plan import Plan
+from ._tree import GParams
 
 
 class Fitted(NamedTuple):

@@ -5,9 +5,10 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ._apply import HASH_GAIN, GParams, evaluate_stack
+from ._evaluate import HASH_GAIN, evaluate_stack
 from ._model import check_matches
 from ._plan import Plan, Stack
+from ._tree import GParams
 
 VALUES = ("model", "draw")
 

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from ._apply import GParams, apply
+from ._apply import apply
 from ._calibrate import calibrate
 from ._checkpoint import load
 from ._checks import check_gparams, expected_shapes
@@ -29,6 +29,7 @@ from ._model import check_matches, check_module
 from ._plan import Plan
 from ._planner import plan as make_plan
 from ._report import Report, report
+from ._tree import GParams
 
 _ESCAPES = {"%25": "%", "%2E": "."}
 

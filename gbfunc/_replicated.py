@@ -11,9 +11,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._apply import GParams
 from ._checkpoint import CheckpointError, save
 from ._plan import Plan
+from ._tree import GParams
 
 
 def save_replicated(

@@ -2,7 +2,8 @@
 
 from torch import Tensor
 
-from ._apply import GParams
+# `{"stacks": {key: {leaf: tensor}}, "free": {name: tensor}, "frozen": {name: tensor}}`
+GParams = dict[str, dict]
 
 
 def trainable_leaves(gparams: GParams) -> list[Tensor]:

@@ -14,7 +14,7 @@ environment; a launch that cannot run says why (`_runtime.check_runnable`).
 A stack's g-nets reach the kernels as `Terms`, from `stack_terms(stack, leaves)`.
 """
 
-from gbfunc._apply import stack_terms as stack_terms
+from gbfunc._evaluate import stack_terms as stack_terms
 from gbfunc._tilemlp import Terms as Terms
 
 from ._runtime import DTYPES as DTYPES, check_runnable as check_runnable

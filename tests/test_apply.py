@@ -183,7 +183,8 @@ def test_autograd_keeps_about_4_bytes_per_generated_weight():
     stacks = plan.stacks
     plain = gb.memory.saved_bytes(
         lambda: [
-            gb._apply.evaluate_stack(s, gparams["stacks"][s.key], recompute=False) for s in stacks
+            gb._evaluate.evaluate_stack(s, gparams["stacks"][s.key], recompute=False)
+            for s in stacks
         ]
     )
     assert plain / gb.report(plan).generated_weights > 100

@@ -233,17 +233,17 @@ def test_eager_apply_with_compiled_bodies_matches_plain_eager_and_compiles_once(
 
 
 def test_apply_compiles_only_stacks_large_enough_to_pay_by_default():
-    from gbfunc._apply import AUTO_COMPILE_ELEMENTS, _compiles
+    from gbfunc._evaluate import AUTO_COMPILE_ELEMENTS, compiles_eagerly
 
     with torch.device("meta"):
         big, small = nn.Linear(2048, 2048), nn.Linear(64, 64)
     (large,) = gb.plan(big, tile=(128, 128)).stacks  # 256 tiles x 128 x 128 x 32 hidden
     (tiny,) = gb.plan(small, tile=(16, 16)).stacks
     assert large.num_tiles * 128 * 128 * 32 >= AUTO_COMPILE_ELEMENTS
-    assert _compiles(large, None)
-    assert not _compiles(tiny, None)
-    assert not _compiles(large, False)
-    assert _compiles(tiny, True)
+    assert compiles_eagerly(large, None)
+    assert not compiles_eagerly(tiny, None)
+    assert not compiles_eagerly(large, False)
+    assert compiles_eagerly(tiny, True)
     plan = gb.plan(nn.Linear(8, 8), tile=(4, 4))
     with pytest.raises(TypeError, match=r"gb\.apply: compile must be True, False or None"):
         gb.apply(gb.init(plan), plan, compile=1)

@@ -13,7 +13,7 @@ import gbfunc as gb
 import gbfunc.dist as gbd
 from benchmarks.bench_comm import rank_owned_traffic, replicated_traffic, torchgb_traffic
 from examples.gpt import GPT, GPTConfig
-from gbfunc.dist._select import cuts_tiles, evaluate_tiles, full_region, region_tiles
+from gbfunc._select import cuts_tiles, evaluate_tiles, full_region, region_tiles
 
 # ---------------------------------------------------------------- mesh sizes
 
@@ -101,6 +101,17 @@ def test_whole_regions_reproduce_gb_apply_bitwise():
             gparams
         )
         assert all(torch.equal(out[k], full[k]) for k in full)
+
+
+def test_selection_hands_out_views_of_free_parameters_and_gb_apply_the_leaves():
+    # A tensor-parallel rank hooks its copies' gradients; a hook on the leaf itself would
+    # pile up, one more every step.
+    plan = gb.plan(nn.Sequential(nn.Linear(16, 8), nn.LayerNorm(8)), tile=(4, 4))
+    gparams = gb.init(plan)
+    leaf = gparams["free"]["1.weight"]
+    assert gb.apply(gparams, plan)["1.weight"] is leaf
+    view = gbd.Selection(plan, {"1.weight": ((0, 8),)}).apply(gparams)["1.weight"]
+    assert view is not leaf and view._base is leaf
 
 
 @pytest.mark.parametrize(

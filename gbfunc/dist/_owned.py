@@ -16,7 +16,9 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
-from .._apply import GParams, assemble, evaluate_stack, parameters
+from .._evaluate import evaluate_stack
+from .._select import assemble, parameters
+from .._tree import GParams
 from .._plan import TILE_LEAVES, Generated, Plan, Stack
 from ._sync import CollectiveError, failure_message, wait_or_raise
 
@@ -171,7 +173,7 @@ class RankOwned:
                 g.register_hook(lambda grad, nbytes=nbytes: self._count(nbytes))
             tiles.append(g.index_select(0, self._position[s].to(g.device)))
         return parameters(
-            self.plan, local, lambda p: assemble(p, self.plan.stacks[p.stack], tiles[p.stack])
+            self.plan.params, local, lambda p: assemble(p, self.plan.stacks[p.stack], tiles[p.stack])
         )
 
     def _generate_and_gather(self, s: int, local: GParams) -> Tensor:

@@ -17,9 +17,9 @@ the schedule.
 import torch
 from torch import nn
 
-from .._apply import GParams
+from .._tree import GParams
 from .._plan import Plan
-from ._select import Selection, full_region
+from .._select import Selection, full_region
 
 
 class StageGenerator:

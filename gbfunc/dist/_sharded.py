@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 
-from .._apply import GParams
+from .._tree import GParams
 from .._checkpoint import (
     Checkpoint,
     CheckpointCorruptError,

@@ -18,9 +18,9 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
-from .._apply import GParams
+from .._tree import GParams
 from .._plan import Generated, Plan
-from ._select import Region, Selection, cuts_tiles, full_region
+from .._select import Region, Selection, cuts_tiles, full_region
 
 
 def local_region(

@@ -1,0 +1,264 @@
+"""Generating regions of parameters: which tiles cover a region, and laying them out.
+
+The one path from g-nets to parameters. `gb.apply` is `Selection.whole(plan)`: every
+parameter, whole. A tensor-parallel rank selects its shard of each weight, a pipeline stage
+its own layers; both evaluate just the tiles under those regions, one batched call per stack.
+A tile that straddles a region's edge is generated whole and cut.
+"""
+
+import functools
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from ._evaluate import compiles_eagerly, evaluate_tiles
+from ._plan import Free, Generated, Plan, Stack
+from ._tree import GParams
+
+Region = tuple[tuple[int, int], ...]  # [start, stop) along every dim of a parameter
+
+
+def full_region(shape: Sequence[int]) -> Region:
+    """The region covering a whole parameter."""
+    return tuple((0, n) for n in shape)
+
+
+class _Piece(NamedTuple):
+    """The part of a region inside one block: a range of the block's tile grid, then a cut."""
+
+    block: int
+    tile_rows: tuple[int, int]
+    tile_cols: tuple[int, int]
+    cut_rows: tuple[int, int]
+    cut_cols: tuple[int, int]
+
+
+def _pieces(p: Generated, stack: Stack, region: Region) -> list[_Piece]:
+    """The pieces of `region` of `p` (in the matrix view: a bias is one column)."""
+    if any(span != (0, n) for span, n in zip(region[2:], p.shape[2:], strict=True)):
+        raise ValueError(
+            f"gb.dist: {p.name} can only be split along dims 0 and 1, got region {region}."
+        )
+    th, tw = stack.tile
+    pieces, offset = [], 0
+    for index, block in enumerate(p.blocks):
+        # Block `index` covers [offset, offset + size) along split_dim and everything across it.
+        size = block.rows if p.split_dim == 0 else block.cols
+        spans = [list(region[0]), list(region[1] if len(region) > 1 else (0, 1))]
+        lo, hi = spans[p.split_dim]
+        spans[p.split_dim] = [max(lo, offset) - offset, min(hi, offset + size) - offset]
+        offset += size
+        (r0, r1), (c0, c1) = spans
+        if r0 >= r1 or c0 >= c1:
+            continue
+        rows, cols = (r0 // th, -(-r1 // th)), (c0 // tw, -(-c1 // tw))
+        cut_rows = (r0 - rows[0] * th, r1 - rows[0] * th)
+        cut_cols = (c0 - cols[0] * tw, c1 - cols[0] * tw)
+        pieces.append(_Piece(index, rows, cols, cut_rows, cut_cols))
+    return pieces
+
+
+def _piece_tiles(p: Generated, piece: _Piece) -> list[int]:
+    block = p.blocks[piece.block]
+    return [
+        block.first_tile + i * block.grid[1] + j
+        for i in range(*piece.tile_rows)
+        for j in range(*piece.tile_cols)
+    ]
+
+
+def cuts_tiles(p: Generated, stack: Stack, region: Region) -> bool:
+    """Whether an edge of `region` falls inside a tile (which neighbouring regions then share)."""
+    th, tw = stack.tile
+    for piece in _pieces(p, stack, region):
+        block = p.blocks[piece.block]
+        for (t0, _), (cut0, cut1), size, extent in (
+            (piece.tile_rows, piece.cut_rows, th, block.rows),
+            (piece.tile_cols, piece.cut_cols, tw, block.cols),
+        ):
+            stop = t0 * size + cut1
+            if cut0 or (stop % size and stop != extent):
+                return True
+    return False
+
+
+def region_tiles(p: Generated, stack: Stack, region: Region) -> list[int]:
+    """Ascending indices of the stack's tiles that cover `region` of `p`."""
+    return sorted({t for piece in _pieces(p, stack, region) for t in _piece_tiles(p, piece)})
+
+
+def lay_out(
+    p: Generated, stack: Stack, region: Region, pieces: Sequence[_Piece], tiles: Sequence[Tensor]
+) -> Tensor:
+    """`region` of `p` from each piece's tiles `(rows * cols, TH, TW * K)`, row-major in the
+    piece's tile grid: laid out on the grid, cut, joined across blocks, centred and scaled."""
+    th, tw = stack.tile
+    taps = math.prod(stack.kernel)
+    parts = []
+    for piece, t in zip(pieces, tiles, strict=True):
+        rows, cols = (b - a for a, b in (piece.tile_rows, piece.tile_cols))
+        t = t.reshape(rows, cols, th, tw, taps).permute(0, 2, 1, 3, 4)
+        t = t.reshape(rows * th, cols * tw, taps)
+        parts.append(t[slice(*piece.cut_rows), slice(*piece.cut_cols)])
+    weight = parts[0] if len(parts) == 1 else torch.cat(parts, dim=p.split_dim)
+    return finish(p, weight.reshape(tuple(b - a for a, b in region)))
+
+
+def assemble(p: Generated, stack: Stack, tiles: Tensor) -> Tensor:
+    """The whole parameter `p` from all of its stack's tiles `(T, TH, TW * K)`."""
+    region = full_region(p.shape)
+    pieces = _pieces(p, stack, region)
+    blocks = [p.blocks[piece.block] for piece in pieces]
+    parts = [tiles[b.first_tile : b.first_tile + b.num_tiles] for b in blocks]
+    return lay_out(p, stack, region, pieces, parts)
+
+
+def finish(p: Generated, raw: Tensor) -> Tensor:
+    """A parameter from its laid-out raw values `(rows, ...)`: centred rows if asked, scaled."""
+    return (center_rows(raw) if p.center else raw) * p.scale
+
+
+def center_rows(weight: Tensor) -> Tensor:
+    """`weight` less each row's mean over its inputs (every dimension but the first)."""
+    return weight - weight.mean(dim=tuple(range(1, weight.dim())), keepdim=True)
+
+
+def parameters(
+    params: Iterable[Generated | Free],
+    gparams: GParams,
+    generated: Callable[[Generated], Tensor],
+    regions: Mapping[str, Region] | None = None,
+) -> dict[str, Tensor]:
+    """`{name: tensor}` for `params` in order: `generated(p)` for generated ones, the rest from
+    `gparams["free"]` or `gparams["frozen"]`: the leaves themselves without `regions`, else
+    views cut to `regions[name]`."""
+    out = {}
+    for p in params:
+        if isinstance(p, Generated):
+            out[p.name] = generated(p)
+            continue
+        value = gparams["free" if p.trainable else "frozen"][p.name]
+        if regions is not None:  # a view even when whole: hooks on it must not reach the leaf
+            value = value[tuple(slice(a, b) for a, b in regions[p.name])]
+        out[p.name] = value
+    return out
+
+
+class Selection:
+    """Generate `regions` of some parameters of `plan`, evaluating only the tiles under them.
+
+    Args:
+        plan: The model's plan.
+        regions: `{name: region}` for the parameters to produce (generated or free).
+
+    Example:
+        >>> model = nn.ModuleDict({"fc": nn.Linear(128, 256)})
+        >>> plan = gb.plan(model, tile=(32, 32))
+        >>> sel = Selection(plan, {"fc.weight": ((0, 64), (0, 128))})  # the first 64 rows
+        >>> sel.apply(gb.init(plan))["fc.weight"].shape
+        torch.Size([64, 128])
+    """
+
+    def __init__(self, plan: Plan, regions: Mapping[str, Region]) -> None:
+        params = {p.name: p for p in plan.params}
+        for name, region in regions.items():
+            _check_region(params.get(name), name, region)
+        self.plan = plan
+        self.regions = dict(regions)
+        self._params = {name: params[name] for name in regions}
+        needed: dict[int, set[int]] = {}
+        self._pieces: dict[str, list[_Piece]] = {}
+        for name, p in self._params.items():
+            if isinstance(p, Generated):
+                stack = plan.stacks[p.stack]
+                self._pieces[name] = _pieces(p, stack, self.regions[name])
+                needed.setdefault(p.stack, set()).update(region_tiles(p, stack, self.regions[name]))
+        self.tiles = {s: sorted(t) for s, t in sorted(needed.items())}  # per stack, evaluated
+        self._views = True  # free parameters as views; `whole` hands out the leaves
+        self._rows = {
+            name: self._tile_rows(p) for name, p in self._params.items() if name in self._pieces
+        }
+        self._index: dict[tuple[str, torch.device], list[Tensor]] = {}
+
+    @staticmethod
+    def whole(plan: Plan) -> "Selection":
+        """Every parameter of `plan`, whole, in plan order: what `gb.apply` generates."""
+        return _whole_plan(plan) if torch.compiler.is_compiling() else _cached_whole(plan)
+
+    @property
+    def num_tiles(self) -> int:
+        """Tiles evaluated per call."""
+        return sum(len(t) for t in self.tiles.values())
+
+    def apply(self, gparams: GParams, *, compile: bool | None = False) -> dict[str, Tensor]:
+        """`{name: tensor of the region's shape}` for every selected parameter (differentiable).
+
+        `compile` is `gb.apply`'s: run big stacks' tile MLPs through compiled code when eager.
+        """
+        tiles = {}
+        for s, indices in self.tiles.items():
+            stack = self.plan.stacks[s]
+            leaves = gparams["stacks"][stack.key]
+            compiled = compiles_eagerly(stack, compile)
+            tiles[s] = evaluate_tiles(stack, leaves, indices, compiled=compiled)
+        return parameters(
+            self._params.values(),
+            gparams,
+            lambda p: self._lay_out(p, tiles[p.stack]),
+            self.regions if self._views else None,
+        )
+
+    def _lay_out(self, p: Generated, tiles: Tensor) -> Tensor:
+        stack = self.plan.stacks[p.stack]
+        parts = [
+            tiles[rows] if isinstance(rows, slice) else tiles.index_select(0, rows)
+            for rows in self._indices(p.name, tiles.device)
+        ]
+        return lay_out(p, stack, self.regions[p.name], self._pieces[p.name], parts)
+
+    def _tile_rows(self, p: Generated) -> list[slice | list[int]]:
+        """Each piece's rows in the evaluated tiles: a slice where they are consecutive."""
+        position = {t: i for i, t in enumerate(self.tiles[p.stack])}
+        rows: list[slice | list[int]] = []
+        for piece in self._pieces[p.name]:
+            at = [position[t] for t in _piece_tiles(p, piece)]
+            consecutive = at == list(range(at[0], at[0] + len(at)))
+            rows.append(slice(at[0], at[0] + len(at)) if consecutive else at)
+        return rows
+
+    def _indices(self, name: str, device: torch.device) -> list[slice | Tensor]:
+        key = (name, device)
+        if key not in self._index:
+            self._index[key] = [
+                rows if isinstance(rows, slice) else torch.tensor(rows, device=device)
+                for rows in self._rows[name]
+            ]
+        return self._index[key]
+
+
+def _check_region(p: Generated | Free | None, name: str, region: Region) -> None:
+    if p is None:
+        raise ValueError(f"gb.dist: {name!r} is not a parameter of the plan.")
+    ok = len(region) == len(p.shape) and all(
+        (a, b) == (0, n) or 0 <= a < b <= n for (a, b), n in zip(region, p.shape, strict=True)
+    )
+    if not ok:
+        raise ValueError(f"gb.dist: region {region} does not fit {name} of shape {p.shape}.")
+    whole_rows = all(r == (0, n) for r, n in zip(region[1:], p.shape[1:], strict=True))
+    if getattr(p, "center", False) and not whole_rows:
+        raise ValueError(
+            f"gb.dist: {name} has center=True, which needs whole rows, but region "
+            f"{region} splits its columns; shard it by rows or plan it without center."
+        )
+
+
+def _whole_plan(plan: Plan) -> Selection:
+    selection = Selection(plan, {p.name: full_region(p.shape) for p in plan.params})
+    selection._views = False
+    return selection
+
+
+_cached_whole = functools.lru_cache(maxsize=64)(_whole_plan)
