@@ -103,7 +103,7 @@ def rank_owned_traffic(plan: gb.Plan, world_size: int, itemsize: int = 4) -> Tra
             * max(per_rank.values())
             * stack.tile[0]
             * stack.tile[1]
-            * math.prod(stack.kernel)
+            * math.prod(stack.window)
         )
     gathered, free = tiles * itemsize, _free_numel(plan) * itemsize
     collectives = (("all_gather", gathered), ("reduce_scatter", gathered), ("all_reduce", free))

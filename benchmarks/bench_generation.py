@@ -76,7 +76,7 @@ def naive(plan: gb.Plan, gparams: dict) -> Tensor:
     (stack,), (param,) = plan.stacks, plan.generated
     leaves = gparams["stacks"][stack.key]
     row, col = stack_codes(
-        stack.tile, stack.kernel, stack.genome, stack.columns, torch.float32, None
+        stack.tile, stack.window, stack.genome, stack.columns, torch.float32, None
     )
     codes = torch.cat(
         [row[:, None].expand(-1, col.shape[0], -1), col[None].expand(row.shape[0], -1, -1)], -1

@@ -59,7 +59,7 @@ def apply(
         s.key: hashed_tiles(s, stacks[s.key]["tile_hash"]) for s in plan.stacks if s.genome.hashed
     }
     for p in plan.generated:  # the kernels scale; centring reads whole rows, done here
-        stack = plan.stacks[p.stack]
+        stack = plan.stacks[p.stack_index]
         if p.center:
             generated[p.name] = center_rows(generated[p.name])
         if stack.key in hashed:

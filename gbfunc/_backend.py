@@ -80,7 +80,7 @@ def fused_weights(plan: Plan, inputs: list[Terms]) -> dict[str, Tensor]:
 
     out: dict[str, Tensor] = {}
     for index, (stack, terms) in enumerate(zip(plan.stacks, inputs, strict=True)):
-        params = tuple(p for p in plan.generated if p.stack == index)
+        params = tuple(p for p in plan.generated if p.stack_index == index)
         flat = kernels.generate(terms, stack, params)  # (numel,)
         offset = 0
         for p in params:

@@ -106,7 +106,7 @@ def _output_mean(
 
 def _shift_generated(gparams: GParams, plan: Plan, param: Generated, shift: float) -> None:
     """Add `shift` to every value of a generated parameter, through its g-nets' output bias."""
-    stack = plan.stacks[param.stack]
+    stack = plan.stacks[param.stack_index]
     owner = torch.tensor(stack.gnet_of_tile)
     tiles = torch.cat(
         [torch.arange(b.first_tile, b.first_tile + b.num_tiles) for b in param.blocks]

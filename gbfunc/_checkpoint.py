@@ -36,7 +36,8 @@ from ._validate import check_plan
 from ._version import __version__
 
 FORMAT = "gbfunc.checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: plan fields renamed (`kernel` -> `window_in`/`window`, ...)
+READABLE_VERSIONS = (1, 2)  # version 1 files load through `plan_from_json`'s migration
 
 
 class CheckpointError(ValueError):
@@ -182,7 +183,7 @@ def _verified(path: str, where: str) -> tuple[dict[str, Tensor], dict[str, str]]
 def _header(metadata: dict[str, str], where: str) -> tuple[Plan, Any, int | None, Any]:
     """The plan, optimizer-state skeleton, step and meta the metadata holds."""
     try:
-        plan = plan_from_json(metadata["plan"])
+        plan = plan_from_json(metadata["plan"], int(metadata["format_version"]))
         skeleton, step, meta = (json.loads(metadata[k]) for k in ("opt_state", "step", "meta"))
     except (KeyError, ValueError, RecursionError) as e:
         raise CheckpointCorruptError(f"{where}: unreadable metadata ({e!s:.200}).") from None
@@ -330,10 +331,10 @@ def _read_metadata(data: bytes, where: str) -> dict[str, str]:
             f"{where}: not a gbfunc checkpoint (no '{FORMAT}' header); gb.save writes those."
         )
     version, writer = metadata.get("format_version"), metadata.get("gbfunc_version")
-    if version != str(FORMAT_VERSION):
+    if version not in [str(v) for v in READABLE_VERSIONS]:
         raise CheckpointVersionError(
             f"{where}: format version {version} (written by gbfunc {writer}); this gbfunc "
-            f"{__version__} reads version {FORMAT_VERSION}. Use a matching gbfunc."
+            f"{__version__} reads versions {READABLE_VERSIONS}. Use a matching gbfunc."
         )
     return metadata
 

@@ -131,10 +131,10 @@ def tile_for(
     return th, -(-tw // outputs) * outputs  # a whole number of evaluations per row
 
 
-def genome_for(opts: dict[str, object], kernel: tuple[int, ...], layout: Layout) -> Genome:
+def genome_for(opts: dict[str, object], window: tuple[int, ...], layout: Layout) -> Genome:
     genome = Genome(**{k: opts[k] for k in GENOME_OPTIONS})
-    if math.prod(kernel) > 1:
-        genome = replace(genome, outputs=1)  # `outputs` is for matrices; kernels use `kernel`
+    if math.prod(window) > 1:
+        genome = replace(genome, outputs=1)  # `outputs` is for matrices; kernels use `window_in`
     if layout.bias:  # one value per output neuron, labelled like its weight's rows
         genome = replace(genome, outputs=1, col_labels="position")
     return genome
@@ -166,22 +166,22 @@ def check_labels(name: str, genome: Genome, rows: int, cols: int, tile: tuple[in
 
 
 def block_cost(
-    genome: Genome, kernel: tuple[int, ...], rows: int, cols: int, tile: tuple[int, int]
+    genome: Genome, window: tuple[int, ...], rows: int, cols: int, tile: tuple[int, int]
 ) -> int:
     """G-net parameters that generate one block (as the plan builder lays it out)."""
-    outputs, _, row_width, col_width = stack_geometry(genome, tile, kernel)
+    outputs, _, row_width, col_width = stack_geometry(genome, tile, window)
     tiles = math.prod(tile_grid(rows, cols, tile))
     per_gnet = genome.param_count(row_width + col_width, outputs)
     gnets = per_gnet + tiles * genome.embed_dim if genome.share else tiles * per_gnet
-    return gnets + tiles * tile_buckets(genome, tile, kernel)
+    return gnets + tiles * tile_buckets(genome, tile, window)
 
 
 def param_cost(
-    genome: Genome, kernel: tuple[int, ...], blocks: tuple[tuple[int, int], ...], tile: tuple
+    genome: Genome, window: tuple[int, ...], blocks: tuple[tuple[int, int], ...], tile: tuple
 ) -> int:
     """G-net parameters of a parameter with these blocks under a candidate `tile`."""
     total = 0
     for rows, cols in blocks:
         clipped = (min(tile[0], rows), -(-min(tile[1], cols) // genome.outputs) * genome.outputs)
-        total += block_cost(genome, kernel, rows, cols, clipped)
+        total += block_cost(genome, window, rows, cols, clipped)
     return total

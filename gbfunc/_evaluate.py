@@ -94,7 +94,7 @@ def stack_terms(stack: Stack, leaves: Mapping[str, Tensor]) -> Terms:
     """
     w_in = leaves["w_in"]
     row, col = _constant(
-        stack_codes, stack.tile, stack.kernel, stack.genome, stack.columns, w_in.dtype, w_in.device
+        stack_codes, stack.tile, stack.window, stack.genome, stack.columns, w_in.dtype, w_in.device
     )
     r = stack.row_width
     a = row @ w_in[:, :r]  # (G, TH, H)

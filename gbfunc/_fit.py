@@ -80,7 +80,9 @@ def fit(
         for group in ("free", "frozen")
     }
     weights = {
-        p.name: target[p.name].detach().to(gparams["stacks"][plan.stacks[p.stack].key]["w_in"])
+        p.name: target[p.name]
+        .detach()
+        .to(gparams["stacks"][plan.stacks[p.stack_index].key]["w_in"])
         for p in plan.generated
     }
     norms = {name: w.square().mean().clamp_min(1e-30) for name, w in weights.items()}

@@ -16,7 +16,7 @@ from torch import Tensor
 
 ACTIVATIONS = ("relu", "gelu", "tanh", "silu")
 ENCODINGS = ("binary", "gray", "fourier")
-KERNEL_MODES = ("code", "output")
+WINDOW_MODES = ("code", "output")
 # How the neurons along a weight axis are labelled: "position" codes the tile-local index with
 # the genome's `encoding`; "onehot" gives each neuron its own input (e.g. output classes); a
 # tuple of sizes reads the index as a row-major position on that grid (e.g. `(8, 8)` for the
@@ -43,8 +43,8 @@ class Genome:
         fourier_features: Frequencies per axis for `encoding="fourier"`.
         outputs: Weights emitted per evaluation along a row (linear-like weights only). With
             `outputs=P` a tile costs `TH * TW / P` hidden activations and a small matmul.
-        kernel: Convolution kernel window in the `"code"` (one-hot inputs, torchGB) or in the
-            `"output"` (one evaluation emits all `K` kernel taps).
+        window_in: Where a convolution's kernel window goes: in the `"code"` (one-hot
+            inputs, torchGB) or in the `"output"` (one evaluation emits all `K` kernel taps).
         share: One g-net per parameter, shared by all its tiles, each tile adding a learned
             embedding to the first layer (much higher compression).
         embed_dim: Width of the per-tile embedding when `share=True`.
@@ -67,7 +67,7 @@ class Genome:
     encoding: str = "binary"
     fourier_features: int = 4
     outputs: int = 1
-    kernel: str = "code"
+    window_in: str = "code"
     share: bool = False
     embed_dim: int = 8
     row_labels: Labels = "position"
@@ -121,7 +121,7 @@ def check_genome(
     for name, choices in (
         ("activation", ACTIVATIONS),
         ("encoding", ENCODINGS),
-        ("kernel", KERNEL_MODES),
+        ("window_in", WINDOW_MODES),
     ):
         if name in options and options[name] not in choices:
             raise ValueError(
@@ -221,11 +221,11 @@ def _mul32(x: Tensor, c: int) -> Tensor:
     return (low + high) & 0xFFFFFFFF
 
 
-def kernel_code(kernel: tuple[int, ...]) -> Tensor:
-    """One-hot code of every kernel tap (row-major), shape `(prod(kernel), sum(kernel))`."""
-    taps = torch.cartesian_prod(*[torch.arange(k) for k in kernel]).reshape(-1, len(kernel))
+def kernel_code(window: tuple[int, ...]) -> Tensor:
+    """One-hot code of every kernel tap (row-major), shape `(prod(window), sum(window))`."""
+    taps = torch.cartesian_prod(*[torch.arange(k) for k in window]).reshape(-1, len(window))
     return torch.cat(
-        [torch.nn.functional.one_hot(taps[:, d], k).double() for d, k in enumerate(kernel)], dim=1
+        [torch.nn.functional.one_hot(taps[:, d], k).double() for d, k in enumerate(window)], dim=1
     )
 
 
@@ -244,7 +244,7 @@ def standardise(row_code: Tensor, col_code: Tensor) -> tuple[Tensor, Tensor]:
 
 def stack_codes(
     tile: tuple[int, int],
-    kernel: tuple[int, ...],
+    window: tuple[int, ...],
     genome: Genome,
     columns: int,
     dtype: torch.dtype,
@@ -258,10 +258,10 @@ def stack_codes(
     th, tw = tile
     ff = genome.fourier_features
     row = labels_code(th, genome.row_labels, genome.encoding, ff)
-    taps = math.prod(kernel)
-    if taps > 1 and genome.kernel == "code":
+    taps = math.prod(window)
+    if taps > 1 and genome.window_in == "code":
         per_col = labels_code(tw, genome.col_labels, genome.encoding, ff)
-        taps_code = kernel_code(kernel)
+        taps_code = kernel_code(window)
         col = torch.cat(
             [per_col.repeat_interleave(taps, 0), taps_code.repeat(tw, 1)], dim=1
         )  # (TW * K, C): column-major over (tw, tap)

@@ -44,7 +44,7 @@ def plan(
     encoding: str = "binary",
     fourier_features: int = 4,
     outputs: int = 1,
-    kernel: str = "code",
+    window_in: str = "code",
     share: bool = False,
     embed_dim: int = 8,
     row_labels: str | tuple[int, ...] = "position",
@@ -73,7 +73,7 @@ def plan(
         tile: `(TH, TW)` tile in matrix units (conv tiles span `TW` input channels and the
             whole kernel), or `"full"` for one tile per weight matrix. Clipped to smaller
             weights. Default `(64, 64)`, or chosen by `compression`.
-        hidden, depth, activation, encoding, fourier_features, outputs, kernel, share,
+        hidden, depth, activation, encoding, fourier_features, outputs, window_in, share,
             embed_dim, row_labels, col_labels, hashed: The g-net architecture, see
             `gb.Genome`. `hashed="auto"` (here or per parameter in `overrides`) sizes the
             hashed tables to reach `compression`.
@@ -112,7 +112,7 @@ def plan(
         "encoding": encoding,
         "fourier_features": fourier_features,
         "outputs": outputs,
-        "kernel": kernel,
+        "window_in": window_in,
         "share": share,
         "embed_dim": embed_dim,
         "row_labels": row_labels,
@@ -173,7 +173,7 @@ def _build(entries: list[Entry], options: list[dict[str, object]], flags: dict[s
             blocks.append(block)
         split_dim = layout.split_dim if layout.splits > 1 else 0
         center = opts["center"] and len(shape) > 1  # a bias has no inputs to centre over
-        where = {"stack": stack_id, "blocks": tuple(blocks), "split_dim": split_dim}
+        where = {"stack_index": stack_id, "blocks": tuple(blocks), "split_dim": split_dim}
         params.append(
             Generated(entry.name, shape, entry.dtype, **where, scale=layout.init_std, center=center)
         )
@@ -181,19 +181,19 @@ def _build(entries: list[Entry], options: list[dict[str, object]], flags: dict[s
 
 
 class _Stacks:
-    """The stacks of a plan being built: blocks of equal genome, tile and kernel share one."""
+    """The stacks of a plan being built: blocks of equal genome, tile and window share one."""
 
     def __init__(self) -> None:
         self._index: dict[tuple, int] = {}
-        self._specs: list[tuple] = []  # (genome, tile, kernel, geometry) per stack
+        self._specs: list[tuple] = []  # (genome, tile, window, geometry) per stack
         self._tiles: list[list[int]] = []  # tiles per g-net, per stack
 
     def add(
-        self, genome: Genome, tile: tuple[int, int], kernel: tuple[int, ...], rows: int, cols: int
+        self, genome: Genome, tile: tuple[int, int], window: tuple[int, ...], rows: int, cols: int
     ) -> tuple[int, Block]:
         """Lay a `rows x cols` block out as the next tiles of its stack: `(stack, block)`."""
-        genome = replace(genome, hashed=tile_buckets(genome, tile, kernel))
-        key = (genome, tile, kernel, stack_geometry(genome, tile, kernel))
+        genome = replace(genome, hashed=tile_buckets(genome, tile, window))
+        key = (genome, tile, window, stack_geometry(genome, tile, window))
         if key not in self._index:
             self._index[key] = len(self._specs)
             self._specs.append(key)
@@ -208,17 +208,17 @@ class _Stacks:
         return tuple(
             Stack(
                 key=f"s{i}_{tile[0]}x{tile[1]}"
-                + (f"k{'x'.join(map(str, kernel))}" if kernel else ""),
+                + (f"k{'x'.join(map(str, window))}" if window else ""),
                 genome=genome,
                 tile=tile,
-                kernel=kernel,
+                window=window,
                 outputs=geometry[0],
                 columns=geometry[1],
                 row_width=geometry[2],
                 col_width=geometry[3],
                 tiles_per_gnet=tuple(self._tiles[i]),
             )
-            for i, (genome, tile, kernel, geometry) in enumerate(self._specs)
+            for i, (genome, tile, window, geometry) in enumerate(self._specs)
         )
 
 

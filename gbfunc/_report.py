@@ -136,7 +136,7 @@ def report(plan: Plan) -> Report:
     rows = []
     for p in plan.params:
         if isinstance(p, Generated):
-            stack = plan.stacks[p.stack]
+            stack = plan.stacks[p.stack_index]
             tiles = sum(b.num_tiles for b in p.blocks)
             # Each tile is charged its g-net's parameters divided among the g-net's tiles.
             per_tile = (stack.num_params - _embedding_params(stack)) / stack.num_tiles

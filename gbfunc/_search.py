@@ -21,7 +21,7 @@ def search_tile(
     """
     check_target(target)
     fixed_weights, fixed = 0, 0  # weights and g-net parameters of tiles the caller fixed
-    searched: dict[tuple, int] = {}  # (genome, kernel, block shapes) -> parameters like it
+    searched: dict[tuple, int] = {}  # (genome, window, block shapes) -> parameters like it
     for entry, opts in zip(entries, options, strict=True):
         name, shape, layout = entry.name, entry.shape, entry.layout
         if free_reason(entry, opts, flags) is not None:
@@ -50,9 +50,9 @@ def search_tile(
     for th in sizes:
         for tw in widths:
             weights, cost = fixed_weights, fixed
-            for (genome, kernel, blocks), count in searched.items():
-                spent = param_cost(genome, kernel, blocks, (th, tw))
-                size = sum(r * c for r, c in blocks) * math.prod(kernel)
+            for (genome, window, blocks), count in searched.items():
+                spent = param_cost(genome, window, blocks, (th, tw))
+                size = sum(r * c for r, c in blocks) * math.prod(window)
                 if spent < size:  # otherwise it stays free (as the plan builder decides)
                     weights, cost = weights + count * size, cost + count * spent
             if cost == 0:
@@ -106,15 +106,15 @@ def size_tables(
     for index, (entry, opts) in enumerate(zip(entries, options, strict=True)):
         if free_reason(entry, opts, flags) is not None:
             continue
-        shape, layout, kernel = entry.shape, entry.layout, entry.shape[2:]
+        shape, layout, window = entry.shape, entry.layout, entry.shape[2:]
         sized = opts["hashed"] == AUTO
-        genome = genome_for({**opts, "hashed": 0} if sized else opts, kernel, layout)
+        genome = genome_for({**opts, "hashed": 0} if sized else opts, window, layout)
         weights += math.prod(shape)
         for rows, cols in block_shapes(shape, layout.splits, layout.split_dim):
             tile = tile_for(entry.name, opts, rows, cols, genome.outputs)
-            spent += block_cost(genome, kernel, rows, cols, tile)
+            spent += block_cost(genome, window, rows, cols, tile)
             if sized:
-                positions = tile[0] * tile[1] * math.prod(kernel)
+                positions = tile[0] * tile[1] * math.prod(window)
                 auto.append((index, math.prod(tile_grid(rows, cols, tile)), positions))
 
     def buckets(k: float, positions: int) -> int:

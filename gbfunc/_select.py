@@ -96,7 +96,7 @@ def lay_out(
     """`region` of `p` from each piece's tiles `(rows * cols, TH, TW * K)`, row-major in the
     piece's tile grid: laid out on the grid, cut, joined across blocks, centred and scaled."""
     th, tw = stack.tile
-    taps = math.prod(stack.kernel)
+    taps = math.prod(stack.window)
     parts = []
     for piece, t in zip(pieces, tiles, strict=True):
         rows, cols = (b - a for a, b in (piece.tile_rows, piece.tile_cols))
@@ -173,9 +173,11 @@ class Selection:
         self._pieces: dict[str, list[_Piece]] = {}
         for name, p in self._params.items():
             if isinstance(p, Generated):
-                stack = plan.stacks[p.stack]
+                stack = plan.stacks[p.stack_index]
                 self._pieces[name] = _pieces(p, stack, self.regions[name])
-                needed.setdefault(p.stack, set()).update(region_tiles(p, stack, self.regions[name]))
+                needed.setdefault(p.stack_index, set()).update(
+                    region_tiles(p, stack, self.regions[name])
+                )
         self.tiles = {s: sorted(t) for s, t in sorted(needed.items())}  # per stack, evaluated
         self._views = True  # free parameters as views; `whole` hands out the leaves
         self._rows = {
@@ -207,12 +209,12 @@ class Selection:
         return parameters(
             self._params.values(),
             gparams,
-            lambda p: self._lay_out(p, tiles[p.stack]),
+            lambda p: self._lay_out(p, tiles[p.stack_index]),
             self.regions if self._views else None,
         )
 
     def _lay_out(self, p: Generated, tiles: Tensor) -> Tensor:
-        stack = self.plan.stacks[p.stack]
+        stack = self.plan.stacks[p.stack_index]
         parts = [
             tiles[rows] if isinstance(rows, slice) else tiles.index_select(0, rows)
             for rows in self._indices(p.name, tiles.device)
@@ -221,7 +223,7 @@ class Selection:
 
     def _tile_rows(self, p: Generated) -> list[slice | list[int]]:
         """Each piece's rows in the evaluated tiles: a slice where they are consecutive."""
-        position = {t: i for i, t in enumerate(self.tiles[p.stack])}
+        position = {t: i for i, t in enumerate(self.tiles[p.stack_index])}
         rows: list[slice | list[int]] = []
         for piece in self._pieces[p.name]:
             at = [position[t] for t in _piece_tiles(p, piece)]

@@ -14,6 +14,14 @@ from torch import Tensor
 from ._genome import Genome
 from ._plan import Block, Free, Generated, Plan, Stack
 
+PLAN_VERSION = 2  # the plan JSON `plan_to_json` writes
+# Fields that plan JSON version 1 named otherwise: `kernel` meant two things there.
+_RENAMED_SINCE_V1 = {
+    "genome": {"kernel": "window_in"},
+    "stack": {"kernel": "window"},
+    "generated": {"stack": "stack_index"},
+}
+
 
 def plan_to_json(plan: Plan) -> str:
     """Canonical JSON of `plan`; `plan_from_json` turns it back into an equal `Plan`."""
@@ -22,12 +30,13 @@ def plan_to_json(plan: Plan) -> str:
     return json.dumps({"params": params, "stacks": stacks}, sort_keys=True, separators=(",", ":"))
 
 
-def plan_from_json(text: str) -> Plan:
-    """Rebuild the `Plan` that `plan_to_json` wrote; raises `ValueError` on malformed input."""
+def plan_from_json(text: str, version: int = PLAN_VERSION) -> Plan:
+    """Rebuild the `Plan` that `plan_to_json` wrote, in plan JSON `version` (1 or 2); raises
+    `ValueError` on malformed input."""
     try:
         data = json.loads(text)
-        params = tuple(_param(_tuples(p)) for p in data["params"])
-        stacks = tuple(_stack(_tuples(s)) for s in data["stacks"])
+        params = tuple(_param(_tuples(p), version) for p in data["params"])
+        stacks = tuple(_stack(_tuples(s), version) for s in data["stacks"])
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise ValueError(f"malformed plan JSON ({type(e).__name__}: {e})") from None
     return Plan(params, stacks)
@@ -42,17 +51,27 @@ def _tuples(x: object) -> object:
     return x
 
 
-def _param(d: dict) -> Generated | Free:
+def _param(d: dict, version: int) -> Generated | Free:
     kind = d.pop("kind")
     if kind == "generated":
+        d = _renamed(d, "generated", version)
         return Generated(**{**d, "blocks": tuple(Block(**b) for b in d["blocks"])})
     if kind == "free":
         return Free(**d)
     raise ValueError(f"unknown parameter kind {kind!r}")
 
 
-def _stack(d: dict) -> Stack:
-    return Stack(**{**d, "genome": Genome(**d["genome"])})
+def _stack(d: dict, version: int) -> Stack:
+    d = _renamed(d, "stack", version)
+    return Stack(**{**d, "genome": Genome(**_renamed(d["genome"], "genome", version))})
+
+
+def _renamed(d: dict, kind: str, version: int) -> dict:
+    """`d` with the field names of plan JSON `version` brought up to date."""
+    if version == 1:
+        names = _RENAMED_SINCE_V1[kind]
+        return {names.get(k, k): v for k, v in d.items()}
+    return d
 
 
 _SCALARS = (bool, int, float, str, type(None))

@@ -122,9 +122,9 @@ def _check_fields(plan: Plan) -> None:
             continue
         _need(grad, f"{at}.dtype", p.dtype, "a floating dtype")
         _need(len(p.shape) >= 1 and 0 not in p.shape, f"{at}.shape", p.shape, "a non-empty shape")
-        if not (_is_int(p.stack, 0) and p.stack < len(plan.stacks)):
+        if not (_is_int(p.stack_index, 0) and p.stack_index < len(plan.stacks)):
             raise _Bad(
-                f"{at} names stack {p.stack!r:.100}; the plan has {len(plan.stacks)} stacks."
+                f"{at} names stack {p.stack_index!r:.100}; the plan has {len(plan.stacks)} stacks."
             )
         _need(
             _is_int(p.split_dim, 0) and p.split_dim <= 1, f"{at}.split_dim", p.split_dim, "0 or 1"
@@ -149,7 +149,7 @@ def _check_fields(plan: Plan) -> None:
         keys.add(s.key)
         _need(isinstance(s.genome, Genome), f"{at}.genome", s.genome, "a genome")
         _need(_ints(s.tile, 1, 2), f"{at}.tile", s.tile, "[th, tw] >= 1")
-        _need(_ints(s.kernel, 1), f"{at}.kernel", s.kernel, "a list of sizes >= 1")
+        _need(_ints(s.window, 1), f"{at}.window", s.window, "a list of sizes >= 1")
         for field in ("outputs", "columns", "row_width", "col_width"):
             _need(
                 _is_int(getattr(s, field), 1), f"{at}.{field}", getattr(s, field), "an integer >= 1"
@@ -169,11 +169,11 @@ def _check_layout(plan: Plan) -> None:
         if not isinstance(p, Generated):
             continue
         at = f"params[{i}] ({p.name!r})"
-        s = plan.stacks[p.stack]
+        s = plan.stacks[p.stack_index]
         _need(
-            s.kernel == p.shape[2:],
-            f"stacks[{p.stack}].kernel",
-            s.kernel,
+            s.window == p.shape[2:],
+            f"stacks[{p.stack_index}].window",
+            s.window,
             f"{p.shape[2:]}, the kernel of {at}",
         )
         _need(not (p.center and len(p.shape) == 1), f"{at}.center", p.center, "False for a vector")
@@ -189,14 +189,14 @@ def _check_layout(plan: Plan) -> None:
             outputs = s.genome.outputs
             _need(
                 outputs <= cols,
-                f"stacks[{p.stack}].genome.outputs",
+                f"stacks[{p.stack_index}].genome.outputs",
                 outputs,
                 f"at most the {cols} columns of {bt}",
             )
             th, tw = s.tile
             _need(
                 th <= rows and tw <= -(-cols // outputs) * outputs,
-                f"stacks[{p.stack}].tile",
+                f"stacks[{p.stack_index}].tile",
                 s.tile,
                 f"a tile no larger than {bt} ({rows}x{cols}), as gb.plan clips it",
             )
@@ -208,7 +208,7 @@ def _check_layout(plan: Plan) -> None:
                 check_labels(p.name, s.genome, rows, cols, s.tile)
             except ValueError as e:
                 raise _Bad(str(e).removeprefix("gb.plan: ")) from None
-            owners[p.stack].append((b.first_tile, b.num_tiles, bt))
+            owners[p.stack_index].append((b.first_tile, b.num_tiles, bt))
     for j, s in enumerate(plan.stacks):
         _check_stack(f"stacks[{j}]", s, sorted(owners[j]))
 
@@ -231,7 +231,7 @@ def _blocks(p: Generated, at: str) -> list[tuple[int, int]]:
 
 def _check_stack(at: str, s: Stack, owners: list[tuple[int, int, str]]) -> None:
     _need(len(owners) > 0, at, s.key, "a stack that generates some block")
-    taps = math.prod(s.kernel)
+    taps = math.prod(s.window)
     genome = s.genome
     if taps > 1:
         _need(genome.outputs == 1, f"{at}.genome.outputs", genome.outputs, "1 for a kernel")
@@ -243,7 +243,7 @@ def _check_stack(at: str, s: Stack, owners: list[tuple[int, int, str]]) -> None:
             f"a width that is a multiple of outputs={genome.outputs}",
         )
     geometry = (s.outputs, s.columns, s.row_width, s.col_width)
-    want = stack_geometry(genome, s.tile, s.kernel)
+    want = stack_geometry(genome, s.tile, s.window)
     _need(
         geometry == want,
         f"{at} (outputs, columns, row_width, col_width)",

@@ -276,7 +276,7 @@ def _leaves(stacks: dict[str, dict[str, Tensor]]) -> list[Tensor]:
 def _describe(p: Generated | Free, owner: Plan) -> str:
     if isinstance(p, Free):
         return f"free ({p.reason})"
-    stack = owner.stacks[p.stack]
+    stack = owner.stacks[p.stack_index]
     return f"generated on {stack.tile[0]}x{stack.tile[1]} tiles by {stack.genome}"
 
 

@@ -39,7 +39,7 @@ def _placement(
     stack: Stack, params: tuple[Generated, ...]
 ) -> tuple[tuple[Place, ...], tuple[float, ...], int]:
     th, tw = stack.tile
-    taps = math.prod(stack.kernel)
+    taps = math.prod(stack.window)
     places: list[Place | None] = [None] * stack.num_tiles
     scales = [0.0] * stack.num_tiles
     offset = 0

@@ -51,15 +51,15 @@ def neuron_code(i: int, n: int, labels, encoding: str, fourier_features: int) ->
 def column_code(stack: Stack, q: int) -> list[float]:
     """The code of evaluation column `q` of a tile."""
     g = stack.genome
-    taps = math.prod(stack.kernel)
-    if taps > 1 and g.kernel == "code":  # column q is input column q // K at kernel tap q % K
+    taps = math.prod(stack.window)
+    if taps > 1 and g.window_in == "code":  # column q is input column q // K at kernel tap q % K
         channel, tap = divmod(q, taps)
         code = neuron_code(channel, stack.tile[1], g.col_labels, g.encoding, g.fourier_features)
         index = []
-        for size in reversed(stack.kernel):
+        for size in reversed(stack.window):
             index.append(tap % size)
             tap //= size
-        for d, size in zip(index[::-1], stack.kernel, strict=True):
+        for d, size in zip(index[::-1], stack.window, strict=True):
             code += [1.0 if j == d else 0.0 for j in range(size)]
         return code
     return neuron_code(q, stack.columns, g.col_labels, g.encoding, g.fourier_features)
@@ -112,10 +112,10 @@ def naive_apply(gparams: dict, plan: Plan) -> dict[str, Tensor]:
         if not isinstance(p, Generated):
             out[p.name] = gparams["free" if p.trainable else "frozen"][p.name]
             continue
-        stack = plan.stacks[p.stack]
+        stack = plan.stacks[p.stack_index]
         leaves = {k: v.double() for k, v in gparams["stacks"][stack.key].items()}
         th, tw = stack.tile
-        taps = math.prod(stack.kernel)
+        taps = math.prod(stack.window)
         codes = input_codes(stack)
         owner = [g for g, n in enumerate(stack.tiles_per_gnet) for _ in range(n)]
         blocks = []

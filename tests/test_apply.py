@@ -17,7 +17,13 @@ def models() -> dict[str, tuple[nn.Module, dict]]:
         "cnn": (nn.Sequential(nn.Conv2d(3, 10, 3), nn.Conv1d(5, 7, 2)), {"tile": (4, 3)}),
         "cnn-deep-shared": (
             nn.Sequential(nn.Conv2d(3, 10, 3), nn.Conv3d(2, 3, (1, 2, 2))),
-            {"tile": (4, 3), "kernel": "output", "share": True, "depth": 3, "activation": "gelu"},
+            {
+                "tile": (4, 3),
+                "window_in": "output",
+                "share": True,
+                "depth": 3,
+                "activation": "gelu",
+            },
         ),
         "attention": (
             nn.MultiheadAttention(12, 3),

@@ -56,7 +56,7 @@ def assert_trees_equal(a: object, b: object, path: str = "") -> None:
     ("model", "kwargs"),
     [
         (mlp(), {"tile": (8, 8)}),
-        (nn.Conv2d(3, 8, 3), {"tile": (4, 2), "kernel": "output", "depth": 2}),
+        (nn.Conv2d(3, 8, 3), {"tile": (4, 2), "window_in": "output", "depth": 2}),
         (nn.MultiheadAttention(16, 2), {"tile": (4, 8), "share": True, "encoding": "fourier"}),
         (nn.Sequential(nn.Embedding(10, 6), nn.Linear(6, 9)), {"tile": "full", "embeddings": True}),
         (nn.Conv2d(3, 8, 3), {"tile": (4, 2), "hashed": 5, "share": True}),
@@ -225,9 +225,10 @@ def _rewrite_metadata(path, **changes) -> None:
 
 
 def test_unknown_format_version(saved):
-    _rewrite_metadata(saved, format_version="2", gbfunc_version="9.0")
+    _rewrite_metadata(saved, format_version="3", gbfunc_version="9.0")
     with pytest.raises(
-        gb.CheckpointVersionError, match=f"{saved}: format version 2 .*gbfunc 9.0.*reads version 1"
+        gb.CheckpointVersionError,
+        match=rf"{saved}: format version 3 .*gbfunc 9.0.*reads versions \(1, 2\)",
     ):
         gb.load(saved, mlp())
 
@@ -405,8 +406,8 @@ CRAFTED = {
         r"the plan is malformed: params\[0\] \('0.weight'\)\.shape is \(16\.0, 16\)",
     ),
     "kernel-dict": (
-        in_plan(_set("stacks.0.kernel", {"a": 1})),
-        r"stacks\[0\]\.kernel is \{'a': 1\}",
+        in_plan(_set("stacks.0.window", {"a": 1})),
+        r"stacks\[0\]\.window is \{'a': 1\}",
     ),
     "labels": (
         in_plan(_set("stacks.0.genome.row_labels", [4, 4])),
@@ -515,7 +516,7 @@ def test_plans_of_every_kind_pass_the_checks_of_gb_load(tmp_path):
         "overrides": {"1.weight": {"col_labels": (4, 4)}, "3.*": {"row_labels": "onehot"}},
     }
     cases = [
-        (lambda: nn.Conv2d(3, 8, 3), {"tile": (4, 2), "kernel": "output", "depth": 2}),
+        (lambda: nn.Conv2d(3, 8, 3), {"tile": (4, 2), "window_in": "output", "depth": 2}),
         (lambda: nn.Conv1d(5, 11, 3), {"tile": (4, 4), "encoding": "gray"}),
         (lambda: nn.TransformerEncoderLayer(16, 2, 32), {"tile": (4, 8), "share": True}),
         (lambda: nn.Sequential(nn.Embedding(10, 6), nn.Linear(6, 9)), {"embeddings": True}),

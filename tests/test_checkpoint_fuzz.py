@@ -55,7 +55,7 @@ class Mixed(nn.Module):
 
 BASES = {
     "counted": (Counted, {"tile": (4, 4), "hidden": 4}),
-    "mixed": (Mixed, {"tile": (4, 4), "share": True, "kernel": "output", "hidden": 4}),
+    "mixed": (Mixed, {"tile": (4, 4), "share": True, "window_in": "output", "hidden": 4}),
 }
 
 

@@ -14,7 +14,7 @@ GENOMES = {
     "deep-gelu": {"tile": (4, 3), "depth": 2, "activation": "gelu", "hidden": 6},
     "shared-fourier": {"tile": (3, 4), "share": True, "encoding": "fourier", "hidden": 8},
     "outputs": {"tile": (4, 4), "outputs": 2, "hidden": 8, "activation": "tanh"},
-    "conv-output": {"tile": (2, 2), "kernel": "output", "hidden": 8},
+    "conv-output": {"tile": (2, 2), "window_in": "output", "hidden": 8},
     "conv-hashed": {"tile": (2, 3), "hashed": 5, "hidden": 6},
 }
 

@@ -1,6 +1,6 @@
 """Golden values: what gbfunc generates for fixed models, plans and seeds, and a checkpoint
-written by format version 1, both committed, so any change of initialisation, generation or
-file format that keeps shapes and variance still fails here.
+written by every checkpoint format version, all committed, so any change of initialisation,
+generation or file format that keeps shapes and variance still fails here.
 
 The models are built on the `meta` device, so every value comes from gbfunc alone (seeded
 g-nets, free parameters drawn by their modules' rules, scales from the rules).
@@ -8,6 +8,9 @@ g-nets, free parameters drawn by their modules' rules, scales from the rules).
 A deliberate change regenerates the files (and says so in its commit):
 
     python tests/test_golden.py --regenerate
+
+It rewrites the values and the current format's checkpoint; older versions' files stay as
+they were written, since this gbfunc cannot write them any more.
 """
 
 import hashlib
@@ -15,14 +18,19 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
 import gbfunc as gb
+from gbfunc._checkpoint import FORMAT_VERSION, READABLE_VERSIONS
 
 HERE = Path(__file__).resolve().parent
 GOLDEN = HERE / "golden" / "generated.json"
-CHECKPOINT = HERE / "fixtures" / "checkpoint_v1.safetensors"
+
+
+def checkpoint(version: int) -> Path:
+    return HERE / "fixtures" / f"checkpoint_v{version}.safetensors"
 
 
 def cases() -> dict[str, tuple[nn.Module, dict]]:
@@ -92,20 +100,25 @@ def test_generated_values_match_the_golden_file():
                 assert abs(have[stat] - want[stat]) <= 1e-6 * max(1.0, abs(want[stat])), where
 
 
-def test_a_version_1_checkpoint_still_loads_and_generates_the_same_weights():
+@pytest.mark.parametrize("version", READABLE_VERSIONS)
+def test_a_checkpoint_of_every_readable_version_loads_and_generates_the_same_weights(version):
     model, options = cases()["transformer"]
-    ckpt = gb.load(CHECKPOINT, model)
+    ckpt = gb.load(checkpoint(version), model)
     assert ckpt.step == 3
-    assert ckpt.meta == {"written_by": "tests/test_golden.py", "format_version": 1}
+    assert ckpt.meta == {"written_by": "tests/test_golden.py", "format_version": version}
     assert ckpt.plan == gb.plan(model, **options)
+    expected = json.loads(GOLDEN.with_name(f"checkpoint_v{version}.json").read_text())
+    assert _digest(ckpt) == expected["sha256"]
+    assert ckpt.opt_state["step"] == 3
+
+
+def _digest(ckpt: gb.Checkpoint) -> str:
     with torch.no_grad():
         params = gb.apply(ckpt.gparams, ckpt.plan)
     digest = hashlib.sha256()
     for key in sorted(params):
         digest.update(params[key].detach().double().numpy().tobytes())
-    expected = json.loads(GOLDEN.with_name("checkpoint_v1.json").read_text())
-    assert digest.hexdigest() == expected["sha256"]
-    assert ckpt.opt_state["step"] == 3
+    return digest.hexdigest()
 
 
 def regenerate() -> None:
@@ -114,18 +127,14 @@ def regenerate() -> None:
     model, options = cases()["transformer"]
     plan = gb.plan(model, **options)
     gparams = gb.init(plan, seed=7)
-    CHECKPOINT.parent.mkdir(exist_ok=True)
-    meta = {"written_by": "tests/test_golden.py", "format_version": 1}
-    gb.save(CHECKPOINT, gparams, plan, opt_state={"step": 3}, step=3, meta=meta)
-    with torch.no_grad():
-        params = gb.apply(gb.load(CHECKPOINT, model).gparams, plan)
-    digest = hashlib.sha256()
-    for key in sorted(params):
-        digest.update(params[key].detach().double().numpy().tobytes())
-    GOLDEN.with_name("checkpoint_v1.json").write_text(
-        json.dumps({"sha256": digest.hexdigest()}) + "\n"
-    )
-    print(f"wrote {GOLDEN}, {CHECKPOINT}")
+    path = checkpoint(FORMAT_VERSION)
+    path.parent.mkdir(exist_ok=True)
+    meta = {"written_by": "tests/test_golden.py", "format_version": FORMAT_VERSION}
+    gb.save(path, gparams, plan, opt_state={"step": 3}, step=3, meta=meta)
+    digest = _digest(gb.load(path, model))
+    golden = GOLDEN.with_name(f"checkpoint_v{FORMAT_VERSION}.json")
+    golden.write_text(json.dumps({"sha256": digest}) + "\n")
+    print(f"wrote {GOLDEN}, {path}, {golden}")
 
 
 if __name__ == "__main__":

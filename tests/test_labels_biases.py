@@ -69,9 +69,9 @@ def test_the_papers_genome_is_one_gnet_per_weight_and_bias():
     widths = {s.key: (s.row_width, s.col_width) for s in plan.stacks}
     # Rows of layer 1: binary positions of 40 neurons (6 bits, Gray); columns: 3 + 3 bits of
     # the pixel's (y, x); layer 3's rows: one-hot classes.
-    assert widths[plan.stacks[plan.generated[0].stack].key] == (6, 6)
-    assert widths[plan.stacks[plan.generated[2].stack].key] == (10, 6)
-    assert widths[plan.stacks[plan.generated[3].stack].key][0] == 10
+    assert widths[plan.stacks[plan.generated[0].stack_index].key] == (6, 6)
+    assert widths[plan.stacks[plan.generated[2].stack_index].key] == (10, 6)
+    assert widths[plan.stacks[plan.generated[3].stack_index].key][0] == 10
     params = gb.apply(gb.init(plan), plan)
     own = dict(model.named_parameters())
     for name, value in params.items():
@@ -93,7 +93,7 @@ def test_generated_biases_get_gradients_and_match_the_triton_kernels():
 
     ours = torch.func.grad(loss)(gparams, "torch")
     fused = torch.func.grad(loss)(gparams, "triton")
-    bias_stack = plan.stacks[plan.generated[1].stack].key
+    bias_stack = plan.stacks[plan.generated[1].stack_index].key
     assert ours["stacks"][bias_stack]["w_out"].abs().sum() > 0
     for a, b in zip(
         torch.utils._pytree.tree_leaves(ours), torch.utils._pytree.tree_leaves(fused), strict=True

@@ -38,7 +38,7 @@ def test_conv_kernel_in_code_and_in_output():
     # grid 2 x 4; row code 2 bits; column code 2 bits + one-hot 3 + 3; one output.
     assert (stack.num_tiles, stack.row_width, stack.col_width, stack.outputs) == (8, 2, 8, 1)
     assert gb.report(in_code).gnet_params == 8 * per_tile_params(2, 8)
-    in_out = gb.plan(conv, tile=(4, 4), kernel="output")
+    in_out = gb.plan(conv, tile=(4, 4), window_in="output")
     (stack,) = in_out.stacks
     assert (stack.col_width, stack.outputs, stack.columns) == (2, 9, 4)
     assert gb.report(in_out).gnet_params == 8 * per_tile_params(2, 2, outputs=9)
@@ -132,7 +132,7 @@ def test_overrides_by_pattern_apply_in_order():
             "2.*": "free",
         },
     )
-    gen = {p.name: plan.stacks[p.stack] for p in plan.generated}
+    gen = {p.name: plan.stacks[p.stack_index] for p in plan.generated}
     assert set(gen) == {"0.weight", "1.weight"}
     assert (gen["0.weight"].genome.hidden, gen["0.weight"].tile) == (8, (32, 32))
     assert (gen["1.weight"].genome.hidden, gen["1.weight"].genome.depth) == (8, 2)
@@ -243,7 +243,7 @@ def test_frozen_parameters_stay_free_and_untrained():
 def test_pnas_genome_is_one_gnet_per_layer_on_gray_codes():
     model = nn.Sequential(nn.Linear(100, 60), nn.Linear(60, 10))
     plan = gb.plan(model, tile="full", encoding="gray")
-    tiles = {p.name: (plan.stacks[p.stack].tile, p.blocks[0].grid) for p in plan.generated}
+    tiles = {p.name: (plan.stacks[p.stack_index].tile, p.blocks[0].grid) for p in plan.generated}
     assert tiles == {"0.weight": ((60, 100), (1, 1)), "1.weight": ((10, 60), (1, 1))}
     rep = gb.report(plan)
     # 60 rows -> 6 bits, 100 columns -> 7 bits; 10 rows -> 4 bits, 60 columns -> 6 bits.
@@ -259,7 +259,7 @@ def test_compression_leaves_weights_free_whose_gnets_would_cost_more():
     row = next(r for r in gb.report(plan).rows if r.name == "2.weight")
     assert "would cost" in row.note
     for p in plan.generated:  # what is generated is compressed, never expanded
-        stack = plan.stacks[p.stack]
+        stack = plan.stacks[p.stack_index]
         assert p.numel > stack.num_params
 
 
@@ -326,7 +326,7 @@ def test_compression_counts_a_shared_gnet_once_per_block():
     model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 10))
     plan = gb.plan(model, compression=20, share=True)
     small = next(p for p in plan.generated if p.name == "1.weight")
-    stack = plan.stacks[small.stack]
+    stack = plan.stacks[small.stack_index]
     tiles = sum(b.num_tiles for b in small.blocks)
     per_gnet = stack.genome.param_count(stack.row_width + stack.col_width, stack.outputs)
     assert tiles * per_gnet > small.numel > per_gnet + tiles * stack.genome.embed_dim
@@ -382,7 +382,11 @@ def test_override_values_are_checked_and_named(overrides, error, match):
         ({"hashed": 2.5}, TypeError, r"^gb.Genome: hashed must be an integer >= 0, got 2.5\.$"),
         ({"fourier_features": 0}, ValueError, r"^gb.Genome: fourier_features must be an integer"),
         ({"embed_dim": 0}, ValueError, r"^gb.Genome: embed_dim must be an integer >= 1, got 0"),
-        ({"kernel": "taps"}, ValueError, r"^gb.Genome: kernel must be one of \('code', 'output'\)"),
+        (
+            {"window_in": "taps"},
+            ValueError,
+            r"^gb.Genome: window_in must be one of \('code', 'output'\)",
+        ),
     ],
 )
 def test_genome_errors_name_gb_genome(kwargs, error, match):

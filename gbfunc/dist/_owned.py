@@ -173,14 +173,14 @@ class RankOwned:
                 g.register_hook(lambda grad, nbytes=nbytes: self._count(nbytes))
             tiles.append(g.index_select(0, self._position[s].to(g.device)))
         return parameters(
-            self.plan.params, local, lambda p: assemble(p, self.plan.stacks[p.stack], tiles[p.stack])
+            self.plan.params, local, lambda p: assemble(p, self.plan.stacks[p.stack_index], tiles[p.stack_index])
         )
 
     def _generate_and_gather(self, s: int, local: GParams) -> Tensor:
         """Start the all-gather of this rank's tiles of stack `s` (padded to the busiest rank)."""
         stack = self.plan.stacks[s]
         leaves = local["stacks"][stack.key]
-        shape = (self._rows[s], stack.tile[0], stack.tile[1] * math.prod(stack.kernel))
+        shape = (self._rows[s], stack.tile[0], stack.tile[1] * math.prod(stack.window))
         if self._gnets[s]:
             own = evaluate_stack(self._local_stack(s), leaves)  # (T_own, TH, TW*K)
         else:  # nothing owned here, but this rank must still join the backward reduce-scatter

@@ -38,7 +38,8 @@ from ._owned import RankOwned
 
 MANIFEST = "gbfunc.json"
 FORMAT = "gbfunc.sharded"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the plan JSON version inside, as in `gb.save`'s files
+READABLE_VERSIONS = (1, 2)
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float64, torch.bfloat16)}
 _DTYPES["float16"] = torch.float16
 
@@ -163,7 +164,7 @@ def load_sharded(
     where = f"gb.dist.load_sharded: {os.fspath(path)}"
     manifest = _manifest(Path(path), where)
     try:
-        plan = plan_from_json(manifest["plan"])
+        plan = plan_from_json(manifest["plan"], manifest["format_version"])
         dtypes = {k: _DTYPES[v] for k, v in manifest["dtypes"].items()}
         digests = dict(manifest["sha256"])
     except (KeyError, TypeError, ValueError) as e:
@@ -212,10 +213,10 @@ def _manifest(path: Path, where: str) -> dict[str, Any]:
         raise CheckpointCorruptError(f"{where}: unreadable {MANIFEST} ({e!s:.200}).") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointCorruptError(f"{where}: {MANIFEST} is not a {FORMAT} manifest.")
-    if manifest.get("format_version") != FORMAT_VERSION:
+    if manifest.get("format_version") not in READABLE_VERSIONS:
         raise CheckpointVersionError(
             f"{where}: format version {manifest.get('format_version')!r}; this gbfunc reads "
-            f"version {FORMAT_VERSION}."
+            f"versions {READABLE_VERSIONS}."
         )
     return manifest
 

@@ -106,7 +106,7 @@ class TensorParallel:
                 regions[p.name] = full_region(p.shape)
                 copies = mesh.size()
             self._wrap[p.name] = (placements, 1.0 / copies, p.shape)
-            if isinstance(p, Generated) and cuts_tiles(p, plan.stacks[p.stack], regions[p.name]):
+            if isinstance(p, Generated) and cuts_tiles(p, plan.stacks[p.stack_index], regions[p.name]):
                 self.misaligned += (p.name,)
         self.mesh = mesh
         self.selection = Selection(plan, regions)

@@ -34,7 +34,7 @@ def genomes(draw) -> dict:
         "hidden": draw(st.sampled_from([2, 5, 8])),
         "depth": draw(st.integers(1, 3)),
         "activation": draw(st.sampled_from(["relu", "gelu", "tanh", "silu"])),
-        "kernel": draw(st.sampled_from(["code", "output"])),
+        "window_in": draw(st.sampled_from(["code", "output"])),
         "outputs": draw(st.sampled_from([1, 2])),
         "share": draw(st.booleans()),
     }
@@ -103,7 +103,7 @@ def test_a_gnet_dead_at_init_generates_the_same_weights_on_both_backends():
     # gb.init once divided it by its vanishing std, making the weights rounding noise that
     # differed between backends (found by hypothesis in random order).
     model = tiny_net()
-    plan = gb.plan(model, tile=(2, 2), hidden=5, kernel="output", share=True)
+    plan = gb.plan(model, tile=(2, 2), hidden=5, window_in="output", share=True)
     gparams = gb.init(plan, seed=1, device=KERNEL_DEVICE)
     fused = gb.apply(gparams, plan, backend="triton")["0.weight"]
     ours = gb.apply(gparams, plan, backend="torch")["0.weight"]

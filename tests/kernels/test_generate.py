@@ -64,7 +64,7 @@ class Case:
     depth: int
     activation: str
     outputs: int
-    kernel: str
+    window_in: str
     seed: int
 
     def model(self) -> nn.Module:
@@ -84,12 +84,12 @@ class Case:
     def plan(self) -> gb.Plan:
         opts = {"hidden": self.hidden, "depth": self.depth, "activation": self.activation}
         return gb.plan(
-            self.model(), tile=self.tile, outputs=self.outputs, kernel=self.kernel, **opts
+            self.model(), tile=self.tile, outputs=self.outputs, window_in=self.window_in, **opts
         )
 
     def stack(self) -> tuple[gb.Stack, tuple[gb.Generated, ...], gb.Plan]:
         plan = self.plan()
-        return plan.stacks[0], tuple(p for p in plan.generated if p.stack == 0), plan
+        return plan.stacks[0], tuple(p for p in plan.generated if p.stack_index == 0), plan
 
     def terms(self, dtype: torch.dtype, genomes: int = 0) -> dict[str, Tensor | None]:
         """The first stack's g-net terms from perturbed `gb.init` leaves (biases made nonzero)."""
@@ -139,7 +139,7 @@ def cases(draw) -> Case:
         depth=draw(st.integers(1, 3)),
         activation=draw(st.sampled_from(["relu", "gelu", "tanh", "silu"])),
         outputs=1 if conv else draw(st.sampled_from(widths)),
-        kernel=draw(st.sampled_from(["code", "output"])) if conv else "code",
+        window_in=draw(st.sampled_from(["code", "output"])) if conv else "code",
         seed=draw(st.integers(0, 2**16)),
     )
 
