@@ -651,7 +651,7 @@ def plot(summary: list[dict[str, Any]], path: Path, title: str, stamp: str) -> N
     plt.close(fig)
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--task", choices=sorted(TASKS), default="mlp")
     parser.add_argument("--quick", action="store_true", help="1 seed, a third of the steps")
@@ -680,14 +680,13 @@ def main() -> None:
         metavar="JSON",
         help="only redraw the plot and rewrite the CSV of a results file",
     )
-    args = parser.parse_args()
-    if args.replot:
-        saved = json.loads(args.replot.read_text())
-        stamp = provenance_line(saved["provenance"])
-        plot(saved["summary"], args.replot.with_suffix(".png"), TASKS[args.task].name, stamp)
-        write_csv(args.replot.with_suffix(".csv"), saved["rows"], saved["provenance"])
-        return
-    torch.set_num_threads(1)
+    return parser
+
+
+def _configure(
+    args: argparse.Namespace, parser: argparse.ArgumentParser
+) -> tuple[Task, int, int, str]:
+    """The task as the arguments change it, its seeds and steps, and its results' file suffix."""
     task = TASKS[args.task]
     if args.calibrate is not None and args.calibrate != task.calibrate:
         task = replace(task, calibrate=args.calibrate)
@@ -704,22 +703,23 @@ def main() -> None:
     if args.seeds is not None:
         seeds = args.seeds
         suffix += f"_{seeds}_seeds"
-    started = time.perf_counter()
-    families = tuple(args.families)
-    if args.distill and "dense" not in families:
-        families = ("dense", *families)
-    rows = run(task, seeds, steps, args.distill, families)
-    summary = summarise(rows, task.metric)
-    name = "equal_params" + ("" if args.task == "mlp" else f"_{args.task}")
-    name += suffix + ("_distill" if args.distill else "")
-    if families != FAMILIES:
-        name += "_" + "_".join(f.replace(" ", "_") for f in families)
-    stem = args.out / (name + ("_quick" if args.quick else ""))
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    text = (
+    return task, seeds, steps, suffix
+
+
+def _report(
+    task: Task,
+    seeds: int,
+    steps: int,
+    distill: bool,
+    seconds: float,
+    summary: list[dict[str, Any]],
+    families: tuple[str, ...],
+) -> str:
+    """The results file's markdown."""
+    return (
         header_md(f"gbfunc vs narrow, low-rank and hashed models at equal parameters ({task.name})")
         + f"- {seeds} seed(s), {steps} steps, batch {task.batch}; "
-        + f"total {time.perf_counter() - started:.0f} s\n"
+        + f"total {seconds:.0f} s\n"
         + "- lr sweeps: "
         + ", ".join(f"{family} {lrs}" for family, lrs in task.lrs.items())
         + "".join(f", gbfunc's {label} {lrs}" for label, lrs in task.arm_lrs.items())
@@ -728,7 +728,7 @@ def main() -> None:
         + (
             f"- distilled from the dense model: weight {DISTILL_WEIGHT}, "
             f"temperature {DISTILL_TEMPERATURE}\n"
-            if args.distill
+            if distill
             else ""
         )
         + "".join(
@@ -741,6 +741,33 @@ def main() -> None:
         + findings(summary, families)
         + "\n"
     )
+
+
+def main() -> None:
+    parser = _parser()
+    args = parser.parse_args()
+    if args.replot:
+        saved = json.loads(args.replot.read_text())
+        stamp = provenance_line(saved["provenance"])
+        plot(saved["summary"], args.replot.with_suffix(".png"), TASKS[args.task].name, stamp)
+        write_csv(args.replot.with_suffix(".csv"), saved["rows"], saved["provenance"])
+        return
+    torch.set_num_threads(1)
+    task, seeds, steps, suffix = _configure(args, parser)
+    started = time.perf_counter()
+    families = tuple(args.families)
+    if args.distill and "dense" not in families:
+        families = ("dense", *families)
+    rows = run(task, seeds, steps, args.distill, families)
+    summary = summarise(rows, task.metric)
+    name = "equal_params" + ("" if args.task == "mlp" else f"_{args.task}")
+    name += suffix + ("_distill" if args.distill else "")
+    if families != FAMILIES:
+        name += "_" + "_".join(f.replace(" ", "_") for f in families)
+    stem = args.out / (name + ("_quick" if args.quick else ""))
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    seconds = time.perf_counter() - started
+    text = _report(task, seeds, steps, args.distill, seconds, summary, families)
     print("\n" + table(summary) + "\n" + findings(summary, families))
     stem.with_suffix(".md").write_text(text)
     write_json(stem.with_suffix(".json"), rows, summary=summary)

@@ -10,31 +10,22 @@ owned` each rank generates its own g-nets' tiles and all-gathers them.
 On GPUs the same command runs with NCCL, one GPU per rank.
 """
 
-import argparse
-import itertools
-
 import torch
-import torch.distributed as dist
 from torch.func import functional_call
 
 import gbfunc as gb
 import gbfunc.dist as gbd
-from examples.gpt import GPT, GPTConfig, counting_data, loss_fn
+from examples import launch
+from examples.gpt import GPT, GPTConfig, loss_fn
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = launch.parser(__doc__)
     parser.add_argument("--strategy", choices=("replicated", "owned"), default="replicated")
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--global-batch", type=int, default=32)
     args = parser.parse_args()
 
     mesh = gbd.init_mesh()
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
+    device = launch.local_device()
     cfg = GPTConfig(vocab=64, dim=64, layers=2, heads=4, seq=32)
     with torch.device("meta"):
         model = GPT(cfg)  # shapes only: every weight is passed in by functional_call
@@ -54,26 +45,16 @@ def main() -> None:
         sent = lambda: sync.comm_bytes + owned.comm_bytes
     opt = torch.optim.AdamW(gbd.trainable_leaves(gparams), lr=1e-2)
 
-    loader = gbd.data_loader(counting_data(cfg, 4096), args.global_batch, mesh)
-    batches = itertools.chain.from_iterable(_epochs(loader))
-    for step, (x, y) in zip(range(args.steps), batches, strict=False):
-        loss = loss_fn(functional_call(model, generate(gparams), (x.to(device),)), y.to(device))
-        loss.backward()
-        sync.wait()  # g-net gradients summed over ranks, divided by the dp size
-        opt.step()
-        opt.zero_grad()
-        if dist.get_rank() == 0 and step % 10 == 0:
-            print(
-                f"step {step:4d}  loss {loss.item():.4f}  communicated {sent() / 2**10:.1f} KiB",
-                flush=True,
-            )
-    dist.destroy_process_group()
-
-
-def _epochs(loader):
-    for epoch in itertools.count():
-        loader.sampler.set_epoch(epoch)
-        yield loader
+    batches = launch.batches(cfg, args.global_batch, mesh, device)
+    # g-net gradients are summed over ranks and divided by the dp size in `sync.wait()`
+    launch.train(
+        args.steps,
+        batches,
+        lambda x, y: loss_fn(functional_call(model, generate(gparams), (x,)), y),
+        sync,
+        opt,
+        lambda: f"communicated {sent() / 2**10:.1f} KiB",
+    )
 
 
 if __name__ == "__main__":

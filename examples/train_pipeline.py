@@ -10,32 +10,24 @@ pushed into the g-nets after it (two-phase generation, `gb.dist.StageGenerator`)
 More ranks than stages add data parallelism; on GPUs the same command runs with NCCL.
 """
 
-import argparse
-import itertools
-
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 import gbfunc as gb
 import gbfunc.dist as gbd
-from examples.gpt import GPT, GPTConfig, counting_data, loss_fn
+from examples import launch
+from examples.gpt import GPT, GPTConfig, loss_fn
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = launch.parser(__doc__)
     parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--global-batch", type=int, default=32)
     parser.add_argument("--microbatches", type=int, default=4)
     args = parser.parse_args()
 
     mesh = gbd.init_mesh(pp=args.pp)
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
+    device = launch.local_device()
     cfg = GPTConfig(vocab=64, dim=64, layers=4, heads=4, seq=32)
     with torch.device("meta"):
         plan = gb.plan(GPT(cfg), tile=(32, 32))  # the whole model's plan, on every stage
@@ -51,16 +43,15 @@ def main() -> None:
     sync = gbd.GradSync(gbd.trainable_leaves(gparams), mesh)  # sum over stages, mean over dp
     opt = torch.optim.AdamW(gbd.trainable_leaves(gparams), lr=1e-2)
 
-    loader = gbd.data_loader(counting_data(cfg, 4096), args.global_batch, mesh)
-    batches = itertools.chain.from_iterable(_epochs(loader))
+    batches = launch.batches(cfg, args.global_batch, mesh, device)
     last = index == args.pp - 1
     for step, (x, y) in zip(range(args.steps), batches, strict=False):
         generator.load(gparams)  # phase 1: this stage's weights, no graph
         losses: list[torch.Tensor] = []
         if index == 0:
-            schedule.step(x.to(device))
+            schedule.step(x)
         else:
-            schedule.step(target=y.to(device), losses=losses)  # phase 2: all micro-batches
+            schedule.step(target=y, losses=losses)  # phase 2: all micro-batches
         generator.backward(gparams)  # phase 3: stage gradients into the g-nets
         sync.wait()
         opt.step()
@@ -68,12 +59,6 @@ def main() -> None:
         if last and mesh.get_local_rank("dp") == 0 and step % 10 == 0:
             print(f"step {step:4d}  loss {torch.stack(losses).mean().item():.4f}", flush=True)
     dist.destroy_process_group()
-
-
-def _epochs(loader):
-    for epoch in itertools.count():
-        loader.sampler.set_epoch(epoch)
-        yield loader
 
 
 if __name__ == "__main__":

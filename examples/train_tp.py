@@ -11,9 +11,6 @@ With 4 ranks and `--tp 2` it runs 2-way data parallel x 2-way tensor parallel; o
 same command runs with NCCL.
 """
 
-import argparse
-import itertools
-
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor.parallel import parallelize_module
@@ -21,22 +18,17 @@ from torch.func import functional_call
 
 import gbfunc as gb
 import gbfunc.dist as gbd
-from examples.gpt import GPT, GPTConfig, counting_data, loss_fn, tp_plan
+from examples import launch
+from examples.gpt import GPT, GPTConfig, loss_fn, tp_plan
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = launch.parser(__doc__)
     parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--global-batch", type=int, default=32)
     args = parser.parse_args()
 
     mesh = gbd.init_mesh(tp=args.tp)
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
+    device = launch.local_device()
     cfg = GPTConfig(vocab=64, dim=64, layers=2, heads=4, seq=32)
     with torch.device("meta"):
         model = GPT(cfg)
@@ -51,27 +43,15 @@ def main() -> None:
     sync = gbd.GradSync(gbd.trainable_leaves(gparams), mesh)  # sum over tp, mean over dp
     opt = torch.optim.AdamW(gbd.trainable_leaves(gparams), lr=1e-2)
 
-    loader = gbd.data_loader(counting_data(cfg, 4096), args.global_batch, mesh)
-    batches = itertools.chain.from_iterable(_epochs(loader))
-    for step, (x, y) in zip(range(args.steps), batches, strict=False):
-        logits = functional_call(model, shards.apply(gparams), (x.to(device),))
-        loss = loss_fn(logits, y.to(device))
-        loss.backward()
-        sync.wait()
-        opt.step()
-        opt.zero_grad()
-        if dist.get_rank() == 0 and step % 10 == 0:
-            print(
-                f"step {step:4d}  loss {loss.item():.4f}  tiles here {shards.selection.num_tiles}",
-                flush=True,
-            )
-    dist.destroy_process_group()
-
-
-def _epochs(loader):
-    for epoch in itertools.count():
-        loader.sampler.set_epoch(epoch)
-        yield loader
+    batches = launch.batches(cfg, args.global_batch, mesh, device)
+    launch.train(
+        args.steps,
+        batches,
+        lambda x, y: loss_fn(functional_call(model, shards.apply(gparams), (x,)), y),
+        sync,
+        opt,
+        lambda: f"tiles here {shards.selection.num_tiles}",
+    )
 
 
 if __name__ == "__main__":

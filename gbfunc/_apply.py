@@ -3,7 +3,7 @@
 from torch import Tensor
 
 from ._backend import fused_weights, use_triton
-from ._checks import check_gparams
+from ._check_gparams import check_gparams
 from ._evaluate import hashed_tiles, stack_terms
 from ._plan import Plan
 from ._select import Selection, assemble, center_rows, parameters

@@ -8,7 +8,7 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_map
 
 from ._apply import apply
-from ._checks import check_gparams
+from ._check_gparams import check_gparams
 from ._plan import Generated, Plan
 from ._tree import GParams
 

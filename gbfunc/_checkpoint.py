@@ -26,13 +26,13 @@ import safetensors.torch
 import torch
 from torch import Tensor, nn
 
-from ._checks import check_gparams, expected_shapes, leaves
+from ._check_gparams import check_gparams, expected_shapes, leaves
+from ._check_model import check_module
+from ._check_plan import check_plan
 from ._files import check_no_meta, standalone, write_atomic
-from ._model import check_module
 from ._plan import Plan
 from ._serial import flatten, plan_from_json, plan_to_json, unflatten
 from ._tree import GParams
-from ._validate import check_plan
 from ._version import __version__
 
 FORMAT = "gbfunc.checkpoint"

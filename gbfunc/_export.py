@@ -7,9 +7,9 @@ import torch
 from torch import Tensor, nn
 
 from ._apply import apply
-from ._checks import check_gparams, leaves
+from ._check_gparams import check_gparams, leaves
+from ._check_model import check_matches
 from ._files import check_no_meta, standalone, write_atomic
-from ._model import check_matches
 from ._plan import Free, Plan
 from ._tree import GParams
 

@@ -14,7 +14,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_map
 
 from ._apply import apply
-from ._checks import check_gparams
+from ._check_gparams import check_gparams
 from ._plan import Plan
 from ._tree import GParams
 

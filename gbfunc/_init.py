@@ -5,8 +5,8 @@ import math
 import torch
 from torch import Tensor, nn
 
+from ._check_model import check_matches
 from ._evaluate import HASH_GAIN, evaluate_stack
-from ._model import check_matches
 from ._plan import Plan, Stack
 from ._tree import GParams
 

@@ -21,11 +21,11 @@ from torch.func import functional_call
 
 from ._apply import apply
 from ._calibrate import calibrate
+from ._check_gparams import check_gparams, expected_shapes
+from ._check_model import check_matches, check_module
 from ._checkpoint import load
-from ._checks import check_gparams, expected_shapes
 from ._export import export
 from ._init import init
-from ._model import check_matches, check_module
 from ._plan import Plan
 from ._planner import plan as make_plan
 from ._report import Report, report

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from torch import nn
 
+from ._check_model import check_module
 from ._entries import (
     Entry,
     check_labels,
@@ -17,7 +18,6 @@ from ._entries import (
     tile_for,
 )
 from ._genome import AUTO, Genome, check_genome
-from ._model import check_module
 from ._options import DEFAULT_TILE, check_patterns, check_tile, normalise_overrides, resolve
 from ._plan import (
     Block,
@@ -128,17 +128,7 @@ def plan(
         if not isinstance(value, bool):
             raise TypeError(f"gb.plan: {flag} must be a bool, got {value!r}.")
     flags = {"embeddings": embeddings, "biases": biases}
-    if any(o["hashed"] == AUTO for o in options):
-        if compression is None:
-            raise ValueError(
-                "gb.plan: hashed='auto' sizes the tables to reach compression=; pass "
-                "compression=, or give hashed= a number of buckets."
-            )
-        options = size_tables(entries, options, compression, flags)
-    elif compression is not None:
-        if tile is not None:
-            raise ValueError("gb.plan: pass either tile or compression, not both.")
-        options = search_tile(entries, options, compression, flags)
+    options = _compress(entries, options, flags, compression, tile_given=tile is not None)
     result = replace(_build(entries, options, flags), source=weakref.ref(model))
     if not result.generated:
         raise ValueError(
@@ -147,6 +137,29 @@ def plan(
             + " Register a rule with gb.register_rule, or pass embeddings=True for embeddings."
         )
     return result
+
+
+def _compress(
+    entries: list[Entry],
+    options: list[dict[str, object]],
+    flags: dict[str, bool],
+    compression: float | None,
+    *,
+    tile_given: bool,
+) -> list[dict[str, object]]:
+    """`options` with the hashed tables sized, or the tiles chosen, to reach `compression`."""
+    if any(o["hashed"] == AUTO for o in options):
+        if compression is None:
+            raise ValueError(
+                "gb.plan: hashed='auto' sizes the tables to reach compression=; pass "
+                "compression=, or give hashed= a number of buckets."
+            )
+        return size_tables(entries, options, compression, flags)
+    if compression is None:
+        return options
+    if tile_given:
+        raise ValueError("gb.plan: pass either tile or compression, not both.")
+    return search_tile(entries, options, compression, flags)
 
 
 def _build(entries: list[Entry], options: list[dict[str, object]], flags: dict[str, bool]) -> Plan:

@@ -35,9 +35,9 @@ import torch
 from torch import Tensor, nn
 
 from ._apply import apply
+from ._check_model import unwrap
 from ._checkpoint import CheckpointMismatchError, load
 from ._init import init
-from ._model import unwrap
 from ._options import check_tile
 from ._plan import Free, Generated, Plan
 from ._planner import plan

@@ -144,3 +144,15 @@ def output_layer(
     if BLOCK_P == 1:
         return tl.sum(h * w[None, :], axis=1)[:, None] + bias[None, :]
     return tl.dot(h, w, input_precision=PRECISION) + bias[None, :]
+
+
+@triton.jit
+def tile_place(place_ptr, scale_ptr, t):
+    """Where tile `t` lands (`_placement.Place`): its first element's offset, row stride, valid
+    rows and valid flat columns, and its parameter's scale."""
+    base = tl.load(place_ptr + t * 4)
+    ld = tl.load(place_ptr + t * 4 + 1)
+    rows = tl.load(place_ptr + t * 4 + 2)
+    cols = tl.load(place_ptr + t * 4 + 3)
+    scale = tl.load(scale_ptr + t)
+    return base, ld, rows, cols, scale

@@ -9,6 +9,7 @@ import struct
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import safetensors
@@ -109,6 +110,22 @@ def cases(tmp) -> dict[str, Case]:
     """`tmp` is a folder with `ok.safetensors` (a checkpoint of `mlp()`) and `dense.safetensors`."""
     meta_g = gparams(device="meta")
     return {
+        **_plan_cases_1(tmp),
+        **_plan_cases_2(tmp),
+        **_init_cases(tmp),
+        **_apply_cases_1(tmp, meta_g),
+        **_apply_cases_2(tmp),
+        **_report_cases(tmp),
+        **_save_load_cases_1(tmp, meta_g),
+        **_save_load_cases_2(tmp),
+        **_save_load_cases_3(tmp),
+        **_export_save_dense_cases(tmp, meta_g),
+        **_compat_cases(tmp),
+    }
+
+
+def _plan_cases_1(tmp: Path | None) -> dict[str, Case]:
+    return {
         # gb.plan
         "plan-not-a-module": Case(
             lambda: gb.plan("mlp"), TypeError, "gb.plan: model must be an nn.Module, got str"
@@ -154,6 +171,11 @@ def cases(tmp) -> dict[str, Case]:
         "plan-free-int": Case(
             lambda: gb.plan(mlp(), free=[5]), TypeError, r"gb\.plan: free must be a sequence"
         ),
+    }
+
+
+def _plan_cases_2(tmp: Path | None) -> dict[str, Case]:
+    return {
         "plan-override-int-key": Case(
             lambda: gb.plan(mlp(), overrides={5: {"hidden": 2}}),
             TypeError,
@@ -203,6 +225,11 @@ def cases(tmp) -> dict[str, Case]:
             TypeError,
             r"torch.compile'd OptimizedModule; pass model._orig_mod",
         ),
+    }
+
+
+def _init_cases(tmp: Path | None) -> dict[str, Case]:
+    return {
         # gb.init
         "init-not-a-plan": Case(
             lambda: gb.init(mlp()), TypeError, "gb.init: plan must be a gb.Plan .*got Sequential"
@@ -216,6 +243,11 @@ def cases(tmp) -> dict[str, Case]:
         "init-float-seed": Case(
             lambda: gparams(seed=1.5), TypeError, "seed must be an int, got 1.5"
         ),
+    }
+
+
+def _apply_cases_1(tmp: Path | None, meta_g: dict) -> dict[str, Case]:
+    return {
         # gb.apply
         "apply-not-a-plan": Case(
             lambda: gb.apply(gparams(), "plan"), TypeError, "gb.apply: plan must be a gb.Plan"
@@ -264,6 +296,11 @@ def cases(tmp) -> dict[str, Case]:
             ValueError,
             r"gparams\['free'\]\['0.bias'\] contains NaN or inf",
         ),
+    }
+
+
+def _apply_cases_2(tmp: Path | None) -> dict[str, Case]:
+    return {
         "apply-free-not-tensor": Case(
             lambda: gb.apply(replace_leaf("free", "0.bias", None, [0.0] * 6), PLAN),
             TypeError,
@@ -284,6 +321,11 @@ def cases(tmp) -> dict[str, Case]:
             ValueError,
             "Were these gparams made by gb.init with a different plan",
         ),
+    }
+
+
+def _report_cases(tmp: Path | None) -> dict[str, Case]:
+    return {
         # gb.report
         "report-model": Case(
             lambda: gb.report(mlp()), TypeError, r"got Sequential. Pass gb.plan\(model\) instead"
@@ -291,6 +333,11 @@ def cases(tmp) -> dict[str, Case]:
         "report-none": Case(
             lambda: gb.report(None), TypeError, "gb.report: plan must be a gb.Plan, got NoneType"
         ),
+    }
+
+
+def _save_load_cases_1(tmp: Path | None, meta_g: dict) -> dict[str, Case]:
+    return {
         # gb.save / gb.load
         "save-meta-gparams": Case(
             lambda: gb.save(tmp / "x.safetensors", meta_g, PLAN),
@@ -337,6 +384,11 @@ def cases(tmp) -> dict[str, Case]:
             gb.CheckpointCorruptError,
             "garbage.bin: the file is truncated",
         ),
+    }
+
+
+def _save_load_cases_2(tmp: Path | None) -> dict[str, Case]:
+    return {
         "load-text-file": Case(
             lambda: gb.load(tmp / "notes.txt", mlp()),
             gb.CheckpointCorruptError,
@@ -384,6 +436,11 @@ def cases(tmp) -> dict[str, Case]:
             gb.CheckpointCorruptError,
             r"\('0.weight'\).split_dim is 2; expected 0 or 1",
         ),
+    }
+
+
+def _save_load_cases_3(tmp: Path | None) -> dict[str, Case]:
+    return {
         "load-forged-negative-count": Case(
             lambda: gb.load(tmp / "negative-count.safetensors", mlp()),
             gb.CheckpointCorruptError,
@@ -417,6 +474,11 @@ def cases(tmp) -> dict[str, Case]:
             r"ok.safetensors: parameter '2.weight' has shape \(4, 6\) in the checkpoint "
             r"but \(5, 6\) in the model",
         ),
+    }
+
+
+def _export_save_dense_cases(tmp: Path | None, meta_g: dict) -> dict[str, Case]:
+    return {
         # gb.export / gb.save_dense
         "export-other-model": Case(
             lambda: gb.export(gparams(), PLAN, model=nn.Linear(8, 6)),
@@ -432,6 +494,11 @@ def cases(tmp) -> dict[str, Case]:
             TypeError,
             "metadata must map str to str",
         ),
+    }
+
+
+def _compat_cases(tmp: Path | None) -> dict[str, Case]:
+    return {
         # gbfunc.compat
         "compat-not-a-module": Case(
             lambda: GenomicBottleneck(None), TypeError, "model must be an nn.Module, got NoneType"

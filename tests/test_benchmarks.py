@@ -171,6 +171,33 @@ def test_equal_params_plot_draws_each_genome_and_each_baseline_once(tmp_path, mo
     assert (tmp_path / "p.png").stat().st_size > 0
 
 
+def test_equal_params_command_names_its_files_by_its_options_and_writes_all_four(
+    tmp_path, monkeypatch
+):
+    """The command line, with training replaced by a committed run's rows."""
+    from benchmarks import equal_params
+
+    saved = json.loads((equal_params.RESULTS / "equal_params_cnn.json").read_text())
+    calls = []
+
+    def run(task, seeds, steps, distill, families):
+        calls.append((task.name, seeds, steps, distill, families))
+        return saved["rows"]
+
+    monkeypatch.setattr(equal_params, "run", run)
+    argv = ["equal_params", "--task", "cnn", "--seeds", "2", "--out", str(tmp_path)]
+    monkeypatch.setattr("sys.argv", [*argv, "--families", "gbfunc", "narrow"])
+    equal_params.main()
+    task = equal_params.TASKS["cnn"]
+    assert calls == [(task.name, 2, task.steps, False, ("gbfunc", "narrow"))]
+    stem = tmp_path / "equal_params_cnn_2_seeds_gbfunc_narrow"
+    for suffix in (".md", ".json", ".csv", ".png"):
+        assert stem.with_suffix(suffix).stat().st_size > 0, suffix
+    text = stem.with_suffix(".md").read_text()
+    assert "- 2 seed(s), " in text
+    assert "## Margins (positive: gbfunc is better)" in text
+
+
 def test_equal_params_on_a_loss_metric_keeps_the_lowest_and_signs_margins_for_gbfunc():
     from benchmarks.equal_params import findings, summarise
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.func import functional_call
 from torch.multiprocessing import ProcessRaisedException
+from torchrun import torchrun
 
 import gbfunc as gb
 import gbfunc.dist as gbd
@@ -86,28 +87,10 @@ def test_spawn_kills_ranks_past_the_global_timeout():
         spawn(hanging_worker, 1, timeout=3.0)
 
 
-def _torchrun(tmp_path, name: str, *args: str) -> str:
-    """`torchrun` of `examples.train_resume` on 2 local gloo ranks; its output."""
-    import socket
-    import subprocess
-    import sys
-
-    with socket.socket() as s:  # a free port on loopback for the rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {
-        **os.environ,
-        "GLOO_SOCKET_IFNAME": "lo",
-        "TMPDIR": str(tmp_path),
-        "OMP_NUM_THREADS": "1",
-    }
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
-    command += ["--master_addr=127.0.0.1", f"--master_port={port}", "--max-restarts=1"]
-    command += ["-m", "examples.train_resume", "--dir", str(tmp_path / name), *args]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout + done.stderr
+def _resume(tmp_path, name: str, *args: str) -> str:
+    """`examples.train_resume` on 2 ranks, allowed one restart, saving under `tmp_path/name`."""
+    args = ("--dir", str(tmp_path / name), *args)
+    return torchrun(tmp_path, "examples.train_resume", *args, max_restarts=1)
 
 
 @pytest.mark.slow
@@ -120,8 +103,8 @@ def test_a_rank_killed_mid_run_is_restarted_by_torchrun_and_ends_bitwise_where_n
     with torch.device("meta"):
         model = GPT(GPTConfig(vocab=64, dim=64, layers=2, heads=4, seq=32))
     steps = ("--steps", "20", "--every", "10")
-    _torchrun(tmp_path, "whole", *steps)
-    log = _torchrun(tmp_path, "killed", *steps, "--die-at", "15")
+    _resume(tmp_path, "whole", *steps)
+    log = _resume(tmp_path, "killed", *steps, "--die-at", "15")
     assert "starting at step 0" in log
     assert "starting at step 10" in log  # the restarted attempt resumed
     assert "exitcode: -9" in log  # rank 1 died of SIGKILL

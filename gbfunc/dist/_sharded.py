@@ -30,10 +30,10 @@ from .._checkpoint import (
     CheckpointVersionError,
     content_hash,
 )
-from .._model import check_module
+from .._check_model import check_module
 from .._plan import TILE_LEAVES, Plan
 from .._serial import plan_from_json, plan_to_json
-from .._validate import check_plan
+from .._check_plan import check_plan
 from ._owned import RankOwned
 
 MANIFEST = "gbfunc.json"

@@ -109,11 +109,7 @@ def _generate_kernel(
     y = _gnet.output_layer(h, wo_ptr, bo_ptr, g, hid, p, H, P, BLOCK_P, PRECISION)
 
     # Tile-and-cut: output (i, q, p) is flat column q * P + p of the tile's row i.
-    base = tl.load(place_ptr + t * 4)
-    ld = tl.load(place_ptr + t * 4 + 1)
-    rows = tl.load(place_ptr + t * 4 + 2)
-    cols = tl.load(place_ptr + t * 4 + 3)
-    scale = tl.load(scale_ptr + t)
+    base, ld, rows, cols, scale = _gnet.tile_place(place_ptr, scale_ptr, t)
     i3, q3, p3 = i[:, None, None], q[None, :, None], p[None, None, :]
     j = q3 * P + p3
     mask = (i3 < rows) & (p3 < P) & (j < cols)

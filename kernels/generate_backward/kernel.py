@@ -86,11 +86,7 @@ def _generate_backward_kernel(
     hid = tl.arange(0, BLOCK_H)
     p = tl.arange(0, BLOCK_P)
     h_ok = hid < H
-    base = tl.load(place_ptr + t * 4)
-    ld = tl.load(place_ptr + t * 4 + 1)
-    rows = tl.load(place_ptr + t * 4 + 2)
-    cols = tl.load(place_ptr + t * 4 + 3)
-    scale = tl.load(scale_ptr + t)
+    base, ld, rows, cols, scale = _gnet.tile_place(place_ptr, scale_ptr, t)
     w_out = _gnet.output_weight(wo_ptr, g, hid, p, H, P, BLOCK_P)
     if BLOCK_P == 1:
         g_w_out = tl.zeros((BLOCK_H,), dtype=tl.float32)

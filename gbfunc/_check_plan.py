@@ -12,9 +12,9 @@ import math
 import torch
 from torch import nn
 
+from ._check_model import check_matches
 from ._entries import check_labels
 from ._genome import Genome
-from ._model import check_matches
 from ._plan import (
     Block,
     Free,
@@ -103,63 +103,67 @@ def _check_fields(plan: Plan) -> None:
     _need(isinstance(plan.params, tuple), "params", type(plan.params).__name__, "a list")
     _need(isinstance(plan.stacks, tuple), "stacks", type(plan.stacks).__name__, "a list")
     for i, p in enumerate(plan.params):
-        at = f"params[{i}]"
-        _need(isinstance(p, Generated | Free), at, type(p).__name__, "a parameter")
-        _need(isinstance(p.name, str) and p.name != "", f"{at}.name", p.name, "a name")
-        at = f"{at} ({p.name!r:.80})"
-        _need(_ints(p.shape, 0), f"{at}.shape", p.shape, "a list of sizes >= 0")
-        dtype = _dtype(f"{at}.dtype", p.dtype)
-        grad = dtype.is_floating_point or dtype.is_complex  # what requires_grad allows
-        if isinstance(p, Free):
-            init = p.init
-            ok = isinstance(init, tuple) and len(init) == 2 and init[0] in FREE_INITS
-            _need(
-                ok and _finite(init[1]), f"{at}.init", init, f"[kind, value], kind in {FREE_INITS}"
-            )
-            _need(isinstance(p.trainable, bool), f"{at}.trainable", p.trainable, "a bool")
-            _need(grad or not p.trainable, f"{at}.dtype", p.dtype, "a floating dtype (trainable)")
-            _need(isinstance(p.reason, str), f"{at}.reason", p.reason, "a string")
-            continue
-        _need(grad, f"{at}.dtype", p.dtype, "a floating dtype")
-        _need(len(p.shape) >= 1 and 0 not in p.shape, f"{at}.shape", p.shape, "a non-empty shape")
-        if not (_is_int(p.stack_index, 0) and p.stack_index < len(plan.stacks)):
-            raise _Bad(
-                f"{at} names stack {p.stack_index!r:.100}; the plan has {len(plan.stacks)} stacks."
-            )
-        _need(
-            _is_int(p.split_dim, 0) and p.split_dim <= 1, f"{at}.split_dim", p.split_dim, "0 or 1"
-        )
-        _need(_finite(p.scale) and p.scale > 0, f"{at}.scale", p.scale, "a finite number > 0")
-        _need(isinstance(p.center, bool), f"{at}.center", p.center, "a bool")
-        _need(isinstance(p.blocks, tuple) and len(p.blocks) > 0, f"{at}.blocks", p.blocks, "blocks")
-        for k, b in enumerate(p.blocks):
-            bt = f"{at}.blocks[{k}]"
-            _need(isinstance(b, Block), bt, b, "a block")
-            _need(_is_int(b.rows, 1), f"{bt}.rows", b.rows, "an integer >= 1")
-            _need(_is_int(b.cols, 1), f"{bt}.cols", b.cols, "an integer >= 1")
-            _need(_ints(b.grid, 1, 2), f"{bt}.grid", b.grid, "[rows, cols] >= 1")
-            if not _is_int(b.first_tile, 0):
-                raise _Bad(f"{bt}.first_tile is {b.first_tile!r:.100}, outside its stack.")
-    keys = set()
+        _check_param_fields(plan, i, p)
+    keys: set[str] = set()
     for j, s in enumerate(plan.stacks):
-        at = f"stacks[{j}]"
-        _need(isinstance(s, Stack), at, type(s).__name__, "a stack")
-        ok = isinstance(s.key, str) and s.key != "" and "/" not in s.key and s.key not in keys
-        _need(ok, f"{at}.key", s.key, "a unique name without '/'")
-        keys.add(s.key)
-        _need(isinstance(s.genome, Genome), f"{at}.genome", s.genome, "a genome")
-        _need(_ints(s.tile, 1, 2), f"{at}.tile", s.tile, "[th, tw] >= 1")
-        _need(_ints(s.window, 1), f"{at}.window", s.window, "a list of sizes >= 1")
-        for field in ("outputs", "columns", "row_width", "col_width"):
-            _need(
-                _is_int(getattr(s, field), 1), f"{at}.{field}", getattr(s, field), "an integer >= 1"
-            )
-        _need(
-            _ints(s.tiles_per_gnet, 1) and len(s.tiles_per_gnet) > 0,
-            f"{at}.tiles_per_gnet",
-            s.tiles_per_gnet,
-            "a list of counts >= 1",
+        _check_stack_fields(j, s, keys)
+
+
+def _check_param_fields(plan: Plan, i: int, p: object) -> None:
+    """Types and ranges of the fields of parameter `i`, `p`."""
+    at = f"params[{i}]"
+    _need(isinstance(p, Generated | Free), at, type(p).__name__, "a parameter")
+    _need(isinstance(p.name, str) and p.name != "", f"{at}.name", p.name, "a name")
+    at = f"{at} ({p.name!r:.80})"
+    _need(_ints(p.shape, 0), f"{at}.shape", p.shape, "a list of sizes >= 0")
+    dtype = _dtype(f"{at}.dtype", p.dtype)
+    grad = dtype.is_floating_point or dtype.is_complex  # what requires_grad allows
+    if isinstance(p, Free):
+        init = p.init
+        ok = isinstance(init, tuple) and len(init) == 2 and init[0] in FREE_INITS
+        _need(ok and _finite(init[1]), f"{at}.init", init, f"[kind, value], kind in {FREE_INITS}")
+        _need(isinstance(p.trainable, bool), f"{at}.trainable", p.trainable, "a bool")
+        _need(grad or not p.trainable, f"{at}.dtype", p.dtype, "a floating dtype (trainable)")
+        _need(isinstance(p.reason, str), f"{at}.reason", p.reason, "a string")
+        return
+    _need(grad, f"{at}.dtype", p.dtype, "a floating dtype")
+    _need(len(p.shape) >= 1 and 0 not in p.shape, f"{at}.shape", p.shape, "a non-empty shape")
+    if not (_is_int(p.stack_index, 0) and p.stack_index < len(plan.stacks)):
+        raise _Bad(
+            f"{at} names stack {p.stack_index!r:.100}; the plan has {len(plan.stacks)} stacks."
         )
+    _need(_is_int(p.split_dim, 0) and p.split_dim <= 1, f"{at}.split_dim", p.split_dim, "0 or 1")
+    _need(_finite(p.scale) and p.scale > 0, f"{at}.scale", p.scale, "a finite number > 0")
+    _need(isinstance(p.center, bool), f"{at}.center", p.center, "a bool")
+    _need(isinstance(p.blocks, tuple) and len(p.blocks) > 0, f"{at}.blocks", p.blocks, "blocks")
+    for k, b in enumerate(p.blocks):
+        bt = f"{at}.blocks[{k}]"
+        _need(isinstance(b, Block), bt, b, "a block")
+        _need(_is_int(b.rows, 1), f"{bt}.rows", b.rows, "an integer >= 1")
+        _need(_is_int(b.cols, 1), f"{bt}.cols", b.cols, "an integer >= 1")
+        _need(_ints(b.grid, 1, 2), f"{bt}.grid", b.grid, "[rows, cols] >= 1")
+        if not _is_int(b.first_tile, 0):
+            raise _Bad(f"{bt}.first_tile is {b.first_tile!r:.100}, outside its stack.")
+
+
+def _check_stack_fields(j: int, s: object, keys: set[str]) -> None:
+    """Types and ranges of the fields of stack `j`, `s`; `keys` collects the stack keys seen."""
+    at = f"stacks[{j}]"
+    _need(isinstance(s, Stack), at, type(s).__name__, "a stack")
+    ok = isinstance(s.key, str) and s.key != "" and "/" not in s.key and s.key not in keys
+    _need(ok, f"{at}.key", s.key, "a unique name without '/'")
+    keys.add(s.key)
+    _need(isinstance(s.genome, Genome), f"{at}.genome", s.genome, "a genome")
+    _need(_ints(s.tile, 1, 2), f"{at}.tile", s.tile, "[th, tw] >= 1")
+    _need(_ints(s.window, 1), f"{at}.window", s.window, "a list of sizes >= 1")
+    for field in ("outputs", "columns", "row_width", "col_width"):
+        _need(_is_int(getattr(s, field), 1), f"{at}.{field}", getattr(s, field), "an integer >= 1")
+    _need(
+        _ints(s.tiles_per_gnet, 1) and len(s.tiles_per_gnet) > 0,
+        f"{at}.tiles_per_gnet",
+        s.tiles_per_gnet,
+        "a list of counts >= 1",
+    )
 
 
 def _check_layout(plan: Plan) -> None:
@@ -174,7 +178,7 @@ def _check_layout(plan: Plan) -> None:
             s.window == p.shape[2:],
             f"stacks[{p.stack_index}].window",
             s.window,
-            f"{p.shape[2:]}, the kernel of {at}",
+            f"{p.shape[2:]}, the kernel window of {at}",
         )
         _need(not (p.center and len(p.shape) == 1), f"{at}.center", p.center, "False for a vector")
         for k, (b, (rows, cols)) in enumerate(zip(p.blocks, _blocks(p, at), strict=True)):

@@ -1,0 +1,27 @@
+"""`torchrun` of an example module on 2 local gloo ranks, from the tests."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+
+def torchrun(tmp_path: Path, module: str, *args: str, max_restarts: int = 0) -> str:
+    """Run `python -m module *args` under torchrun on 127.0.0.1; its output (it must exit 0)."""
+    with socket.socket() as s:  # a free port on loopback for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        **os.environ,
+        "GLOO_SOCKET_IFNAME": "lo",
+        "TMPDIR": str(tmp_path),
+        "OMP_NUM_THREADS": "1",
+    }
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
+    command += ["--master_addr=127.0.0.1", f"--master_port={port}"]
+    command += [f"--max-restarts={max_restarts}", "-m", module, *args]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout + done.stderr
