@@ -51,22 +51,7 @@ def dense_steps(model: nn.Module, batch: tuple, loss_of) -> tuple[Step, Step]:
 
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     tree = {"stacks": {}, "free": params, "frozen": {}}
-    state = [tree, gb.optim.adamw_init(tree)]
-
-    def loss(tree, *batch):
-        return loss_of(functional_call(model, tree["free"], batch[:-1]), batch[-1])
-
-    def step(tree, opt_state, *batch):
-        grads, value = grad_and_value(loss)(tree, *batch)
-        tree, opt_state = gb.optim.adamw_update(tree, grads, opt_state, lr=1e-3)
-        return tree, opt_state, value
-
-    compiled_step = compile_static(step)
-
-    def compiled() -> None:
-        state[0], state[1], _ = compiled_step(state[0], state[1], *batch)
-
-    return eager, compiled
+    return eager, _compiled_step(tree, lambda tree: tree["free"], model, batch, loss_of)
 
 
 def gb_steps(
@@ -84,10 +69,18 @@ def gb_steps(
         opt.step()
 
     fresh = gb.init(plan, requires_grad=False)
-    state = [fresh, gb.optim.adamw_init(fresh)]
+    generate = lambda tree: gb.apply(tree, plan)
+    return eager, _compiled_step(fresh, generate, model, batch, loss_of)
+
+
+def _compiled_step(
+    tree: dict, params_of: Callable[[dict], dict], model: nn.Module, batch: tuple, loss_of
+) -> Step:
+    """One compiled functional AdamW step on `tree`, the model's parameters `params_of(tree)`."""
+    state = [tree, gb.optim.adamw_init(tree)]
 
     def loss(tree, *batch):
-        return loss_of(functional_call(model, gb.apply(tree, plan), batch[:-1]), batch[-1])
+        return loss_of(functional_call(model, params_of(tree), batch[:-1]), batch[-1])
 
     def step(tree, opt_state, *batch):
         grads, value = grad_and_value(loss)(tree, *batch)
@@ -99,7 +92,7 @@ def gb_steps(
     def compiled() -> None:
         state[0], state[1], _ = compiled_step(state[0], state[1], *batch)
 
-    return eager, compiled
+    return compiled
 
 
 def median_ms(

@@ -15,7 +15,6 @@ import pytest
 import safetensors
 import safetensors.torch
 import torch
-import torch.distributed as dist
 from forged import Change, forge, in_plan
 from torch import nn
 from torch.func import functional_call
@@ -592,17 +591,6 @@ def test_bad_input(name, files):
     case = cases(files)[name]
     with pytest.raises(case.error, match=case.match):
         case.call()
-
-
-@pytest.fixture
-def process_group(tmp_path, monkeypatch):
-    """A 1-process gloo group on loopback, rendezvous through a FileStore."""
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
-    )
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("call", ["plan", "load", "export"])

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
@@ -160,17 +159,6 @@ def test_load_rejects_a_checkpoint_with_other_gnets_and_changes_nothing(tmp_path
         for a, b in zip(before, gnets.optimizer.param_groups[0]["params"], strict=True)
     )
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
-
-
-@pytest.fixture
-def process_group(tmp_path, monkeypatch):
-    """A 1-process gloo group on loopback, rendezvous through a FileStore."""
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
-    )
-    yield
-    dist.destroy_process_group()
 
 
 def test_torchgb_loop_on_a_ddp_model(process_group, tmp_path):

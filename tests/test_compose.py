@@ -38,14 +38,18 @@ def batch(conv: bool, n: int = 5, dtype=torch.float64):
     return x, torch.randint(0, 4 if conv else 3, (n,))
 
 
-@pytest.mark.parametrize("genome", list(GENOMES))
-def test_grad_matches_finite_differences(genome):
+def float64_setup(genome: str) -> tuple[nn.Module, gb.Plan, dict, tuple]:
+    """The tiny model of `genome`, its plan, float64 g-nets and a batch."""
     conv = genome.startswith("conv")
     model = tiny_model(conv).double()
     plan = gb.plan(model, **GENOMES[genome])
-    gparams = gb.init(plan, dtype=torch.float64)
+    return model, plan, gb.init(plan, dtype=torch.float64), batch(conv)
+
+
+@pytest.mark.parametrize("genome", list(GENOMES))
+def test_grad_matches_finite_differences(genome):
+    model, plan, gparams, (x, y) = float64_setup(genome)
     leaves, spec = torch.utils._pytree.tree_flatten(gparams)
-    x, y = batch(conv)
     loss = loss_fn(model, plan)
 
     def flat_loss(*flat):
@@ -57,11 +61,7 @@ def test_grad_matches_finite_differences(genome):
 
 @pytest.mark.parametrize("genome", list(GENOMES))
 def test_grad_matches_the_unstacked_reference(genome):
-    conv = genome.startswith("conv")
-    model = tiny_model(conv).double()
-    plan = gb.plan(model, **GENOMES[genome])
-    gparams = gb.init(plan, dtype=torch.float64)
-    x, y = batch(conv)
+    model, plan, gparams, (x, y) = float64_setup(genome)
     fast = grad(loss_fn(model, plan))(gparams, x, y)
     slow = grad(loss_fn(model, plan, naive_apply))(gparams, x, y)
     for a, b in zip(tree_leaves(fast), tree_leaves(slow), strict=True):

@@ -65,12 +65,16 @@ def test_parameters_are_the_stacks_and_free_leaves_under_escaped_names():
     assert [p.shape for p in b.parameters()] == shapes
 
 
-def test_stacks_are_those_of_gb_init_with_the_seed():
-    b = gb.Bottleneck(mlp(), tile=(8, 8), seed=3)
-    ref = gb.init(b.plan, seed=3)["stacks"]
+def assert_stacks_equal(b: gb.Bottleneck, gparams: dict) -> None:
+    """The module's g-nets are bitwise those of `gparams`."""
     for key, leaves in b.gparams["stacks"].items():
         for name, t in leaves.items():
-            torch.testing.assert_close(t.detach(), ref[key][name], rtol=0, atol=0)
+            torch.testing.assert_close(t.detach(), gparams["stacks"][key][name], rtol=0, atol=0)
+
+
+def test_stacks_are_those_of_gb_init_with_the_seed():
+    b = gb.Bottleneck(mlp(), tile=(8, 8), seed=3)
+    assert_stacks_equal(b, gb.init(b.plan, seed=3))
 
 
 def test_forward_is_functional_call_on_generated_weights():
@@ -273,10 +277,7 @@ def test_load_gparams_copies_in_place_so_an_optimizer_keeps_its_tensors(tmp_path
     b.load_gparams(gb.load(path, b.pnet).gparams)
     assert all(p is q for p, q in zip(b.parameters(), before, strict=True))
     assert opt.param_groups[0]["params"][0] is before[0]
-    ref = gb.init(b.plan, seed=5)["stacks"]
-    for key, leaves in b.gparams["stacks"].items():
-        for name, t in leaves.items():
-            torch.testing.assert_close(t.detach(), ref[key][name], rtol=0, atol=0)
+    assert_stacks_equal(b, gb.init(b.plan, seed=5))
 
 
 # ---------------------------------------------------------------- errors
