@@ -384,7 +384,7 @@ def measured(model: GPT, plan: gb.Plan, world: int) -> dict[str, int]:
     try:
         x = torch.randint(0, DEMO.vocab, (2, DEMO.seq))
         gparams = gb.init(plan, seed=0)
-        sync = gbd.GradSync(gbd.trainable_leaves(gparams))
+        sync = gbd.GradSync(gb.trainable_leaves(gparams))
         loss_fn(functional_call(model, gb.apply(gparams, plan), (x,)), x).backward()
         sync.wait()
         owned = gbd.RankOwned(plan)

@@ -35,7 +35,7 @@ def main() -> None:
 
     if args.strategy == "replicated":
         generate = lambda g: gb.apply(g, plan)
-        sync = gbd.GradSync(gbd.trainable_leaves(gparams), mesh)
+        sync = gbd.GradSync(gb.trainable_leaves(gparams), mesh)
         sent = lambda: sync.comm_bytes
     else:
         owned = gbd.RankOwned(plan)
@@ -43,7 +43,7 @@ def main() -> None:
         generate = owned.apply
         sync = gbd.GradSync(list(gparams["free"].values()), mesh)
         sent = lambda: sync.comm_bytes + owned.comm_bytes
-    opt = torch.optim.AdamW(gbd.trainable_leaves(gparams), lr=1e-2)
+    opt = torch.optim.AdamW(gb.trainable_leaves(gparams), lr=1e-2)
 
     batches = launch.batches(cfg, args.global_batch, mesh, device)
     # g-net gradients are summed over ranks and divided by the dp size in `sync.wait()`

@@ -40,8 +40,8 @@ def main() -> None:
     schedule = ScheduleGPipe(stage, n_microbatches=args.microbatches, loss_fn=loss_fn)
 
     gparams = gb.init(plan, seed=0, device=device)
-    sync = gbd.GradSync(gbd.trainable_leaves(gparams), mesh)  # sum over stages, mean over dp
-    opt = torch.optim.AdamW(gbd.trainable_leaves(gparams), lr=1e-2)
+    sync = gbd.GradSync(gb.trainable_leaves(gparams), mesh)  # sum over stages, mean over dp
+    opt = torch.optim.AdamW(gb.trainable_leaves(gparams), lr=1e-2)
 
     batches = launch.batches(cfg, args.global_batch, mesh, device)
     last = index == args.pp - 1

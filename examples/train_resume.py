@@ -57,8 +57,8 @@ def main() -> None:
         gparams, _, opt_state, start, _ = gb.load(last, model)
     else:
         gparams, opt_state, start = gb.init(plan, seed=0), None, 0
-    sync = gbd.GradSync(gbd.trainable_leaves(gparams), mesh)
-    opt = torch.optim.AdamW(gbd.trainable_leaves(gparams), lr=1e-2)
+    sync = gbd.GradSync(gb.trainable_leaves(gparams), mesh)
+    opt = torch.optim.AdamW(gb.trainable_leaves(gparams), lr=1e-2)
     if opt_state is not None:
         opt.load_state_dict(opt_state)
     if dist.get_rank() == 0:

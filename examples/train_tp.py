@@ -40,8 +40,8 @@ def main() -> None:
         print(f"tiles cut by shard edges (generated twice): {shards.misaligned}")
 
     gparams = gb.init(plan, seed=0, device=device)
-    sync = gbd.GradSync(gbd.trainable_leaves(gparams), mesh)  # sum over tp, mean over dp
-    opt = torch.optim.AdamW(gbd.trainable_leaves(gparams), lr=1e-2)
+    sync = gbd.GradSync(gb.trainable_leaves(gparams), mesh)  # sum over tp, mean over dp
+    opt = torch.optim.AdamW(gb.trainable_leaves(gparams), lr=1e-2)
 
     batches = launch.batches(cfg, args.global_batch, mesh, device)
     launch.train(

@@ -28,14 +28,13 @@ from ._genome import Genome as Genome
 from ._init import init as init
 from ._module import Bottleneck as Bottleneck
 from ._plan import (
-    Block as Block,
     Free as Free,
     Generated as Generated,
     Plan as Plan,
     Stack as Stack,
 )
 from ._planner import plan as plan
-from ._report import Report as Report, Row as Row, report as report
+from ._report import Report as Report, report as report
 from ._rules import Layout as Layout, register_rule as register_rule
 from ._tree import trainable_leaves as trainable_leaves
 from ._version import __version__ as __version__

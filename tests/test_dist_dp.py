@@ -44,16 +44,16 @@ def _train(gparams, generate, model, opt, steps, shard, after_backward=lambda: N
 
 
 def _sgd(gparams: dict) -> torch.optim.Optimizer:
-    return torch.optim.SGD(gbd.trainable_leaves(gparams), lr=0.1, momentum=0.9)
+    return torch.optim.SGD(gb.trainable_leaves(gparams), lr=0.1, momentum=0.9)
 
 
 def _max_diff(a: dict, b: dict) -> float:
-    pairs = zip(gbd.trainable_leaves(a), gbd.trainable_leaves(b), strict=True)
+    pairs = zip(gb.trainable_leaves(a), gb.trainable_leaves(b), strict=True)
     return max((x.detach() - y.detach()).abs().max().item() for x, y in pairs)
 
 
 def _digest(gparams: dict) -> str:
-    leaves = gbd.trainable_leaves(gparams)
+    leaves = gb.trainable_leaves(gparams)
     return hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in leaves)).hexdigest()
 
 
@@ -69,7 +69,7 @@ def dp_worker(rank: int, world: int, tmp: str) -> dict:
 
     # Replicated g-nets: every rank generates everything; g-net gradients all-reduced.
     gparams = gb.init(plan, seed=0)
-    sync, opt = gbd.GradSync(gbd.trainable_leaves(gparams), mesh), _sgd(gparams)
+    sync, opt = gbd.GradSync(gb.trainable_leaves(gparams), mesh), _sgd(gparams)
     _train(gparams, generate, model, opt, range(SAVE_AT), shard, sync.wait)
     path = os.path.join(tmp, "ckpt.safetensors")
     gb.dist.save_replicated(path, gparams, plan, opt_state=opt.state_dict(), step=SAVE_AT)
@@ -82,7 +82,7 @@ def dp_worker(rank: int, world: int, tmp: str) -> dict:
     resumed, _, opt_state, step, _ = gb.load(path, model)
     opt = _sgd(resumed)
     opt.load_state_dict(opt_state)
-    sync = gbd.GradSync(gbd.trainable_leaves(resumed), mesh)
+    sync = gbd.GradSync(gb.trainable_leaves(resumed), mesh)
     _train(resumed, generate, model, opt, range(step, STEPS), shard, sync.wait)
     out["resumed_digest"] = _digest(resumed)
 

@@ -108,7 +108,7 @@ def test_tensor_parallel_rejects_a_plan_of_another_model(mesh):
 def test_grad_sync_buckets_divides_by_dp_and_counts_bytes(mesh):
     model, plan = _gpt_plan(tile=(16, 16))
     gparams = gb.init(plan, seed=0)
-    leaves = gbd.trainable_leaves(gparams)
+    leaves = gb.trainable_leaves(gparams)
     sync = gbd.GradSync(leaves, mesh, bucket_bytes=4096)
     x = torch.randint(0, CFG.vocab, (2, CFG.seq))
     params = gb.apply(gparams, plan)
@@ -137,4 +137,4 @@ def test_rank_owned_generates_its_share_and_sends_what_the_model_says(mesh):
     loss_fn(functional_call(model, owned.apply(local), (x,)), x).backward()
     traffic = dict(rank_owned_traffic(plan, WORLD).collectives)
     assert owned.comm_bytes == traffic["all_gather"] + traffic["reduce_scatter"]
-    assert all(t.grad is not None for t in gbd.trainable_leaves(local))
+    assert all(t.grad is not None for t in gb.trainable_leaves(local))

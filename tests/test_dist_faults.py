@@ -35,7 +35,7 @@ def faults_worker(rank: int, world: int) -> dict:
     # A rank that dies mid-step: the survivor's gradient all-reduce fails instead of hanging.
     plan = gb.plan(model, tile=(16, 16))
     gparams = gb.init(plan, seed=0)
-    sync = gbd.GradSync(gbd.trainable_leaves(gparams), mesh)
+    sync = gbd.GradSync(gb.trainable_leaves(gparams), mesh)
     x = torch.randint(0, CFG.vocab, (2, CFG.seq))
     loss = loss_fn(functional_call(model, gb.apply(gparams, plan), (x,)), x)
     if rank == 1:

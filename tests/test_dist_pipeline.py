@@ -34,9 +34,9 @@ def pipeline_worker(rank: int, world: int) -> dict:
     schedule = ScheduleGPipe(stage, n_microbatches=MICROBATCHES, loss_fn=loss_fn)
 
     gparams, ref = gb.init(plan, seed=0), gb.init(plan, seed=0)
-    sync = gbd.GradSync(gbd.trainable_leaves(gparams), mesh)
-    opt = torch.optim.SGD(gbd.trainable_leaves(gparams), lr=0.1, momentum=0.9)
-    ref_opt = torch.optim.SGD(gbd.trainable_leaves(ref), lr=0.1, momentum=0.9)
+    sync = gbd.GradSync(gb.trainable_leaves(gparams), mesh)
+    opt = torch.optim.SGD(gb.trainable_leaves(gparams), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(gb.trainable_leaves(ref), lr=0.1, momentum=0.9)
     out: dict = {"tiles": generator.selection.num_tiles, "losses": [], "ref_losses": []}
     for step in range(STEPS):
         x, y = _batch(step)
@@ -56,9 +56,9 @@ def pipeline_worker(rank: int, world: int) -> dict:
         out["ref_losses"].append(ref_loss.item())
         ref_opt.step()
         ref_opt.zero_grad()
-    pairs = zip(gbd.trainable_leaves(gparams), gbd.trainable_leaves(ref), strict=True)
+    pairs = zip(gb.trainable_leaves(gparams), gb.trainable_leaves(ref), strict=True)
     out["diff"] = max((a.detach() - b.detach()).abs().max().item() for a, b in pairs)
-    leaves = gbd.trainable_leaves(gparams)
+    leaves = gb.trainable_leaves(gparams)
     out["digest"] = hashlib.sha256(
         b"".join(t.detach().numpy().tobytes() for t in leaves)
     ).hexdigest()

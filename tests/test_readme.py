@@ -213,6 +213,21 @@ def test_every_public_name_is_in_the_api_table(init, prefix):
     assert not missing, f"README's API table lacks {[prefix + n for n in missing]}"
 
 
+def test_every_name_in_the_api_table_is_exported():
+    import gbfunc
+    import gbfunc.dist
+
+    table = api_section()
+    named = set(re.findall(r"(?<![\w.])(gbd?)\.([A-Za-z_]\w*)", table))
+    assert len(named) > 20
+    stale = sorted(
+        f"{prefix}.{name}"
+        for prefix, name in named
+        if not hasattr(gbfunc if prefix == "gb" else gbfunc.dist, name)
+    )
+    assert not stale, f"README's API table names what gbfunc does not export: {stale}"
+
+
 def test_api_table_covers_the_functional_optimizer_and_torchgb_shell():
     table = api_section()
     for name in ("gb.optim.adamw_init", "gb.optim.adamw_update", "gbfunc.compat.GenomicBottleneck"):

@@ -14,7 +14,6 @@ p-nets and `StageGenerator` for pipeline stages (their bytes per step:
 """
 
 from .._replicated import save_replicated as save_replicated
-from .._tree import trainable_leaves as trainable_leaves  # gb.trainable_leaves, kept here too
 from ._check import check_plan as check_plan, plan_difference as plan_difference
 from ._data import data_loader as data_loader, shard_batch as shard_batch
 from ._mesh import MeshShape as MeshShape, init_mesh as init_mesh, mesh_shape as mesh_shape
