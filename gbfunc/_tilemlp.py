@@ -211,7 +211,9 @@ def _compiled(body: Callable, *args: object) -> object | None:
     key = (body.__name__, *signature)
     if key not in _COMPILED:
         code = body.__code__.replace()
-        private = types.FunctionType(code, body.__globals__, body.__name__)
+        private = types.FunctionType(
+            code, body.__globals__, body.__name__, body.__defaults__, body.__closure__
+        )
         _COMPILED[key] = torch.compile(private, fullgraph=True, dynamic=False)
     fn = _COMPILED[key]
     if fn is None:
