@@ -304,3 +304,20 @@ def test_recipe_gains_scale_rows_and_columns_and_are_counted():
     w.sum().backward()
     assert scaled.tree["gains"]["2.weight"]["cols"].grad is None  # not used by 0.weight
     assert scaled.tree["gains"]["0.weight"]["rows"].grad is not None
+
+
+def test_bench_fsdp_peak_counts_resident_tensors_and_the_steps_high_water_mark():
+    import torch
+
+    from benchmarks.bench_fsdp import _peak_bytes
+
+    resident = torch.zeros(1_000_000)  # 4 MB alive throughout
+
+    def step() -> None:
+        a = torch.ones(2_500_000)  # 10 MB
+        b = a * 2  # 10 MB more: the peak, 20 MB above the start
+        del a, b
+        torch.ones(250_000)  # 1 MB after both were freed
+
+    peak = _peak_bytes(step, [resident, resident[:10]])  # a view counts once
+    assert 24_000_000 <= peak < 24_500_000

@@ -16,6 +16,7 @@ p-nets and `StageGenerator` for pipeline stages (their bytes per step:
 from .._replicated import save_replicated as save_replicated
 from ._check import check_plan as check_plan, plan_difference as plan_difference
 from ._data import data_loader as data_loader, shard_batch as shard_batch
+from ._fsdp import ShardedFree as ShardedFree
 from ._mesh import MeshShape as MeshShape, init_mesh as init_mesh, mesh_shape as mesh_shape
 from ._owned import Ownership as Ownership, RankOwned as RankOwned, assign as assign
 from ._pipeline import StageGenerator as StageGenerator
