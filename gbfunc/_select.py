@@ -21,6 +21,14 @@ from ._tree import GParams
 Region = tuple[tuple[int, int], ...]  # [start, stop) along every dim of a parameter
 
 
+class Concat(NamedTuple):
+    """Several regions of one parameter, joined along `dim`: e.g. a tensor-parallel rank's
+    heads of GPT-2's fused Q/K/V weight, its slice of each of the three matrices."""
+
+    regions: tuple[Region, ...]
+    dim: int
+
+
 def full_region(shape: Sequence[int]) -> Region:
     """The region covering a whole parameter."""
     return tuple((0, n) for n in shape)
@@ -130,20 +138,17 @@ def parameters(
     params: Iterable[Generated | Free],
     gparams: GParams,
     generated: Callable[[Generated], Tensor],
-    regions: Mapping[str, Region] | None = None,
+    cut: Callable[[Free, Tensor], Tensor] | None = None,
 ) -> dict[str, Tensor]:
     """`{name: tensor}` for `params` in order: `generated(p)` for generated ones, the rest from
-    `gparams["free"]` or `gparams["frozen"]`: the leaves themselves without `regions`, else
-    views cut to `regions[name]`."""
+    `gparams["free"]` or `gparams["frozen"]`: the leaves themselves, or `cut(p, leaf)`."""
     out = {}
     for p in params:
         if isinstance(p, Generated):
             out[p.name] = generated(p)
             continue
         value = gparams["free" if p.trainable else "frozen"][p.name]
-        if regions is not None:  # a view even when whole: hooks on it must not reach the leaf
-            value = value[tuple(slice(a, b) for a, b in regions[p.name])]
-        out[p.name] = value
+        out[p.name] = value if cut is None else cut(p, value)
     return out
 
 
@@ -152,7 +157,8 @@ class Selection:
 
     Args:
         plan: The model's plan.
-        regions: `{name: region}` for the parameters to produce (generated or free).
+        regions: `{name: region or Concat}` for the parameters to produce (generated or
+            free).
 
     Example:
         >>> model = nn.ModuleDict({"fc": nn.Linear(128, 256)})
@@ -162,28 +168,27 @@ class Selection:
         torch.Size([64, 128])
     """
 
-    def __init__(self, plan: Plan, regions: Mapping[str, Region]) -> None:
+    def __init__(self, plan: Plan, regions: Mapping[str, Region | Concat]) -> None:
         params = {p.name: p for p in plan.params}
-        for name, region in regions.items():
-            _check_region(params.get(name), name, region)
+        self._parts = {name: _parts(region) for name, region in regions.items()}
+        for name, (parts, _) in self._parts.items():
+            for region in parts:
+                _check_region(params.get(name), name, region)
         self.plan = plan
         self.regions = dict(regions)
         self._params = {name: params[name] for name in regions}
         needed: dict[int, set[int]] = {}
-        self._pieces: dict[str, list[_Piece]] = {}
+        self._pieces: dict[tuple[str, int], list[_Piece]] = {}
         for name, p in self._params.items():
             if isinstance(p, Generated):
                 stack = plan.stacks[p.stack_index]
-                self._pieces[name] = _pieces(p, stack, self.regions[name])
-                needed.setdefault(p.stack_index, set()).update(
-                    region_tiles(p, stack, self.regions[name])
-                )
+                for k, region in enumerate(self._parts[name][0]):
+                    self._pieces[name, k] = _pieces(p, stack, region)
+                    needed.setdefault(p.stack_index, set()).update(region_tiles(p, stack, region))
         self.tiles = {s: sorted(t) for s, t in sorted(needed.items())}  # per stack, evaluated
         self._views = True  # free parameters as views; `whole` hands out the leaves
-        self._rows = {
-            name: self._tile_rows(p) for name, p in self._params.items() if name in self._pieces
-        }
-        self._index: dict[tuple[str, torch.device], list[Tensor]] = {}
+        self._rows = {key: self._tile_rows(self._params[key[0]], key) for key in self._pieces}
+        self._index: dict[tuple[str, int, torch.device], list[Tensor]] = {}
 
     @staticmethod
     def whole(plan: Plan) -> "Selection":
@@ -209,36 +214,53 @@ class Selection:
         return parameters(
             self._params.values(),
             gparams,
-            lambda p: self._lay_out(p, tiles[p.stack_index]),
-            self.regions if self._views else None,
+            lambda p: self._join(p, lambda k, region: self._lay_out(p, k, region, tiles)),
+            self._cut if self._views else None,
         )
 
-    def _lay_out(self, p: Generated, tiles: Tensor) -> Tensor:
-        stack = self.plan.stacks[p.stack_index]
-        parts = [
-            tiles[rows] if isinstance(rows, slice) else tiles.index_select(0, rows)
-            for rows in self._indices(p.name, tiles.device)
-        ]
-        return lay_out(p, stack, self.regions[p.name], self._pieces[p.name], parts)
+    def _join(self, p: Generated | Free, part: Callable[[int, Region], Tensor]) -> Tensor:
+        """`part(k, region)` for each region of `p`'s selection, joined along its dim."""
+        regions, dim = self._parts[p.name]
+        values = [part(k, region) for k, region in enumerate(regions)]
+        return values[0] if len(values) == 1 else torch.cat(values, dim=dim)
 
-    def _tile_rows(self, p: Generated) -> list[slice | list[int]]:
+    def _cut(self, p: Free, value: Tensor) -> Tensor:
+        """A view of free `value` cut to `p`'s regions (even when whole: a tensor-parallel
+        rank's gradient hooks on it must not reach the leaf)."""
+        return self._join(p, lambda k, region: value[tuple(slice(a, b) for a, b in region)])
+
+    def _lay_out(self, p: Generated, k: int, region: Region, tiles: dict[int, Tensor]) -> Tensor:
+        stack_tiles = tiles[p.stack_index]
+        parts = [
+            stack_tiles[rows] if isinstance(rows, slice) else stack_tiles.index_select(0, rows)
+            for rows in self._indices(p.name, k, stack_tiles.device)
+        ]
+        stack = self.plan.stacks[p.stack_index]
+        return lay_out(p, stack, region, self._pieces[p.name, k], parts)
+
+    def _tile_rows(self, p: Generated, key: tuple[str, int]) -> list[slice | list[int]]:
         """Each piece's rows in the evaluated tiles: a slice where they are consecutive."""
         position = {t: i for i, t in enumerate(self.tiles[p.stack_index])}
         rows: list[slice | list[int]] = []
-        for piece in self._pieces[p.name]:
+        for piece in self._pieces[key]:
             at = [position[t] for t in _piece_tiles(p, piece)]
             consecutive = at == list(range(at[0], at[0] + len(at)))
             rows.append(slice(at[0], at[0] + len(at)) if consecutive else at)
         return rows
 
-    def _indices(self, name: str, device: torch.device) -> list[slice | Tensor]:
-        key = (name, device)
+    def _indices(self, name: str, k: int, device: torch.device) -> list[slice | Tensor]:
+        key = (name, k, device)
         if key not in self._index:
             self._index[key] = [
                 rows if isinstance(rows, slice) else torch.tensor(rows, device=device)
-                for rows in self._rows[name]
+                for rows in self._rows[name, k]
             ]
         return self._index[key]
+
+
+def _parts(region: Region | Concat) -> tuple[tuple[Region, ...], int]:
+    """The regions of a selection entry and the dim they are joined along."""
+    return (region.regions, region.dim) if isinstance(region, Concat) else ((region,), 0)
 
 
 def _check_region(p: Generated | Free | None, name: str, region: Region) -> None:

@@ -311,3 +311,20 @@ def test_stage_generator_rejects_misnamed_or_meta_parameters():
         stage = GPT(GPTConfig(), stage=(0, 2))
     with pytest.raises(ValueError, match="expected a real tensor"):
         gbd.StageGenerator(plan, stage)
+
+
+def test_a_concat_selection_joins_its_regions_of_generated_and_free_parameters():
+    from gbfunc._select import Concat
+
+    plan = gb.plan(nn.Linear(24, 48), tile=(8, 8))  # the bias stays free
+    gparams = gb.init(plan, seed=3)
+    full = gb.apply(gparams, plan)
+    weight = Concat((((0, 8), (0, 24)), ((40, 52), (0, 24))), dim=0)
+    with pytest.raises(ValueError, match="does not fit"):  # each region is checked
+        gbd.Selection(plan, {"weight": weight})
+    weight = Concat((((0, 8), (0, 24)), ((24, 32), (0, 24)), ((40, 44), (0, 24))), dim=0)
+    bias = Concat((((0, 8),), ((24, 32),), ((40, 44),)), dim=0)
+    out = gbd.Selection(plan, {"weight": weight, "bias": bias}).apply(gparams)
+    rows = [*range(0, 8), *range(24, 32), *range(40, 44)]
+    torch.testing.assert_close(out["weight"], full["weight"][rows], rtol=0, atol=0)
+    torch.testing.assert_close(out["bias"], full["bias"][rows], rtol=0, atol=0)

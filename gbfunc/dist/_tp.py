@@ -11,7 +11,9 @@ replicated over the group gets the same gradient on every rank; its gradient is 
 `1 / tp` on the way into the g-nets, so that the sum is the average.
 """
 
+import fnmatch
 import math
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
@@ -20,7 +22,7 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 
 from .._tree import GParams
 from .._plan import Generated, Plan
-from .._select import Region, Selection, cuts_tiles, full_region
+from .._select import Concat, Region, Selection, cuts_tiles, full_region
 
 
 def local_region(
@@ -44,6 +46,30 @@ def local_region(
     return tuple(map(tuple, spans))
 
 
+def fused_regions(
+    shape: tuple[int, ...], placements: tuple[Placement, ...], mesh: DeviceMesh, parts: int
+) -> Concat:
+    """This rank's slice of each of the `parts` equal matrices that a parameter holds side by
+    side along its sharded dim, joined: the local shard when the DTensor's global order is
+    the parts interleaved per rank (`[Q0 K0 V0 | Q1 K1 V1]` for GPT-2's `c_attn`)."""
+    dims = [pl.dim for pl in placements if isinstance(pl, Shard)]
+    if len(dims) != 1 or shape[dims[0]] % parts:
+        raise ValueError(
+            f"gb.dist.TensorParallel: a fused parameter of shape {shape} needs one Shard "
+            f"placement on a dim divisible by its {parts} parts, got {placements}."
+        )
+    dim = dims[0]
+    size = shape[dim] // parts
+    local = local_region((*shape[:dim], size, *shape[dim + 1 :]), placements, mesh, "fused")
+    (lo, hi) = local[dim]
+    regions = []
+    for j in range(parts):
+        spans = list(local)
+        spans[dim] = (j * size + lo, j * size + hi)
+        regions.append(tuple(spans))
+    return Concat(tuple(regions), dim)
+
+
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
 
@@ -57,6 +83,10 @@ class TensorParallel:
         model: The model after `parallelize_module` on `mesh` (the `meta` device is fine: its
             own weights are never used).
         mesh: The tensor-parallel mesh, e.g. `mesh["tp"]`.
+        fused: `{name_pattern: parts}` (fnmatch) for parameters that hold `parts` equal
+            matrices side by side along their sharded dim and are sharded part by part, each
+            rank its slice of every part: GPT-2's `c_attn` (Q, K, V: `3`), sharded by heads.
+            The model's DTensor order is then the parts interleaved per rank.
 
     Attributes:
         misaligned: Parameters whose shard edges cut through tiles; those tiles are generated
@@ -70,7 +100,13 @@ class TensorParallel:
         >>> out = functional_call(model, tp.apply(gparams), (x,))  # doctest: +SKIP
     """
 
-    def __init__(self, plan: Plan, model: nn.Module, mesh: DeviceMesh) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        model: nn.Module,
+        mesh: DeviceMesh,
+        fused: Mapping[str, int] | None = None,
+    ) -> None:
         names = dict(model.named_parameters())
         missing = [p.name for p in plan.params if p.name not in names]
         extra = sorted(set(names) - {p.name for p in plan.params})
@@ -80,7 +116,7 @@ class TensorParallel:
                 f"(only in the plan: {missing[:3]}; only in the model: {extra[:3]}). "
                 "Was the plan made from another model?"
             )
-        regions: dict[str, Region] = {}
+        regions: dict[str, Region | Concat] = {}
         self._wrap: dict[str, tuple[tuple[Placement, ...] | None, float, tuple[int, ...]]] = {}
         self.misaligned: tuple[str, ...] = ()
         for p in plan.params:
@@ -97,7 +133,12 @@ class TensorParallel:
                         f"not on the given mesh {mesh}."
                     )
                 placements = tuple(param.placements)
-                regions[p.name] = local_region(p.shape, placements, mesh, p.name)
+                rules = (fused or {}).items()
+                parts = next((n for pat, n in rules if fnmatch.fnmatch(p.name, pat)), 1)
+                if parts > 1:
+                    regions[p.name] = fused_regions(p.shape, placements, mesh, parts)
+                else:
+                    regions[p.name] = local_region(p.shape, placements, mesh, p.name)
                 copies = math.prod(
                     mesh.size(d) for d, pl in enumerate(placements) if not isinstance(pl, Shard)
                 )
@@ -106,7 +147,10 @@ class TensorParallel:
                 regions[p.name] = full_region(p.shape)
                 copies = mesh.size()
             self._wrap[p.name] = (placements, 1.0 / copies, p.shape)
-            if isinstance(p, Generated) and cuts_tiles(p, plan.stacks[p.stack_index], regions[p.name]):
+            region = regions[p.name]
+            parts = region.regions if isinstance(region, Concat) else (region,)
+            stack = plan.stacks[p.stack_index] if isinstance(p, Generated) else None
+            if stack is not None and any(cuts_tiles(p, stack, r) for r in parts):
                 self.misaligned += (p.name,)
         self.mesh = mesh
         self.selection = Selection(plan, regions)
