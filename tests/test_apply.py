@@ -43,6 +43,7 @@ def models() -> dict[str, tuple[nn.Module, dict]]:
             nn.Sequential(nn.Conv2d(3, 10, 3), nn.Linear(9, 11)),
             {"tile": (4, 3), "hashed": 7, "share": True, "biases": True},
         ),
+        "hashed-outputs": (nn.Linear(12, 10), {"tile": (4, 4), "hashed": 9, "outputs": 2}),
         "cnn-gray": (
             nn.Sequential(nn.Conv2d(3, 6, 3), nn.Conv1d(3, 4, 2)),
             {"tile": (4, 3), "encoding": "gray", "outputs": 2},

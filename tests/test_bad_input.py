@@ -87,6 +87,7 @@ FORGED: dict[str, Change] = {
     "stack-index": in_plan(lambda d: d["params"][0].update(stack_index=1)),
     "split-dim": in_plan(lambda d: d["params"][0].update(split_dim=2)),
     "negative-count": in_plan(lambda d: d["stacks"][0].update(tiles_per_gnet=[-1] * 6)),
+    "unused-stack": in_plan(lambda d: d["stacks"].append({**d["stacks"][0], "key": "extra"})),
     "step": lambda tensors, metadata: metadata.update(step='"abc"'),
     "int64": int64_bias,
 }
@@ -440,6 +441,11 @@ def _save_load_cases_2(tmp: Path | None) -> dict[str, Case]:
 
 def _save_load_cases_3(tmp: Path | None) -> dict[str, Case]:
     return {
+        "load-forged-unused-stack": Case(
+            lambda: gb.load(tmp / "unused-stack.safetensors", mlp()),
+            gb.CheckpointCorruptError,
+            r"stacks\[1\] is 'extra'; expected a stack that generates some block",
+        ),
         "load-forged-negative-count": Case(
             lambda: gb.load(tmp / "negative-count.safetensors", mlp()),
             gb.CheckpointCorruptError,

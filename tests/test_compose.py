@@ -247,3 +247,35 @@ def test_apply_compiles_only_stacks_large_enough_to_pay_by_default():
     plan = gb.plan(nn.Linear(8, 8), tile=(4, 4))
     with pytest.raises(TypeError, match=r"gb\.apply: compile must be True, False or None"):
         gb.apply(gb.init(plan), plan, compile=1)
+
+
+def test_vmap_with_some_leaves_shared_equals_the_loop():
+    """Genomes that differ only in their output layers: the rest enters vmap unbatched."""
+    model = tiny_model(False)
+    plan = gb.plan(model, **GENOMES["default"])
+    trees, stacked = stack_genomes(plan, range(3))
+    shared = {
+        key: {
+            name: t if name in ("w_out", "b_out") else trees[0]["stacks"][key][name]
+            for name, t in leaves.items()
+        }
+        for key, leaves in stacked["stacks"].items()
+    }
+    dims = {
+        key: {name: 0 if name in ("w_out", "b_out") else None for name in leaves}
+        for key, leaves in shared.items()
+    }
+    gparams = {"stacks": shared, "free": trees[0]["free"], "frozen": trees[0]["frozen"]}
+    in_dims = ({"stacks": dims, "free": None, "frozen": None}, None)
+    out = vmap(gb.apply, in_dims=in_dims)(gparams, plan)
+    for k in range(3):
+        one = {
+            "stacks": {
+                key: {name: t[k] if dims[key][name] == 0 else t for name, t in leaves.items()}
+                for key, leaves in shared.items()
+            },
+            "free": trees[0]["free"],
+            "frozen": trees[0]["frozen"],
+        }
+        for name, value in gb.apply(one, plan).items():
+            torch.testing.assert_close(out[name][k], value, rtol=1e-6, atol=1e-7, msg=name)

@@ -328,3 +328,81 @@ def test_a_concat_selection_joins_its_regions_of_generated_and_free_parameters()
     rows = [*range(0, 8), *range(24, 32), *range(40, 44)]
     torch.testing.assert_close(out["weight"], full["weight"][rows], rtol=0, atol=0)
     torch.testing.assert_close(out["bias"], full["bias"][rows], rtol=0, atol=0)
+
+
+def test_a_region_in_the_third_of_three_blocks_matches_gb_apply():
+    plan = gb.plan(nn.MultiheadAttention(12, 3), tile=(4, 4))  # Q, K, V: blocks along rows
+    gparams = gb.init(plan, seed=2)
+    full = gb.apply(gparams, plan)["in_proj_weight"]
+    for region in (((26, 35), (0, 12)), ((14, 30), (3, 9))):
+        out = gbd.Selection(plan, {"in_proj_weight": region}).apply(gparams)["in_proj_weight"]
+        (r0, r1), (c0, c1) = region
+        torch.testing.assert_close(out, full[r0:r1, c0:c1], rtol=0, atol=0)
+
+
+def test_a_region_across_column_blocks_matches_gb_apply():
+    transformers = pytest.importorskip("transformers")
+    attn = nn.ModuleDict({"c_attn": transformers.pytorch_utils.Conv1D(3 * 8, 8)})
+    plan = gb.plan(attn, tile=(4, 4))  # Q, K, V side by side: blocks along columns
+    gparams = gb.init(plan, seed=2)
+    full = gb.apply(gparams, plan)["c_attn.weight"]  # (in 8, out 24)
+    out = gbd.Selection(plan, {"c_attn.weight": ((0, 8), (10, 21))}).apply(gparams)
+    torch.testing.assert_close(out["c_attn.weight"], full[:, 10:21], rtol=0, atol=0)
+
+
+def test_a_region_that_starts_inside_a_tile_cuts_it():
+    plan = gb.plan(nn.Linear(32, 32), tile=(8, 8))
+    p, stack = plan.generated[0], plan.stacks[0]
+    assert cuts_tiles(p, stack, ((4, 16), (0, 32)))  # the end is aligned, the start is not
+    assert cuts_tiles(p, stack, ((0, 32), (0, 12)))
+    assert not cuts_tiles(p, stack, ((8, 24), (16, 32)))
+
+
+@pytest.mark.parametrize(
+    ("region", "match"),
+    [
+        (((3, 3), (0, 8)), "does not fit"),  # empty
+        (((-1, 4), (0, 8)), "does not fit"),
+        (((0, 4), (0, 9)), "does not fit"),
+        (((0, 4),), "does not fit"),  # too few dims
+    ],
+)
+def test_bad_regions_are_named(region, match):
+    plan = gb.plan(nn.Linear(8, 8), tile=(4, 4))
+    with pytest.raises(ValueError, match=match):
+        gbd.Selection(plan, {"weight": region})
+
+
+def test_a_convolution_can_only_be_split_along_its_first_two_dims():
+    plan = gb.plan(nn.Conv2d(4, 8, 3), tile=(4, 2))
+    with pytest.raises(
+        ValueError, match=r"conv can only|weight can only be split along dims 0 and 1"
+    ):
+        gbd.Selection(plan, {"weight": ((0, 8), (0, 4), (0, 2), (0, 3))})
+
+
+def test_free_parameters_split_by_columns_are_not_taken_for_centred_ones():
+    plan = gb.plan(nn.Sequential(nn.Embedding(10, 6), nn.Linear(6, 4)), tile=(2, 2))
+    assert isinstance(plan.params[0], gb.Free)  # the embedding table stays free
+    gparams = gb.init(plan)
+    out = gbd.Selection(plan, {"0.weight": ((0, 10), (2, 5))}).apply(gparams)["0.weight"]
+    torch.testing.assert_close(out, gparams["free"]["0.weight"][:, 2:5], rtol=0, atol=0)
+
+
+def test_gb_apply_lays_out_whole_blocks_from_slices_not_gathers():
+    """A performance property: whole parameters read consecutive tiles, so no index_select."""
+    from gbfunc._select import Selection
+
+    plan = gb.plan(nn.Sequential(nn.MultiheadAttention(12, 3), nn.Linear(12, 20)), tile=(4, 4))
+    rows = Selection.whole(plan)._rows
+    assert rows
+    assert all(isinstance(r, slice) for pieces in rows.values() for r in pieces)
+    from gbfunc._select import Concat
+
+    # Tiles 0 and 3 for the first region, tile 1 for the second: the first gathers.
+    regions = Concat((((0, 8), (0, 4)), ((0, 4), (4, 8))), dim=0)
+    picked = Selection(plan, {"0.in_proj_weight": regions})
+    assert any(not isinstance(r, slice) for pieces in picked._rows.values() for r in pieces)
+    full = gb.apply(gb.init(plan), plan)["0.in_proj_weight"]
+    out = picked.apply(gb.init(plan))["0.in_proj_weight"]
+    torch.testing.assert_close(out, torch.cat([full[:8, :4], full[:4, 4:8]]), rtol=0, atol=0)

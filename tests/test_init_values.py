@@ -157,3 +157,19 @@ def test_bert_from_a_config_starts_at_the_dense_loss():
     plan = gb.plan(model, tile=(32, 32))
     query = next(p for p in plan.generated if p.name.endswith("attention.self.query.weight"))
     assert query.scale == pytest.approx(0.02, rel=0.05)  # BERT's N(0, 0.02), not Kaiming
+
+
+def test_drawn_free_parameters_depend_on_the_seed_only():
+    """A free table drawn from N(0, 1) (an embedding on the meta device) comes from `seed`'s
+    generator, whatever the global RNG did before."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 8))
+    plan = gb.plan(model, tile=(4, 4))
+    torch.manual_seed(1)
+    first = gb.init(plan, seed=5)["free"]["0.weight"]
+    torch.manual_seed(2)
+    again = gb.init(plan, seed=5)["free"]["0.weight"]
+    other = gb.init(plan, seed=6)["free"]["0.weight"]
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+    assert 0.8 < first.std().item() < 1.2  # nn.Embedding draws N(0, 1)
