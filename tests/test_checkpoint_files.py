@@ -111,6 +111,13 @@ def _generated(plan: dict, index: int = 0) -> dict:
     return [p for p in plan["params"] if p["kind"] == "generated"][index]
 
 
+def _shift_blocks(plan: dict) -> None:
+    """One more g-net at the front of the stack, owned by no block."""
+    plan["stacks"][0]["tiles_per_gnet"] = [1] * 9
+    for i in range(2):
+        _generated(plan, i)["blocks"][0]["first_tile"] += 1
+
+
 @pytest.mark.parametrize(
     ("edit", "match"),
     [
@@ -124,6 +131,15 @@ def _generated(plan: dict, index: int = 0) -> dict:
         (lambda p: p["stacks"][0].update(tiles_per_gnet=[-1] * 4), "tiles_per_gnet"),
         (lambda p: _generated(p)["blocks"][0].update(first_tile=4), "both claim|outside"),
         (lambda p: p["params"][1].update(init=["exec", 1.0]), "init"),
+        (
+            lambda p: p["stacks"][0]["genome"].update(outputs=3),
+            r"stacks\[0\]\.tile is \(4, 4\); expected a width that is a multiple of outputs=3",
+        ),
+        (
+            lambda p: p["stacks"][0]["genome"].update(share=True),
+            r"tiles_per_gnet is .*; expected \(4, 4\), one g-net per block \(share=True\)",
+        ),
+        (_shift_blocks, r"tiles 0 to 0 of 's0_4x4' belong to no block"),
     ],
 )
 def test_a_crafted_plan_is_refused_before_anything_is_allocated(tmp_path, edit, match):
