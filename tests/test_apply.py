@@ -103,7 +103,9 @@ def test_functional_call_runs_every_model():
             x = (
                 torch.randn(3, 5, model.self_attn.embed_dim)
                 if name == "transformer"
-                else torch.randn(3, {"tanh-deep": 9, "paper-labels": 12}.get(name, 20))
+                else torch.randn(
+                    3, {"tanh-deep": 9, "paper-labels": 12, "hashed-outputs": 12}.get(name, 20)
+                )
             )
             out = functional_call(model, params, (x,))
         assert torch.isfinite(out).all(), name
