@@ -6,6 +6,7 @@ import os
 import stat
 import struct
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -143,6 +144,55 @@ def _shift_blocks(plan: dict) -> None:
     ],
 )
 def test_a_crafted_plan_is_refused_before_anything_is_allocated(tmp_path, edit, match):
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    plan = gb.plan(model, tile=(4, 4))
+    path = tmp_path / "c.safetensors"
+    gb.save(path, gb.init(plan), plan)
+    forge(path, in_plan(edit))
+    load_fails(path, model, match)
+
+
+def _block(index: int = 0, **change) -> Callable[[dict], None]:
+    return lambda p: _generated(p, index)["blocks"][0].update(**change)
+
+
+def _stack(**change) -> Callable[[dict], None]:
+    return lambda p: p["stacks"][0].update(**change)
+
+
+# Each check of a crafted plan, with the whole message it must give (every field named, the
+# value found and what was expected): the model is two Linear(8, 8), one stack of 4x4 tiles.
+CRAFTED_MESSAGES = [
+    (_stack(key=""), r"stacks\[0\]\.key is ''; expected a unique name without '/'\."),
+    (_stack(key="a/b"), r"stacks\[0\]\.key is 'a/b'; expected a unique name without '/'\."),
+    (_stack(tile=[4]), r"stacks\[0\]\.tile is \(4,\); expected \[th, tw\] >= 1\."),
+    (_stack(window=[0]), r"stacks\[0\]\.window is \(0,\); expected a list of sizes >= 1\."),
+    (_stack(columns=0), r"stacks\[0\]\.columns is 0; expected an integer >= 1\."),
+    (_stack(tiles_per_gnet=[]), r"stacks\[0\]\.tiles_per_gnet is \(\); expected a list of counts"),
+    (
+        _stack(window=[3]),
+        r"stacks\[0\]\.window is \(3,\); expected \(\), the kernel window of params\[0\] "
+        r"\('0\.weight'\)\.",
+    ),
+    (
+        _block(rows=3),
+        r"params\[0\] \('0\.weight'\)\.blocks\[0\] is '3x8'; expected 8x8 for shape \(8, 8\) "
+        r"split 1-ways on dim 0\.",
+    ),
+    (
+        _block(grid=[1, 1]),
+        r"params\[0\] \('0\.weight'\)\.blocks\[0\]\.grid is \(1, 1\); expected \(2, 2\) for "
+        r"8x8 on 4x4 tiles\.",
+    ),
+    (
+        lambda p: _generated(p).update(split_dim=1),
+        r"params\[0\] \('0\.weight'\)\.split_dim is 1; expected 0 for one block\.",
+    ),
+]
+
+
+@pytest.mark.parametrize(("edit", "match"), CRAFTED_MESSAGES)
+def test_a_crafted_plan_names_the_field_the_value_and_what_was_expected(tmp_path, edit, match):
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
     plan = gb.plan(model, tile=(4, 4))
     path = tmp_path / "c.safetensors"
