@@ -188,6 +188,20 @@ CRAFTED_MESSAGES = [
         lambda p: _generated(p).update(split_dim=1),
         r"params\[0\] \('0\.weight'\)\.split_dim is 1; expected 0 for one block\.",
     ),
+    (
+        _stack(tile=[16, 4]),
+        r"stacks\[0\]\.tile is \(16, 4\); expected a tile no larger than params\[0\] "
+        r"\('0\.weight'\)\.blocks\[0\] \(8x8\), as gb\.plan clips it\.",
+    ),
+    (
+        lambda p: p["stacks"][0]["genome"].update(outputs=16),
+        r"stacks\[0\]\.genome\.outputs is 16; expected at most the 8 columns of params\[0\] "
+        r"\('0\.weight'\)\.blocks\[0\]\.",
+    ),
+    (
+        lambda p: p["stacks"].append({**p["stacks"][0], "key": "extra"}),
+        r"stacks\[1\] is 'extra'; expected a stack that generates some block\.",
+    ),
 ]
 
 
