@@ -7,6 +7,7 @@ import stat
 import struct
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 import torch
@@ -213,3 +214,59 @@ def test_a_crafted_plan_names_the_field_the_value_and_what_was_expected(tmp_path
     gb.save(path, gb.init(plan), plan)
     forge(path, in_plan(edit))
     load_fails(path, model, match)
+
+
+def _hand_built(edit: Callable[[gb.Plan], gb.Plan]) -> tuple[gb.Plan, nn.Module]:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    return edit(gb.plan(model, tile=(4, 4))), model
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda p: gb.Plan(list(p.params), p.stacks), r"params is 'list'; expected a list\."),
+        (lambda p: gb.Plan(p.params, list(p.stacks)), r"stacks is 'list'; expected a list\."),
+        (
+            lambda p: gb.Plan((1, *p.params), p.stacks),
+            r"params\[0\] is 'int'; expected a parameter\.",
+        ),
+        (
+            lambda p: gb.Plan(p.params, (*p.stacks, "s")),
+            r"stacks\[1\] is 'str'; expected a stack\.",
+        ),
+        (
+            lambda p: gb.Plan((replace(p.params[0], name=""), *p.params[1:]), p.stacks),
+            r"params\[0\]\.name is ''; expected a name\.",
+        ),
+        (
+            lambda p: gb.Plan((replace(p.params[0], dtype="float99"), *p.params[1:]), p.stacks),
+            r"params\[0\] \('0\.weight'\)\.dtype is 'float99'; expected a torch dtype name such as "
+            r"'float32'\.",
+        ),
+        (
+            lambda p: gb.Plan((replace(p.params[0], scale=True), *p.params[1:]), p.stacks),
+            r"params\[0\] \('0\.weight'\)\.scale is True; expected a finite number > 0\.",
+        ),
+        (
+            lambda p: gb.Plan((replace(p.params[0], scale="1"), *p.params[1:]), p.stacks),
+            r"params\[0\] \('0\.weight'\)\.scale is '1'; expected a finite number > 0\.",
+        ),
+        (
+            lambda p: gb.Plan(p.params, (replace(p.stacks[0], genome="g"),)),
+            r"stacks\[0\]\.genome is 'g'; expected a genome\.",
+        ),
+    ],
+)
+def test_a_hand_built_plan_is_checked_like_a_crafted_file(edit, match):
+    """`check_plan` also guards plans built in code, not only read from JSON."""
+    from gbfunc._check_plan import check_plan
+
+    plan, model = _hand_built(edit)
+    with pytest.raises(gb.CheckpointCorruptError, match=match):
+        check_plan(
+            plan,
+            model,
+            "where",
+            corrupt=gb.CheckpointCorruptError,
+            mismatch=gb.CheckpointMismatchError,
+        )
