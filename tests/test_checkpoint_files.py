@@ -145,6 +145,11 @@ def _shift_blocks(plan: dict) -> None:
     ],
 )
 def test_a_crafted_plan_is_refused_before_anything_is_allocated(tmp_path, edit, match):
+    _crafted_plan_fails(tmp_path, edit, match)
+
+
+def _crafted_plan_fails(tmp_path, edit: Callable[[dict], None], match: str) -> None:
+    """A checkpoint of two Linear(8, 8) on 4x4 tiles whose plan JSON `edit` changed."""
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
     plan = gb.plan(model, tile=(4, 4))
     path = tmp_path / "c.safetensors"
@@ -208,12 +213,7 @@ CRAFTED_MESSAGES = [
 
 @pytest.mark.parametrize(("edit", "match"), CRAFTED_MESSAGES)
 def test_a_crafted_plan_names_the_field_the_value_and_what_was_expected(tmp_path, edit, match):
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
-    plan = gb.plan(model, tile=(4, 4))
-    path = tmp_path / "c.safetensors"
-    gb.save(path, gb.init(plan), plan)
-    forge(path, in_plan(edit))
-    load_fails(path, model, match)
+    _crafted_plan_fails(tmp_path, edit, match)
 
 
 def _hand_built(edit: Callable[[gb.Plan], gb.Plan]) -> tuple[gb.Plan, nn.Module]:

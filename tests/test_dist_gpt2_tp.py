@@ -3,6 +3,7 @@ heads, each rank generating only its own heads' tiles, equal to one process."""
 
 import pytest
 import torch
+from tiny_gpt2 import tiny_gpt2_config
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.func import functional_call
 
@@ -16,17 +17,9 @@ STEPS = 2
 
 def _config():
     transformers = pytest.importorskip("transformers")
-    return transformers, transformers.GPT2Config(
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        vocab_size=64,
-        n_positions=16,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        attn_implementation="eager",
-    )
+    no_dropout = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    config = tiny_gpt2_config(transformers, attn_implementation="eager", **no_dropout)
+    return transformers, config
 
 
 def _model():

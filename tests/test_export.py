@@ -3,6 +3,7 @@
 import pytest
 import safetensors.torch
 import torch
+from tiny_gpt2 import tiny_gpt2_config
 from torch import nn
 from torch.func import functional_call
 
@@ -79,15 +80,7 @@ def test_export_casts_to_the_model_dtype():
 @pytest.fixture(scope="module")
 def gpt2():
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        vocab_size=64,
-        n_positions=16,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
+    config = tiny_gpt2_config(transformers)
     return transformers, config
 
 
