@@ -183,8 +183,9 @@ class Selection:
             if isinstance(p, Generated):
                 stack = plan.stacks[p.stack_index]
                 for k, region in enumerate(self._parts[name][0]):
-                    self._pieces[name, k] = _pieces(p, stack, region)
-                    needed.setdefault(p.stack_index, set()).update(region_tiles(p, stack, region))
+                    pieces = self._pieces[name, k] = _pieces(p, stack, region)
+                    tiles = (t for piece in pieces for t in _piece_tiles(p, piece))
+                    needed.setdefault(p.stack_index, set()).update(tiles)
         self.tiles = {s: sorted(t) for s, t in sorted(needed.items())}  # per stack, evaluated
         self._views = True  # free parameters as views; `whole` hands out the leaves
         self._rows = {key: self._tile_rows(self._params[key[0]], key) for key in self._pieces}

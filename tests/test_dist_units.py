@@ -406,3 +406,12 @@ def test_gb_apply_lays_out_whole_blocks_from_slices_not_gathers():
     full = gb.apply(gb.init(plan), plan)["0.in_proj_weight"]
     out = picked.apply(gb.init(plan))["0.in_proj_weight"]
     torch.testing.assert_close(out, torch.cat([full[:8, :4], full[:4, 4:8]]), rtol=0, atol=0)
+
+
+def test_sharded_free_refuses_a_plan_of_another_model_before_sharding():
+    plan = gb.plan(nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)), tile=(4, 4))
+    other = nn.Sequential(nn.Linear(8, 6), nn.LayerNorm(6))
+    with pytest.raises(ValueError, match=r"gb.dist.ShardedFree: parameter '0.weight' has shape"):
+        gbd.ShardedFree(plan, other, mesh=None)
+    assert not isinstance(other[0].weight, torch.distributed.tensor.DTensor)  # untouched
+    assert other[0].weight.device.type == "cpu"  # not released to meta

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
+from .._check_model import check_matches
 from .._plan import Plan
 from .._select import Selection, full_region
 from .._tree import GParams
@@ -52,13 +53,7 @@ class ShardedFree:
         modules: Sequence[nn.Module] = (),
         **fsdp: object,
     ) -> None:
-        names = dict(model.named_parameters())
-        missing = [p.name for p in plan.params if p.name not in names]
-        if missing:
-            raise ValueError(
-                f"gb.dist.ShardedFree: the model has no parameter {missing[0]!r} of the plan; "
-                "was the plan made from another model?"
-            )
+        check_matches(plan, model, "gb.dist.ShardedFree", "the plan")
         generated = {_release(model, p.name) for p in plan.generated}
         for module in [*modules, model]:
             fully_shard(module, mesh=mesh, ignored_params=generated, **fsdp)
