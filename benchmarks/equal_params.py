@@ -83,7 +83,7 @@ from benchmarks._meta import (
     write_csv,
     write_json,
 )
-from benchmarks.baselines import hashed, low_rank, tree_count
+from examples.baselines import factor_budget, hashed, low_rank, tree_count
 from examples.data import CharCorpus, char_batch, char_windows, digits_split, pydoc_text
 from examples.models import CharTransformer, DigitsCNN, digits_mlp, paper_genome
 from examples.tasks import CharLMConfig, DigitsConfig
@@ -373,9 +373,9 @@ def arms_at(task: Task, label: str, options: dict, seed: int, data: Data) -> lis
     params = dict(model.named_parameters())
     factored = task.factored or tuple(k for k, v in params.items() if v.dim() >= 2)
     free = sum(v.numel() for k, v in params.items() if k not in factored)
-    rank_one = sum(params[k].shape[0] + params[k][0].numel() for k in factored)
-    if ours >= free + rank_one:  # room for rank 1 everywhere
-        tree, to_params = low_rank(model, list(factored), ours - free, seed=seed)
+    budget = factor_budget(model, factored, ours)
+    if budget is not None:
+        tree, to_params = low_rank(model, list(factored), budget, seed=seed)
         arms.append(Arm("low rank", "U V^T", model, tree, to_params, tree_count(tree)))
     if ours >= free + len(factored):  # room for one shared value per weight
         tree, to_params = hashed(model, list(factored), ours - free, seed=seed)

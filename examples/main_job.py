@@ -9,14 +9,15 @@ Every task uses data that ships with Python or a package, so nothing is download
 - `mlp`: the paper's MLP shape (64-800-10) on the same digits, with the paper's genome
   (neuron labels, generated biases) at ~100x.
 
-For each task three arms start from the same seed, see the same batches in the same order and
+For each task the arms start from the same seed, see the same batches in the same order and
 train with AdamW and the same schedule: the dense model, its gbfunc twin (g-nets generate its
-weights from 20-100x fewer parameters; they have their own learning rate), and a *narrow*
-dense model of the same architecture whose parameter count is nearest the gbfunc arm's, the
-obvious alternative at that size. The job prints the compression table and the three
+weights from 20-100x fewer parameters; they have their own learning rate), and the two obvious
+alternatives at the twin's size: a *narrow* dense model of the same architecture whose
+parameter count is nearest, and a *low-rank* model (every weight as `U @ V.T`, as many
+parameters in all) where rank 1 fits. The job prints the compression table and the
 validation scores, saves the compressed model with `gb.save` and plots the curves.
 
-    python -m examples.main_job                  # all tasks, ~15 minutes on 2 busy CPU cores
+    python -m examples.main_job                  # all tasks, 6-10 minutes on 2 CPU cores
     python -m examples.main_job --task charlm --steps 3000 --device cuda
 """
 
@@ -33,6 +34,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 import gbfunc as gb
+from examples.baselines import smallest_low_rank, weight_matrices
 from examples.data import CharCorpus, char_batch, char_windows, digits_split, pydoc_text
 from examples.models import CharTransformer, DigitsCNN, digits_mlp
 from examples.tasks import EVAL_TOKENS, CharLMConfig, DigitsConfig, MLPConfig
@@ -42,6 +44,7 @@ from examples.training import (
     TrainConfig,
     dense_and_gb,
     evaluate,
+    low_rank_arm,
     narrow_arm,
     plot,
     train,
@@ -61,9 +64,18 @@ class Result:
     seconds: float
 
 
+def with_baselines(
+    model: nn.Module, plan: gb.Plan, narrow: Arm, cfg: TrainConfig, device: torch.device
+) -> list[Arm]:
+    """Dense, gb, the `narrow` arm, and a low-rank arm of gb's size where rank 1 fits."""
+    arms = [*dense_and_gb(model, plan, cfg, device), narrow]
+    low_rank = low_rank_arm(model, gb.report(plan).stored_params, cfg, device)
+    return arms if low_rank is None else [*arms, low_rank]
+
+
 def finish(
     task: str,
-    gb_arm: Arm,
+    arms: Sequence[Arm],
     plan: gb.Plan,
     cfg: TrainConfig,
     final: dict[str, tuple[float, float]],
@@ -72,23 +84,31 @@ def finish(
     started: float,
     plot_path: Path,
 ) -> Result:
-    """Save the compressed arm with `gb.save`, print the final scores, and package the result."""
+    """Save the gb arm with `gb.save`, print every arm's final scores and size, package them."""
     rep = gb.report(plan)
     checkpoint = out / f"{task}_gb.safetensors"
-    meta = {"task": task, "config": asdict(cfg), **meta}
-    saved = {k: v for k, v in meta.items() if k != "narrow_params"}
-    gb.save(checkpoint, gb_arm.tree, plan, step=cfg.steps, meta=saved)
+    gb_tree = next(a.tree for a in arms if a.name == "gb")
+    gb.save(
+        checkpoint,
+        gb_tree,
+        plan,
+        step=cfg.steps,
+        meta={"task": task, "config": asdict(cfg), **meta},
+    )
     loss = {name: v[0] for name, v in final.items()}
     acc = {name: v[1] for name, v in final.items()}
     print(
-        f"[{task}] validation loss: dense {loss['dense']:.4f}, gb {loss['gb']:.4f} "
-        f"(gb/dense {loss['gb'] / loss['dense']:.3f}), narrow {loss['narrow']:.4f}; "
-        f"accuracy: dense {100 * acc['dense']:.2f}%, gb {100 * acc['gb']:.2f}%, "
-        f"narrow {100 * acc['narrow']:.2f}%"
+        f"[{task}] validation loss: {', '.join(f'{k} {v:.4f}' for k, v in loss.items())} "
+        f"(gb/dense {loss['gb'] / loss['dense']:.3f}); "
+        f"accuracy: {', '.join(f'{k} {100 * v:.2f}%' for k, v in acc.items())}"
     )
+    counts = ", ".join(f"{a.name} {a.trainable():,}" for a in arms)
+    missing = ""
+    if "low rank" not in loss:
+        smallest = smallest_low_rank(arms[0].model, weight_matrices(arms[0].model))
+        missing = f"; no low rank: rank 1 for every weight needs {smallest:,}"
     print(
-        f"[{task}] trainable parameters: dense {rep.dense_params:,}, gb {rep.stored_params:,}, "
-        f"narrow {meta.pop('narrow_params'):,} (the narrow model nearest gb's count)"
+        f"[{task}] trainable parameters: {counts} (narrow: the width nearest gb's count{missing})"
     )
     print(
         f"[{task}] compression: {rep.generated_compression:.1f}x on the generated weights, "
@@ -121,7 +141,7 @@ def run_charlm(cfg: CharLMConfig, out: Path, device: torch.device) -> Result:
         cfg,
         device,
     )
-    arms = [*dense_and_gb(model, plan, cfg, device), narrow]
+    arms = with_baselines(model, plan, narrow, cfg, device)
     val_x, val_y = char_windows(val_ids, cfg.context)
     # Curve points use evenly spaced windows; the final score uses every window.
     pick = torch.linspace(0, len(val_x) - 1, min(cfg.eval_windows, len(val_x))).long()
@@ -142,8 +162,9 @@ def run_charlm(cfg: CharLMConfig, out: Path, device: torch.device) -> Result:
     title = f"char transformer on pydoc topics (gb: {gb.report(plan).generated_compression:.0f}x)"
     plot_path = out / "charlm_curves.png"
     plot(curves, plot_path, title, baseline=(entropy, "unigram entropy"))
-    meta = {"chars": corpus.chars, "narrow_params": sum(v.numel() for v in narrow.tree.values())}
-    return finish("charlm", arms[1], plan, cfg, final, out, meta, started, plot_path)
+    return finish(
+        "charlm", arms, plan, cfg, final, out, {"chars": corpus.chars}, started, plot_path
+    )
 
 
 @torch.no_grad()
@@ -177,7 +198,7 @@ def run_digits(cfg: DigitsConfig, out: Path, device: torch.device) -> Result:
         cfg,
         device,
     )
-    arms = [*dense_and_gb(model, plan, cfg, device), narrow]
+    arms = with_baselines(model, plan, narrow, cfg, device)
     return train_digits("digits", "CNN", arms, plan, cfg, out, device, started)
 
 
@@ -190,7 +211,7 @@ def run_mlp(cfg: MLPConfig, out: Path, device: torch.device) -> Result:
     print(f"[mlp] 64-{cfg.hidden}-10 on digits; plan {dict(cfg.plan)}")
     print(gb.report(plan))
     narrow = narrow_arm(digits_mlp, gb.report(plan).stored_params, range(1, 200), cfg, device)
-    arms = [*dense_and_gb(model, plan, cfg, device), narrow]
+    arms = with_baselines(model, plan, narrow, cfg, device)
     return train_digits("mlp", "MLP 64-800-10", arms, plan, cfg, out, device, started)
 
 
@@ -222,8 +243,7 @@ def train_digits(
     title = f"{what} on scikit-learn digits (gb: {ratio:.0f}x whole model)"
     plot_path = out / f"{task}_curves.png"
     plot(curves, plot_path, title, accuracy=True)
-    meta = {"narrow_params": sum(v.numel() for v in arms[2].tree.values())}
-    return finish(task, arms[1], plan, cfg, final, out, meta, started, plot_path)
+    return finish(task, arms, plan, cfg, final, out, {}, started, plot_path)
 
 
 def main(argv: Sequence[str] | None = None) -> list[Result]:
@@ -257,13 +277,13 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
     seconds = time.perf_counter() - started
     print(f"\nsummary: {seconds:.0f} s on {device} ({torch.get_num_threads()} threads)")
     for r in results:
+        scores = "  ".join(
+            f"{name} {r.val_loss[name]:.3f} / {100 * r.val_acc[name]:.1f}%" for name in r.val_loss
+        )
         print(
             f"  {r.task:6s}  {r.report.generated_compression:4.1f}x generated "
-            f"({r.report.compression:4.1f}x whole model)  "
-            f"val loss dense {r.val_loss['dense']:.3f} gb {r.val_loss['gb']:.3f} "
-            f"narrow {r.val_loss['narrow']:.3f}  "
-            f"val acc dense {100 * r.val_acc['dense']:.1f}% gb {100 * r.val_acc['gb']:.1f}% "
-            f"narrow {100 * r.val_acc['narrow']:.1f}%  {r.seconds:.0f} s"
+            f"({r.report.compression:4.1f}x whole model)  val loss / acc: {scores}  "
+            f"{r.seconds:.0f} s"
         )
     return results
 

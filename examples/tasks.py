@@ -57,6 +57,8 @@ class CharLMConfig(TrainConfig):
     # The narrow transformer's best at ~20x in equal_params.py: 0.06 of 0.03, 0.06, 0.1 on the
     # mean of 3 seeds (0.03 was the top of an earlier, lower sweep).
     lr_narrow: float | None = 6e-2
+    # Low rank's best at ~20x in equal_params.py: 0.01 of 0.003, 0.01, 0.03 (one seed).
+    lr_low_rank: float | None = 1e-2
     context: int = 128
     width: int = 128
     depth: int = 2
@@ -88,7 +90,9 @@ class DigitsConfig(TrainConfig):
     )
     lr_dense: float = 3e-3
     lr_gb: float = 3e-2
-    lr_narrow: float | None = 3e-2  # the narrow CNN's best in benchmarks/equal_params.py
+    # The narrow and low-rank CNNs' best in benchmarks/equal_params.py (3 seeds, 0.003 to 0.1).
+    lr_narrow: float | None = 3e-2
+    lr_low_rank: float | None = 3e-2
     warmup: int = 20
     eval_every: int = 25
     channels: tuple[int, int] = (32, 64)

@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_leaves
 from tqdm import tqdm
 
 import gbfunc as gb
+from examples.baselines import factor_budget, low_rank, weight_matrices
 
 Tree = dict[str, Any]  # a pytree of tensors: a model's parameters, or gparams
 Batches = Iterator[tuple[Tensor, Tensor]]
@@ -35,6 +36,8 @@ class TrainConfig:
         lr_dense: Peak learning rate of every directly trained tensor (both arms).
         lr_gb: Peak learning rate of the g-nets.
         lr_narrow: Peak learning rate of the narrow equal-parameter arm (default `lr_dense`).
+        lr_low_rank: Peak learning rate of the low-rank equal-parameter arm (default
+            `lr_dense`).
         warmup: Linear warmup steps before the cosine decay.
         eval_every: Steps between validation points on the curves.
         compile: `torch.compile` each arm's loss.
@@ -46,6 +49,7 @@ class TrainConfig:
     lr_dense: float = 1e-2
     lr_gb: float = 2e-2
     lr_narrow: float | None = None
+    lr_low_rank: float | None = None
     weight_decay: float = 0.0
     warmup: int = 30
     eval_every: int = 50
@@ -58,7 +62,7 @@ class Arm:
     """One side of the comparison: a pytree, how it becomes the model's parameters, its optimizer.
 
     Attributes:
-        name: `"dense"` or `"gb"`.
+        name: `"dense"`, `"gb"`, `"narrow"` or `"low rank"`.
         tree: What the optimizer trains: the model's parameters, or gparams.
         to_params: `tree -> {name: tensor}` for `functional_call` (identity, or `gb.apply`).
         loss: `(tree, x, y) -> scalar loss`, possibly compiled.
@@ -83,6 +87,10 @@ class Arm:
         self.optimizer.zero_grad(set_to_none=True)
         self.schedule.step()
         return loss.item()
+
+    def trainable(self) -> int:
+        """Trainable elements of `tree`: the arm's size in the equal-parameter comparison."""
+        return sum(leaf.numel() for leaf in tree_leaves(self.tree) if leaf.requires_grad)
 
     @torch.no_grad()
     def params(self) -> dict[str, Tensor]:
@@ -192,6 +200,25 @@ def narrow_arm(
     return make_arm("narrow", model, tree, lambda t: t, [(tree, lr)], cfg)
 
 
+def low_rank_arm(
+    model: nn.Module, target: int, cfg: TrainConfig, device: torch.device
+) -> Arm | None:
+    """`model` with every weight of 2 or more dims as `U @ V.T`, `target` parameters in all.
+
+    Biases and norms train as they are; the factors take what is left of `target`, spread
+    over the weights by size (`examples.baselines.low_rank`). Trains every tensor at
+    `cfg.lr_low_rank` (default `cfg.lr_dense`). `None` when rank 1 everywhere does not fit.
+    """
+    names = weight_matrices(model)
+    budget = factor_budget(model, names, target)
+    if budget is None:
+        return None
+    tree, to_params = low_rank(model, names, budget, seed=cfg.seed)
+    tree = {k: v.detach().to(device).requires_grad_() for k, v in tree.items()}
+    lr = cfg.lr_dense if cfg.lr_low_rank is None else cfg.lr_low_rank
+    return make_arm("low rank", model, tree, to_params, [(tree, lr)], cfg)
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module, params: dict[str, Tensor], x: Tensor, y: Tensor, batch: int
@@ -263,7 +290,9 @@ def plot(
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    colors = dict(zip(curves.train, ("tab:blue", "tab:orange", "tab:green"), strict=False))
+    colors = dict(
+        zip(curves.train, ("tab:blue", "tab:orange", "tab:green", "tab:red"), strict=False)
+    )
     panels = 2 if accuracy else 1
     fig, axes = plt.subplots(1, panels, figsize=(4 + 3.5 * panels, 4.2), squeeze=False)
     ax = axes[0, 0]

@@ -231,7 +231,7 @@ def test_low_rank_baseline_holds_its_budget_and_the_dense_scale():
     import torch
     from torch import nn
 
-    from benchmarks.baselines import low_rank, tree_count
+    from examples.baselines import low_rank, tree_count
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 200), nn.ReLU(), nn.Linear(200, 10))
@@ -249,7 +249,7 @@ def test_hashed_baseline_shares_its_budget_of_values_by_a_fixed_hash():
     import torch
     from torch import nn
 
-    from benchmarks.baselines import hashed, tree_count
+    from examples.baselines import hashed, tree_count
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 200), nn.ReLU(), nn.Linear(200, 10))

@@ -73,13 +73,30 @@ def test_cli_digits(tmp_path: Path, capsys) -> None:
     assert accuracy == pytest.approx(result.val_acc["gb"])
 
 
-def test_cli_mlp_trains_three_arms_at_equal_parameters(tmp_path: Path, capsys) -> None:
+def _counts(out: str, task: str) -> dict[str, int]:
+    """Each arm's trainable parameters, from the task's `trainable parameters` line."""
+    line = next(s for s in out.splitlines() if s.startswith(f"[{task}] trainable parameters"))
+    found = re.findall(r"(dense|gb|narrow|low rank) ([\d,]+)", line)
+    return {name: int(count.replace(",", "")) for name, count in found}
+
+
+def test_cli_digits_trains_narrow_and_low_rank_arms_at_gb_size(tmp_path: Path, capsys) -> None:
+    (result,) = main(["--task", "digits", "--steps", "2", "--out", str(tmp_path)])
+    counts = _counts(capsys.readouterr().out, "digits")
+    assert list(result.val_acc) == ["dense", "gb", "narrow", "low rank"]
+    assert counts["gb"] == result.report.stored_params
+    assert counts["dense"] == result.report.dense_params
+    assert abs(counts["low rank"] / counts["gb"] - 1) <= 0.1  # ranks are rounded per weight
+    assert abs(counts["narrow"] / counts["gb"] - 1) <= 0.2  # widths are integers
+
+
+def test_cli_mlp_says_why_it_has_no_low_rank_arm(tmp_path: Path, capsys) -> None:
     (result,) = main(["--task", "mlp", "--steps", "3", "--out", str(tmp_path)])
     out = capsys.readouterr().out
-    assert set(result.val_acc) == {"dense", "gb", "narrow"}
+    assert list(result.val_acc) == ["dense", "gb", "narrow"]
     assert result.report.compression >= 90  # the paper's genome at ~100x, biases generated
-    line = next(s for s in out.splitlines() if s.startswith("[mlp] trainable parameters"))
-    counts = dict(re.findall(r"(dense|gb|narrow) ([\d,]+)", line))
-    gb_count, narrow_count = (int(counts[k].replace(",", "")) for k in ("gb", "narrow"))
-    assert abs(narrow_count / gb_count - 1) <= 0.1  # the equal-parameter baseline
+    counts = _counts(out, "mlp")
+    assert abs(counts["narrow"] / counts["gb"] - 1) <= 0.1  # the equal-parameter baseline
+    # 64-800-10 at rank 1 keeps its 810 biases: (800 + 64) + (10 + 800) + 810 parameters.
+    assert "no low rank: rank 1 for every weight needs 2,484" in out
     assert (tmp_path / "mlp_curves.png").is_file()

@@ -59,6 +59,28 @@ def low_rank(
     return tree, to_params
 
 
+def weight_matrices(model: nn.Module) -> list[str]:
+    """Names of `model`'s parameters with 2 or more dims: the weights low rank factors."""
+    return [name for name, value in model.named_parameters() if value.dim() >= 2]
+
+
+def smallest_low_rank(model: nn.Module, names: Sequence[str]) -> int:
+    """Parameters of `low_rank`'s smallest model: rank 1 for each of `names`, the rest as is."""
+    params = dict(model.named_parameters())
+    free = sum(v.numel() for k, v in params.items() if k not in names)
+    return free + sum(params[k].shape[0] + params[k][0].numel() for k in names)
+
+
+def factor_budget(model: nn.Module, names: Sequence[str], target: int) -> int | None:
+    """Parameters left for `low_rank`'s factors of `names` when the whole model holds `target`.
+
+    `None` when `target` is below `smallest_low_rank`: low rank cannot get that small.
+    """
+    if target < smallest_low_rank(model, names):
+        return None
+    return target - sum(v.numel() for k, v in model.named_parameters() if k not in names)
+
+
 def hashed(
     model: nn.Module, names: Sequence[str], budget: int, *, seed: int = 0
 ) -> tuple[Tree, Callable[[Tree], Tree]]:
