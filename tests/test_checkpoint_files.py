@@ -2,6 +2,7 @@
 umask: every failure is a `gb.CheckpointError` naming the file, and nothing hangs."""
 
 import json
+import math
 import os
 import stat
 import struct
@@ -221,6 +222,148 @@ def _hand_built(edit: Callable[[gb.Plan], gb.Plan]) -> tuple[gb.Plan, nn.Module]
     return edit(gb.plan(model, tile=(4, 4))), model
 
 
+def _param(index: int, **change) -> Callable[[gb.Plan], gb.Plan]:
+    """Parameter `index` of the plan with fields changed."""
+
+    def edit(plan: gb.Plan) -> gb.Plan:
+        params = list(plan.params)
+        params[index] = replace(params[index], **change)
+        return gb.Plan(tuple(params), plan.stacks)
+
+    return edit
+
+
+def _first_block(index: int, **change) -> Callable[[gb.Plan], gb.Plan]:
+    """Parameter `index` with its first block's fields changed."""
+
+    def edit(plan: gb.Plan) -> gb.Plan:
+        p = plan.params[index]
+        return _param(index, blocks=(replace(p.blocks[0], **change), *p.blocks[1:]))(plan)
+
+    return edit
+
+
+def _stack_fields(**change) -> Callable[[gb.Plan], gb.Plan]:
+    return lambda plan: gb.Plan(plan.params, (replace(plan.stacks[0], **change),))
+
+
+W, B, W1 = (
+    r"params\[0\] \('0\.weight'\)",
+    r"params\[1\] \('0\.bias'\)",
+    r"params\[2\] \('1\.weight'\)",
+)
+KINDS = r"\('zeros', 'ones', 'uniform', 'normal'\)"
+
+# The rest of `check_plan`'s checks on two Linear(8, 8) on 4x4 tiles (biases free), each with
+# its whole message: the field, the value found and what was expected.
+HAND_BUILT_MESSAGES = [
+    (
+        _param(1, init=("exec", 1.0)),
+        rf"{B}\.init is \('exec', 1\.0\); expected \[kind, value\], kind in {KINDS}\.",
+    ),
+    (
+        _param(1, init=("normal", math.inf)),
+        rf"{B}\.init is \('normal', inf\); expected \[kind, value\]",
+    ),
+    (_param(1, trainable="yes"), rf"{B}\.trainable is 'yes'; expected a bool\."),
+    (
+        _param(1, dtype="int64"),
+        rf"{B}\.dtype is 'int64'; expected a floating dtype \(trainable\)\.",
+    ),
+    (_param(1, reason=3), rf"{B}\.reason is 3; expected a string\."),
+    (_param(0, dtype="int64"), rf"{W}\.dtype is 'int64'; expected a floating dtype\."),
+    (_param(0, shape=[8, 8]), rf"{W}\.shape is \[8, 8\]; expected a list of sizes >= 0\."),
+    (_param(0, shape=(8, 0)), rf"{W}\.shape is \(8, 0\); expected a non-empty shape\."),
+    (_param(0, stack_index=7), rf"{W} names stack 7; the plan has 1 stacks\."),
+    (_param(0, split_dim=5), rf"{W}\.split_dim is 5; expected 0 or 1\."),
+    (_param(0, center="no"), rf"{W}\.center is 'no'; expected a bool\."),
+    (_param(0, blocks=()), rf"{W}\.blocks is \(\); expected blocks\."),
+    (_param(0, blocks=(1,)), rf"{W}\.blocks\[0\] is 1; expected a block\."),
+    (_first_block(0, rows=0), rf"{W}\.blocks\[0\]\.rows is 0; expected an integer >= 1\."),
+    (_first_block(0, cols=0), rf"{W}\.blocks\[0\]\.cols is 0; expected an integer >= 1\."),
+    (
+        _first_block(0, grid=(1,)),
+        rf"{W}\.blocks\[0\]\.grid is \(1,\); expected \[rows, cols\] >= 1\.",
+    ),
+    (_first_block(0, first_tile=-3), rf"{W}\.blocks\[0\]\.first_tile is -3, outside its stack\."),
+    (_stack_fields(outputs=0), r"stacks\[0\]\.outputs is 0; expected an integer >= 1\."),
+    (_stack_fields(row_width=0), r"stacks\[0\]\.row_width is 0; expected an integer >= 1\."),
+    (_stack_fields(col_width=0), r"stacks\[0\]\.col_width is 0; expected an integer >= 1\."),
+    (
+        _stack_fields(tiles_per_gnet=(0,)),
+        r"stacks\[0\]\.tiles_per_gnet is \(0,\); expected a list of counts >= 1\.",
+    ),
+    (
+        lambda plan: gb.Plan(plan.params, (*plan.stacks, plan.stacks[0])),
+        r"stacks\[1\]\.key is 's0_4x4'; expected a unique name without '/'\.",
+    ),
+    (
+        _stack_fields(columns=3),
+        r"stacks\[0\] \(outputs, columns, row_width, col_width\) is \(1, 3, 2, 2\); expected "
+        r"\(1, 4, 2, 2\) for its genome, tile and kernel\.",
+    ),
+    (
+        _stack_fields(tiles_per_gnet=(2, 1, 1, 1, 1, 1, 1)),
+        r"stacks\[0\]\.tiles_per_gnet is \(2, 1, 1, 1, 1, 1, 1\); expected all ones, one g-net "
+        r"per tile\.",
+    ),
+    (
+        _first_block(2, first_tile=6),
+        rf"{W1}\.blocks\[0\] \(tiles 6 to 9\) is outside its stack 's0_4x4' of 8 tiles\.",
+    ),
+    (
+        _first_block(2, first_tile=2),
+        rf"{W}\.blocks\[0\] and {W1}\.blocks\[0\] both claim tiles of 's0_4x4' from tile 2\.",
+    ),
+    (
+        lambda plan: _param(0, blocks=plan.params[0].blocks * 3)(plan),
+        rf"{W}\.blocks is '3 blocks'; expected a divisor of 8\.",
+    ),
+]
+
+
+@pytest.mark.parametrize(("edit", "match"), HAND_BUILT_MESSAGES)
+def test_every_plan_check_gives_its_whole_message(edit, match):
+    _check_hand_built(edit, match)
+
+
+def _vector_plan(edit: Callable[[gb.Plan], gb.Plan]) -> tuple[gb.Plan, nn.Module]:
+    model = nn.Sequential(nn.Linear(8, 8))
+    return edit(gb.plan(model, tile=(4, 4), biases=True)), model
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (_param(1, center=True), rf"{B}\.center is True; expected False for a vector\."),
+        (
+            lambda plan: _param(1, blocks=plan.params[1].blocks * 2)(plan),
+            rf"{B}\.blocks is '2 blocks'; expected one block for a vector\.",
+        ),
+    ],
+)
+def test_a_generated_vector_takes_one_uncentred_block(edit, match):
+    _check_hand_built(edit, match, _vector_plan)
+
+
+def _check_hand_built(
+    edit: Callable[[gb.Plan], gb.Plan],
+    match: str,
+    build: Callable[[Callable[[gb.Plan], gb.Plan]], tuple[gb.Plan, nn.Module]] | None = None,
+) -> None:
+    from gbfunc._check_plan import check_plan
+
+    plan, model = (build or _hand_built)(edit)
+    with pytest.raises(gb.CheckpointCorruptError, match=match):
+        check_plan(
+            plan,
+            model,
+            "where",
+            corrupt=gb.CheckpointCorruptError,
+            mismatch=gb.CheckpointMismatchError,
+        )
+
+
 @pytest.mark.parametrize(
     ("edit", "match"),
     [
@@ -259,14 +402,4 @@ def _hand_built(edit: Callable[[gb.Plan], gb.Plan]) -> tuple[gb.Plan, nn.Module]
 )
 def test_a_hand_built_plan_is_checked_like_a_crafted_file(edit, match):
     """`check_plan` also guards plans built in code, not only read from JSON."""
-    from gbfunc._check_plan import check_plan
-
-    plan, model = _hand_built(edit)
-    with pytest.raises(gb.CheckpointCorruptError, match=match):
-        check_plan(
-            plan,
-            model,
-            "where",
-            corrupt=gb.CheckpointCorruptError,
-            mismatch=gb.CheckpointMismatchError,
-        )
+    _check_hand_built(edit, match)
