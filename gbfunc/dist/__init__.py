@@ -14,13 +14,13 @@ p-nets and `StageGenerator` for pipeline stages (their bytes per step:
 """
 
 from .._replicated import save_replicated as save_replicated
+from .._select import Concat as Concat, Selection as Selection
 from ._check import check_plan as check_plan, plan_difference as plan_difference
 from ._data import data_loader as data_loader, shard_batch as shard_batch
 from ._fsdp import ShardedFree as ShardedFree
 from ._mesh import MeshShape as MeshShape, init_mesh as init_mesh, mesh_shape as mesh_shape
 from ._owned import Ownership as Ownership, RankOwned as RankOwned, assign as assign
 from ._pipeline import StageGenerator as StageGenerator
-from .._select import Concat as Concat, Selection as Selection
 from ._sharded import load_sharded as load_sharded, save_sharded as save_sharded
 from ._sync import CollectiveError as CollectiveError, GradSync as GradSync
 from ._tp import TensorParallel as TensorParallel

@@ -36,7 +36,9 @@ def shard_batch(batch: Tensor | Sequence[Tensor], mesh: DeviceMesh) -> Tensor | 
         mesh: From `init_mesh`.
 
     Example:
-        >>> x, y = gb.dist.shard_batch((x, y), mesh)  # 64 rows on 4 dp ranks: 16 each  # doctest: +SKIP
+        64 rows on 4 data-parallel ranks: 16 each.
+
+        >>> x, y = gb.dist.shard_batch((x, y), mesh)  # doctest: +SKIP
     """
     tensors = (batch,) if isinstance(batch, Tensor) else tuple(batch)
     rows = {t.shape[0] for t in tensors}

@@ -93,7 +93,9 @@ def init_mesh(
         A 3-D `DeviceMesh`; `mesh["dp"]`, `mesh["tp"]` and `mesh["pp"]` are its sub-meshes.
 
     Example:
-        >>> mesh = gb.dist.init_mesh(tp=2)  # torchrun --nproc_per_node=4: dp=2, tp=2  # doctest: +SKIP
+        Under `torchrun --nproc_per_node=4`: dp=2, tp=2.
+
+        >>> mesh = gb.dist.init_mesh(tp=2)  # doctest: +SKIP
     """
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"

@@ -17,9 +17,9 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 from .._evaluate import evaluate_stack
+from .._plan import TILE_LEAVES, Plan, Stack
 from .._select import assemble, parameters
 from .._tree import GParams
-from .._plan import TILE_LEAVES, Generated, Plan, Stack
 from ._sync import CollectiveError, failure_message, wait_or_raise
 
 # Renamed in torch 2.13 (the old names warn); keep both working.
@@ -173,7 +173,9 @@ class RankOwned:
                 g.register_hook(lambda grad, nbytes=nbytes: self._count(nbytes))
             tiles.append(g.index_select(0, self._position[s].to(g.device)))
         return parameters(
-            self.plan.params, local, lambda p: assemble(p, self.plan.stacks[p.stack_index], tiles[p.stack_index])
+            self.plan.params,
+            local,
+            lambda p: assemble(p, self.plan.stacks[p.stack_index], tiles[p.stack_index]),
         )
 
     def _generate_and_gather(self, s: int, local: GParams) -> Tensor:

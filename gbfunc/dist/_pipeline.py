@@ -17,9 +17,9 @@ the schedule.
 import torch
 from torch import nn
 
-from .._tree import GParams
 from .._plan import Plan
 from .._select import Selection, full_region
+from .._tree import GParams
 
 
 class StageGenerator:
@@ -34,7 +34,10 @@ class StageGenerator:
         On each pipeline rank, under `torchrun`:
 
         >>> gen = StageGenerator(plan, stage_module)  # doctest: +SKIP
-        >>> gen.load(gparams); schedule.step(...); gen.backward(gparams); sync.wait()  # doctest: +SKIP
+        >>> gen.load(gparams)  # doctest: +SKIP
+        >>> schedule.step(...)  # doctest: +SKIP
+        >>> gen.backward(gparams)  # doctest: +SKIP
+        >>> sync.wait()  # doctest: +SKIP
     """
 
     def __init__(self, plan: Plan, stage: nn.Module) -> None:

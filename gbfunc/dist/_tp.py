@@ -20,9 +20,9 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
-from .._tree import GParams
 from .._plan import Generated, Plan
 from .._select import Concat, Region, Selection, cuts_tiles, full_region
+from .._tree import GParams
 
 
 def local_region(
