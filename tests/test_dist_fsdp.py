@@ -1,8 +1,11 @@
 """FSDP2 of the free parameters (embeddings, norms) with replicated g-nets, on 2 gloo ranks:
 the same training as one process on the concatenated batch."""
 
+import shutil
+
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.func import functional_call
 
 import gbfunc as gb
@@ -76,3 +79,93 @@ def test_fsdp2_of_free_parameters_equals_one_process():
         assert r["diff"] < 2e-5, r
         assert any("ln" in n for n in r["sharded"])  # the norms are among the sharded
         assert r["free_local"] * 2 <= r["free_total"] + 2 * len(r["sharded"])  # ~half each
+
+
+RESUME_AT = 2  # steps before the checkpoint; one more after it
+
+
+def _fsdp_run(seed: int) -> tuple[gb.Plan, torch.nn.Module, dict, "gbd.ShardedFree", object]:
+    """A 2-block GPT whose free parameters FSDP2 shards over all ranks, its AdamW and sync."""
+    mesh = gbd.init_mesh()
+    torch.manual_seed(seed)
+    model = GPT(CFG)
+    plan = gb.plan(model, tile=TILE)
+    gparams = gb.init(plan, seed=seed)
+    sharded = gbd.ShardedFree(plan, model, mesh["dp"], modules=list(model.blocks.values()))
+    gnets = sharded.gnet_leaves(gparams)
+    opt = torch.optim.AdamW([*gnets, *sharded.free], lr=0.01, weight_decay=0.1)
+    return plan, model, gparams, sharded, (opt, gbd.GradSync(gnets, mesh), mesh)
+
+
+def _train(model, gparams, sharded, training, steps: range) -> None:
+    opt, sync, mesh = training
+    for step in steps:
+        x, y = gbd.shard_batch(_batch(step), mesh)
+        loss_fn(functional_call(model, sharded.apply(gparams), (x,)), y).backward()
+        sync.wait()
+        opt.step()
+        opt.zero_grad()
+
+
+def _values(plan: gb.Plan, state: dict) -> dict[str, torch.Tensor]:
+    """Every g-net leaf and free parameter, whole (a collective for the sharded ones)."""
+    out = {f"{k}/{n}": t.detach().clone() for k, s in state["stacks"].items() for n, t in s.items()}
+    for name, value in state["free"].items():
+        out[name] = value.full_tensor().detach()
+    return out
+
+
+def save_then_train_worker(rank: int, world: int, path: str) -> dict:
+    plan, model, gparams, sharded, training = _fsdp_run(seed=0)
+    _train(model, gparams, sharded, training, range(RESUME_AT))
+    state = sharded.state(gparams)
+    gbd.save_sharded(path, state, plan=plan, optimizer=training[0], step=RESUME_AT)
+    saved = _values(plan, state)
+    _train(model, gparams, sharded, training, range(RESUME_AT, RESUME_AT + 1))
+    return {"saved": saved, "after": _values(plan, sharded.state(gparams))}
+
+
+def resume_worker(rank: int, world: int, path: str) -> dict:
+    plan, model, gparams, sharded, training = _fsdp_run(seed=7)  # other values, overwritten
+    state = sharded.state(gparams)
+    checkpoint = gbd.load_sharded(path, model, into=state, optimizer=training[0])
+    loaded = _values(plan, state)
+    _train(model, gparams, sharded, training, range(RESUME_AT, RESUME_AT + 1))
+    return {"step": checkpoint.step, "loaded": loaded, "after": _values(plan, state)}
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process, below
+def test_fsdp2_checkpoint_of_two_ranks_resumes_on_four_and_loads_in_one_process(tmp_path):
+    """Free parameters and AdamW state sharded by FSDP2 over 2 ranks are written shard by shard
+    and read back resharded over 4 ranks, where training goes on as it did on 2."""
+    path = str(tmp_path / "ckpt")
+    two = spawn(save_then_train_worker, 2, path)
+    four = spawn(resume_worker, 4, path)
+    saved, after = two[0]["saved"], two[0]["after"]
+    for r in four:
+        assert r["step"] == RESUME_AT
+        differ = [k for k in saved if not torch.equal(r["loaded"][k], saved[k])]
+        assert not differ, differ  # bitwise
+        # One more AdamW step from the restored moments: as on 2 ranks, up to the order of
+        # the gradient sums (4 ranks, not 2).
+        assert max((r["after"][k] - after[k]).abs().max().item() for k in after) < 2e-6
+    whole = gbd.load_sharded(path, GPT(CFG))  # one process: every shard, read whole
+    stacks = whole.gparams["stacks"]
+    ours = {f"{k}/{n}": t.detach() for k, s in stacks.items() for n, t in s.items()}
+    ours |= {k: t.detach() for k, t in whole.gparams["free"].items()}
+    assert ours.keys() == saved.keys()
+    assert all(torch.equal(ours[k], saved[k]) for k in saved)
+
+    # A free entry altered after the manifest was written: its layout-free checksum fails.
+    state = {}
+    reader = dcp.FileSystemReader(path)
+    for key, item in reader.read_metadata().state_dict_metadata.items():
+        state[key] = torch.empty(item.size, dtype=item.properties.dtype)
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    state["free/wte.weight"][3, 5] += 1.0
+    altered = tmp_path / "altered"
+    dcp.save(state, checkpoint_id=str(altered), no_dist=True)
+    shutil.copy(f"{path}/gbfunc.json", altered / "gbfunc.json")
+    with pytest.raises(gb.CheckpointCorruptError, match=r"free/wte\.weight in .*does not match"):
+        gbd.load_sharded(altered, GPT(CFG))

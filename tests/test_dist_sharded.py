@@ -5,11 +5,15 @@ Saved by 2 ranks after a training step; loaded by one process without a process 
 """
 
 import hashlib
+import json
 import shutil
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 from torch.func import functional_call
 
 import gbfunc as gb
@@ -133,3 +137,102 @@ def test_sharded_checkpoint_errors_name_the_file_and_the_entry(saved, tmp_path):
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     with pytest.raises(gb.CheckpointCorruptError, match="a shard is missing or damaged"):
         gbd.load_sharded(truncated, model)
+
+
+def _small() -> tuple[torch.nn.Module, gb.Plan, dict, torch.optim.Optimizer]:
+    """A Linear-LayerNorm-Linear model, its replicated g-nets and their AdamW after 2 steps."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4)
+    )
+    plan = gb.plan(model, tile=(4, 4))
+    gparams = gb.init(plan, seed=0)
+    opt = torch.optim.AdamW(gb.trainable_leaves(gparams), lr=1e-2, weight_decay=0.1)
+    _steps(model, plan, gparams, opt, 2)
+    return model, plan, gparams, opt
+
+
+def _steps(model, plan, gparams, opt, n: int) -> None:
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(3))
+    for _ in range(n):
+        functional_call(model, gb.apply(gparams, plan), (x,)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_one_process_resumes_gnets_and_adamw_bitwise(tmp_path):
+    model, plan, gparams, opt = _small()
+    gbd.save_sharded(tmp_path, gparams, plan=plan, optimizer=opt, step=2)
+    fresh = gb.init(plan, seed=1)
+    fresh_opt = torch.optim.AdamW(gb.trainable_leaves(fresh), lr=5.0)  # settings restored too
+    checkpoint = gbd.load_sharded(tmp_path, model, into=fresh, optimizer=fresh_opt)
+    assert checkpoint.gparams is fresh
+    assert checkpoint.step == 2
+    assert fresh_opt.param_groups[0]["lr"] == 1e-2
+    assert fresh_opt.param_groups[0]["weight_decay"] == 0.1
+    _steps(model, plan, gparams, opt, 1)
+    _steps(model, plan, fresh, fresh_opt, 1)
+    for ours, theirs in zip(gb.trainable_leaves(fresh), gb.trainable_leaves(gparams), strict=True):
+        assert torch.equal(ours, theirs)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_bad_resume_is_refused_before_anything_changes(tmp_path):
+    model, plan, gparams, opt = _small()
+    with pytest.raises(TypeError, match=r"pass `owned` .* or `plan=`"):
+        gbd.save_sharded(tmp_path, gparams, optimizer=opt)
+    gbd.save_sharded(tmp_path, gparams, plan=plan, optimizer=opt)
+    fresh = gb.init(plan, seed=1)
+    before = [t.clone() for t in gb.trainable_leaves(fresh)]
+    leaves = gb.trainable_leaves(fresh)
+    other = torch.optim.AdamW([{"params": leaves[:2]}, {"params": leaves[2:]}])
+    with pytest.raises(gb.CheckpointMismatchError, match=r"parameter groups .* are not the"):
+        gbd.load_sharded(tmp_path, model, into=fresh, optimizer=other)
+    stranger = torch.optim.AdamW([torch.zeros(3, requires_grad=True)])
+    with pytest.raises(ValueError, match=r"holds a tensor of shape \(3,\) that is not"):
+        gbd.load_sharded(tmp_path, model, into=fresh, optimizer=stranger)
+    with pytest.raises(ValueError, match=r"restoring an optimizer needs `into`"):
+        gbd.load_sharded(tmp_path, model, optimizer=opt)
+    # An optimizer entry altered after the manifest was written.
+    state = {}
+    for key, item in dcp.FileSystemReader(tmp_path).read_metadata().state_dict_metadata.items():
+        state[key] = torch.empty(item.size, dtype=item.properties.dtype)
+    dcp.load(state, checkpoint_id=tmp_path, no_dist=True)
+    key = next(k for k in state if k.startswith("optim/") and k.endswith("/exp_avg"))
+    state[key] += 1.0
+    altered = tmp_path / "altered"
+    dcp.save(state, checkpoint_id=altered, no_dist=True)
+    shutil.copy(tmp_path / "gbfunc.json", altered / "gbfunc.json")
+    fresh_opt = torch.optim.AdamW(leaves)
+    with pytest.raises(gb.CheckpointCorruptError, match=rf"{key} in .* does not match"):
+        gbd.load_sharded(altered, model, into=fresh, optimizer=fresh_opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, gb.trainable_leaves(fresh), strict=True))
+    assert not fresh_opt.state  # nothing restored from a damaged checkpoint
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_older_manifests_load_and_unknown_versions_are_refused(tmp_path):
+    """A format-2 manifest (SHA-256 only, written before checksums and optimizer state) loads,
+    also into DTensors; a later format is refused with the versions this gbfunc reads."""
+    model, plan, gparams, _ = _small()
+    gbd.save_sharded(tmp_path, gparams, plan=plan, step=2)
+    manifest = json.loads((tmp_path / "gbfunc.json").read_text())
+    old = {k: v for k, v in manifest.items() if k not in ("checksums", "optimizer")}
+    (tmp_path / "gbfunc.json").write_text(json.dumps({**old, "format_version": 2}))
+    assert _digest(gbd.load_sharded(tmp_path, model).gparams) == _digest(gparams)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:  # one rank whose free parameters are DTensors: the SHA-256 is taken of them whole
+        mesh = init_device_mesh("cpu", (1,))
+        fresh = gb.init(plan, seed=1)
+        fresh["free"] = {
+            k: distribute_tensor(v.detach(), mesh, [Shard(0)]) for k, v in fresh["free"].items()
+        }
+        gbd.load_sharded(tmp_path, model, into=fresh)
+        whole = {k: v.full_tensor() for k, v in fresh["free"].items()}
+        assert all(torch.equal(whole[k], gparams["free"][k]) for k in whole)
+    finally:
+        dist.destroy_process_group()
+    (tmp_path / "gbfunc.json").write_text(json.dumps({**manifest, "format_version": 4}))
+    with pytest.raises(gb.CheckpointVersionError, match=r"format version 4; .* \(1, 2, 3\)"):
+        gbd.load_sharded(tmp_path, model)

@@ -36,7 +36,9 @@ class ShardedFree:
     Attributes:
         free: The free parameters, now sharded (DTensors): train them with the g-nets, e.g.
             `AdamW([*gnet_leaves, *sharded.free])`; FSDP2 averages their gradients over the
-            ranks, `GradSync` of the g-net leaves does the same for the g-nets.
+            ranks, `GradSync` of the g-net leaves does the same for the g-nets. Checkpoint
+            them, the g-nets and the optimizer with
+            `gb.dist.save_sharded(path, sharded.state(gparams), plan=plan, optimizer=opt)`.
 
     Example:
         On every rank, under `torchrun`:
@@ -60,11 +62,23 @@ class ShardedFree:
         self.plan = plan
         self.selection = Selection(plan, {p.name: full_region(p.shape) for p in plan.generated})
         self.free = [model.get_parameter(p.name) for p in plan.free if p.trainable]
+        self._frozen = {p.name: model.get_parameter(p.name) for p in plan.free if not p.trainable}
 
     def apply(self, gparams: GParams) -> dict[str, Tensor]:
         """The generated weights only, for `functional_call(model, ...)`: the free parameters
         are the model's own, which FSDP2 all-gathers around its forward."""
         return self.selection.apply(gparams)
+
+    def state(self, gparams: GParams) -> GParams:
+        """`gparams` with the model's sharded free and frozen parameters as its own: what
+        `gb.dist.save_sharded` writes and `load_sharded(into=...)` fills, each rank its shard.
+        """
+        names = [p.name for p in self.plan.free if p.trainable]
+        return {
+            "stacks": gparams["stacks"],
+            "free": dict(zip(names, self.free, strict=True)),
+            "frozen": dict(self._frozen),
+        }
 
     @staticmethod
     def gnet_leaves(gparams: GParams) -> list[Tensor]:

@@ -1,12 +1,16 @@
-"""Sharded checkpoints of rank-owned g-nets, written and read with `torch.distributed.checkpoint`.
+"""Sharded checkpoints of g-nets, free parameters and optimizer state, through
+`torch.distributed.checkpoint` (DCP).
 
-Every rank writes the g-nets it owns (`RankOwned`), one DCP entry per g-net (or per tile, for
-tile leaves), so nothing is gathered; the free and frozen parameters, identical on every
-rank, are written once. Because entries are per g-net, the checkpoint loads at any world
-size: each rank reads the entries of the g-nets it owns there. Rank 0 writes a manifest
-(`gbfunc.json`) beside DCP's files: the plan, the step, `meta`, and a SHA-256 of every entry,
-so that loading checks the plan against the model as `gb.load` does and detects a damaged
-shard, naming its file and entry. Unlike `gb.load`'s single file, DCP's data files are read
+Every rank writes what it holds and nothing is gathered: its rank-owned g-nets (`RankOwned`),
+one DCP entry per g-net (or per tile, for tile leaves), or one copy of replicated ones; free
+parameters that are DTensors (FSDP2) shard by shard, replicated ones once; an optimizer's
+state split like its parameters (`_optim_state`). Entries are named by g-net and parameter,
+not by rank, so the checkpoint loads at any world size and any DTensor layout: each rank
+reads what it holds there. Rank 0 writes a manifest (`gbfunc.json`) beside DCP's files: the
+plan, the step, `meta`, the optimizer's settings, a SHA-256 of every whole entry and a
+layout-free checksum (`_checksum`) of every free and optimizer entry, so that loading checks
+the plan against the model as `gb.load` does and detects a damaged shard, naming its file and
+entry, before anything is changed. Unlike `gb.load`'s single file, DCP's data files are read
 with `torch.load(weights_only=True)`: restricted unpickling, not none.
 """
 
@@ -20,8 +24,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
-from .._tree import GParams
+from .._check_model import check_module
+from .._check_plan import check_plan
 from .._checkpoint import (
     Checkpoint,
     CheckpointCorruptError,
@@ -30,16 +36,19 @@ from .._checkpoint import (
     CheckpointVersionError,
     content_hash,
 )
-from .._check_model import check_module
 from .._plan import TILE_LEAVES, Plan
 from .._serial import plan_from_json, plan_to_json
-from .._check_plan import check_plan
+from .._tree import GParams
+from . import _optim_state as optim_state
+from ._checksum import checksum
 from ._owned import RankOwned
 
 MANIFEST = "gbfunc.json"
 FORMAT = "gbfunc.sharded"
-FORMAT_VERSION = 2  # the plan JSON version inside, as in `gb.save`'s files
-READABLE_VERSIONS = (1, 2)
+# 3: layout-free checksums of free and optimizer entries (DTensor shards), optimizer state
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+PLAN_VERSION_OF = {1: 1, 2: 2, 3: 2}  # the plan JSON version inside, as in `gb.save`'s files
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float64, torch.bfloat16)}
 _DTYPES["float16"] = torch.float16
 
@@ -68,67 +77,117 @@ def _digest(key: str, t: Tensor) -> str:
     return content_hash({key: t.detach().cpu()}, {})
 
 
-def save_sharded(
-    path: str | os.PathLike,
-    local: GParams,
-    owned: RankOwned,
-    *,
-    step: int | None = None,
-    meta: Any = None,
-) -> None:
-    """Write a sharded checkpoint: every rank its own g-nets, rank 0 the manifest.
+def _context(
+    owned: RankOwned | None, plan: Plan | None, group: dist.ProcessGroup | None, where: str
+) -> tuple[Plan, dist.ProcessGroup | None]:
+    """The plan, and the process group of the collective (None: one process on its own)."""
+    if (owned is None) == (plan is None):
+        raise TypeError(
+            f"{where}: pass `owned` (rank-owned g-nets) or `plan=` (g-nets replicated on every "
+            "rank of `group`), exactly one of them."
+        )
+    if owned is not None:
+        return owned.plan, owned.group
+    if group is None and dist.is_initialized():
+        group = dist.group.WORLD
+    return plan, group
 
-    Call it on every rank of `owned.group` (a collective), with this rank's part of the
-    g-nets (`owned.shard(...)`, or as trained).
 
-    Args:
-        path: A directory, on a file system every rank can write.
-        local: This rank's g-nets and the replicated free and frozen parameters.
-        owned: The `RankOwned` that sharded them.
-        step: Training step, an int >= 0.
-        meta: Anything JSON can hold.
-    """
-    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
-        raise TypeError(f"gb.dist.save_sharded: step must be an int >= 0 or None, got {step!r}.")
-    plan = owned.plan
+def _value_entries(
+    plan: Plan, local: GParams, rows: dict[str, dict[str, list[int]]], where: str
+) -> dict[str, Tensor]:
+    """The entries of `local`'s values: one per g-net row, one per free or frozen tensor."""
     state: dict[str, Tensor] = {}
-    for key, leaves in _rows(plan, owned).items():
-        for leaf, rows in leaves.items():
+    for key, leaves in rows.items():
+        for leaf, mine in leaves.items():
             values = local["stacks"][key][leaf].detach()
-            if values.shape[0] != len(rows):
+            if values.shape[0] != len(mine):
                 raise ValueError(
-                    f"gb.dist.save_sharded: local['stacks'][{key!r}][{leaf!r}] has "
-                    f"{values.shape[0]} rows; this rank owns {len(rows)}. Pass owned.shard(...)."
+                    f"{where}: local['stacks'][{key!r}][{leaf!r}] has {values.shape[0]} rows; "
+                    f"this rank holds {len(mine)}. Pass owned.shard(...)."
                 )
-            for i, row in enumerate(rows):
+            for i, row in enumerate(mine):
                 state[_key(key, leaf, row)] = values[i].clone()
     for kind in ("free", "frozen"):
         for name, value in local[kind].items():
             state[f"{kind}/{name}"] = value.detach()
-    digests = {k: _digest(k, v) for k, v in state.items()}
-    dtypes = {
-        f"stacks/{key}/{leaf}": str(v.dtype).removeprefix("torch.")
-        for key, leaves in local["stacks"].items()
-        for leaf, v in leaves.items()
-    }
-    dcp.save(state, checkpoint_id=os.fspath(path), process_group=owned.group)
-    every: list[Any] = [None] * owned.world  # each rank's digests; dtypes are the same
-    dist.all_gather_object(every, digests, group=owned.group)
-    if owned.rank == 0:
+    return state
+
+
+def save_sharded(
+    path: str | os.PathLike,
+    local: GParams,
+    owned: RankOwned | None = None,
+    *,
+    plan: Plan | None = None,
+    group: dist.ProcessGroup | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    step: int | None = None,
+    meta: Any = None,
+) -> None:
+    """Write a sharded checkpoint: every rank its own shards, rank 0 the manifest.
+
+    Call it on every rank (a collective), with this rank's gparams as trained: rank-owned
+    g-nets (`owned.shard(...)`) or replicated ones (`plan=`), and free or frozen parameters
+    that are plain tensors (replicated) or DTensors (e.g. `gb.dist.ShardedFree.state(...)`:
+    each rank writes its shard, and they reshard on load).
+
+    Args:
+        path: A directory, on a file system every rank can write.
+        local: This rank's gparams.
+        owned: The `RankOwned` that sharded the g-nets; or
+        plan: the plan, for g-nets replicated on every rank of `group` (default: all ranks;
+            no process group at all: one process writes everything).
+        optimizer: A `torch.optim` optimizer over `local`'s trainable leaves; its state is
+            written sharded like its parameters and restored by `load_sharded(optimizer=)`.
+        step: Training step, an int >= 0.
+        meta: Anything JSON can hold.
+    """
+    where = "gb.dist.save_sharded"
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+        raise TypeError(f"{where}: step must be an int >= 0 or None, got {step!r}.")
+    plan, group = _context(owned, plan, group, where)
+    rows = _rows(plan, owned)
+    state = _value_entries(plan, local, rows, where)
+    described = None
+    if optimizer is not None:
+        entries, described = optim_state.state_entries(
+            optimizer, optim_state.leaves(plan, local, rows), where
+        )
+        state.update(entries)
+    digests = {k: _digest(k, v) for k, v in state.items() if not isinstance(v, DTensor)}
+    checksums = {k: checksum(v) for k, v in state.items() if not k.startswith("stacks/")}
+    dcp.save(state, checkpoint_id=os.fspath(path), process_group=group, no_dist=group is None)
+    every: list[Any] = [digests]
+    if group is not None:
+        every = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, digests, group=group)
+    if group is None or dist.get_rank(group) == 0:
         manifest = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "plan": plan_to_json(plan),
             "step": step,
             "meta": meta,
-            "dtypes": dtypes,
+            "dtypes": _stack_dtypes(local),
             "sha256": {k: v for d in every for k, v in d.items()},
+            "checksums": checksums,
+            "optimizer": described,
         }
         target = Path(path) / MANIFEST
         tmp = target.with_suffix(".tmp")
         tmp.write_text(json.dumps(manifest, sort_keys=True))
         os.replace(tmp, target)
-    dist.barrier(group=owned.group)  # the manifest is there when any rank returns
+    if group is not None:
+        dist.barrier(group=group)  # the manifest is there when any rank returns
+
+
+def _stack_dtypes(local: GParams) -> dict[str, str]:
+    return {
+        f"stacks/{key}/{leaf}": str(v.dtype).removeprefix("torch.")
+        for key, leaves in local["stacks"].items()
+        for leaf, v in leaves.items()
+    }
 
 
 def load_sharded(
@@ -136,71 +195,178 @@ def load_sharded(
     model: nn.Module,
     owned: RankOwned | None = None,
     *,
+    into: GParams | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    group: dist.ProcessGroup | None = None,
     device: torch.device | str | None = None,
 ) -> Checkpoint:
     """Read a checkpoint of `save_sharded`, at any world size, checked as `gb.load` checks.
+
+    Everything is read and checked before anything given is changed.
 
     Args:
         path: The checkpoint's directory.
         model: The p-net it is for (only names and shapes are read).
         owned: This rank's `RankOwned` (on every rank of its group: a collective); each rank
-            reads only its g-nets. `None`: one process reads every g-net, no process group
-            needed.
-        device: Where to put the tensors (default: CPU).
+            reads only its g-nets. `None`: every g-net is read.
+        into: gparams to fill in place, e.g. those of a restarted run, where free parameters
+            may be DTensors of another layout than the saved one (`ShardedFree.state(...)`):
+            each rank reads its shard. Default: new tensors, DTensors read whole.
+        optimizer: An optimizer over `into`'s trainable leaves whose state `save_sharded`
+            wrote: its settings and state are restored.
+        group: The process group of `into`'s DTensors when `owned` is None (default: all
+            ranks if `into` holds a DTensor; else each process reads on its own).
+        device: Where to put new tensors (default: CPU).
 
     Returns:
-        `Checkpoint(gparams, plan, None, step, meta)`, with this rank's part of the g-nets
-        (all of them without `owned`) and the free and frozen parameters.
+        `Checkpoint(gparams, plan, None, step, meta)`: `into`, or this rank's part of the
+        g-nets (all of them without `owned`) and the free and frozen parameters.
 
     Raises:
         gb.CheckpointNotFoundError: No manifest at `path`.
         gb.CheckpointVersionError: A manifest of another format or version.
-        gb.CheckpointMismatchError: The checkpoint's plan does not fit `model`, or `owned`
-            was made from another plan.
+        gb.CheckpointMismatchError: The checkpoint's plan does not fit `model`, `owned` was
+            made from another plan, or `optimizer` holds other parameters than were saved.
         gb.CheckpointCorruptError: A missing, truncated or altered shard, naming its file and
             entry.
     """
     check_module(model, "gb.dist.load_sharded")
     where = f"gb.dist.load_sharded: {os.fspath(path)}"
     manifest = _manifest(Path(path), where)
-    try:
-        plan = plan_from_json(manifest["plan"], manifest["format_version"])
-        dtypes = {k: _DTYPES[v] for k, v in manifest["dtypes"].items()}
-        digests = dict(manifest["sha256"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointCorruptError(f"{where}: unreadable manifest ({e!s:.200}).") from None
+    plan, dtypes, digests, checksums = _read_manifest(manifest, where)
     check_plan(plan, model, where, corrupt=CheckpointCorruptError, mismatch=CheckpointMismatchError)
     if owned is not None and owned.plan.fingerprint() != plan.fingerprint():
         raise CheckpointMismatchError(f"{where}: `owned` was made from another plan.")
-    state: dict[str, Tensor] = {}
+    if optimizer is not None and (into is None or manifest.get("optimizer") is None):
+        raise ValueError(
+            f"{where}: restoring an optimizer needs `into` (the gparams it trains) and a "
+            "checkpoint saved with `optimizer=`."
+        )
+    if owned is not None:
+        group = owned.group
+    elif group is None and into is not None and _has_dtensor(into):
+        group = dist.group.WORLD
     rows = _rows(plan, owned)
+    state = _templates(plan, rows, dtypes, into, where)
+    known = optim_state.leaves(plan, into, rows) if optimizer is not None else {}
+    if optimizer is not None:
+        try:
+            state.update(optim_state.templates(manifest["optimizer"], optimizer, known, where))
+        except (KeyError, TypeError, AttributeError) as e:
+            raise CheckpointCorruptError(
+                f"{where}: unreadable optimizer state ({e!r:.200})."
+            ) from None
+    _read(path, state, group, where)
+    for key, value in state.items():
+        _verify(Path(path), key, value, digests, checksums, where)
+    if optimizer is not None:
+        optim_state.restore(manifest["optimizer"], optimizer, known, state)
+    if into is not None:
+        _fill(plan, rows, state, into)
+        gparams = into
+    else:
+        gparams = _assemble(plan, rows, state, dtypes, device)
+    return Checkpoint(gparams, plan, None, manifest["step"], manifest["meta"])
+
+
+def _read_manifest(
+    manifest: dict[str, Any], where: str
+) -> tuple[Plan, dict[str, torch.dtype], dict[str, str], dict[str, str]]:
+    try:
+        version = manifest["format_version"]
+        plan = plan_from_json(manifest["plan"], PLAN_VERSION_OF[version])
+        dtypes = {k: _DTYPES[v] for k, v in manifest["dtypes"].items()}
+        return plan, dtypes, dict(manifest["sha256"]), dict(manifest.get("checksums") or {})
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointCorruptError(f"{where}: unreadable manifest ({e!s:.200}).") from None
+
+
+def _has_dtensor(gparams: GParams) -> bool:
+    return any(isinstance(v, DTensor) for k in ("free", "frozen") for v in gparams[k].values())
+
+
+def _templates(
+    plan: Plan,
+    rows: dict[str, dict[str, list[int]]],
+    dtypes: dict[str, torch.dtype],
+    into: GParams | None,
+    where: str,
+) -> dict[str, Tensor]:
+    """Empty tensors for every entry this rank reads; DTensors where `into` has them."""
+    state: dict[str, Tensor] = {}
     for stack in plan.stacks:
         for leaf, shape in stack.leaf_shapes().items():
             dtype = dtypes.get(f"stacks/{stack.key}/{leaf}")
             if dtype is None:
                 raise CheckpointCorruptError(f"{where}: no dtype for stacks/{stack.key}/{leaf}.")
-            for row in rows[stack.key][leaf]:
+            mine = rows[stack.key][leaf]
+            if into is not None and into["stacks"][stack.key][leaf].shape[0] != len(mine):
+                raise ValueError(
+                    f"{where}: into['stacks'][{stack.key!r}][{leaf!r}] has "
+                    f"{into['stacks'][stack.key][leaf].shape[0]} rows; this rank reads {len(mine)}."
+                )
+            for row in mine:
                 state[_key(stack.key, leaf, row)] = torch.empty(shape[1:], dtype=dtype)
     for p in plan.free:
         kind = "free" if p.trainable else "frozen"
-        state[f"{kind}/{p.name}"] = torch.empty(p.shape, dtype=getattr(torch, p.dtype))
+        target = into[kind][p.name] if into is not None else None
+        if isinstance(target, DTensor):
+            state[f"{kind}/{p.name}"] = torch.empty_like(target.detach())
+        else:
+            state[f"{kind}/{p.name}"] = torch.empty(p.shape, dtype=getattr(torch, p.dtype))
+    return state
+
+
+def _read(
+    path: str | os.PathLike, state: dict[str, Tensor], group: dist.ProcessGroup | None, where: str
+) -> None:
     try:
         with warnings.catch_warnings():  # one process reading on purpose: not worth a warning
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            group = owned.group if owned is not None else None
             dcp.load(state, checkpoint_id=os.fspath(path), process_group=group, no_dist=not group)
     except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException
         raise CheckpointCorruptError(
             f"{where}: a shard is missing or damaged ({e!s:.300})."
         ) from None
-    for key, value in state.items():
-        if digests.get(key) != _digest(key, value):
-            raise CheckpointCorruptError(
-                f"{where}: {key} in {_file_of(Path(path), key)} does not match its SHA-256: "
-                "the shard was altered or damaged after it was written."
-            )
-    gparams = _assemble(plan, rows, state, dtypes, device)
-    return Checkpoint(gparams, plan, None, manifest["step"], manifest["meta"])
+
+
+def _verify(
+    path: Path,
+    key: str,
+    value: Tensor,
+    digests: dict[str, str],
+    checksums: dict[str, str],
+    where: str,
+) -> None:
+    """Compare an entry read with what the manifest recorded when it was written."""
+    if key in digests and not isinstance(value, DTensor):
+        ok = digests[key] == _digest(key, value)
+    elif key in checksums:
+        ok = checksums[key] == checksum(value)  # a collective for a DTensor
+    elif key in digests:  # written whole by an older version, read sharded
+        ok = digests[key] == _digest(key, value.full_tensor())
+    else:
+        ok = False
+    if not ok:
+        raise CheckpointCorruptError(
+            f"{where}: {key} in {_file_of(path, key)} does not match its checksum: the shard "
+            "was altered or damaged after it was written."
+        )
+
+
+def _fill(
+    plan: Plan, rows: dict[str, dict[str, list[int]]], state: dict[str, Tensor], into: GParams
+) -> None:
+    """Copy the checked entries into `into`'s tensors."""
+    with torch.no_grad():
+        for stack in plan.stacks:
+            for leaf, target in into["stacks"][stack.key].items():
+                picked = [state[_key(stack.key, leaf, r)] for r in rows[stack.key][leaf]]
+                if picked:
+                    target.copy_(torch.stack(picked))
+        for p in plan.free:
+            kind = "free" if p.trainable else "frozen"
+            into[kind][p.name].copy_(state[f"{kind}/{p.name}"])
 
 
 def _manifest(path: Path, where: str) -> dict[str, Any]:

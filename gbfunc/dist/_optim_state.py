@@ -1,0 +1,170 @@
+"""A `torch.optim` optimizer's state as sharded-checkpoint entries, named like the parameters.
+
+The optimizer's parameters are the leaves of a rank's gparams: g-net stack leaves, whose
+first dim is this rank's g-nets (or tiles), and free parameters, plain or DTensor. State
+tensors shaped like their parameter are split the same way (one entry per g-net row, or the
+whole tensor, sharded as the parameter is), so the state reshards to another world size with
+the parameters; other tensors (AdamW's `step`) are one entry per parameter, and plain values
+go into the manifest. Entries are named after parameters, not after their positions, so a
+checkpoint restores into a new optimizer built over the same gparams in any order.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._checkpoint import CheckpointMismatchError
+from .._plan import Plan
+from .._tree import GParams
+
+OPTIM = "optim/"
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """Where a gparams leaf sits: its entry name, and its rows for a stack leaf (else None)."""
+
+    name: str
+    rows: list[int] | None
+
+
+def leaves(plan: Plan, local: GParams, rows: dict[str, dict[str, list[int]]]) -> dict[int, Leaf]:
+    """`{id(tensor): Leaf}` of every trainable leaf of `local`."""
+    out = {}
+    for stack in plan.stacks:
+        for leaf, value in local["stacks"][stack.key].items():
+            out[id(value)] = Leaf(f"stacks/{stack.key}/{leaf}", rows[stack.key][leaf])
+    for name, value in local["free"].items():
+        out[id(value)] = Leaf(f"free/{name}", None)
+    return out
+
+
+def _leaf_of(param: Tensor, known: dict[int, Leaf], where: str) -> Leaf:
+    leaf = known.get(id(param))
+    if leaf is None:
+        raise ValueError(
+            f"{where}: the optimizer holds a tensor of shape {tuple(param.shape)} that is not a "
+            "trainable leaf of the gparams given; build it over those leaves."
+        )
+    return leaf
+
+
+def state_entries(
+    optimizer: torch.optim.Optimizer, known: dict[int, Leaf], where: str
+) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """`(entries, description)`: the state's tensors by entry name, and what the manifest keeps
+    to rebuild it (groups' settings and parameter names, each state value's kind)."""
+    entries: dict[str, Tensor] = {}
+    groups, kinds = [], {}
+    for group in optimizer.param_groups:
+        names = [_leaf_of(p, known, where).name for p in group["params"]]
+        settings = {k: _plain(v, where, k) for k, v in group.items() if k != "params"}
+        groups.append({"params": names, "settings": settings})
+        for param in group["params"]:
+            leaf = known[id(param)]
+            kinds[leaf.name] = {}
+            for key, value in optimizer.state.get(param, {}).items():
+                kind, described = _describe(value, param, leaf)
+                kinds[leaf.name][key] = described
+                if kind == "rows":
+                    for i, row in enumerate(leaf.rows or ()):
+                        entries[f"{OPTIM}{leaf.name}/{row}/{key}"] = value[i].detach().clone()
+                elif kind != "value":
+                    entries[f"{OPTIM}{leaf.name}/{key}"] = value.detach()
+    return entries, {"groups": groups, "state": kinds}
+
+
+def _describe(value: object, param: Tensor, leaf: Leaf) -> tuple[str, dict[str, Any]]:
+    if not isinstance(value, Tensor):
+        return "value", {"kind": "value", "value": _plain(value, "optimizer state", leaf.name)}
+    kind = "tensor"
+    if value.shape == param.shape:
+        kind = "rows" if leaf.rows is not None else "like"
+    dtype = str(value.dtype).removeprefix("torch.")
+    return kind, {"kind": kind, "dtype": dtype, "shape": list(value.shape)}
+
+
+def _plain(value: object, where: str, key: str) -> object:
+    """A JSON-ready copy of an optimizer setting or value (tensors as numbers, tuples as lists)."""
+    if isinstance(value, Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, tuple | list):
+        return [_plain(v, where, key) for v in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    raise ValueError(f"{where}: optimizer setting {key!r} is {type(value).__name__}; not saved.")
+
+
+def templates(
+    description: dict[str, Any],
+    optimizer: torch.optim.Optimizer,
+    known: dict[int, Leaf],
+    where: str,
+) -> dict[str, Tensor]:
+    """Empty tensors for every saved state entry of `optimizer`'s parameters, to load into.
+
+    Raises `CheckpointMismatchError` unless the optimizer's groups hold the saved parameters.
+    """
+    saved = [g["params"] for g in description["groups"]]
+    ours = [[_leaf_of(p, known, where).name for p in g["params"]] for g in optimizer.param_groups]
+    if saved != ours:
+        raise CheckpointMismatchError(
+            f"{where}: the optimizer's parameter groups {_short(ours)} are not the checkpoint's "
+            f"{_short(saved)}."
+        )
+    out: dict[str, Tensor] = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            leaf = known[id(param)]
+            for key, d in description["state"][leaf.name].items():
+                if d["kind"] == "rows":
+                    for row in leaf.rows or ():
+                        out[f"{OPTIM}{leaf.name}/{row}/{key}"] = torch.empty(
+                            param.shape[1:], dtype=_dtype(d)
+                        )
+                elif d["kind"] == "like":
+                    out[f"{OPTIM}{leaf.name}/{key}"] = torch.empty_like(param, dtype=_dtype(d))
+                elif d["kind"] == "tensor":
+                    out[f"{OPTIM}{leaf.name}/{key}"] = torch.empty(d["shape"], dtype=_dtype(d))
+    return out
+
+
+def restore(
+    description: dict[str, Any],
+    optimizer: torch.optim.Optimizer,
+    known: dict[int, Leaf],
+    loaded: dict[str, Tensor],
+) -> None:
+    """Set `optimizer`'s settings and state from the checked entries `loaded`."""
+    for group, saved in zip(optimizer.param_groups, description["groups"], strict=True):
+        for key, value in saved["settings"].items():
+            group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
+        for param in group["params"]:
+            leaf = known[id(param)]
+            state = {}
+            for key, d in description["state"][leaf.name].items():
+                if d["kind"] == "value":
+                    state[key] = d["value"]
+                elif d["kind"] == "rows":
+                    rows = [loaded[f"{OPTIM}{leaf.name}/{r}/{key}"] for r in leaf.rows or ()]
+                    state[key] = torch.stack(rows) if rows else torch.empty_like(param)
+                else:
+                    state[key] = loaded[f"{OPTIM}{leaf.name}/{key}"]
+            optimizer.state[param] = {k: _on(v, param) for k, v in state.items()}
+
+
+def _on(value: object, param: Tensor) -> object:
+    """State tensors shaped like `param` go to its device; others (AdamW's step) stay put."""
+    if isinstance(value, Tensor) and value.shape == param.shape:
+        return value.to(param.device)
+    return value
+
+
+def _dtype(described: dict[str, Any]) -> torch.dtype:
+    return getattr(torch, described["dtype"])
+
+
+def _short(groups: list[list[str]]) -> str:
+    return str([g[:2] + (["..."] if len(g) > 2 else []) for g in groups])
