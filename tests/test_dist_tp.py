@@ -28,7 +28,9 @@ def _diff(a: dict, b: dict) -> float:
     return max((x.detach() - y.detach()).abs().max().item() for x, y in pairs)
 
 
-def tp_worker(rank: int, world: int, dp: int, tp: int, sequence: bool = False) -> dict:
+def tp_worker(
+    rank: int, world: int, dp: int, tp: int, sequence: bool = False, path: str | None = None
+) -> dict:
     mesh = gbd.init_mesh(dp=dp, tp=tp)
     with torch.device("meta"):
         dense, model = GPT(CFG), GPT(CFG)
@@ -60,10 +62,20 @@ def tp_worker(rank: int, world: int, dp: int, tp: int, sequence: bool = False) -
         ref_opt.step()
         ref_opt.zero_grad()
     out["diff"] = _diff(gparams, ref)
-    out["digest"] = hashlib.sha256(
-        b"".join(t.detach().numpy().tobytes() for t in gb.trainable_leaves(gparams))
-    ).hexdigest()
+    out["digest"] = _digest(gparams)
+    if path is not None:  # the replicated g-nets and SGD momenta, one copy of each entry
+        gbd.save_sharded(path, gparams, plan=plan, optimizer=opt, step=STEPS)
+        out["momenta"] = _digest({"stacks": {}, "free": dict(enumerate(_momenta(opt)))})
     return out
+
+
+def _digest(gparams: dict) -> str:
+    leaves = gb.trainable_leaves(gparams)
+    return hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in leaves)).hexdigest()
+
+
+def _momenta(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [opt.state[p]["momentum_buffer"] for g in opt.param_groups for p in g["params"]]
 
 
 def _check(results: list[dict], tp: int) -> None:
@@ -94,5 +106,18 @@ def test_sequence_parallel_matches_one_process_with_replicated_layernorms():
 
 
 @pytest.mark.slow
-def test_data_and_tensor_parallel_2x2_matches_one_process():
-    _check(spawn(tp_worker, 4, 2, 2, timeout=120), tp=2)
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process, below
+def test_data_and_tensor_parallel_2x2_matches_one_process_and_its_checkpoint_loads(tmp_path):
+    results = spawn(tp_worker, 4, 2, 2, False, str(tmp_path), timeout=120)
+    _check(results, tp=2)
+    # What the 4 ranks saved, read by one process: the same g-nets and momenta, bitwise.
+    with torch.device("meta"):
+        model = GPT(CFG)
+    plan = gb.plan(model, tile=TILE)
+    gparams = gb.init(plan, seed=1)
+    opt = torch.optim.SGD(gb.trainable_leaves(gparams), lr=0.5, momentum=0.5)
+    checkpoint = gbd.load_sharded(tmp_path, model, into=gparams, optimizer=opt)
+    assert checkpoint.step == STEPS
+    assert _digest(gparams) == results[0]["digest"]
+    assert _digest({"stacks": {}, "free": dict(enumerate(_momenta(opt)))}) == results[0]["momenta"]
+    assert (opt.param_groups[0]["lr"], opt.param_groups[0]["momentum"]) == (0.1, 0.9)
