@@ -6,7 +6,7 @@ On CPU the Triton backend runs through Triton's interpreter, so the model stays 
 import pytest
 import torch
 from devices import KERNEL_DEVICE
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_map
@@ -82,20 +82,44 @@ def assert_trees_close(
         )
 
 
+def gain(gparams: dict) -> float:
+    """How far `gb.init`'s normalisation amplifies rounding: the largest output-layer weight of
+    any g-net over 8. A g-net whose raw outputs barely vary gets output weights of ~100 so its
+    tiles have unit std, and they multiply the backends' (legitimately) different roundings
+    inside the g-net."""
+    largest = max(float(s["w_out"].detach().abs().max()) for s in gparams["stacks"].values())
+    return max(1.0, largest / 8)
+
+
 @settings(max_examples=8)
 @given(genomes(), st.integers(0, 2**16))
+@example(  # found in random order: a shared gelu g-net normalised by a gain of ~110
+    {
+        "tile": (2, 3),
+        "hidden": 5,
+        "depth": 1,
+        "activation": "gelu",
+        "window_in": "output",
+        "outputs": 1,
+        "share": True,
+    },
+    35383,
+)
 def test_triton_backend_equals_torch_backend_under_grad(genome, seed):
     model = tiny_net()
     plan = gb.plan(model, **genome)
     gparams = gb.init(plan, seed=seed, device=KERNEL_DEVICE)
+    k = gain(gparams)
     assert_trees_close(
         gb.apply(gparams, plan, backend="triton"),
         gb.apply(gparams, plan, backend="torch"),
         "weights",
+        atol=2e-6 * k,
     )
     got = grad(loss)(gparams, plan, model, "triton")
     want = grad(loss)(gparams, plan, model, "torch")
-    assert_trees_close(got, want, "grad gparams", **GRAD_TOLERANCE)
+    tolerance = {**GRAD_TOLERANCE, "atol": GRAD_TOLERANCE["atol"] * k}
+    assert_trees_close(got, want, "grad gparams", **tolerance)
 
 
 def test_a_gnet_dead_at_init_generates_the_same_weights_on_both_backends():
