@@ -140,7 +140,8 @@ def _shift_blocks(plan: dict) -> None:
         ),
         (
             lambda p: p["stacks"][0]["genome"].update(share=True),
-            r"tiles_per_gnet is .*; expected \(4, 4\), one g-net per block \(share=True\)",
+            r"tiles_per_gnet is \(1, 1, 1, 1, 1, 1, 1, 1\); expected \(4, 4\), one g-net per block "
+            r"\(share=True\)",
         ),
         (_shift_blocks, r"tiles 0 to 0 of 's0_4x4' belong to no block"),
     ],
@@ -330,6 +331,19 @@ def test_every_plan_check_gives_its_whole_message(edit, match):
 def _vector_plan(edit: Callable[[gb.Plan], gb.Plan]) -> tuple[gb.Plan, nn.Module]:
     model = nn.Sequential(nn.Linear(8, 8))
     return edit(gb.plan(model, tile=(4, 4), biases=True)), model
+
+
+def _kernel_plan(edit: Callable[[gb.Plan], gb.Plan]) -> tuple[gb.Plan, nn.Module]:
+    model = nn.Sequential(nn.Conv1d(4, 4, 2))  # a kernel window of 2 taps
+    return edit(gb.plan(model, tile=(2, 2))), model
+
+
+def test_a_kernel_window_takes_one_output_per_evaluation():
+    outputs_2 = lambda plan: gb.Plan(
+        plan.params, (replace(plan.stacks[0], genome=replace(plan.stacks[0].genome, outputs=2)),)
+    )
+    match = r"stacks\[0\]\.genome\.outputs is 2; expected 1 for a kernel\."
+    _check_hand_built(outputs_2, match, _kernel_plan)
 
 
 @pytest.mark.parametrize(
