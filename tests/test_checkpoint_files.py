@@ -338,6 +338,30 @@ def _kernel_plan(edit: Callable[[gb.Plan], gb.Plan]) -> tuple[gb.Plan, nn.Module
     return edit(gb.plan(model, tile=(2, 2))), model
 
 
+def test_a_plan_whose_tile_is_padded_to_whole_evaluations_is_accepted():
+    """`gb.plan` pads a tile to whole evaluations: 12 columns at 8 outputs per evaluation take a
+    16-wide tile, which `check_plan` must accept (and a 24-wide one refuse)."""
+    from gbfunc._check_plan import check_plan
+
+    model = nn.Sequential(nn.Linear(12, 8))
+    plan = gb.plan(model, tile=(8, 16), outputs=8)
+    assert plan.stacks[0].tile == (8, 16)
+    errors = {"corrupt": gb.CheckpointCorruptError, "mismatch": gb.CheckpointMismatchError}
+    check_plan(plan, model, "where", **errors)
+    wider = gb.Plan(plan.params, (replace(plan.stacks[0], tile=(8, 24)),))
+    with pytest.raises(gb.CheckpointCorruptError, match=r"tile is \(8, 24\); expected a tile no"):
+        check_plan(wider, model, "where", **errors)
+
+
+def test_a_kernel_window_that_is_not_the_weights_is_named():
+    window_3 = lambda plan: gb.Plan(plan.params, (replace(plan.stacks[0], window=(3,)),))
+    match = (
+        r"stacks\[0\]\.window is \(3,\); expected \(2,\), the kernel window of params\[0\] "
+        r"\('0\.weight'\)\."
+    )
+    _check_hand_built(window_3, match, _kernel_plan)
+
+
 def test_a_kernel_window_takes_one_output_per_evaluation():
     outputs_2 = lambda plan: gb.Plan(
         plan.params, (replace(plan.stacks[0], genome=replace(plan.stacks[0].genome, outputs=2)),)
