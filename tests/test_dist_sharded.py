@@ -192,6 +192,15 @@ def test_a_bad_resume_is_refused_before_anything_changes(tmp_path):
     stranger = torch.optim.AdamW([torch.zeros(3, requires_grad=True)])
     with pytest.raises(ValueError, match=r"holds a tensor of shape \(3,\) that is not"):
         gbd.load_sharded(tmp_path, model, into=fresh, optimizer=stranger)
+    wrong = gb.init(plan, seed=1)
+    wrong["free"]["0.bias"] = torch.zeros(3)
+    with pytest.raises(
+        ValueError, match=r"into\['free'\]\['0\.bias'\] is \(3,\); this rank reads \(16,\)"
+    ):
+        gbd.load_sharded(tmp_path, model, into=wrong)
+    del wrong["stacks"][plan.stacks[0].key]["w_in"]
+    with pytest.raises(ValueError, match=r"into\['stacks'\]\['s0_4x4'\]\['w_in'\] is NoneType"):
+        gbd.load_sharded(tmp_path, model, into=wrong)
     with pytest.raises(ValueError, match=r"restoring an optimizer needs `into`"):
         gbd.load_sharded(tmp_path, model, optimizer=opt)
     # An optimizer entry altered after the manifest was written.

@@ -156,7 +156,9 @@ def save_sharded(
         )
         state.update(entries)
     digests = {k: _digest(k, v) for k, v in state.items() if not isinstance(v, DTensor)}
-    checksums = {k: checksum(v) for k, v in state.items() if not k.startswith("stacks/")}
+    # g-net rows (and their optimizer state) are held whole by one rank: a SHA-256 suffices.
+    whole = ("stacks/", f"{optim_state.OPTIM}stacks/")
+    checksums = {k: checksum(v) for k, v in state.items() if not k.startswith(whole)}
     dcp.save(state, checkpoint_id=os.fspath(path), process_group=group, no_dist=group is None)
     every: list[Any] = [digests]
     if group is not None:
@@ -247,6 +249,8 @@ def load_sharded(
     elif group is None and into is not None and _has_dtensor(into):
         group = dist.group.WORLD
     rows = _rows(plan, owned)
+    if into is not None:
+        _check_into(plan, rows, into, where)
     state = _templates(plan, rows, dtypes, into, where)
     known = optim_state.leaves(plan, into, rows) if optimizer is not None else {}
     if optimizer is not None:
@@ -257,8 +261,7 @@ def load_sharded(
                 f"{where}: unreadable optimizer state ({e!r:.200})."
             ) from None
     _read(path, state, group, where)
-    for key, value in state.items():
-        _verify(Path(path), key, value, digests, checksums, where)
+    _verify(Path(path), state, digests, checksums, group, where)
     if optimizer is not None:
         optim_state.restore(manifest["optimizer"], optimizer, known, state)
     if into is not None:
@@ -299,13 +302,7 @@ def _templates(
             dtype = dtypes.get(f"stacks/{stack.key}/{leaf}")
             if dtype is None:
                 raise CheckpointCorruptError(f"{where}: no dtype for stacks/{stack.key}/{leaf}.")
-            mine = rows[stack.key][leaf]
-            if into is not None and into["stacks"][stack.key][leaf].shape[0] != len(mine):
-                raise ValueError(
-                    f"{where}: into['stacks'][{stack.key!r}][{leaf!r}] has "
-                    f"{into['stacks'][stack.key][leaf].shape[0]} rows; this rank reads {len(mine)}."
-                )
-            for row in mine:
+            for row in rows[stack.key][leaf]:
                 state[_key(stack.key, leaf, row)] = torch.empty(shape[1:], dtype=dtype)
     for p in plan.free:
         kind = "free" if p.trainable else "frozen"
@@ -330,28 +327,64 @@ def _read(
         ) from None
 
 
+def _check_into(
+    plan: Plan, rows: dict[str, dict[str, list[int]]], into: GParams, where: str
+) -> None:
+    """`into` holds every tensor this rank reads, in its shape (global for a DTensor)."""
+    wanted = [
+        (("stacks", stack.key, leaf), (len(rows[stack.key][leaf]), *shape[1:]))
+        for stack in plan.stacks
+        for leaf, shape in stack.leaf_shapes().items()
+    ]
+    wanted += [(("free" if p.trainable else "frozen", p.name), p.shape) for p in plan.free]
+    for path, shape in wanted:
+        node: Any = into
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, Tensor) or tuple(node.shape) != tuple(shape):
+            found = tuple(node.shape) if isinstance(node, Tensor) else type(node).__name__
+            raise ValueError(
+                f"{where}: into{''.join(f'[{k!r}]' for k in path)} is {found}; this rank reads "
+                f"{tuple(shape)} there. Pass the gparams of the same plan and world size."
+            )
+
+
 def _verify(
     path: Path,
-    key: str,
-    value: Tensor,
+    state: dict[str, Tensor],
     digests: dict[str, str],
     checksums: dict[str, str],
+    group: dist.ProcessGroup | None,
     where: str,
 ) -> None:
-    """Compare an entry read with what the manifest recorded when it was written."""
-    if key in digests and not isinstance(value, DTensor):
-        ok = digests[key] == _digest(key, value)
-    elif key in checksums:
-        ok = checksums[key] == checksum(value)  # a collective for a DTensor
-    elif key in digests:  # written whole by an older version, read sharded
-        ok = digests[key] == _digest(key, value.full_tensor())
-    else:
-        ok = False
-    if not ok:
+    """Compare every entry read with what the manifest recorded when it was written.
+
+    Plain entries first, then DTensors (collectives, in the same order on every rank); the
+    ranks then agree on the first damaged entry, so that all raise and none is left waiting.
+    """
+    plain = [(k, v) for k, v in state.items() if not isinstance(v, DTensor)]
+    sharded = [(k, v) for k, v in state.items() if isinstance(v, DTensor)]
+    damaged = [k for k, v in [*plain, *sharded] if not _matches(k, v, digests, checksums)]
+    first = damaged[0] if damaged else None
+    if group is not None:
+        every: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, first, group=group)
+        first = next((k for k in every if k is not None), None)
+    if first is not None:
         raise CheckpointCorruptError(
-            f"{where}: {key} in {_file_of(path, key)} does not match its checksum: the shard "
-            "was altered or damaged after it was written."
+            f"{where}: {first} in {_file_of(path, first)} does not match its checksum: the "
+            "shard was altered or damaged after it was written."
         )
+
+
+def _matches(key: str, value: Tensor, digests: dict[str, str], checksums: dict[str, str]) -> bool:
+    if key in digests and not isinstance(value, DTensor):
+        return digests[key] == _digest(key, value)
+    if key in checksums:
+        return checksums[key] == checksum(value)  # a collective for a DTensor
+    if key in digests:  # written whole by an older version, read sharded
+        return digests[key] == _digest(key, value.full_tensor())
+    return False
 
 
 def _fill(
