@@ -273,6 +273,8 @@ HAND_BUILT_MESSAGES = [
     ),
     (_param(1, reason=3), rf"{B}\.reason is 3; expected a string\."),
     (_param(0, dtype="int64"), rf"{W}\.dtype is 'int64'; expected a floating dtype\."),
+    (_param(0, dtype=3), rf"{W}\.dtype is 3; expected a torch dtype name such as 'float32'\."),
+    (_param(0, scale=0.0), rf"{W}\.scale is 0\.0; expected a finite number > 0\."),
     (_param(0, shape=[8, 8]), rf"{W}\.shape is \[8, 8\]; expected a list of sizes >= 0\."),
     (_param(0, shape=(8, 0)), rf"{W}\.shape is \(8, 0\); expected a non-empty shape\."),
     (_param(0, stack_index=7), rf"{W} names stack 7; the plan has 1 stacks\."),
@@ -351,6 +353,16 @@ def test_a_plan_whose_tile_is_padded_to_whole_evaluations_is_accepted():
     wider = gb.Plan(plan.params, (replace(plan.stacks[0], tile=(8, 24)),))
     with pytest.raises(gb.CheckpointCorruptError, match=r"tile is \(8, 24\); expected a tile no"):
         check_plan(wider, model, "where", **errors)
+
+
+def test_a_one_tap_kernel_window_is_accepted():
+    from gbfunc._check_plan import check_plan
+
+    model = nn.Sequential(nn.Conv1d(4, 4, 1))
+    plan = gb.plan(model, tile=(2, 2))
+    assert plan.stacks[0].window == (1,)
+    errors = {"corrupt": gb.CheckpointCorruptError, "mismatch": gb.CheckpointMismatchError}
+    check_plan(plan, model, "where", **errors)
 
 
 def test_a_kernel_window_that_is_not_the_weights_is_named():
