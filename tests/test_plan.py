@@ -452,3 +452,24 @@ def test_a_genome_takes_a_number_of_buckets_not_auto():
 def test_a_grid_may_have_axes_of_one_neuron():
     """`(1, 8)` labels a single row of 8 pixels: a valid grid, not an error."""
     assert gb.Genome(col_labels=(1, 8)).col_labels == (1, 8)
+
+
+def test_block_shapes_split_rows_or_columns_evenly():
+    from gbfunc._plan import block_shapes
+
+    assert block_shapes((8, 6), 1, 0) == [(8, 6)]
+    assert block_shapes((8, 6), 2, 0) == [(4, 6), (4, 6)]
+    assert block_shapes((8, 6), 2, 1) == [(8, 3), (8, 3)]
+    assert block_shapes((8, 6, 3), 3, 1) == [(8, 2)] * 3  # a kernel's window is not split
+    assert block_shapes((5,), 1, 0) == [(5, 1)]  # a bias: one column of neurons
+
+
+def test_a_one_tap_kernel_adds_no_window_code():
+    """A kernel of one tap has nothing to encode: its g-nets see what a Linear's see."""
+    conv = gb.plan(nn.Conv1d(4, 4, 1), tile=(2, 2)).stacks[0]
+    linear = gb.plan(nn.Linear(4, 4), tile=(2, 2)).stacks[0]
+    assert conv.window == (1,)
+    geometry = lambda s: (s.outputs, s.columns, s.row_width, s.col_width)
+    assert geometry(conv) == geometry(linear)
+    three = gb.plan(nn.Conv1d(4, 4, 3), tile=(2, 2)).stacks[0]
+    assert three.col_width == linear.col_width + 3  # one-hot of the 3 taps
