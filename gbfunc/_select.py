@@ -160,6 +160,10 @@ class Selection:
         regions: `{name: region or Concat}` for the parameters to produce (generated or
             free).
 
+    Attributes:
+        regions: The regions asked for, by parameter name.
+        tiles: `{stack index: tile indices}` that `apply` evaluates.
+
     Example:
         >>> model = nn.ModuleDict({"fc": nn.Linear(128, 256)})
         >>> plan = gb.plan(model, tile=(32, 32))

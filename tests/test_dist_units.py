@@ -110,7 +110,9 @@ def test_selection_hands_out_views_of_free_parameters_and_gb_apply_the_leaves():
     gparams = gb.init(plan)
     leaf = gparams["free"]["1.weight"]
     assert gb.apply(gparams, plan)["1.weight"] is leaf
-    view = gbd.Selection(plan, {"1.weight": ((0, 8),)}).apply(gparams)["1.weight"]
+    selection = gbd.Selection(plan, {"1.weight": ((0, 8),)})
+    assert selection.regions == {"1.weight": ((0, 8),)}
+    view = selection.apply(gparams)["1.weight"]
     assert view is not leaf
     assert view._base is leaf
 
