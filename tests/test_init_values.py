@@ -173,3 +173,25 @@ def test_drawn_free_parameters_depend_on_the_seed_only():
     assert torch.equal(first, again)
     assert not torch.equal(first, other)
     assert 0.8 < first.std().item() < 1.2  # nn.Embedding draws N(0, 1)
+
+
+def test_init_ties_hidden_units_in_fours_so_each_gnet_starts_odd():
+    """Units 4k..4k+3 share first-layer weights up to the signs (+a+b, +a-b, -a+b, -a-b), and
+    their bias and tile embedding, and enter the output with signs (+, -, -, +)."""
+    plan = gb.plan(nn.Linear(16, 16), tile=(8, 8), hidden=8, share=True)
+    stack = plan.stacks[0]
+    leaves = gb.init(plan, seed=0)["stacks"][stack.key]
+    assert {"w_embed", "b_in"} <= leaves.keys()
+    rows, cols = slice(0, stack.row_width), slice(stack.row_width, None)
+    first = slice(0, 8, 4)
+    for s, (row, col) in enumerate(((1, 1), (1, -1), (-1, 1), (-1, -1))):
+        unit = slice(s, 8, 4)
+        w_in = leaves["w_in"].detach()
+        assert torch.equal(w_in[:, rows, unit], row * w_in[:, rows, first])
+        assert torch.equal(w_in[:, cols, unit], col * w_in[:, cols, first])
+        w_out = leaves["w_out"].detach()
+        assert torch.equal(w_out[:, unit], row * col * w_out[:, first])
+        for name in ("b_in", "w_embed"):
+            tied = leaves[name].detach()
+            assert torch.equal(tied[..., unit], tied[..., first]), name
+    assert leaves["w_embed"].detach()[..., first].abs().sum() > 0  # not trivially equal
