@@ -42,16 +42,17 @@ def shard_sums(local: Tensor, offsets: Sequence[int], shape: Sequence[int]) -> T
     strides = [1] * len(shape)
     for d in range(len(shape) - 2, -1, -1):
         strides[d] = strides[d + 1] * shape[d + 1]
-    element = torch.zeros(local.shape, dtype=torch.int64)
-    for d, (start, n) in enumerate(zip(offsets, local.shape, strict=True)):
-        view = [1] * local.dim()
-        view[d] = n
-        element = element + ((start + torch.arange(n)) * strides[d]).view(view)
-    byte = (element.reshape(-1, 1) * size + torch.arange(size)).reshape(-1)
-    values = local.reshape(-1).view(torch.uint8).to(torch.int64)
+    data = local.reshape(-1).view(torch.uint8).reshape(-1, size)  # (elements, bytes each)
     sums = torch.zeros(2, dtype=torch.int64)
-    for lo in range(0, values.numel(), _CHUNK):
-        part, where = values[lo : lo + _CHUNK], byte[lo : lo + _CHUNK]
+    per_chunk = max(1, _CHUNK // size)
+    for lo in range(0, data.shape[0], per_chunk):
+        index = torch.arange(lo, min(lo + per_chunk, data.shape[0]))  # local, row-major
+        element = torch.zeros_like(index)  # its position in the whole tensor
+        for d in range(local.dim() - 1, -1, -1):
+            index, coordinate = index // local.shape[d], index % local.shape[d]
+            element += (offsets[d] + coordinate) * strides[d]
+        where = (element[:, None] * size + torch.arange(size)).reshape(-1)
+        part = data[lo : lo + per_chunk].reshape(-1).to(torch.int64)
         for k, hash_ in enumerate(_HASHES):
             sums[k] += ((part * _weights(where, hash_)) % PRIME).sum() % PRIME
     return sums % PRIME
