@@ -66,8 +66,8 @@ def state_entries(
             leaf = known[id(param)]
             kinds[leaf.name] = {}
             for key, value in optimizer.state.get(param, {}).items():
-                kind, described = _describe(value, param, leaf)
-                kinds[leaf.name][key] = described
+                described = kinds[leaf.name][key] = _describe(value, param, leaf)
+                kind = described["kind"]
                 if kind == "rows":
                     for i, row in enumerate(leaf.rows or ()):
                         entries[f"{OPTIM}{leaf.name}/{row}/{key}"] = value[i].detach().clone()
@@ -76,14 +76,15 @@ def state_entries(
     return entries, {"groups": groups, "state": kinds}
 
 
-def _describe(value: object, param: Tensor, leaf: Leaf) -> tuple[str, dict[str, Any]]:
+def _describe(value: object, param: Tensor, leaf: Leaf) -> dict[str, Any]:
+    """What the manifest keeps of one state value: its kind, and a tensor's dtype and shape."""
     if not isinstance(value, Tensor):
-        return "value", {"kind": "value", "value": _plain(value, "optimizer state", leaf.name)}
+        return {"kind": "value", "value": _plain(value, "optimizer state", leaf.name)}
     kind = "tensor"
     if value.shape == param.shape:
         kind = "rows" if leaf.rows is not None else "like"
     dtype = str(value.dtype).removeprefix("torch.")
-    return kind, {"kind": kind, "dtype": dtype, "shape": list(value.shape)}
+    return {"kind": kind, "dtype": dtype, "shape": list(value.shape)}
 
 
 def _plain(value: object, where: str, key: str) -> object:

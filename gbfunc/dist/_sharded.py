@@ -264,11 +264,10 @@ def load_sharded(
     _verify(Path(path), state, digests, checksums, group, where)
     if optimizer is not None:
         optim_state.restore(manifest["optimizer"], optimizer, known, state)
+    gparams = _assemble(plan, rows, state, dtypes, device)
     if into is not None:
-        _fill(plan, rows, state, into)
+        _fill(into, gparams)
         gparams = into
-    else:
-        gparams = _assemble(plan, rows, state, dtypes, device)
     return Checkpoint(gparams, plan, None, manifest["step"], manifest["meta"])
 
 
@@ -387,19 +386,16 @@ def _matches(key: str, value: Tensor, digests: dict[str, str], checksums: dict[s
     return False
 
 
-def _fill(
-    plan: Plan, rows: dict[str, dict[str, list[int]]], state: dict[str, Tensor], into: GParams
-) -> None:
-    """Copy the checked entries into `into`'s tensors."""
+def _fill(into: GParams, loaded: GParams) -> None:
+    """Copy the checked values of `_assemble` into `into`'s tensors (`_check_into` made sure
+    it has every one of them), leaf by leaf."""
     with torch.no_grad():
-        for stack in plan.stacks:
-            for leaf, target in into["stacks"][stack.key].items():
-                picked = [state[_key(stack.key, leaf, r)] for r in rows[stack.key][leaf]]
-                if picked:
-                    target.copy_(torch.stack(picked))
-        for p in plan.free:
-            kind = "free" if p.trainable else "frozen"
-            into[kind][p.name].copy_(state[f"{kind}/{p.name}"])
+        for key, leaves in loaded["stacks"].items():
+            for leaf, value in leaves.items():
+                into["stacks"][key][leaf].copy_(value)
+        for kind in ("free", "frozen"):
+            for name, value in loaded[kind].items():
+                into[kind][name].copy_(value)
 
 
 def _manifest(path: Path, where: str) -> dict[str, Any]:
