@@ -83,7 +83,7 @@ from benchmarks._meta import (
     write_csv,
     write_json,
 )
-from examples.baselines import factor_budget, hashed, low_rank, tree_count
+from examples.baselines import factor_budget, hashed, low_rank, tree_count, weight_matrices
 from examples.data import CharCorpus, char_batch, char_windows, digits_split, pydoc_text
 from examples.models import CharTransformer, DigitsCNN, digits_mlp, paper_genome
 from examples.tasks import CharLMConfig, DigitsConfig
@@ -371,7 +371,7 @@ def arms_at(task: Task, label: str, options: dict, seed: int, data: Data) -> lis
     tree = {k: v.detach().clone().requires_grad_() for k, v in narrow.named_parameters()}
     arms.append(Arm("narrow", f"width {width}", narrow, tree, lambda t: t, count(narrow)))
     params = dict(model.named_parameters())
-    factored = task.factored or tuple(k for k, v in params.items() if v.dim() >= 2)
+    factored = task.factored or tuple(weight_matrices(model))
     free = sum(v.numel() for k, v in params.items() if k not in factored)
     budget = factor_budget(model, factored, ours)
     if budget is not None:
