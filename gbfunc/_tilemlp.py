@@ -126,6 +126,7 @@ def _backward_recompute(grad: Tensor, terms: Terms, activation: str) -> Terms:
         g_z = activate_grad(z, activation).mul_(grad).mul_(w_out[:, None, None, :, 0])
         g_w_hidden = g_b_hidden = None
     else:
+        compiling = torch.compiler.is_compiling()
         zs = [z]  # pre-activations of every hidden layer, recomputed
         for layer in range(0 if w_hidden is None else w_hidden.shape[1]):
             h = activate(zs[-1], activation)
@@ -139,14 +140,39 @@ def _backward_recompute(grad: Tensor, terms: Terms, activation: str) -> Terms:
             g_z = g_h * activate_grad(zs[layer], activation)
             h_prev = activate(zs[layer - 1], activation)
             g_ws.append(torch.einsum("tiqh,tiqk->thk", h_prev, g_z))
-            g_bs.append(g_z.sum((1, 2)))
+            g_bs.append(_sum_rows(g_z) if compiling else g_z.sum((1, 2)))
             g_h = torch.einsum("tiqk,thk->tiqh", g_z, w_hidden[:, layer - 1])
         g_z = g_h * activate_grad(zs[0], activation)
         g_w_hidden = torch.stack(g_ws[::-1], 1) if g_ws else None
         g_b_hidden = torch.stack(g_bs[::-1], 1) if g_bs else None
+        if compiling:
+            g_a, g_b = _first_layer_sums(g_z)
+            return Terms(g_a, g_b, _sum_rows(g_a), g_w_hidden, g_b_hidden, g_w_out, _sum_rows(grad))
     g_a = g_z.sum(2)
     g_b = g_z.sum(1)
     return Terms(g_a, g_b, g_a.sum(1), g_w_hidden, g_b_hidden, g_w_out, g_b_out)
+
+
+# Compiled, the sums over a tile's positions are batched matmuls: inductor's CPU code for a
+# sum whose kept innermost axis is narrower than a vector register (H or P < 16 floats on
+# AVX-512) runs the summed axis in parallel inside a serial loop over the tiles, one OpenMP
+# fork per tile row (torch 2.13). The MLP's (64, 64)-tile, 8-output genome, compiled step with
+# 2 threads: 4.4x the plain model's -> 1.9x; with 1 thread, 1.7x -> 1.9x.
+
+
+def _first_layer_sums(g_z: Tensor) -> tuple[Tensor, Tensor]:
+    """`(g_z.sum(2), g_z.sum(1))` of `(T, TH, Q, H)` as matmuls."""
+    num_tiles, rows, cols, hidden = g_z.shape
+    flat = g_z.reshape(num_tiles, rows, cols * hidden)
+    stacked_eye = torch.eye(hidden, dtype=g_z.dtype, device=g_z.device).repeat(cols, 1)
+    return flat @ stacked_eye, _sum_rows(flat).reshape(num_tiles, cols, hidden)
+
+
+def _sum_rows(x: Tensor) -> Tensor:
+    """`x.sum((1, ..., -2))`, to `(T, K)`, as a batched matmul with a row of ones."""
+    flat = x.reshape(x.shape[0], -1, x.shape[-1])
+    ones = flat.new_ones(1, 1, flat.shape[1]).expand(flat.shape[0], 1, -1)
+    return (ones @ flat).squeeze(1)
 
 
 def _fused_reductions(g: Tensor, a: Tensor, b: Tensor, c: Tensor, w: Tensor, activation: str):

@@ -63,3 +63,22 @@ def test_compiled_reductions_equal_the_eager_backward(activation):
     torch.testing.assert_close(got[0], want.a, msg="a")
     torch.testing.assert_close(got[1], want.b, msg="b")
     torch.testing.assert_close(got[2], want.w_out[..., 0], msg="w_out")
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize(("depth", "outputs"), [(1, 1), (1, 3), (2, 1), (3, 2)])
+def test_the_compiled_form_of_the_backward_equals_the_eager_one(
+    monkeypatch, activation, depth, outputs
+):
+    """Traced by `torch.compile`, the backward sums over positions with matmuls (and one
+    layer with one output takes `_fused_reductions`): the same gradients as eagerly."""
+    terms = inputs(3, 5, 7, 4, depth, outputs, seed=2)
+    grad = torch.randn(3, 5, 7, outputs, dtype=torch.float64)
+    want = _backward_recompute(grad, terms, activation)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    got = _backward_recompute(grad, terms, activation)
+    for name, g, w in zip(Terms._fields, got, want, strict=True):
+        if w is None:
+            assert g is None, name
+        else:
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=name)
