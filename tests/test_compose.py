@@ -269,6 +269,14 @@ def test_apply_compiles_only_stacks_large_enough_to_pay_by_default():
     assert not compiles_eagerly(tiny, None)
     assert not compiles_eagerly(large, False)
     assert compiles_eagerly(tiny, True)
+    # The measure is the transient (tiles, tile rows, evaluation columns, hidden), from exactly
+    # the threshold on: one (128, 256) tile at 32 hidden units is 2**20; (64, 256) half.
+    with torch.device("meta"):
+        (edge,) = gb.plan(nn.Linear(256, 128), tile=(128, 256)).stacks
+        (half,) = gb.plan(nn.Linear(256, 64), tile=(64, 256)).stacks
+    assert edge.num_tiles * edge.tile[0] * edge.columns * 32 == AUTO_COMPILE_ELEMENTS
+    assert compiles_eagerly(edge, None)
+    assert not compiles_eagerly(half, None)
     plan = gb.plan(nn.Linear(8, 8), tile=(4, 4))
     with pytest.raises(TypeError, match=r"gb\.apply: compile must be True, False or None"):
         gb.apply(gb.init(plan), plan, compile=1)

@@ -175,13 +175,16 @@ def test_drawn_free_parameters_depend_on_the_seed_only():
     assert 0.8 < first.std().item() < 1.2  # nn.Embedding draws N(0, 1)
 
 
-def test_init_ties_hidden_units_in_fours_so_each_gnet_starts_odd():
+@pytest.mark.parametrize("hidden", [8, 10])
+def test_init_ties_hidden_units_in_fours_so_each_gnet_starts_odd(hidden):
     """Units 4k..4k+3 share first-layer weights up to the signs (+a+b, +a-b, -a+b, -a-b), and
-    their bias and tile embedding, and enter the output with signs (+, -, -, +)."""
-    plan = gb.plan(nn.Linear(16, 16), tile=(8, 8), hidden=8, share=True)
+    their bias and tile embedding, and enter the output with signs (+, -, -, +); units left
+    over from the fours start silent."""
+    plan = gb.plan(nn.Linear(16, 16), tile=(8, 8), hidden=hidden, share=True)
     stack = plan.stacks[0]
     leaves = gb.init(plan, seed=0)["stacks"][stack.key]
     assert {"w_embed", "b_in"} <= leaves.keys()
+    assert torch.equal(leaves["w_out"].detach()[:, 8:], torch.zeros_like(leaves["w_out"][:, 8:]))
     rows, cols = slice(0, stack.row_width), slice(stack.row_width, None)
     first = slice(0, 8, 4)
     for s, (row, col) in enumerate(((1, 1), (1, -1), (-1, 1), (-1, -1))):

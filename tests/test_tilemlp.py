@@ -2,9 +2,19 @@
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
-from gbfunc._tilemlp import Terms, _backward_recompute, _fused_reductions, reference, tile_mlp
+from gbfunc._tilemlp import (
+    CHUNK_ELEMENTS,
+    Terms,
+    _backward_recompute,
+    _chunks,
+    _fused_reductions,
+    activate,
+    activate_grad,
+    reference,
+    tile_mlp,
+)
 
 ACTIVATIONS = ["relu", "gelu", "tanh", "silu"]
 
@@ -37,6 +47,8 @@ def inputs(tiles, rows, cols, hidden, depth, outputs, seed):
     activation=st.sampled_from(ACTIVATIONS),
     seed=st.integers(0, 2**16),
 )
+# One hidden unit and several outputs: the one-output shortcut must test the outputs' count.
+@example(tiles=2, rows=3, cols=2, hidden=1, depth=1, outputs=2, activation="relu", seed=0)
 def test_outputs_and_every_gradient_match_the_reference(
     tiles, rows, cols, hidden, depth, outputs, activation, seed
 ):
@@ -82,3 +94,29 @@ def test_the_compiled_form_of_the_backward_equals_the_eager_one(
             assert g is None, name
         else:
             torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_relu_gradient_at_zero_is_zero_as_autograd_has_it():
+    """Every pre-activation exactly 0 (zero first layer): torch's relu has derivative 0 there."""
+    terms = inputs(2, 3, 4, 4, 1, 2, seed=3)
+    zeros = Terms(*(torch.zeros_like(x).requires_grad_() for x in terms[:3]), *terms[3:])
+    present = [x for x in zeros if x is not None]
+    grad = torch.randn(2, 3, 4, 2, dtype=torch.float64)
+    got = torch.autograd.grad(tile_mlp(zeros, "relu"), present, grad)
+    want = torch.autograd.grad(reference(zeros, "relu"), present, grad)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("function", [activate, activate_grad])
+def test_an_unknown_activation_is_named(function):
+    with pytest.raises(ValueError, match="unknown activation 'swish'"):
+        function(torch.zeros(2), "swish")
+
+
+def test_eager_evaluation_is_chunked_to_the_chunk_size_and_compiled_left_whole(monkeypatch):
+    assert _chunks(3, 2 * CHUNK_ELEMENTS) == [(0, 1), (1, 2), (2, 3)]  # one tile per chunk
+    assert _chunks(5, CHUNK_ELEMENTS // 2) == [(0, 2), (2, 4), (4, 5)]
+    assert _chunks(CHUNK_ELEMENTS, 1) == [(0, CHUNK_ELEMENTS)]
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert _chunks(5, 2 * CHUNK_ELEMENTS) == [(0, 5)]
