@@ -173,6 +173,16 @@ def test_drawn_free_parameters_depend_on_the_seed_only():
     assert torch.equal(first, again)
     assert not torch.equal(first, other)
     assert 0.8 < first.std().item() < 1.2  # nn.Embedding draws N(0, 1)
+    assert torch.equal(gb.init(plan)["free"]["0.weight"], gb.init(plan, seed=0)["free"]["0.weight"])
+
+
+def test_drawn_integer_parameters_keep_their_dtype():
+    """Drawn (no model values), an integer frozen parameter is zeros of its own dtype, whatever
+    floating dtype the g-nets get."""
+    plan = gb.plan(frozen_embedding_model(), tile=(4, 4))
+    steps = gb.init(plan, values="draw", dtype=torch.float64)["frozen"]["steps"]
+    assert steps.dtype == torch.int64
+    assert torch.equal(steps, torch.zeros_like(steps))
 
 
 @pytest.mark.parametrize("hidden", [8, 10])
@@ -198,3 +208,16 @@ def test_init_ties_hidden_units_in_fours_so_each_gnet_starts_odd(hidden):
             tied = leaves[name].detach()
             assert torch.equal(tied[..., unit], tied[..., first]), name
     assert leaves["w_embed"].detach()[..., first].abs().sum() > 0  # not trivially equal
+
+
+def test_a_gnet_with_two_positions_starts_standardised():
+    """Two positions per g-net standardise to exactly -1 and +1."""
+    from gbfunc._evaluate import evaluate_stack
+
+    plan = gb.plan(nn.Linear(4, 6), tile=(1, 2), biases=False)
+    (stack,) = plan.stacks
+    leaves = gb.init(plan, dtype=torch.float64)["stacks"][stack.key]
+    with torch.no_grad():
+        pairs = evaluate_stack(stack, leaves).reshape(stack.num_tiles, -1)
+    torch.testing.assert_close(pairs.abs(), torch.ones_like(pairs))
+    torch.testing.assert_close(pairs.sum(1), torch.zeros(pairs.shape[0], dtype=torch.float64))
