@@ -273,8 +273,10 @@ class _TileMLP(torch.autograd.Function):
     one)."""
 
     @staticmethod
-    def forward(*inputs):
-        *flat, activation, compiled = inputs
+    def forward(a, b, c, w_hidden, b_hidden, w_out, b_out, activation, compiled):
+        # Named, not `*inputs`: dynamo, inlining a Function none of whose inputs requires grad
+        # (under vmap, with frozen g-nets), passes `ctx` first unless the arity matches.
+        flat = (a, b, c, w_hidden, b_hidden, w_out, b_out)
         if compiled and _plain_eager():
             # Detached: autograd records this Function, not what runs inside (no_grad here).
             detached = (None if x is None else x.detach() for x in flat)

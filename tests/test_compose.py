@@ -93,6 +93,22 @@ def test_vmap_over_genomes_equals_the_loop(genome):
             torch.testing.assert_close(a[k], b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
+# Dynamo's tracing under vmap reads `.grad` of a non-leaf while wrapping it (torch 2.13).
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+def test_compiled_vmap_over_genomes_equals_eager_vmap():
+    """Many genomes generated at once, compiled whole: `torch.compile(vmap(gb.apply))`, with
+    several outputs, two layers and a hashed table. (Dynamo inlines the tile MLP's Function
+    when no input requires grad; with a `*inputs` forward it passed `ctx` as an input.)"""
+    model = tiny_model(conv=False)
+    plan = gb.plan(model, tile=(4, 4), outputs=2, depth=2, hidden=6, hashed=5)
+    _, stacked = stack_genomes(plan, range(3))
+    generate = vmap(gb.apply, in_dims=(0, None))
+    compiled = torch.compile(generate, fullgraph=True)(stacked, plan)
+    for name, value in generate(stacked, plan).items():
+        torch.testing.assert_close(compiled[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
 @pytest.fixture(scope="module")
 def compiled_step():
     """One whole training step (generate, forward, loss, grad, AdamW), compiled once."""
