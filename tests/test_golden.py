@@ -46,6 +46,10 @@ def cases() -> dict[str, tuple[nn.Module, dict]]:
                 nn.Sequential(nn.Linear(24, 16), nn.ReLU(), nn.Linear(16, 4)),
                 {"tile": (8, 8), "share": True, "hidden": 6, "activation": "tanh"},
             ),
+            "deep-gelu": (
+                nn.Linear(10, 6),
+                {"tile": (4, 4), "depth": 2, "hidden": 6, "activation": "gelu"},
+            ),
             "paper": (
                 nn.Sequential(nn.Flatten(), nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 3)),
                 {

@@ -221,3 +221,28 @@ def test_a_gnet_with_two_positions_starts_standardised():
         pairs = evaluate_stack(stack, leaves).reshape(stack.num_tiles, -1)
     torch.testing.assert_close(pairs.abs(), torch.ones_like(pairs))
     torch.testing.assert_close(pairs.sum(1), torch.zeros(pairs.shape[0], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("buckets", [1, 2, 5])
+def test_hashed_tables_start_standardised_per_tile_from_the_seed_alone(buckets):
+    """Each tile's table (stored divided by `HASH_GAIN`) has exactly mean 0 and sample std 1
+    when it has two buckets or more, is finite with one, and comes from `seed`'s generator,
+    not the global one."""
+    from gbfunc._evaluate import HASH_GAIN
+
+    with torch.device("meta"):
+        model = nn.Linear(12, 8)
+    plan = gb.plan(model, tile=(4, 4), hashed=buckets)
+    (stack,) = plan.stacks
+    torch.manual_seed(1)
+    table = gb.init(plan, seed=3, dtype=torch.float64)["stacks"][stack.key]["tile_hash"]
+    torch.manual_seed(2)
+    again = gb.init(plan, seed=3, dtype=torch.float64)["stacks"][stack.key]["tile_hash"]
+    assert stack.num_tiles > 1
+    assert table.shape == (stack.num_tiles, buckets)
+    assert torch.equal(table, again)
+    assert torch.isfinite(table).all()
+    if buckets > 1:
+        zeros = torch.zeros(stack.num_tiles, dtype=torch.float64)
+        torch.testing.assert_close(table.detach().mean(1), zeros)
+        torch.testing.assert_close(table.detach().std(1) * HASH_GAIN, torch.ones_like(zeros))
