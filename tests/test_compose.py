@@ -170,6 +170,7 @@ def test_compiled_grad_of_shared_gnets_matches_eager():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_compiled_hashed_genome_reads_its_hash_instead_of_recomputing_it():
     """Traced as operations, the hash's argsort and integer arithmetic ran in every compiled
     step (40 of the 42 ms of the MLP's hashed genome); it enters the graph as one opaque op."""
