@@ -246,3 +246,12 @@ def test_hashed_tables_start_standardised_per_tile_from_the_seed_alone(buckets):
         zeros = torch.zeros(stack.num_tiles, dtype=torch.float64)
         torch.testing.assert_close(table.detach().mean(1), zeros)
         torch.testing.assert_close(table.detach().std(1) * HASH_GAIN, torch.ones_like(zeros))
+
+
+def test_a_model_that_does_not_match_the_plan_is_named_before_anything_is_drawn():
+    plan = gb.plan(nn.Linear(8, 4), tile=(4, 4))
+    with pytest.raises(
+        ValueError,
+        match=r"^gb\.init: parameter 'weight' has shape \(4, 8\) in the plan but \(4, 6\)",
+    ):
+        gb.init(plan, model=nn.Linear(6, 4))

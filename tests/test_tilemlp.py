@@ -78,13 +78,15 @@ def test_compiled_reductions_equal_the_eager_backward(activation):
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
-@pytest.mark.parametrize(("depth", "outputs"), [(1, 1), (1, 3), (2, 1), (3, 2)])
+@pytest.mark.parametrize(
+    ("depth", "hidden", "outputs"), [(1, 4, 1), (1, 4, 2), (1, 1, 3), (2, 4, 1), (3, 4, 2)]
+)
 def test_the_compiled_form_of_the_backward_equals_the_eager_one(
-    monkeypatch, activation, depth, outputs
+    monkeypatch, activation, depth, hidden, outputs
 ):
     """Traced by `torch.compile`, the backward sums over positions with matmuls (and one
     layer with one output takes `_fused_reductions`): the same gradients as eagerly."""
-    terms = inputs(3, 5, 7, 4, depth, outputs, seed=2)
+    terms = inputs(3, 5, 7, hidden, depth, outputs, seed=2)
     grad = torch.randn(3, 5, 7, outputs, dtype=torch.float64)
     want = _backward_recompute(grad, terms, activation)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
