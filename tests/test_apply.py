@@ -235,3 +235,20 @@ def test_hashed_tables_start_as_hashednets_and_share_their_values():
     assert stack.num_params == 15 * (
         stack.genome.param_count(stack.row_width + stack.col_width, 1) + 6
     )
+
+
+class _TwoHeadedLinear(nn.Linear):
+    """A weight holding two matrices side by side (`(out, 2 * half)`), like GPT-2's fused
+    `c_attn` but with blocks that are not square."""
+
+
+def test_a_rule_splitting_columns_into_non_square_blocks_matches_the_reference():
+    gb.register_rule(
+        _TwoHeadedLinear, lambda m: {"weight": gb.Layout(init_std=0.1, splits=2, split_dim=1)}
+    )
+    model = nn.Sequential(_TwoHeadedLinear(16, 6))
+    plan = gb.plan(model, tile=(4, 4))
+    assert [(b.rows, b.cols) for b in plan.generated[0].blocks] == [(6, 8), (6, 8)]
+    gparams = gb.init(plan, dtype=torch.float64)
+    got = gb.apply(gparams, plan)["0.weight"]
+    torch.testing.assert_close(got, naive_apply(gparams, plan)["0.weight"])
