@@ -117,9 +117,10 @@ def stack_terms(stack: Stack, leaves: Mapping[str, Tensor]) -> Terms:
 
 
 def _constant(make: Callable[..., Tensors], *args: Hashable) -> Tensors:
-    """`make(*args)`, tensors fixed by the plan (codes, hash tables), cached per arguments.
+    """`make(*args)`, tensors fixed by the plan (the code tables), cached per arguments.
 
-    Under `torch.compile` they are built in the graph instead and traced once into constants.
+    Under `torch.compile` they are traced into the graph and recomputed by each call: a few
+    small kernels for code tables (the hash, which is not small, is an opaque op instead).
     """
     if torch.compiler.is_compiling():
         return make(*args)
