@@ -113,10 +113,10 @@ def _forward_no_save(terms: Terms, activation: str) -> Tensor:
 def _backward_recompute(grad: Tensor, terms: Terms, activation: str) -> Terms:
     """Gradients of `reference` w.r.t. every term (`terms.b_out` is not read)."""
     a, b, c, w_hidden, b_hidden, w_out, _ = terms
-    g_b_out = grad.sum((1, 2))  # (T, P)
-    if w_hidden is None and w_out.shape[-1] == 1 and torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if w_hidden is None and w_out.shape[-1] == 1 and compiling:
         g_a, g_b, g_w_out = _fused_reductions(grad[..., 0], a, b, c, w_out[..., 0], activation)
-        return Terms(g_a, g_b, g_a.sum(1), None, None, g_w_out[..., None], g_b_out)
+        return Terms(g_a, g_b, g_a.sum(1), None, None, g_w_out[..., None], grad.sum((1, 2)))
     z = _first_layer(a, b, c)  # (T, TH, Q, H), one chunk at a time in eager mode
     if w_hidden is None and w_out.shape[-1] == 1:
         num_tiles, hidden = a.shape[0], a.shape[-1]
@@ -126,7 +126,6 @@ def _backward_recompute(grad: Tensor, terms: Terms, activation: str) -> Terms:
         g_z = activate_grad(z, activation).mul_(grad).mul_(w_out[:, None, None, :, 0])
         g_w_hidden = g_b_hidden = None
     else:
-        compiling = torch.compiler.is_compiling()
         zs = [z]  # pre-activations of every hidden layer, recomputed
         for layer in range(0 if w_hidden is None else w_hidden.shape[1]):
             h = activate(zs[-1], activation)
@@ -150,7 +149,7 @@ def _backward_recompute(grad: Tensor, terms: Terms, activation: str) -> Terms:
             return Terms(g_a, g_b, _sum_rows(g_a), g_w_hidden, g_b_hidden, g_w_out, _sum_rows(grad))
     g_a = g_z.sum(2)
     g_b = g_z.sum(1)
-    return Terms(g_a, g_b, g_a.sum(1), g_w_hidden, g_b_hidden, g_w_out, g_b_out)
+    return Terms(g_a, g_b, g_a.sum(1), g_w_hidden, g_b_hidden, g_w_out, grad.sum((1, 2)))
 
 
 # Compiled, the sums over a tile's positions are batched matmuls: inductor's CPU code for a
