@@ -313,9 +313,7 @@ def _read_metadata(data: bytes, where: str) -> dict[str, str]:
     if 8 + size > len(data):
         raise CheckpointCorruptError(f"{truncated}, its header needs {8 + size}.")
     try:
-        header = json.loads(data[8 : 8 + size])
-        if not isinstance(header, dict):
-            raise TypeError(f"expected a JSON object, got {type(header).__name__}")
+        header = json.loads(data[8 : 8 + size])  # an object: it starts with "{"
         metadata = header.pop("__metadata__", None) or {}
         if not isinstance(metadata, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
