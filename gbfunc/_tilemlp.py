@@ -24,8 +24,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 # Eager evaluation is chunked over tiles so that the transient (chunk, TH, Q, H) tensor stays
-# cache-sized; compiled graphs are left whole for inductor to fuse.
+# cache-sized; graphs traced by an outer compile are left whole for inductor to fuse.
 CHUNK_ELEMENTS = 1 << 18
+# Compiled bodies called eagerly run whole where inductor fuses the MLP into reductions (one
+# hidden layer, one output); elsewhere the hidden activations are matmul operands, which it
+# materialises, so they run in chunks of this many (tile, row, column, hidden) elements.
+COMPILED_CHUNK_ELEMENTS = 1 << 20
 
 
 class Terms(NamedTuple):
@@ -202,11 +206,29 @@ def _fused_reductions(g: Tensor, a: Tensor, b: Tensor, c: Tensor, w: Tensor, act
     return rows * w[:, None, :], cols * w[:, None, :], g_w
 
 
-def _chunks(num_tiles: int, per_tile: int) -> list[tuple[int, int]]:
+def _chunks(num_tiles: int, per_tile: int, budget: int = CHUNK_ELEMENTS) -> list[tuple[int, int]]:
     if torch.compiler.is_compiling():
         return [(0, num_tiles)]
-    size = max(1, CHUNK_ELEMENTS // max(1, per_tile))
+    count = max(1, math.ceil(num_tiles / max(1, budget // max(1, per_tile))))
+    size = max(1, math.ceil(num_tiles / count))  # balanced: at most two sizes, often one
     return [(s, min(num_tiles, s + size)) for s in range(0, num_tiles, size)]
+
+
+def _compiled_chunks(terms: Terms) -> list[tuple[int, int]]:
+    """The tile ranges that compiled bodies run on: the whole stack where inductor fuses it."""
+    num_tiles, rows, hidden = terms.a.shape
+    if terms.w_hidden is None and terms.w_out.shape[-1] == 1:
+        return [(0, num_tiles)]
+    return _chunks(num_tiles, rows * terms.b.shape[1] * hidden, COMPILED_CHUNK_ELEMENTS)
+
+
+def _joined(parts: list) -> object:
+    """One tensor, or one tuple of tensors (None kept), from the results of tile chunks."""
+    if len(parts) == 1:
+        return parts[0]
+    if isinstance(parts[0], Tensor):
+        return torch.cat(parts)
+    return tuple(None if p[0] is None else torch.cat(p) for p in zip(*parts, strict=True))
 
 
 def _plain_eager() -> bool:
@@ -275,18 +297,19 @@ class _TileMLP(torch.autograd.Function):
     def forward(a, b, c, w_hidden, b_hidden, w_out, b_out, activation, compiled):
         # Named, not `*inputs`: dynamo, inlining a Function none of whose inputs requires grad
         # (under vmap, with frozen g-nets), passes `ctx` first unless the arity matches.
-        flat = (a, b, c, w_hidden, b_hidden, w_out, b_out)
+        terms = Terms(a, b, c, w_hidden, b_hidden, w_out, b_out)
         if compiled and _plain_eager():
             # Detached: autograd records this Function, not what runs inside (no_grad here).
-            detached = (None if x is None else x.detach() for x in flat)
-            out = _compiled(_forward_body, *detached, activation)
-            if out is not None:
-                return out
-        terms = Terms(*flat)
+            detached = Terms(*(None if x is None else x.detach() for x in terms))
+            outs = [
+                _compiled(_forward_body, *detached.tiles(lo, hi), activation)
+                for lo, hi in _compiled_chunks(detached)
+            ]
+            if all(out is not None for out in outs):
+                return _joined(outs)
         num_tiles, rows, hidden = terms.a.shape
         parts = _chunks(num_tiles, rows * terms.b.shape[1] * hidden)
-        outs = [_forward_no_save(terms.tiles(lo, hi), activation) for lo, hi in parts]
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        return _joined([_forward_no_save(terms.tiles(lo, hi), activation) for lo, hi in parts])
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -297,27 +320,22 @@ class _TileMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
-        if ctx.compiled and _plain_eager() and not torch.is_grad_enabled():  # not create_graph
-            saved = (None if x is None else x.detach() for x in ctx.saved_tensors)
-            grads = _compiled(_backward_body, grad, *saved, ctx.activation)
-            if grads is not None:
-                return (*grads, None, None)
         terms = Terms(*ctx.saved_tensors, None)
+        if ctx.compiled and _plain_eager() and not torch.is_grad_enabled():  # not create_graph
+            saved = Terms(*(None if x is None else x.detach() for x in terms))
+            results = [
+                _compiled(_backward_body, grad[lo:hi], *saved.tiles(lo, hi)[:-1], ctx.activation)
+                for lo, hi in _compiled_chunks(saved)
+            ]
+            if all(result is not None for result in results):
+                return (*_joined(results), None, None)
         a, b = terms.a, terms.b
         parts = _chunks(a.shape[0], a.shape[1] * b.shape[1] * a.shape[2])
         results = [
-            _backward_recompute(grad[lo:hi], terms.tiles(lo, hi), ctx.activation)
+            tuple(_backward_recompute(grad[lo:hi], terms.tiles(lo, hi), ctx.activation))
             for lo, hi in parts
         ]
-        grads = [
-            None
-            if parts_of[0] is None
-            else torch.cat(parts_of)
-            if len(parts_of) > 1
-            else parts_of[0]
-            for parts_of in zip(*results, strict=True)
-        ]
-        return (*grads, None, None)
+        return (*_joined(results), None, None)
 
     @staticmethod
     def vmap(info, in_dims, *inputs):

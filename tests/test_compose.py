@@ -274,6 +274,46 @@ def test_eager_apply_with_compiled_bodies_matches_plain_eager_and_compiles_once(
     assert counters["stats"]["unique_graphs"] - before == 2
 
 
+@pytest.mark.slow
+def test_compiled_bodies_of_a_multi_output_stack_run_in_balanced_chunks(monkeypatch):
+    """With several outputs the hidden activations are matmul operands that inductor
+    materialises, so compiled bodies run on chunks of tiles (bounding the step's peak memory);
+    the chunks are balanced, so one chunk size compiles once for the forward and the backward."""
+    from torch._dynamo.utils import counters
+
+    from gbfunc import _tilemlp
+
+    model = nn.Linear(48, 32, bias=False)  # (16, 16) tiles: 2 x 3 = 6 tiles
+    plan = gb.plan(model, tile=(16, 16), hidden=8, outputs=4)
+    (stack,) = plan.stacks
+    per_tile = 16 * (16 // 4) * 8  # tile rows x evaluations per row x hidden units
+    # Four tiles per chunk: 4 + 2 unbalanced (two sizes), 3 + 3 balanced (one).
+    monkeypatch.setattr(_tilemlp, "COMPILED_CHUNK_ELEMENTS", 4 * per_tile)
+    chunk_tiles = []
+    compiled = _tilemlp._compiled
+
+    def spy(body, first, *rest):
+        chunk_tiles.append(first.shape[0])
+        return compiled(body, first, *rest)
+
+    monkeypatch.setattr(_tilemlp, "_compiled", spy)
+    x = torch.randn(5, 48)
+
+    def grads(compile):
+        gparams = gb.init(plan, seed=4)
+        out = functional_call(model, gb.apply(gparams, plan, compile=compile), (x,))
+        out.square().mean().backward()
+        return [leaf.grad for leaf in gb.trainable_leaves(gparams)]
+
+    expected = grads(False)
+    before = counters["stats"]["unique_graphs"]
+    for leaf, ref in zip(grads(True), expected, strict=True):
+        torch.testing.assert_close(leaf, ref, rtol=1e-4, atol=1e-6)
+    assert stack.num_tiles == 6
+    assert chunk_tiles == [3, 3, 3, 3]  # forward, then backward, in two chunks each
+    assert counters["stats"]["unique_graphs"] - before == 2
+
+
 def test_apply_compiles_only_stacks_large_enough_to_pay_by_default():
     from gbfunc._evaluate import AUTO_COMPILE_ELEMENTS, compiles_eagerly
 

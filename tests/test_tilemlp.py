@@ -9,6 +9,7 @@ from gbfunc._tilemlp import (
     Terms,
     _backward_recompute,
     _chunks,
+    _compiled_chunks,
     _fused_reductions,
     activate,
     activate_grad,
@@ -116,9 +117,33 @@ def test_an_unknown_activation_is_named(function):
         function(torch.zeros(2), "swish")
 
 
+def test_compiled_bodies_run_whole_only_where_inductor_fuses_them(monkeypatch):
+    import gbfunc._tilemlp as tilemlp
+
+    def terms(outputs: int, depth: int) -> Terms:
+        tiles, rows, cols, hidden = 6, 16, 4, 8
+        deep = depth > 1
+        return Terms(
+            torch.zeros(tiles, rows, hidden),
+            torch.zeros(tiles, cols, hidden),
+            torch.zeros(tiles, hidden),
+            torch.zeros(tiles, depth - 1, hidden, hidden) if deep else None,
+            torch.zeros(tiles, depth - 1, hidden) if deep else None,
+            torch.zeros(tiles, hidden, outputs),
+            torch.zeros(tiles, outputs),
+        )
+
+    monkeypatch.setattr(tilemlp, "COMPILED_CHUNK_ELEMENTS", 4 * 16 * 4 * 8)  # four tiles
+    assert _compiled_chunks(terms(1, 1)) == [(0, 6)]  # fused into reductions: whole
+    assert _compiled_chunks(terms(4, 1)) == [(0, 3), (3, 6)]
+    assert _compiled_chunks(terms(1, 2)) == [(0, 3), (3, 6)]
+
+
 def test_eager_evaluation_is_chunked_to_the_chunk_size_and_compiled_left_whole(monkeypatch):
     assert _chunks(3, 2 * CHUNK_ELEMENTS) == [(0, 1), (1, 2), (2, 3)]  # one tile per chunk
     assert _chunks(5, CHUNK_ELEMENTS // 2) == [(0, 2), (2, 4), (4, 5)]
     assert _chunks(CHUNK_ELEMENTS, 1) == [(0, CHUNK_ELEMENTS)]
+    assert _chunks(6, CHUNK_ELEMENTS // 4) == [(0, 3), (3, 6)]  # balanced, not 4 + 2
+    assert _chunks(7, CHUNK_ELEMENTS // 2) == [(0, 2), (2, 4), (4, 6), (6, 7)]
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert _chunks(5, 2 * CHUNK_ELEMENTS) == [(0, 5)]
