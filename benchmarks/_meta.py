@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -109,20 +109,33 @@ def peak_bytes(fn: Callable[[], object]) -> int:
 
     Read from `torch.profiler`'s memory events (every allocation and free of a tensor
     storage, eager or from compiled code); Python objects and allocator caching are not
-    counted.
+    counted. `fn` runs twice under the profiler and the second call is measured: the profiler
+    records no size for the free of a block allocated before it started, so a measured call
+    must free only blocks allocated inside the profile (a training step frees the previous
+    step's gradients).
     """
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    events = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]"
-    )
-    live = peak = 0
-    for _, nbytes in events:
+        with record_function(_MEASURED):
+            fn()
+    events = prof.profiler.kineto_results.events()
+    measured = next(e for e in events if e.name() == _MEASURED)
+    memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    live = sum(n for t, n in memory if t < measured.start_ns())
+    start = peak = live
+    for _, nbytes in (m for m in memory if measured.start_ns() <= m[0] <= measured.end_ns()):
         live += nbytes
         peak = max(peak, live)
-    return peak
+    return peak - start
+
+
+_MEASURED = "benchmarks.measured_call"
+
+
+def held_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct CPU storages behind `tensors` (views and ties counted once)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
 
 
 class _Tee(io.TextIOBase):

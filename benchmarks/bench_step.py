@@ -19,6 +19,7 @@ import gc
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,13 +35,24 @@ from gbfunc._evaluate import compiles_eagerly
 Step = Callable[[], object]
 
 
+@dataclass
+class TrainStep:
+    """One training step (call it) and the tensors it keeps between steps (for memory)."""
+
+    run: Callable[[], None]
+    held: Callable[[], list[torch.Tensor]]
+
+    def __call__(self) -> None:
+        self.run()
+
+
 def mlp() -> nn.Module:
     return nn.Sequential(
         nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
     )
 
 
-def dense_steps(model: nn.Module, batch: tuple, loss_of) -> tuple[Step, Step]:
+def dense_steps(model: nn.Module, batch: tuple, loss_of) -> tuple[TrainStep, TrainStep]:
     """(eager, compiled) steps of the model trained directly."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
 
@@ -51,12 +63,13 @@ def dense_steps(model: nn.Module, batch: tuple, loss_of) -> tuple[Step, Step]:
 
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     tree = {"stacks": {}, "free": params, "frozen": {}}
-    return eager, _compiled_step(tree, lambda tree: tree["free"], model, batch, loss_of)
+    compiled = _compiled_step(tree, lambda tree: tree["free"], model, batch, loss_of)
+    return TrainStep(eager, lambda: _with_state(list(model.parameters()), opt)), compiled
 
 
 def gb_steps(
     model: nn.Module, plan: gb.Plan, batch: tuple, loss_of, *, eager_compile: bool | None = None
-) -> tuple[Step, Step]:
+) -> tuple[TrainStep, TrainStep]:
     """(eager, compiled) steps of the same model with generated weights; `eager_compile` is
     `gb.apply`'s `compile` in the eager step."""
     gparams = gb.init(plan)
@@ -70,12 +83,21 @@ def gb_steps(
 
     fresh = gb.init(plan, requires_grad=False)
     generate = lambda tree: gb.apply(tree, plan)
-    return eager, _compiled_step(fresh, generate, model, batch, loss_of)
+    compiled = _compiled_step(fresh, generate, model, batch, loss_of)
+    leaves = torch.utils._pytree.tree_leaves(gparams)
+    return TrainStep(eager, lambda: _with_state(leaves, opt)), compiled
+
+
+def _with_state(params: list[torch.Tensor], opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """`params`, their gradients and the optimizer's state tensors."""
+    grads = [p.grad for p in params if p.grad is not None]
+    state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    return params + grads + state
 
 
 def _compiled_step(
     tree: dict, params_of: Callable[[dict], dict], model: nn.Module, batch: tuple, loss_of
-) -> Step:
+) -> TrainStep:
     """One compiled functional AdamW step on `tree`, the model's parameters `params_of(tree)`."""
     state = [tree, gb.optim.adamw_init(tree)]
 
@@ -92,7 +114,7 @@ def _compiled_step(
     def compiled() -> None:
         state[0], state[1], _ = compiled_step(state[0], state[1], *batch)
 
-    return compiled
+    return TrainStep(compiled, lambda: torch.utils._pytree.tree_leaves(state))
 
 
 def median_ms(
