@@ -1,0 +1,228 @@
+"""The figures of README.md's results section are read from the committed results files.
+
+Each sentence of the section that states a measured figure is listed in `FIGURES` with where
+the figure comes from: a cell of a results file (found by the cells that identify its line),
+a range over a table's column, a difference or ratio of such cells, or the communication
+model of `benchmarks/bench_comm.py`. The test reads each value and checks the README's
+figure to the precision it is written with, so a rerun that changes a result fails here until
+the README says the new number. The section may hold no other digits than these figures and
+the settings in `SETUP`, so a new figure cannot go unchecked.
+"""
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def section() -> str:
+    """README.md's results section, one line, without emphasis and link targets."""
+    text = (ROOT / "README.md").read_text()
+    text = text[text.index("Three numbers;") : text.index("## How it works")]
+    text = re.sub(r"\]\([^)]*\)", "]", text).replace("**", "")
+    return " ".join(text.split())
+
+
+def cells(source: str, *keys: str) -> list[str]:
+    """The cells of the one line of `source` holding every key: `|`-separated in a markdown
+    table, else separated by runs of two or more spaces (the fixed-width tables)."""
+    lines = (RESULTS / source).read_text().splitlines()
+    found = [line for line in lines if all(k in line for k in keys)]
+    assert len(found) == 1, f"{source}: {len(found)} lines hold all of {keys}"
+    line = found[0].strip()
+    if line.startswith("|"):
+        return [c.strip() for c in line.strip("|").split("|")]
+    return re.split(r"\s{2,}", line)
+
+
+def number(text: str, last: bool = False) -> float:
+    """The first (or last) decimal number in `text`, thousands separators dropped."""
+    found = re.findall(r"\d[\d,]*(?:\.\d+)?", text)
+    assert found, f"no number in {text!r}"
+    return float(found[-1 if last else 0].replace(",", ""))
+
+
+def cell(source: str, keys: tuple[str, ...], column: int, last: bool = False) -> float:
+    return number(cells(source, *keys)[column], last)
+
+
+def column(source: str, heading: str, index: int) -> list[float]:
+    """Column `index` of a fixed-width table's genome rows (all but the header and the plain
+    model) under the heading that starts with `heading`."""
+    text = (RESULTS / source).read_text()
+    block = text[text.index(heading) :].split("\n\n")[0].splitlines()
+    rows = [re.split(r"\s{2,}", line.strip()) for line in block[2:]]
+    return [number(r[index]) for r in rows if len(r) > index and not r[0].startswith("plain")]
+
+
+STEP, MEMORY = "bench_step.md", "bench_memory.md"
+MLP, TRANSFORMER = "## MLP", "## main job's character transformer"
+ROW_GNETS = ("row g-nets, hidden 8, tile 128",)
+TORCHGB = ("default genome (torchGB), tile 128",)
+CNN, MLP_QUALITY = "equal_params_cnn.md", "equal_params.md"
+CHARLM, CHARLM_3_SEEDS = (
+    "equal_params_charlm.md",
+    "equal_params_charlm_hashed_genome_3_seeds_gbfunc_narrow.md",
+)
+
+
+def cnn(row: str, arm: str, column: int = 6) -> float:
+    return cell(CNN, (f"| {row} | {arm} |",), column)
+
+
+def charlm(row: str, arm: str, source: str = CHARLM) -> float:
+    return cell(source, (f"| {row} | {arm} |",), 6)
+
+
+def comm_mib(strategy: str) -> float:
+    """Bytes per rank per step of GPT-2 small on 8 ranks, 100x100 tiles, embeddings generated."""
+    import torch
+
+    import gbfunc as gb
+    from benchmarks.bench_comm import GPT2_SMALL, replicated_traffic, torchgb_traffic
+    from examples.gpt import GPT
+
+    with torch.device("meta"):
+        plan = gb.plan(GPT(GPT2_SMALL), tile=(100, 100), embeddings=True)
+    traffic = {"replicated": replicated_traffic, "torchgb": torchgb_traffic}[strategy]
+    return traffic(plan, 8).per_rank / 2**20
+
+
+@dataclass(frozen=True)
+class Figure:
+    """`text` (as in the section) states `figure`, which `read` returns from the results."""
+
+    text: str
+    figure: str
+    read: Callable[[], float]
+
+
+FIGURES = [
+    # Step time and memory
+    Figure("at 11.4x, takes 1.10x", "11.4", lambda: cell(STEP, ROW_GNETS, 1)),
+    Figure("at 11.4x, takes 1.10x", "1.10", lambda: cell(STEP, ROW_GNETS, 5)),
+    Figure("genome at 27.6x takes", "27.6", lambda: cell(STEP, TORCHGB, 1)),
+    Figure("takes 2.02x compiled", "2.02", lambda: cell(STEP, TORCHGB, 5)),
+    Figure("and 2.57x eagerly", "2.57", lambda: cell(STEP, TORCHGB, 3)),
+    Figure("(10.37x without)", "10.37", lambda: cell(STEP, TORCHGB, 7, last=True)),
+    Figure("0.61-0.81x on the MLP eagerly", "0.61", lambda: min(column(MEMORY, MLP, 4))),
+    Figure("0.61-0.81x on the MLP eagerly", "0.81", lambda: max(column(MEMORY, MLP, 4))),
+    Figure(
+        "0.98-1.00x on the transformer",
+        "0.98",
+        lambda: min(column(MEMORY, TRANSFORMER, 4) + column(MEMORY, TRANSFORMER, 7)),
+    ),
+    Figure(
+        "0.98-1.00x on the transformer",
+        "1.00",
+        lambda: max(column(MEMORY, TRANSFORMER, 4) + column(MEMORY, TRANSFORMER, 7)),
+    ),
+    # Quality at equal parameters: the digits CNN
+    Figure("reaches 98.8%", "98.8", lambda: cnn("~23x, hashed genome", "gbfunc")),
+    Figure("against 97.5% for", "97.5", lambda: cnn("~23x, hashed genome", "narrow")),
+    Figure(
+        "with 14% fewer parameters",
+        "14",
+        lambda: (
+            100
+            * (
+                1
+                - cnn("~23x, hashed genome", "narrow", 3) / cnn("~23x, hashed genome", "gbfunc", 3)
+            )
+        ),
+    ),
+    Figure("(97.8% with", "97.8", lambda: cnn("~23x", "narrow")),
+    Figure(
+        "with 16% more",
+        "16",
+        lambda: 100 * (cnn("~23x", "narrow", 3) / cnn("~23x, hashed genome", "gbfunc", 3) - 1),
+    ),
+    Figure("98.6% for HashedNets", "98.6", lambda: cnn("~23x, hashed genome", "hashed")),
+    Figure("68.8% for low rank", "68.8", lambda: cnn("~23x, hashed genome", "low rank")),
+    Figure("the dense CNN's 97.7%", "97.7", lambda: cnn("dense", "dense")),
+    Figure(
+        "within 0.2 points of it at ~135x",
+        "0.2",
+        lambda: cnn("dense", "dense") - cnn("~135x, hashed genome", "gbfunc"),
+    ),
+    # The character transformer
+    Figure(
+        "1.61 nats against",
+        "1.61",
+        lambda: charlm("~20x, hashed genome", "gbfunc", CHARLM_3_SEEDS),
+    ),
+    Figure(
+        "against 1.65 for a narrower",
+        "1.65",
+        lambda: charlm("~20x, hashed genome", "narrow", CHARLM_3_SEEDS),
+    ),
+    Figure("2.59 for low rank", "2.59", lambda: charlm("~20x", "low rank")),
+    Figure("the dense model (1.26 nats)", "1.26", lambda: charlm("dense", "dense")),
+    # The paper's MLP
+    Figure(
+        "reaches 96.6% against",
+        "96.6",
+        lambda: cell(MLP_QUALITY, ("| ~100x | gbfunc |",), 6),
+    ),
+    Figure("against 94.6% for", "94.6", lambda: cell(MLP_QUALITY, ("| ~100x | narrow |",), 6)),
+    # Communication, computed from the plan
+    Figure("receives 46 MiB per rank", "46", lambda: comm_mib("replicated")),
+    Figure("receives 1246 MiB", "1246", lambda: comm_mib("torchgb")),
+    # Limits
+    Figure("takes 2.57x the plain MLP step", "2.57", lambda: cell(STEP, TORCHGB, 3)),
+    Figure("10.37x with `compile=False`", "10.37", lambda: cell(STEP, TORCHGB, 7, last=True)),
+    Figure("1.7x with row g-nets", "1.7", lambda: cell(STEP, ROW_GNETS, 3)),
+    Figure(
+        "hashed transformer 1.08x",
+        "1.08",
+        lambda: cell(STEP, ("main job's plan (hashed genome)",), 3),
+    ),
+]
+
+# Settings, labels and statements of method: digits in the section that are not results.
+SETUP = [
+    "2 x86-64 CPU cores",
+    "torch 2.13.0+cpu",
+    "MLP 784-512-512-10",
+    "128-weight tile row",
+    "at ~23x",
+    "no width comes within 10%",
+    "at ~20x",
+    "(3 seeds, each at its best rate)",
+    "(one seed)",
+    "MLP shape (64-800-10) at ~100x",
+    "(3 seeds, each arm at its best learning rate)",
+    "GPT-2 small on 8 ranks (100x100 tiles",
+    "(800 steps for the transformer, 400 for the CNN)",
+    "from 5x up",
+    "ran 3 seeds",
+]
+
+
+@pytest.mark.parametrize("figure", FIGURES, ids=lambda f: f"{f.figure} in {f.text!r}")
+def test_a_readme_figure_is_the_committed_result(figure):
+    assert figure.text in section(), f"README.md no longer says {figure.text!r}"
+    assert figure.figure in figure.text
+    decimals = len(figure.figure.partition(".")[2])
+    value = figure.read()
+    assert abs(value - float(figure.figure)) <= 0.5 * 10**-decimals + 1e-9, (
+        f"README.md says {figure.figure} in {figure.text!r}; the results say {value:.4g}"
+    )
+
+
+def test_the_results_section_states_no_unchecked_figure():
+    text = section()
+    covered = [False] * len(text)
+    for phrase in dict.fromkeys([f.text for f in FIGURES] + SETUP):
+        spans = [m.span() for m in re.finditer(re.escape(phrase), text)]
+        assert spans, f"not in the section: {phrase!r}"
+        for lo, hi in spans:
+            covered[lo:hi] = [True] * (hi - lo)
+    digits = re.finditer(r"\d+", text)
+    unchecked = [text[m.start() - 20 : m.end() + 5] for m in digits if not covered[m.start()]]
+    assert not unchecked, f"figures without a source in FIGURES or SETUP: {unchecked}"
