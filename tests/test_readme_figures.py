@@ -226,3 +226,19 @@ def test_the_results_section_states_no_unchecked_figure():
     digits = re.finditer(r"\d+", text)
     unchecked = [text[m.start() - 20 : m.end() + 5] for m in digits if not covered[m.start()]]
     assert not unchecked, f"figures without a source in FIGURES or SETUP: {unchecked}"
+
+
+def test_bold_figures_of_the_benchmarks_readme_are_in_the_results_its_section_quotes():
+    """benchmarks/README.md's tables are quoted unedited (`tests/test_readme.py`); the figures
+    its prose puts in bold must be in the results files its section quotes from."""
+    text = (ROOT / "benchmarks" / "README.md").read_text()
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)  # quoted blocks hold "## " lines
+    checked = 0
+    for part in re.split(r"\n(?=## )", prose):
+        sources = re.findall(r"<!-- from (\S+) -->", part)
+        quoted = "".join((ROOT / "benchmarks" / source).read_text() for source in sources)
+        for bold in re.findall(r"\*\*(.+?)\*\*", part, flags=re.S):  # in pairs, in order
+            for figure in re.findall(r"\d+(?:\.\d+)?", bold):
+                assert figure in quoted, f"**{bold}** is in none of {sources or 'no results'}"
+                checked += 1
+    assert checked >= 5
