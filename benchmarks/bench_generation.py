@@ -22,6 +22,7 @@ machine and date.
 import argparse
 import importlib.util
 import os
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -107,7 +108,8 @@ def run_cpu(args: argparse.Namespace) -> None:
         f"CPU ({torch.get_num_threads()} threads): sgemm {flops_peak / 1e9:.1f} GFLOP/s, ", end=""
     )
     print(f"write bandwidth {write_peak / 1e9:.1f} GB/s (measured now)")
-    header = f"{'weights':>9} {'pass':<8} {'path':<13} {'ms':>9} {'Mweights/s':>11}"
+    print(f"ms: the median over {args.repeats} repeats of the best run; spread: their range")
+    header = f"{'weights':>9} {'pass':<8} {'path':<13} {'ms':>9} {'spread':>13} {'Mweights/s':>11}"
     print(header + f" {'saved B/w':>10} {'roofline':>9} {'vs naive':>9}")
     for size in args.sizes:
         plan, gparams = setup(size, args, "cpu")
@@ -121,16 +123,18 @@ def run_cpu(args: argparse.Namespace) -> None:
             ("fwd", 1, numel * 4),
             ("fwd+bwd", 3, numel * 4 + sum(x.nbytes for x in leaves)),
         ):
-            times = best_times(
-                {k: timed(fn, label, leaves) for k, fn in paths.items()}, args.budget
-            )
+            fns = {k: timed(fn, label, leaves) for k, fn in paths.items()}
+            repeats = [best_times(fns, args.budget) for _ in range(args.repeats)]
+            times = {k: statistics.median(r[k] for r in repeats) for k in fns}
             for name, fn in paths.items():
                 t = times[name]
+                lo, hi = (f(r[name] for r in repeats) * 1e3 for f in (min, max))
                 roofline = max(work * flops / flops_peak, written / write_peak) / t
                 saved = gb.memory.saved_bytes(fn) / numel
                 print(
-                    f"{numel:>9} {label:<8} {name:<13} {t * 1e3:>9.2f} {numel / t / 1e6:>11.1f} "
-                    f"{saved:>10.1f} {roofline:>8.1%} {times['naive vmap'] / t:>8.2f}x"
+                    f"{numel:>9} {label:<8} {name:<13} {t * 1e3:>9.2f} {f'{lo:.2f}-{hi:.2f}':>13} "
+                    f"{numel / t / 1e6:>11.1f} {saved:>10.1f} {roofline:>8.1%} "
+                    f"{times['naive vmap'] / t:>8.2f}x"
                 )
     if triton_saved is not None:
         print(f"Triton path (interpreted here, untimed): saves {triton_saved:.1f} B/weight", end="")
@@ -230,6 +234,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--depth", type=int, default=1)
     parser.add_argument("--budget", type=float, default=1.5, help="seconds of timing per CPU row")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="CPU: times each row this many times, for the spread"
+    )
     parser.add_argument(
         "--threads",
         type=int,
