@@ -6,8 +6,9 @@ model's own cost stays low and the generation's share shows. For each width: the
 trained directly, gbfunc at 20x on the generated weights with the torchGB genome, and row
 g-nets (128x128 tiles, 8 hidden units, a tile row per evaluation: 13x). One step is
 `benchmarks/bench_step.py`'s (generate, forward, loss, backward, AdamW), timed as medians over
-interleaved rounds; peak memory is the peak of torch's CPU allocator during one step above
-what was held before it (`torch.profiler` memory events).
+interleaved rounds; peak memory is what a step holds between steps (parameters or g-nets,
+gradients, AdamW's state) plus the peak of torch's CPU allocator above that during the step
+(`torch.profiler` memory events), as in `benchmarks/bench_memory.py`.
 
 Writes `benchmarks/results/scaling[_quick].{md,json,png}`.
 
@@ -27,6 +28,7 @@ import gbfunc as gb
 from benchmarks._meta import (
     RESULTS,
     header_md,
+    held_bytes,
     markdown_table,
     peak_bytes,
     provenance_line,
@@ -73,7 +75,7 @@ def measure(width: int, modes: tuple[str, ...], rounds: int, inner: int) -> list
         row |= {
             "model_params": dense_params,
             "step_ms": times[f"{key[0]}|{key[1]}"],
-            "peak_mib": peak_bytes(steps[key]) / 2**20,
+            "peak_mib": (held_bytes(steps[key].held()) + peak_bytes(steps[key])) / 2**20,
         }
     for row in rows:
         base = next(r for r in rows if r["variant"] == "dense" and r["mode"] == row["mode"])
