@@ -22,18 +22,7 @@ from torch import nn
 
 import gbfunc as gb
 from benchmarks._meta import RESULTS, held_bytes, peak_bytes, recorded
-from benchmarks.bench_step import (
-    MLP_GENOMES,
-    TILED_PLAN,
-    TRANSFORMER_GENOMES,
-    TrainStep,
-    cross_entropy,
-    dense_steps,
-    gb_steps,
-    mlp,
-)
-from examples.models import CharTransformer
-from examples.tasks import CharLMConfig
+from benchmarks.bench_step import TrainStep, cross_entropy, dense_steps, gb_steps, workloads
 
 MiB = 2**20
 
@@ -78,19 +67,8 @@ def main() -> None:
     with recorded(
         args.out, "Peak memory of one training step: gbfunc vs the model trained directly"
     ):
-        batch = (torch.randn(128, 784), torch.randint(0, 10, (128,)))
-        run("MLP 784-512-512-10, batch 128", mlp(), batch, MLP_GENOMES)
-        cfg = CharLMConfig()
-        model = CharTransformer(96, cfg.context, cfg.width, cfg.depth, cfg.heads)
-        idx = torch.randint(0, 96, (cfg.batch, cfg.context + 1))
-        genomes = TRANSFORMER_GENOMES | {
-            "main job's tiled plan": TILED_PLAN,
-            "main job's plan (hashed genome)": cfg.plan,
-        }
-        title = (
-            f"main job's character transformer (width {cfg.width}, batch {cfg.batch}x{cfg.context})"
-        )
-        run(title, model, (idx[:, :-1], idx[:, 1:]), genomes)
+        for title, model, batch, genomes in workloads():
+            run(title, model, batch, genomes)
 
 
 if __name__ == "__main__":

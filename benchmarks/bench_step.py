@@ -227,19 +227,26 @@ def main() -> None:
     rounds, inner = (5, 5) if args.quick else (15, 10)
     with recorded(args.out, "One training step: gbfunc vs the model trained directly"):
         print(f"rounds: {rounds} x {inner} steps")
-        batch = (torch.randn(128, 784), torch.randint(0, 10, (128,)))
-        run("MLP 784-512-512-10, batch 128", mlp(), batch, MLP_GENOMES, rounds, inner)
-        cfg = CharLMConfig()
-        model = CharTransformer(96, cfg.context, cfg.width, cfg.depth, cfg.heads)
-        idx = torch.randint(0, 96, (cfg.batch, cfg.context + 1))
-        genomes = TRANSFORMER_GENOMES | {
-            "main job's tiled plan": TILED_PLAN,
-            "main job's plan (hashed genome)": cfg.plan,
-        }
-        title = (
-            f"main job's character transformer (width {cfg.width}, batch {cfg.batch}x{cfg.context})"
-        )
-        run(title, model, (idx[:, :-1], idx[:, 1:]), genomes, rounds, inner)
+        for title, model, batch, genomes in workloads():
+            run(title, model, batch, genomes, rounds, inner)
+
+
+def workloads() -> list[tuple[str, nn.Module, tuple, dict[str, dict]]]:
+    """(title, model, batch, genomes) of the MLP and of the main job's transformer."""
+    mlp_batch = (torch.randn(128, 784), torch.randint(0, 10, (128,)))
+    mlp_model = mlp()  # drawn in this order since the committed runs
+    cfg = CharLMConfig()
+    model = CharTransformer(96, cfg.context, cfg.width, cfg.depth, cfg.heads)
+    idx = torch.randint(0, 96, (cfg.batch, cfg.context + 1))
+    genomes = TRANSFORMER_GENOMES | {
+        "main job's tiled plan": TILED_PLAN,
+        "main job's plan (hashed genome)": cfg.plan,
+    }
+    title = f"main job's character transformer (width {cfg.width}, batch {cfg.batch}x{cfg.context})"
+    return [
+        ("MLP 784-512-512-10, batch 128", mlp_model, mlp_batch, MLP_GENOMES),
+        (title, model, (idx[:, :-1], idx[:, 1:]), genomes),
+    ]
 
 
 if __name__ == "__main__":
