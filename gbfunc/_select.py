@@ -110,7 +110,9 @@ def lay_out(
         rows, cols = (b - a for a, b in (piece.tile_rows, piece.tile_cols))
         t = t.reshape(rows, cols, th, tw, taps).permute(0, 2, 1, 3, 4)
         t = t.reshape(rows * th, cols * tw, taps)
-        parts.append(t[slice(*piece.cut_rows), slice(*piece.cut_cols)])
+        if (piece.cut_rows, piece.cut_cols) != ((0, rows * th), (0, cols * tw)):
+            t = t[slice(*piece.cut_rows), slice(*piece.cut_cols)]  # backward: zero-filled
+        parts.append(t)
     weight = parts[0] if len(parts) == 1 else torch.cat(parts, dim=p.split_dim)
     return finish(p, weight.reshape(tuple(b - a for a, b in region)))
 
@@ -194,6 +196,7 @@ class Selection:
         self._views = True  # free parameters as views; `whole` hands out the leaves
         self._rows = {key: self._tile_rows(self._params[key[0]], key) for key in self._pieces}
         self._index: dict[tuple[str, int, torch.device], list[Tensor]] = {}
+        self._splits = {s: self._partition(s) for s in self.tiles}
 
     @staticmethod
     def whole(plan: Plan) -> "Selection":
@@ -215,7 +218,7 @@ class Selection:
             stack = self.plan.stacks[s]
             leaves = gparams["stacks"][stack.key]
             compiled = compiles_eagerly(stack, compile)
-            tiles[s] = evaluate_tiles(stack, leaves, indices, compiled=compiled)
+            tiles[s] = self._split(s, evaluate_tiles(stack, leaves, indices, compiled=compiled))
         return parameters(
             self._params.values(),
             gparams,
@@ -234,12 +237,43 @@ class Selection:
         rank's gradient hooks on it must not reach the leaf)."""
         return self._join(p, lambda k, region: value[tuple(slice(a, b) for a, b in region)])
 
-    def _lay_out(self, p: Generated, k: int, region: Region, tiles: dict[int, Tensor]) -> Tensor:
-        stack_tiles = tiles[p.stack_index]
-        parts = [
-            stack_tiles[rows] if isinstance(rows, slice) else stack_tiles.index_select(0, rows)
-            for rows in self._indices(p.name, k, stack_tiles.device)
-        ]
+    def _partition(self, s: int) -> list[tuple[int, int]] | None:
+        """The row ranges of stack `s`'s evaluated tiles that the pieces read, where they are
+        consecutive and cover every row once (a whole plan's blocks): split, not sliced."""
+        spans = {
+            (rows.start, rows.stop)
+            for (name, _), pieces in self._rows.items()
+            if self._params[name].stack_index == s
+            for rows in pieces
+            if isinstance(rows, slice)
+        }
+        ordered = sorted(spans)
+        stops = [0] + [stop for _, stop in ordered]
+        covers = [start for start, _ in ordered] == stops[:-1] and stops[-1] == len(self.tiles[s])
+        return ordered if covers else None
+
+    def _split(self, s: int, stack_tiles: Tensor) -> dict[tuple[int, int] | None, Tensor]:
+        """Stack `s`'s tiles (key None) and, where `_partition` found one, its split parts.
+
+        A split's backward is one concatenation; slicing the stack once per parameter makes a
+        zero-filled stack-sized gradient per slice and adds them up (row g-nets' eager
+        generation: 9.1 -> 8.0 ms). Compiled, splitting is faster too (the MLP's
+        `compression=10` step: 27.5 -> 21.6 ms) but peaks higher (8.3 -> 11.9 MiB): inductor
+        keeps the concatenation beside its parts.
+        """
+        parts: dict[tuple[int, int] | None, Tensor] = {None: stack_tiles}
+        spans = self._splits[s]
+        if spans is not None:
+            sizes = [stop - start for start, stop in spans]
+            split = stack_tiles.split(sizes) if len(sizes) > 1 else (stack_tiles,)
+            parts.update(zip(spans, split, strict=True))
+        return parts
+
+    def _lay_out(
+        self, p: Generated, k: int, region: Region, tiles: dict[int, dict[object, Tensor]]
+    ) -> Tensor:
+        split = tiles[p.stack_index]
+        parts = [_rows_of(split, rows) for rows in self._indices(p.name, k, split[None].device)]
         stack = self.plan.stacks[p.stack_index]
         return lay_out(p, stack, region, self._pieces[p.name, k], parts)
 
@@ -254,6 +288,9 @@ class Selection:
         return rows
 
     def _indices(self, name: str, k: int, device: torch.device) -> list[slice | Tensor]:
+        rows = self._rows[name, k]
+        if all(isinstance(r, slice) for r in rows):
+            return rows  # nothing cached, so a compiled caller's guards stay valid
         key = (name, k, device)
         if key not in self._index:
             self._index[key] = [
@@ -261,6 +298,16 @@ class Selection:
                 for rows in self._rows[name, k]
             ]
         return self._index[key]
+
+
+def _rows_of(split: dict[tuple[int, int] | None, Tensor], rows: slice | Tensor) -> Tensor:
+    """Rows `rows` of a stack's evaluated tiles, from `Selection._split`'s parts where one is
+    exactly those rows."""
+    stack_tiles = split[None]
+    if isinstance(rows, Tensor):
+        return stack_tiles.index_select(0, rows)
+    part = split.get((rows.start, rows.stop))
+    return stack_tiles[rows] if part is None else part
 
 
 def _parts(region: Region | Concat) -> tuple[tuple[Region, ...], int]:

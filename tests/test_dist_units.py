@@ -103,6 +103,42 @@ def test_whole_regions_reproduce_gb_apply_bitwise():
         assert all(torch.equal(out[k], full[k]) for k in full)
 
 
+def test_a_whole_plan_splits_each_stack_into_its_blocks_and_a_shard_slices(monkeypatch):
+    """Eagerly, a stack's tiles are split into the blocks its parameters read (the backward is
+    one concatenation); a tensor-parallel shard reads a few tiles and slices them. Both give the
+    gradients of the sliced evaluation."""
+    from gbfunc import _select
+
+    model = nn.Sequential(nn.Linear(40, 24), nn.ReLU(), nn.Linear(24, 24), nn.Linear(24, 5))
+    plan = gb.plan(model, tile=(8, 8), hidden=4)
+    whole = _select.Selection.whole(plan)
+    blocks = {s: [] for s in range(len(plan.stacks))}
+    for p in plan.generated:
+        (block,) = p.blocks
+        blocks[p.stack_index].append((block.first_tile, block.first_tile + block.num_tiles))
+    assert whole._splits == {s: sorted(spans) for s, spans in blocks.items()}
+    rows = gbd.Selection(plan, {"0.weight": ((0, 8), (0, 40)), "2.weight": ((8, 16), (0, 24))})
+    assert rows._splits == {0: [(0, 5), (5, 8)]}  # the evaluated tiles: 0-4, then 18-20
+    # Tiles 0 and 5, then 1 and 6: evaluated as 0, 1, 5, 6, each region's rows gathered.
+    columns = gbd.Concat((((0, 16), (0, 8)), ((0, 16), (8, 16))), 1)
+    gathered = gbd.Selection(plan, {"0.weight": columns})
+    overlap = gbd.Concat((((0, 8), (0, 16)), ((0, 8), (8, 40))), 1)  # tiles 0-1 and 1-4
+    assert gathered._splits == {0: None}
+    assert gbd.Selection(plan, {"0.weight": overlap})._splits == {0: None}  # sliced
+
+    def grads(split: bool) -> list[torch.Tensor]:
+        if not split:
+            monkeypatch.setattr(_select.Selection, "_split", lambda self, s, t: {None: t})
+        gparams = gb.init(plan, seed=2)
+        params = whole.apply(gparams)
+        sum(v.square().sum() for v in params.values()).backward()
+        monkeypatch.undo()
+        return [leaf.grad for leaf in gb.trainable_leaves(gparams)]
+
+    for a, b in zip(grads(True), grads(False), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_selection_hands_out_views_of_free_parameters_and_gb_apply_the_leaves():
     # A tensor-parallel rank hooks its copies' gradients; a hook on the leaf itself would
     # pile up, one more every step.
