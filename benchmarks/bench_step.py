@@ -4,9 +4,10 @@ A step is: generate the weights (gbfunc only), forward, loss, backward, AdamW up
 sides use the same optimizer maths: `torch.optim.AdamW(foreach=True)` eagerly, and the
 functional `gb.optim.adamw_update` inside one `torch.compile(fullgraph=True)` step when
 compiled. Timings are medians over interleaved rounds, printed as ratios to the plain model
-in the same mode, from one run. "first s" is the first eager step, which compiles the tile
-MLP of the stacks large enough for `gb.apply`'s default `compile=None`; for those genomes
-the last column times the eager step without it (`compile=False`), in the same rounds.
+in the same mode, from one run. "first s" is the first eager step, which compiles what
+`gb.apply`'s default `compile=None` compiles (the plan's graph, or the tile MLP of large
+stacks); for those genomes the last column times the eager step without it
+(`compile=False`), in the same rounds.
 
     python -m benchmarks.bench_step            # MLP 784-512-512-10 and the main job's transformer
     python -m benchmarks.bench_step --quick    # fewer rounds
@@ -30,7 +31,7 @@ import gbfunc as gb
 from benchmarks._meta import RESULTS, compile_static, recorded
 from examples.models import CharTransformer
 from examples.tasks import CharLMConfig
-from gbfunc._evaluate import compiles_eagerly
+from gbfunc._graph import eager_compiles
 
 Step = Callable[[], object]
 
@@ -162,7 +163,7 @@ def run(
         steps[f"{label} eager"], steps[f"{label} compiled"] = gb_steps(
             model, plan, batch, cross_entropy
         )
-        if any(compiles_eagerly(s, None) for s in plan.stacks):  # what compile=None buys, eagerly
+        if eager_compiles(plan, None):  # what compile=None buys, eagerly
             steps[f"{label} eager uncompiled"], _ = gb_steps(
                 model, plan, batch, cross_entropy, eager_compile=False
             )

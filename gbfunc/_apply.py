@@ -5,8 +5,10 @@ from torch import Tensor
 from ._backend import fused_weights, use_triton
 from ._check_gparams import check_gparams
 from ._evaluate import hashed_tiles, stack_terms
+from ._graph import generate, runs_as_graph
 from ._plan import Plan
 from ._select import Selection, assemble, center_rows, parameters
+from ._tilemlp import plain_eager
 from ._tree import GParams
 
 
@@ -31,11 +33,14 @@ def apply(
         backend: `"torch"`, `"triton"` (fused kernels, `gbfunc.kernels`; through Triton's
             interpreter on CPU) or `"auto"`: Triton for CUDA tensors, torch otherwise.
         compile: On the torch backend, called eagerly (not under `torch.compile` or a
-            `torch.func` transform), run each stack's g-net evaluation, forward and backward,
-            as code compiled once per stack signature and cached; the first call of a new
-            signature compiles (seconds). `None`: only for stacks of at least
-            `AUTO_COMPILE_ELEMENTS` hidden activations, where it pays. `False`: never (for
-            debugging). The result is the same either way, to rounding.
+            `torch.func` transform), generate through compiled code, cached: one graph per
+            plan (g-nets and layout, forward and backward), or, where a stack's hidden
+            activations are too large to hold whole, each stack's g-net evaluation compiled
+            per signature and run in chunks. The first call compiles (seconds). `None`: only
+            where it pays (plans of `AUTO_GRAPH_WEIGHTS` generated weights, with gradients
+            enabled; stacks of `AUTO_COMPILE_ELEMENTS` hidden activations). `False`: never
+            (for debugging, and for double backward, which the compiled graph does not
+            support). The result is the same either way, to rounding.
 
     Returns:
         `{name: tensor}` for every parameter, ready for
@@ -53,6 +58,10 @@ def apply(
         raise TypeError(f"gb.apply: compile must be True, False or None, got {compile!r}.")
     stacks = gparams["stacks"]
     if not use_triton(backend, plan, stacks):
+        if plain_eager() and runs_as_graph(plan, compile):
+            graph = generate(plan, stacks)
+            if graph is not None:
+                return parameters(plan.params, gparams, lambda p: graph[p.name])
         return Selection.whole(plan).apply(gparams, compile=compile)
     generated = fused_weights(plan, [stack_terms(s, stacks[s.key]) for s in plan.stacks])
     hashed = {  # linear in the tiles, so laid out on its own and added to the kernels'

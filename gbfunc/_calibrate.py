@@ -84,9 +84,10 @@ def _forward_order(
 
 
 def _tensors(model: nn.Module, gparams: GParams, plan: Plan) -> dict[str, Tensor]:
-    """The generated parameters, and copies of the model's buffers for a forward to update."""
+    """The generated parameters, and copies of the model's buffers for a forward to update.
+    Uncompiled: a few forwards do not pay for compiling the plan's graph."""
     buffers = {name: b.clone() for name, b in model.named_buffers()}
-    return {**apply(gparams, plan), **buffers}
+    return {**apply(gparams, plan, compile=False), **buffers}
 
 
 def _output_mean(

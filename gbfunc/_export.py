@@ -40,7 +40,7 @@ def export(gparams: GParams, plan: Plan, *, model: nn.Module | None = None) -> d
     if model is not None:
         check_matches(plan, model, "gb.export", "the plan")
     with torch.no_grad():
-        params = apply(gparams, plan)
+        params = apply(gparams, plan, compile=False)  # once: not worth compiling
     dense: dict[str, Tensor] = {}
     for p in plan.params:
         value = params[p.name].detach().to(getattr(torch, p.dtype))

@@ -162,7 +162,9 @@ def train_alternating(
     trained: Mapping[str, Tensor] | None = start
     for n in range(generations):
         with torch.no_grad():
-            generated = {k: v.detach().clone() for k, v in apply(gparams, plan).items()}
+            # One evaluation per generation: not worth compiling the plan's graph for.
+            generated = apply(gparams, plan, compile=False)
+            generated = {k: v.detach().clone() for k, v in generated.items()}
         eps = math.exp(-n / anneal)
         begin = dict(generated)
         if trained is not None:

@@ -231,7 +231,7 @@ def _joined(parts: list) -> object:
     return tuple(None if p[0] is None else torch.cat(p) for p in zip(*parts, strict=True))
 
 
-def _plain_eager() -> bool:
+def plain_eager() -> bool:
     """Neither traced by `torch.compile` nor inside a `torch.func` transform.
 
     Dynamo refuses to run compiled code under a functorch transform ("Unsupported functorch
@@ -298,7 +298,7 @@ class _TileMLP(torch.autograd.Function):
         # Named, not `*inputs`: dynamo, inlining a Function none of whose inputs requires grad
         # (under vmap, with frozen g-nets), passes `ctx` first unless the arity matches.
         terms = Terms(a, b, c, w_hidden, b_hidden, w_out, b_out)
-        if compiled and _plain_eager():
+        if compiled and plain_eager():
             # Detached: autograd records this Function, not what runs inside (no_grad here).
             detached = Terms(*(None if x is None else x.detach() for x in terms))
             outs = [
@@ -321,7 +321,7 @@ class _TileMLP(torch.autograd.Function):
     def backward(ctx, grad):
         grad = grad.contiguous()
         terms = Terms(*ctx.saved_tensors, None)
-        if ctx.compiled and _plain_eager() and not torch.is_grad_enabled():  # not create_graph
+        if ctx.compiled and plain_eager() and not torch.is_grad_enabled():  # not create_graph
             saved = Terms(*(None if x is None else x.detach() for x in terms))
             results = [
                 _compiled(_backward_body, grad[lo:hi], *saved.tiles(lo, hi)[:-1], ctx.activation)

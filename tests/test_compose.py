@@ -243,13 +243,17 @@ def test_functional_adamw_defaults_are_lr_1e_3_without_weight_decay():
 
 
 @pytest.mark.slow
-def test_eager_apply_with_compiled_bodies_matches_plain_eager_and_compiles_once():
-    """`gb.apply(compile=True)`: same weights and gradients, two graphs (forward, backward)
-    compiled on the first call and none after; under `torch.func.grad` it runs plain code."""
+def test_eager_apply_through_the_plans_graph_matches_plain_eager_and_compiles_once():
+    """`gb.apply(compile=True)`: same weights and gradients from one graph per plan, compiled
+    on the first call and not again; under `torch.func.grad` the same gradients (the graph is
+    not used there); double backward with `compile=False`, as the docstring says."""
     from torch._dynamo.utils import counters
 
-    model = nn.Linear(48, 40)  # one stack: (16, 16) tiles, a ragged last row of tiles
+    from gbfunc._graph import runs_as_graph
+
+    model = nn.Sequential(nn.Linear(48, 40), nn.ReLU(), nn.Linear(40, 7))  # ragged tiles
     plan = gb.plan(model, tile=(16, 16), hidden=8, activation="gelu")
+    assert runs_as_graph(plan, True)
     x = torch.randn(5, 48)
 
     def loss(gparams, compile):
@@ -265,13 +269,80 @@ def test_eager_apply_with_compiled_bodies_matches_plain_eager_and_compiles_once(
     before = counters["stats"]["unique_graphs"]
     for leaf, ref in zip(grads(True), expected, strict=True):
         torch.testing.assert_close(leaf, ref, rtol=1e-4, atol=1e-6)
-    assert counters["stats"]["unique_graphs"] - before == 2
-    grads(True)  # the same signature again: nothing new compiled
-    assert counters["stats"]["unique_graphs"] - before == 2
+    assert counters["stats"]["unique_graphs"] - before == 1
+    grads(True)  # the same plan again: nothing new compiled
+    assert counters["stats"]["unique_graphs"] - before == 1
     gparams = gb.init(plan, seed=3)
-    functional = grad(loss)(gparams, True)  # inside a transform: plain torch code
+    functional = grad(loss)(gparams, True)
     torch.testing.assert_close(functional, grad(loss)(gparams, False))
-    assert counters["stats"]["unique_graphs"] - before == 2
+    leaves = gb.trainable_leaves(gparams)
+    first = torch.autograd.grad(loss(gparams, False), leaves, create_graph=True)
+    sum(g.square().sum() for g in first).backward()  # double backward, uncompiled
+    assert all(leaf.grad is not None for leaf in leaves)
+
+
+def test_plans_run_as_one_graph_where_it_pays_and_holds_no_large_transient(monkeypatch):
+    from gbfunc import _tilemlp
+    from gbfunc._graph import AUTO_GRAPH_WEIGHTS, fits_graph, runs_as_graph
+
+    with torch.device("meta"):
+        big = nn.Sequential(nn.Linear(784, 512), nn.Linear(512, 512))  # 663,552 weights
+        small = nn.Linear(64, 64)
+    rows = gb.plan(big, tile=(128, 128), hidden=8, outputs=128)
+    assert sum(p.numel for p in rows.generated) >= AUTO_GRAPH_WEIGHTS
+    assert runs_as_graph(rows, None)
+    assert runs_as_graph(rows, True)
+    with torch.no_grad():  # evaluation: compiled only when asked
+        assert not runs_as_graph(rows, None)
+        assert runs_as_graph(rows, True)
+    assert not runs_as_graph(rows, False)
+    tiny = gb.plan(small, tile=(16, 16))
+    assert not runs_as_graph(tiny, None)
+    assert runs_as_graph(tiny, True)
+    # From exactly the threshold on: 512 x 512 = 2**18 weights; one row fewer is below it.
+    with torch.device("meta"):
+        edge, under = nn.Linear(512, 512, bias=False), nn.Linear(512, 511, bias=False)
+    assert runs_as_graph(gb.plan(edge, tile=(128, 128)), None)
+    assert not runs_as_graph(gb.plan(under, tile=(128, 128), hidden=3), None)
+    # A stack whose hidden activations feed a matmul (several outputs) and exceed one compiled
+    # chunk runs in chunks instead, even when asked to compile; one output fuses: any size.
+    (wide,) = gb.plan(small, tile=(16, 16), hidden=8, outputs=4).stacks
+    (fused,) = gb.plan(small, tile=(16, 16), hidden=8).stacks
+    transient = 16 * 16 * 16 // 4 * 8  # tiles x rows x evaluation columns x hidden
+    monkeypatch.setattr(_tilemlp, "COMPILED_CHUNK_ELEMENTS", transient)
+    assert fits_graph(wide)
+    assert fits_graph(fused)
+    monkeypatch.setattr(_tilemlp, "COMPILED_CHUNK_ELEMENTS", transient - 1)
+    assert not fits_graph(wide)
+    assert fits_graph(fused)
+    assert not runs_as_graph(gb.plan(small, tile=(16, 16), hidden=8, outputs=4), True)
+    deep = gb.plan(small, tile=(16, 16), hidden=8, depth=2)
+    monkeypatch.setattr(_tilemlp, "COMPILED_CHUNK_ELEMENTS", 16 * 16 * 16 * 8 - 1)
+    assert not runs_as_graph(deep, True)
+
+
+def test_a_plan_that_fails_to_compile_warns_once_and_runs_op_by_op(monkeypatch):
+    from gbfunc import _graph
+
+    calls = []
+
+    def failing(stacks):
+        calls.append(1)
+        raise torch._dynamo.exc.BackendCompilerFailed(print, RuntimeError("no gcc"), None)
+
+    monkeypatch.setattr(_graph, "_compile", lambda plan: failing)
+    monkeypatch.setattr(_graph, "_GRAPHS", {})
+    model = nn.Linear(24, 20)
+    plan = gb.plan(model, tile=(8, 8), hidden=4)
+    gparams = gb.init(plan, seed=1)
+    expected = gb.apply(gparams, plan, compile=False)
+    with pytest.warns(RuntimeWarning, match=r"(?s)compiling gb\.apply.s graph failed.*no gcc"):
+        first = gb.apply(gparams, plan, compile=True)
+    second = gb.apply(gparams, plan, compile=True)  # no second try, no second warning
+    assert calls == [1]
+    for params in (first, second):
+        for name, value in expected.items():
+            torch.testing.assert_close(params[name], value)
 
 
 @pytest.mark.slow
