@@ -21,15 +21,26 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def provenance() -> dict[str, Any]:
-    """The command, the machine (cores, threads, torch) and the date of this run."""
+    """The command, the machine (cores, CPU, threads, torch) and the date of this run."""
     return {
         "command": "python " + _invocation(),
-        "machine": f"{len(os.sched_getaffinity(0))} CPU cores, {platform.machine()}, "
+        "machine": f"{len(os.sched_getaffinity(0))} CPU cores ({cpu_model()}, "
+        f"{torch.backends.cpu.get_cpu_capability()}), {platform.machine()}, "
         f"{torch.get_num_threads()} torch threads",
         "python": platform.python_version(),
         "torch": torch.__version__,
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux), which with torch's vector ISA decides CPU timings: machines
+    "of the same kind" here have been AVX-512 and AVX2 hosts, 2x apart on a matmul."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
 
 
 def _invocation() -> str:
