@@ -15,14 +15,11 @@ the step's peak memory. The graph's backward cannot be differentiated again: dou
 (`create_graph=True`) needs `gb.apply(..., compile=False)`.
 """
 
-import types
-import warnings
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
 
 from . import _tilemlp
+from ._compiled import CompiledCache
 from ._evaluate import compiles_eagerly
 from ._plan import Plan, Stack
 from ._select import Selection, full_region
@@ -32,8 +29,9 @@ from ._select import Selection, full_region
 # steps; models of a few thousand weights (tests, examples) stay uncompiled.
 AUTO_GRAPH_WEIGHTS = 1 << 18
 
-# Per plan and stack-leaf names; None: that plan failed to compile and runs op by op.
-_GRAPHS: dict[tuple, Callable[[dict], dict[str, Tensor]] | None] = {}
+# Per plan and stack-leaf names: the plan's generation, compiled, and what it generates.
+_GRAPHS = CompiledCache("gb.apply's graph")
+_SELECTIONS: dict[tuple, Selection] = {}
 
 
 def fits_graph(stack: Stack) -> bool:
@@ -70,37 +68,11 @@ def generate(plan: Plan, stacks: dict[str, dict[str, Tensor]]) -> dict[str, Tens
     through the plan's compiled graph (the first call compiles: seconds). Returns None, having
     warned once, where the plan cannot be compiled (e.g. no C++ compiler): run it op by op."""
     key = (plan, tuple((k, tuple(v)) for k, v in stacks.items()))
-    if key not in _GRAPHS:
-        _GRAPHS[key] = _compile(plan)
-    graph = _GRAPHS[key]
-    if graph is None:
-        return None
-    try:
-        return graph(stacks)
-    except torch._dynamo.exc.BackendCompilerFailed as error:
-        _GRAPHS[key] = None
-        warnings.warn(
-            f"gbfunc: compiling gb.apply's graph failed ({type(error).__name__}: {error}); "
-            "this plan runs op by op. gb.apply(..., compile=False) skips compiling.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return None
+    if key not in _SELECTIONS:
+        _SELECTIONS[key] = Selection(plan, {p.name: full_region(p.shape) for p in plan.generated})
+    return _GRAPHS.call(key, _generated, _SELECTIONS[key], stacks)
 
 
-def _compile(plan: Plan) -> Callable[[dict], dict[str, Tensor]]:
-    """The plan's generation, compiled. Each plan gets its own copy of the function's code:
-    dynamo keeps compiled graphs on the code object and caps their number per object."""
-    selection = Selection(plan, {p.name: full_region(p.shape) for p in plan.generated})
-
-    def generated(stacks: dict[str, dict[str, Tensor]]) -> dict[str, Tensor]:
-        return selection.apply({"stacks": stacks, "free": {}, "frozen": {}}, compile=False)
-
-    private = types.FunctionType(
-        generated.__code__.replace(),
-        generated.__globals__,
-        "generated",
-        None,
-        generated.__closure__,
-    )
-    return torch.compile(private, fullgraph=True, dynamic=False)
+def _generated(selection: Selection, stacks: dict[str, dict[str, Tensor]]) -> dict[str, Tensor]:
+    """The generated parameters `selection` covers, from the g-nets `stacks`."""
+    return selection.apply({"stacks": stacks, "free": {}, "frozen": {}}, compile=False)

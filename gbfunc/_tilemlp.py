@@ -14,14 +14,14 @@ inside an outer `torch.compile` they run as plain torch code.
 """
 
 import math
-import types
-import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from ._compiled import CompiledCache
 
 # Eager evaluation is chunked over tiles so that the transient (chunk, TH, Q, H) tensor stays
 # cache-sized; graphs traced by an outer compile are left whole for inductor to fuse.
@@ -242,40 +242,14 @@ def plain_eager() -> bool:
     )
 
 
-# Compiled bodies per signature; None: that signature failed to compile and runs eagerly.
-_COMPILED: dict[tuple, Callable | None] = {}
+_BODIES = CompiledCache("the tile MLP")
 
 
 def _compiled(body: Callable, *args: object) -> object | None:
-    """`body(*args)` through code compiled for these arguments' signature, cached.
-
-    Each signature gets its own copy of `body`'s code: dynamo keeps its compiled graphs on the
-    code object and caps their number, so sharing one would recompile (and fall back to eager)
-    once a model has more stack shapes than that cap. Returns None, having warned once, where
-    the signature cannot be compiled (e.g. no C++ compiler for inductor): run it eagerly.
-    """
+    """`body(*args)` through code compiled once per signature of the arguments (shapes,
+    dtypes, devices, activation); None where that signature cannot be compiled."""
     signature = ((tuple(a.shape), a.dtype, a.device) if isinstance(a, Tensor) else a for a in args)
-    key = (body.__name__, *signature)
-    if key not in _COMPILED:
-        code = body.__code__.replace()
-        private = types.FunctionType(
-            code, body.__globals__, body.__name__, body.__defaults__, body.__closure__
-        )
-        _COMPILED[key] = torch.compile(private, fullgraph=True, dynamic=False)
-    fn = _COMPILED[key]
-    if fn is None:
-        return None
-    try:
-        return fn(*args)
-    except torch._dynamo.exc.BackendCompilerFailed as error:
-        _COMPILED[key] = None
-        warnings.warn(
-            f"gbfunc: compiling the tile MLP failed ({type(error).__name__}: {error}); this "
-            "stack runs eagerly. gb.apply(..., compile=False) skips compiling.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return None
+    return _BODIES.call((body.__name__, *signature), body, *args)
 
 
 def _forward_body(*inputs) -> Tensor:

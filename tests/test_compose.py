@@ -1,5 +1,8 @@
 """gb.apply composes with torch.func.grad, vmap and torch.compile(fullgraph=True)."""
 
+import re
+import warnings
+
 import pytest
 import torch
 from naive import naive_apply
@@ -323,23 +326,31 @@ def test_plans_run_as_one_graph_where_it_pays_and_holds_no_large_transient(monke
 
 def test_a_plan_that_fails_to_compile_warns_once_and_runs_op_by_op(monkeypatch):
     from gbfunc import _graph
+    from gbfunc._compiled import CompiledCache
 
     calls = []
 
-    def failing(stacks):
+    def failing(*args):
         calls.append(1)
         raise torch._dynamo.exc.BackendCompilerFailed(print, RuntimeError("no gcc"), None)
 
-    monkeypatch.setattr(_graph, "_compile", lambda plan: failing)
-    monkeypatch.setattr(_graph, "_GRAPHS", {})
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: failing)
+    monkeypatch.setattr(_graph, "_GRAPHS", CompiledCache("gb.apply's graph"))
     model = nn.Linear(24, 20)
     plan = gb.plan(model, tile=(8, 8), hidden=4)
     gparams = gb.init(plan, seed=1)
     expected = gb.apply(gparams, plan, compile=False)
-    with pytest.warns(RuntimeWarning, match=r"(?s)compiling gb\.apply.s graph failed.*no gcc"):
+    with pytest.warns(RuntimeWarning) as warned:
         first = gb.apply(gparams, plan, compile=True)
-    second = gb.apply(gparams, plan, compile=True)  # no second try, no second warning
-    assert calls == [1]
+    # The graph, then the tile MLP's compiled body it falls back to: each tried once.
+    messages = [str(w.message) for w in warned]
+    assert len(messages) == len(calls) == 2
+    assert re.search(r"(?s)compiling gb\.apply's graph failed.*no gcc", messages[0])
+    assert re.search(r"(?s)compiling the tile MLP failed.*no gcc", messages[1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = gb.apply(gparams, plan, compile=True)  # no second try, no second warning
+    assert len(calls) == 2
     for params in (first, second):
         for name, value in expected.items():
             torch.testing.assert_close(params[name], value)

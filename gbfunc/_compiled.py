@@ -1,0 +1,43 @@
+"""Functions compiled once per key, for eager callers, with a fallback where compiling fails."""
+
+import types
+import warnings
+from collections.abc import Callable, Hashable
+
+import torch
+
+
+class CompiledCache:
+    """`torch.compile(fullgraph=True, dynamic=False)` of a function per key, cached.
+
+    Each key compiles its own copy of the function's code: dynamo keeps compiled graphs on the
+    code object and caps their number, so sharing one would recompile (and fall back to eager)
+    once there are more keys than that cap. A key whose compile fails (e.g. no C++ compiler
+    for inductor) warns once, naming `what`, and is remembered: `call` returns None for it.
+    """
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self._compiled: dict[Hashable, Callable | None] = {}
+
+    def call(self, key: Hashable, fn: Callable, *args: object) -> object | None:
+        """`fn(*args)` through the code compiled for `key`, or None where that compile failed."""
+        if key not in self._compiled:
+            private = types.FunctionType(
+                fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+            )
+            self._compiled[key] = torch.compile(private, fullgraph=True, dynamic=False)
+        compiled = self._compiled[key]
+        if compiled is None:
+            return None
+        try:
+            return compiled(*args)
+        except torch._dynamo.exc.BackendCompilerFailed as error:
+            self._compiled[key] = None
+            warnings.warn(
+                f"gbfunc: compiling {self.what} failed ({type(error).__name__}: {error}); it "
+                "runs op by op. gb.apply(..., compile=False) skips compiling.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return None
