@@ -14,6 +14,9 @@ class CompiledCache:
     code object and caps their number, so sharing one would recompile (and fall back to eager)
     once there are more keys than that cap. A key whose compile fails (e.g. no C++ compiler
     for inductor) warns once, naming `what`, and is remembered: `call` returns None for it.
+    It also returns None, silently, while dynamo is switched off
+    (`torch._dynamo.config.disable`, a debugging setting), where `torch.compile(fullgraph=True)`
+    would raise "found no compiled frames".
     """
 
     def __init__(self, what: str) -> None:
@@ -21,7 +24,10 @@ class CompiledCache:
         self._compiled: dict[Hashable, Callable | None] = {}
 
     def call(self, key: Hashable, fn: Callable, *args: object) -> object | None:
-        """`fn(*args)` through the code compiled for `key`, or None where that compile failed."""
+        """`fn(*args)` through the code compiled for `key`, or None where that compile failed
+        or dynamo is switched off: the caller runs `fn` op by op."""
+        if torch._dynamo.config.disable:
+            return None
         if key not in self._compiled:
             private = types.FunctionType(
                 fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__

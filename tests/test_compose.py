@@ -356,6 +356,26 @@ def test_a_plan_that_fails_to_compile_warns_once_and_runs_op_by_op(monkeypatch):
             torch.testing.assert_close(params[name], value)
 
 
+def test_eager_apply_runs_op_by_op_while_dynamo_is_switched_off(monkeypatch):
+    """`torch._dynamo.config.disable` (a debugging setting) made gb.apply's compiled graph
+    raise "found no compiled frames"; it now runs op by op, with no warning."""
+    from gbfunc import _graph, _tilemlp
+    from gbfunc._compiled import CompiledCache
+
+    monkeypatch.setattr(_graph, "_GRAPHS", CompiledCache("gb.apply's graph"))
+    monkeypatch.setattr(_tilemlp, "_BODIES", CompiledCache("the tile MLP"))
+    model = nn.Linear(24, 20)
+    plan = gb.plan(model, tile=(8, 8), hidden=4)
+    gparams = gb.init(plan, seed=1)
+    expected = gb.apply(gparams, plan, compile=False)
+    monkeypatch.setattr(torch._dynamo.config, "disable", True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        params = gb.apply(gparams, plan, compile=True)
+    for name, value in expected.items():
+        torch.testing.assert_close(params[name], value)
+
+
 @pytest.mark.slow
 def test_compiled_bodies_of_a_multi_output_stack_run_in_balanced_chunks(monkeypatch):
     """With several outputs the hidden activations are matmul operands that inductor
