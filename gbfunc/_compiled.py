@@ -26,7 +26,7 @@ class CompiledCache:
     def call(self, key: Hashable, fn: Callable, *args: object) -> object | None:
         """`fn(*args)` through the code compiled for `key`, or None where that compile failed
         or dynamo is switched off: the caller runs `fn` op by op."""
-        if torch._dynamo.config.disable:
+        if _dynamo_disabled():
             return None
         if key not in self._compiled:
             private = types.FunctionType(
@@ -47,3 +47,8 @@ class CompiledCache:
                 stacklevel=3,
             )
             return None
+
+
+def _dynamo_disabled() -> bool:
+    """Whether dynamo is switched off (`torch._dynamo.config.disable`)."""
+    return bool(torch._dynamo.config.disable)

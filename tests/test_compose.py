@@ -325,7 +325,7 @@ def test_plans_run_as_one_graph_where_it_pays_and_holds_no_large_transient(monke
 
 
 def test_a_plan_that_fails_to_compile_warns_once_and_runs_op_by_op(monkeypatch):
-    from gbfunc import _graph
+    from gbfunc import _compiled as _compiled_module, _graph
     from gbfunc._compiled import CompiledCache
 
     calls = []
@@ -335,6 +335,8 @@ def test_a_plan_that_fails_to_compile_warns_once_and_runs_op_by_op(monkeypatch):
         raise torch._dynamo.exc.BackendCompilerFailed(print, RuntimeError("no gcc"), None)
 
     monkeypatch.setattr(torch, "compile", lambda fn, **options: failing)
+    # Tried even where dynamo is switched off (under mutmut): torch.compile is the fake above.
+    monkeypatch.setattr(_compiled_module, "_dynamo_disabled", lambda: False)
     monkeypatch.setattr(_graph, "_GRAPHS", CompiledCache("gb.apply's graph"))
     model = nn.Linear(24, 20)
     plan = gb.plan(model, tile=(8, 8), hidden=4)
@@ -368,8 +370,7 @@ def test_eager_apply_runs_op_by_op_while_dynamo_is_switched_off(monkeypatch):
     plan = gb.plan(model, tile=(8, 8), hidden=4)
     gparams = gb.init(plan, seed=1)
     expected = gb.apply(gparams, plan, compile=False)
-    monkeypatch.setattr(torch._dynamo.config, "disable", True)
-    with warnings.catch_warnings():
+    with torch._dynamo.config.patch(disable=True), warnings.catch_warnings():
         warnings.simplefilter("error")
         params = gb.apply(gparams, plan, compile=True)
     for name, value in expected.items():

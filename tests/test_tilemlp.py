@@ -78,6 +78,25 @@ def test_compiled_reductions_equal_the_eager_backward(activation):
     torch.testing.assert_close(got[2], want.w_out[..., 0], msg="w_out")
 
 
+def test_compiled_relu_reductions_take_the_derivative_at_zero_as_torch_does():
+    """Where a pre-activation is exactly 0, ReLU's derivative is 0 (torch's convention);
+    `_fused_reductions` tests `b > -(a + c)`, so a tie must count as not active."""
+    gen = torch.Generator().manual_seed(3)
+
+    def ints(*shape):  # small integers: many sums are exactly zero
+        return torch.randint(-2, 3, shape, generator=gen).double().requires_grad_()
+
+    a, b, c, w = ints(2, 4, 3), ints(2, 5, 3), ints(2, 3), ints(2, 3)
+    z = (a + c[:, None])[:, :, None, :] + b[:, None, :, :]
+    assert (z == 0).any()
+    g = torch.randn(2, 4, 5, generator=gen, dtype=torch.float64)
+    spec = (torch.relu(z) * w[:, None, None, :]).sum(-1)
+    want = torch.autograd.grad(spec, (a, b, w), g)
+    got = _fused_reductions(g, a.detach(), b.detach(), c.detach(), w.detach(), "relu")
+    for name, x, y in zip("abw", got, want, strict=True):
+        torch.testing.assert_close(x, y, msg=name)
+
+
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
 @pytest.mark.parametrize(
     ("depth", "hidden", "outputs"), [(1, 4, 1), (1, 4, 2), (1, 1, 3), (2, 4, 1), (3, 4, 2)]
