@@ -40,7 +40,8 @@ def apply(
             where it pays (plans of `AUTO_GRAPH_WEIGHTS` generated weights, with gradients
             enabled; stacks of `AUTO_COMPILE_ELEMENTS` hidden activations). `False`: never
             (for debugging, and for double backward, which the compiled graph does not
-            support). The result is the same either way, to rounding.
+            support). With dynamo switched off (`torch._dynamo.config.disable`), nothing
+            compiles. The result is the same either way, to rounding.
 
     Returns:
         `{name: tensor}` for every parameter, ready for
