@@ -24,10 +24,13 @@ timed with `torch.compile` of its forward + loss instead (graph breaks allowed; 
 and AdamW), marked `*`, with the reason under the table; a peer that is not installed, or
 fails even so, gets the reason instead of numbers.
 
-The peers are not gbfunc dependencies (hyper-nn's metadata requires JAX; only its torch part is
-imported, so install it without dependencies):
+The peers are not gbfunc dependencies, and no extra installs them: both ship a top-level
+`tests` package, which would become importable beside gbfunc in the project's venv. Install
+them in a venv of their own (hyper-nn's metadata requires JAX; only its torch part is
+imported, so it goes in without dependencies):
 
-    pip install -e ".[peers]" && pip install --no-deps hyper-nn
+    python3 -m venv ~/.venvs/gbfunc-peers && . ~/.venvs/gbfunc-peers/bin/activate
+    pip install torch==2.13.0 && pip install -e . hypnettorch==0.0.4 && pip install --no-deps hyper-nn
     python -m benchmarks.peers            # about 3 minutes on 2 CPU cores
     python -m benchmarks.peers --quick    # fewer rounds
 """
