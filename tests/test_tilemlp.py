@@ -10,7 +10,10 @@ from gbfunc._tilemlp import (
     _backward_recompute,
     _chunks,
     _compiled_chunks,
+    _forward_no_save,
     _fused_reductions,
+    _vector_lanes,
+    _vectorised_units,
     activate,
     activate_grad,
     reference,
@@ -66,16 +69,51 @@ def test_outputs_and_every_gradient_match_the_reference(
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=name)
 
 
+# Hidden widths around the vector registers' (float64 lanes on this CPU): one unit, whole
+# registers, and whole registers plus units left over (which go one at a time).
+LANES = _vector_lanes(torch.float64, "cpu")
+WIDTHS = sorted({1, LANES, LANES + 3})
+
+
+def test_vector_lanes_are_the_cpus_and_one_off_it():
+    assert _vector_lanes(torch.float32, "cuda") == _vector_lanes(torch.float64, "meta") == 1
+    assert _vector_lanes(torch.float32, "cpu") in (1, 2 * LANES)
+
+
+def test_compiled_code_reduces_whole_vector_registers_of_hidden_units_together():
+    for hidden, whole in (
+        (1, 1 // LANES),
+        (LANES, LANES),
+        (LANES + 3, LANES),
+        (2 * LANES + 1, 2 * LANES),
+    ):
+        assert _vectorised_units(torch.zeros(1, 1, hidden, dtype=torch.float64)) == whole
+
+
+@pytest.mark.parametrize("hidden", WIDTHS)
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-def test_compiled_reductions_equal_the_eager_backward(activation):
+def test_compiled_reductions_equal_the_eager_backward(activation, hidden):
     """`_fused_reductions` is what compiled graphs run for one layer and one output."""
-    terms = inputs(3, 5, 7, 4, 1, 1, seed=1)
+    terms = inputs(3, 5, 7, hidden, 1, 1, seed=1)
     g = torch.randn(3, 5, 7, dtype=torch.float64)
     got = _fused_reductions(g, terms.a, terms.b, terms.c, terms.w_out[..., 0], activation)
     want = _backward_recompute(g[..., None], terms, activation)
     torch.testing.assert_close(got[0], want.a, msg="a")
     torch.testing.assert_close(got[1], want.b, msg="b")
     torch.testing.assert_close(got[2], want.w_out[..., 0], msg="w_out")
+
+
+@pytest.mark.parametrize("hidden", WIDTHS)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_the_compiled_form_of_the_one_output_forward_equals_the_reference(
+    monkeypatch, activation, hidden
+):
+    """Traced by `torch.compile`, the one-output forward reduces whole vector registers of
+    hidden units and adds the units left over one at a time: the same outputs."""
+    terms = inputs(3, 5, 7, hidden, 1, 1, seed=4)
+    want = reference(terms, activation)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    torch.testing.assert_close(_forward_no_save(terms, activation), want)
 
 
 def test_compiled_relu_reductions_take_the_derivative_at_zero_as_torch_does():
@@ -86,9 +124,11 @@ def test_compiled_relu_reductions_take_the_derivative_at_zero_as_torch_does():
     def ints(*shape):  # small integers: many sums are exactly zero
         return torch.randint(-2, 3, shape, generator=gen).double().requires_grad_()
 
-    a, b, c, w = ints(2, 4, 3), ints(2, 5, 3), ints(2, 3), ints(2, 3)
+    hidden = LANES + 3  # whole registers and units one at a time
+    a, b, c, w = ints(2, 4, hidden), ints(2, 5, hidden), ints(2, hidden), ints(2, hidden)
     z = (a + c[:, None])[:, :, None, :] + b[:, None, :, :]
-    assert (z == 0).any()
+    assert (z[..., :LANES] == 0).any()
+    assert (z[..., LANES:] == 0).any()
     g = torch.randn(2, 4, 5, generator=gen, dtype=torch.float64)
     spec = (torch.relu(z) * w[:, None, None, :]).sum(-1)
     want = torch.autograd.grad(spec, (a, b, w), g)
