@@ -246,16 +246,19 @@ def test_functional_adamw_defaults_are_lr_1e_3_without_weight_decay():
 
 
 @pytest.mark.slow
-def test_eager_apply_through_the_plans_graph_matches_plain_eager_and_compiles_once():
+def test_eager_apply_through_the_plans_graph_matches_plain_eager_and_compiles_once(monkeypatch):
     """`gb.apply(compile=True)`: same weights and gradients from one graph per plan, compiled
     on the first call and not again; under `torch.func.grad` the same gradients (the graph is
-    not used there); double backward with `compile=False`, as the docstring says."""
+    not used there); double backward with `compile=False`, as the docstring says. The hashed
+    tables' gradients come from torch's index_add, called by the graph as an opaque op."""
     from torch._dynamo.utils import counters
 
+    from gbfunc import _evaluate
+    from gbfunc._evaluate import _bucket_sums
     from gbfunc._graph import runs_as_graph
 
     model = nn.Sequential(nn.Linear(48, 40), nn.ReLU(), nn.Linear(40, 7))  # ragged tiles
-    plan = gb.plan(model, tile=(16, 16), hidden=8, activation="gelu")
+    plan = gb.plan(model, tile=(16, 16), hidden=8, activation="gelu", hashed=7)
     assert runs_as_graph(plan, True)
     x = torch.randn(5, 48)
 
@@ -270,8 +273,13 @@ def test_eager_apply_through_the_plans_graph_matches_plain_eager_and_compiles_on
 
     expected = grads(False)
     before = counters["stats"]["unique_graphs"]
+    bucket_sums = []
+    monkeypatch.setattr(
+        _evaluate, "_bucket_sums", lambda *args: bucket_sums.append(1) or _bucket_sums(*args)
+    )
     for leaf, ref in zip(grads(True), expected, strict=True):
         torch.testing.assert_close(leaf, ref, rtol=1e-4, atol=1e-6)
+    assert len(bucket_sums) == len(plan.stacks)
     assert counters["stats"]["unique_graphs"] - before == 1
     grads(True)  # the same plan again: nothing new compiled
     assert counters["stats"]["unique_graphs"] - before == 1
