@@ -30,7 +30,7 @@ them in a venv of their own (hyper-nn's metadata requires JAX; only its torch pa
 imported, so it goes in without dependencies):
 
     python3 -m venv ~/.venvs/gbfunc-peers && . ~/.venvs/gbfunc-peers/bin/activate
-    pip install torch==2.13.0 && pip install -e . hypnettorch==0.0.4
+    pip install torch==2.13.0 && pip install -e ".[demo]" hypnettorch==0.0.4
     pip install --no-deps hyper-nn
     python -m benchmarks.peers            # about 3 minutes on 2 CPU cores
     python -m benchmarks.peers --quick    # fewer rounds
