@@ -121,8 +121,8 @@ def _forward_no_save(terms: Terms, activation: str) -> Tensor:
 
 def _one_output(row_terms: Tensor, b: Tensor, w: Tensor, activation: str) -> Tensor:
     """`(T, TH, Q)` output of one-layer, one-output g-nets, written for inductor: the hidden
-    units that fill vector registers reduced over H, the others one at a time (see
-    `_vector_lanes`). Shapes: row_terms `(T, TH, H)` (`a + c`), b `(T, Q, H)`, w `(T, H)`."""
+    units `_vectorised_units` counts reduced over H, the others one at a time. Shapes:
+    row_terms `(T, TH, H)` (`a + c`), b `(T, Q, H)`, w `(T, H)`."""
     split = _vectorised_units(row_terms)
     out = 0
     if split:
@@ -204,7 +204,8 @@ def _fused_reductions(g: Tensor, a: Tensor, b: Tensor, c: Tensor, w: Tensor, act
     Each is written with its reduced axis innermost, so inductor emits one vectorised
     reduction loop per gradient that recomputes the pre-activation in registers instead of
     materialising `(T, TH, Q, H)` (as it does for the shared-`z` form: ~10x slower here).
-    Hidden units that do not fill a vector register go one at a time (`_vector_lanes`).
+    Hidden units that fill half a vector register or less go one at a time
+    (`_vectorised_units`).
     Shapes: g `(T, TH, Q)`, a `(T, TH, H)`, b `(T, Q, H)`, c and w `(T, H)`.
     """
     g_t = g.transpose(1, 2).contiguous()  # (T, Q, TH): unit-stride innermost reads
@@ -262,12 +263,17 @@ def _one_unit_sums(g: Tensor, g_t: Tensor, row_terms: Tensor, b: Tensor, activat
 
 def _vectorised_units(row_terms: Tensor) -> int:
     """How many leading hidden units compiled code reduces over as one vectorised axis: the
-    largest multiple of `_vector_lanes`. Inductor vectorises a short innermost axis with
-    partial (masked) vectors, which made one-output g-nets of 4 hidden units (AVX2) 4-7x
-    slower than of 8; the units left over go one at a time, vectorised along the positions.
-    Backward of the MLP's full-tile hashed genome, (512, 784) tile, 4 units: 5.5 -> 1.3 ms."""
+    largest multiple of `_vector_lanes`, and the units left over too where they fill more
+    than half a register. Inductor vectorises a short innermost axis with one partial
+    (masked) vector, about as costly as a full one; units that go one at a time, vectorised
+    along the positions, cost a pass each. Backward alone, 2 threads: the MLP's (512, 784)
+    tile with 4 units 5.5 -> 1.3 ms one at a time (AVX2); 44 (128, 128) tiles on AVX-512
+    (16 lanes), masked against one at a time: 6 units 1.48 against 1.07 ms, 8 units 1.37
+    against 1.64, 12 units 1.73 against 2.98."""
     hidden = row_terms.shape[-1]
-    return hidden - hidden % _vector_lanes(row_terms.dtype, row_terms.device.type)
+    lanes = _vector_lanes(row_terms.dtype, row_terms.device.type)
+    left_over = hidden % lanes
+    return hidden if 2 * left_over > lanes else hidden - left_over
 
 
 @torch.compiler.assume_constant_result

@@ -69,10 +69,11 @@ def test_outputs_and_every_gradient_match_the_reference(
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=name)
 
 
-# Hidden widths around the vector registers' (float64 lanes on this CPU): one unit, whole
-# registers, and whole registers plus units left over (which go one at a time).
+# Hidden widths around the vector registers' (float64 lanes on this CPU, at least 4 on
+# x86-64 with AVX2): one unit, whole registers, whole registers and one unit left over (which
+# goes alone), one unit short of two registers (the units left over go as a masked vector).
 LANES = _vector_lanes(torch.float64, "cpu")
-WIDTHS = sorted({1, LANES, LANES + 3})
+WIDTHS = sorted({1, LANES, LANES + 1, 2 * LANES - 1})
 
 
 def test_vector_lanes_are_the_cpus_and_one_off_it():
@@ -81,13 +82,17 @@ def test_vector_lanes_are_the_cpus_and_one_off_it():
 
 
 def test_compiled_code_reduces_whole_vector_registers_of_hidden_units_together():
-    for hidden, whole in (
-        (1, 1 // LANES),
+    assert LANES >= 4
+    for hidden, vectorised in (
+        (1, 0),
         (LANES, LANES),
-        (LANES + 3, LANES),
+        (LANES + 1, LANES),
+        (LANES + LANES // 2, LANES),  # half a register left over: one at a time
+        (LANES + LANES // 2 + 1, LANES + LANES // 2 + 1),  # more: a masked vector
+        (2 * LANES - 1, 2 * LANES - 1),
         (2 * LANES + 1, 2 * LANES),
     ):
-        assert _vectorised_units(torch.zeros(1, 1, hidden, dtype=torch.float64)) == whole
+        assert _vectorised_units(torch.zeros(1, 1, hidden, dtype=torch.float64)) == vectorised
 
 
 @pytest.mark.parametrize("hidden", WIDTHS)
@@ -124,7 +129,7 @@ def test_compiled_relu_reductions_take_the_derivative_at_zero_as_torch_does():
     def ints(*shape):  # small integers: many sums are exactly zero
         return torch.randint(-2, 3, shape, generator=gen).double().requires_grad_()
 
-    hidden = LANES + 3  # whole registers and units one at a time
+    hidden = LANES + 1  # a whole register and a unit alone
     a, b, c, w = ints(2, 4, hidden), ints(2, 5, hidden), ints(2, hidden), ints(2, hidden)
     z = (a + c[:, None])[:, :, None, :] + b[:, None, :, :]
     assert (z[..., :LANES] == 0).any()
