@@ -4,6 +4,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from benchmarks import peers, scaling
 from benchmarks._meta import recorded
@@ -321,3 +322,18 @@ def test_bench_fsdp_peak_counts_resident_tensors_and_the_steps_high_water_mark()
 
     peak = _peak_bytes(step, [resident, resident[:10]])  # a view counts once
     assert 24_000_000 <= peak < 24_500_000
+
+
+def test_bench_unit_split_compares_gbfuncs_rule_with_the_two_it_chooses_between():
+    """gbfunc's rule vectorises either every unit or whole registers only, so the benchmark's
+    two other columns are the alternatives it picks from."""
+    from benchmarks.bench_unit_split import RULES, every_unit, whole_registers
+
+    assert list(RULES.values())[:2] == [every_unit, whole_registers]
+    seen = set()
+    for hidden in range(1, 41):
+        row_terms = torch.zeros(1, 1, hidden)
+        choice = RULES["gbfunc's rule"](row_terms)
+        assert choice in (every_unit(row_terms), whole_registers(row_terms))
+        seen.add(choice == every_unit(row_terms) != whole_registers(row_terms))
+    assert seen == {True, False}  # both alternatives occur

@@ -1,0 +1,88 @@
+"""How compiled one-output g-nets reduce over their hidden units, side by side in one run.
+
+The compiled backward of one-layer, one-output g-nets (`gbfunc._tilemlp._fused_reductions`)
+and the forward `torch.compile` traces (`_one_output`) reduce over the hidden units that
+`_vectorised_units` counts as one vectorised axis, and over the others one unit at a time.
+This times the backward three ways, interleaved: every unit vectorised (inductor pads a short
+axis into one masked vector), whole registers vectorised and the rest one at a time, and
+gbfunc's rule (the rest as a masked vector where it fills more than half a register).
+
+    python -m benchmarks.bench_unit_split
+
+Writes what it prints to `benchmarks/results/bench_unit_split.md` under the command, machine
+and date.
+"""
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+from benchmarks._meta import RESULTS, compile_static, recorded
+from gbfunc import _tilemlp
+
+SHAPES = [(1, 512, 784, 4)] + [(44, 128, 128, h) for h in (4, 6, 8, 10, 12, 14, 20, 32)]
+
+
+def every_unit(row_terms: torch.Tensor) -> int:
+    return row_terms.shape[-1]
+
+
+def whole_registers(row_terms: torch.Tensor) -> int:
+    hidden = row_terms.shape[-1]
+    return hidden - hidden % _tilemlp._vector_lanes(row_terms.dtype, row_terms.device.type)
+
+
+RULES = {
+    "all vectorised": every_unit,
+    "whole registers": whole_registers,
+    "gbfunc's rule": _tilemlp._vectorised_units,
+}
+
+
+def backward_ms(shape: tuple[int, int, int, int], rounds: int, inner: int) -> dict[str, float]:
+    """Median ms of the compiled backward under each rule, rounds interleaved."""
+    tiles, rows, cols, hidden = shape
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(tiles, rows, cols, generator=gen)
+    a, b = (torch.randn(tiles, n, hidden, generator=gen) for n in (rows, cols))
+    c, w = (torch.randn(tiles, hidden, generator=gen) for _ in range(2))
+    # One compiled copy per rule; dynamo guards on the rule, so each runs under its own.
+    compiled = {name: compile_static(_tilemlp._fused_reductions) for name in RULES}
+
+    def run(name: str, calls: int) -> None:
+        with mock.patch.object(_tilemlp, "_vectorised_units", RULES[name]):
+            for _ in range(calls):
+                compiled[name](g, a, b, c, w, "relu")
+
+    for name in RULES:
+        run(name, 3)  # compile and warm up
+    samples: dict[str, list[float]] = {name: [] for name in RULES}
+    for _ in range(rounds):
+        for name in RULES:
+            start = time.perf_counter()
+            run(name, inner)
+            samples[name].append((time.perf_counter() - start) / inner * 1e3)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS / "bench_unit_split.md")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    lanes = _tilemlp._vector_lanes(torch.float32, "cpu")
+    with recorded(args.out, "Compiled one-output g-nets: reducing over the hidden units"):
+        print(f"float32 lanes: {lanes}; ReLU backward, ms, medians of 7 rounds of 20 calls")
+        print(f"{'tiles, TH, Q, H':<22}" + "".join(f"{name:>18}" for name in RULES))
+        for shape in SHAPES:
+            times = backward_ms(shape, rounds=7, inner=20)
+            print(f"{shape!s:<22}" + "".join(f"{times[name]:>18.2f}" for name in RULES))
+
+
+if __name__ == "__main__":
+    main()
