@@ -86,54 +86,12 @@ def hashed_tiles(stack: Stack, table: Tensor) -> Tensor:
         bucket, sign = _tile_hash_op(*key)
     else:
         bucket, sign = _cached(_tile_hash, *key)
-    shared = _BucketGather.apply(table, bucket) * (sign * HASH_GAIN)
+    # torch.gather, not index_select: its backward is a scatter_add, which inductor's CPU code
+    # leaves to torch's kernel, where index_select's index_add becomes a scatter of atomic
+    # adds. The MLP's full-tile hashed genome, compiled whole: 2.4x the plain step -> 1.6x.
+    index = bucket.expand(*table.shape[:-1], -1)
+    shared = torch.gather(table, -1, index) * (sign * HASH_GAIN)
     return shared.reshape(table.shape[0], stack.tile[0], -1)
-
-
-class _BucketGather(torch.autograd.Function):
-    """`table.index_select(-1, bucket)`, whose backward, compiled, is torch's index_add.
-
-    Inductor writes the gather's backward as a scatter of atomic adds, 4-5x slower on CPU
-    than torch's index_add (the MLP's full-tile hashed genome, 401k positions into 17k
-    buckets: 8.1 ms against 1.8 ms), so compiled code calls index_add as an opaque op.
-    Under `torch.func` transforms inside `torch.compile`, dynamo differentiates the forward
-    instead, and the scatter is inductor's.
-    """
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(table: Tensor, bucket: Tensor) -> Tensor:
-        return table.index_select(-1, bucket)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        table, bucket = inputs
-        ctx.save_for_backward(bucket)
-        ctx.buckets = table.shape[-1]
-
-    @staticmethod
-    def backward(ctx, grad):
-        (bucket,) = ctx.saved_tensors
-        if torch.compiler.is_compiling():
-            return _bucket_sums_op(grad.contiguous(), bucket, ctx.buckets), None
-        return _bucket_sums(grad, bucket, ctx.buckets), None
-
-
-def _bucket_sums(grad: Tensor, bucket: Tensor, buckets: int) -> Tensor:
-    """`(..., buckets)`: `grad` `(..., positions)` summed per bucket, the gather's adjoint."""
-    return grad.new_zeros(*grad.shape[:-1], buckets).index_add(-1, bucket, grad)
-
-
-@torch.library.custom_op("gbfunc::bucket_sums", mutates_args=())
-def _bucket_sums_op(grad: Tensor, bucket: Tensor, buckets: int) -> Tensor:
-    """`_bucket_sums` as one opaque operation for `torch.compile`."""
-    return _bucket_sums(grad, bucket, buckets)
-
-
-@_bucket_sums_op.register_fake
-def _(grad: Tensor, bucket: Tensor, buckets: int) -> Tensor:
-    return grad.new_empty(*grad.shape[:-1], buckets)
 
 
 def stack_terms(stack: Stack, leaves: Mapping[str, Tensor]) -> Terms:
