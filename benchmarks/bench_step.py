@@ -3,11 +3,12 @@
 A step is: generate the weights (gbfunc only), forward, loss, backward, AdamW update. Both
 sides use the same optimizer maths: `torch.optim.AdamW(foreach=True)` eagerly, and the
 functional `gb.optim.adamw_update` inside one `torch.compile(fullgraph=True)` step when
-compiled. Timings are medians over interleaved rounds, printed as ratios to the plain model
-in the same mode, from one run. "first s" is the first eager step, which compiles what
-`gb.apply`'s default `compile=None` compiles (the plan's graph, or the tile MLP of large
-stacks); for those genomes the last column times the eager step without it
-(`compile=False`), in the same rounds.
+compiled. Timings are medians over interleaved rounds; ratios to the plain model in the same
+mode are medians of the per-round ratios, with their quartiles (the last column), from one
+run. "first s" is the first eager step, which compiles what `gb.apply`'s default
+`compile=None` compiles (the plan's graph, or the tile MLP of large stacks); for those
+genomes the column before the last times the eager step without it (`compile=False`), in the
+same rounds.
 
     python -m benchmarks.bench_step            # MLP 784-512-512-10 and the main job's transformer
     python -m benchmarks.bench_step --quick    # fewer rounds
@@ -118,10 +119,10 @@ def _compiled_step(
     return TrainStep(compiled, lambda: torch.utils._pytree.tree_leaves(state))
 
 
-def median_ms(
+def round_ms(
     steps: dict[str, Step], rounds: int, inner: int
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Median ms per call of every step, measured in interleaved, rotated rounds; and the
+) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Ms per call of every step in each of `rounds` interleaved, rotated rounds; and the
     seconds of each step's first call (which compiles)."""
     first = {}
     for name, fn in steps.items():  # warm up (and compile)
@@ -143,7 +144,40 @@ def median_ms(
             for _ in range(inner):
                 fn()
             samples[name].append((time.perf_counter() - start) / inner * 1e3)
+    return samples, first
+
+
+def median_ms(
+    steps: dict[str, Step], rounds: int, inner: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Median ms per call of every step over `round_ms`' rounds, and the first calls' seconds."""
+    samples, first = round_ms(steps, rounds, inner)
     return {k: statistics.median(v) for k, v in samples.items()}, first
+
+
+@dataclass
+class Timing:
+    """A step's median ms, and its ratios to a baseline's time in the same rounds."""
+
+    ms: float
+    ratios: list[float]
+
+    @classmethod
+    def of(cls, samples: list[float], baseline: list[float]) -> "Timing":
+        return cls(
+            statistics.median(samples), [s / b for s, b in zip(samples, baseline, strict=True)]
+        )
+
+    @property
+    def ratio(self) -> float:
+        """The median of the per-round ratios: a round times every step within about a second,
+        so the machine's drift between rounds (its speed moved by 20% in one run) cancels."""
+        return statistics.median(self.ratios)
+
+    @property
+    def quartiles(self) -> str:
+        low, _, high = statistics.quantiles(self.ratios, n=4)
+        return f"{low:.2f}-{high:.2f}"
 
 
 def cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -167,25 +201,30 @@ def run(
             steps[f"{label} eager uncompiled"], _ = gb_steps(
                 model, plan, batch, cross_entropy, eager_compile=False
             )
-    times, first = median_ms(steps, rounds, inner)
+    samples, first = round_ms(steps, rounds, inner)
+    times = {
+        name: Timing.of(v, samples["plain compiled" if "compiled" in name else "plain eager"])
+        for name, v in samples.items()
+    }
     print(f"\n## {title}  (torch {torch.__version__}, {torch.get_num_threads()} threads)")
     head = ("variant", "compression", "eager ms", "x plain", "compiled ms", "x plain", "first s")
     print(
         f"{head[0]:<34}{head[1]:>12}{head[2]:>10}{head[3]:>9}{head[4]:>13}{head[5]:>9}{head[6]:>9}"
-        "  eager, compile=False"
+        f"  {'eager, compile=False':<19}  x plain, quartiles (eager; compiled)"
     )
     e, c = times["plain eager"], times["plain compiled"]
     print(
-        f"{'plain model':<34}{'1.0x':>12}{e:>10.2f}{1:>9.2f}{c:>13.2f}{1:>9.2f}"
-        f"{first['plain eager']:>9.1f}"
+        f"{'plain model':<34}{'1.0x':>12}{e.ms:>10.2f}{1:>9.2f}{c.ms:>13.2f}{1:>9.2f}"
+        f"{first['plain eager']:>9.1f}  {'-':<19}  -"
     )
     for label in genomes:
         e, c = times[f"{label} eager"], times[f"{label} compiled"]
         plain = times.get(f"{label} eager uncompiled")
-        before = "" if plain is None else f"  {plain:.2f} ms, {plain / times['plain eager']:.2f}x"
+        before = "-" if plain is None else f"{plain.ms:.2f} ms, {plain.ratio:.2f}x"
         print(
-            f"{label:<34}{ratios[label]:>11.1f}x{e:>10.2f}{e / times['plain eager']:>9.2f}"
-            f"{c:>13.2f}{c / times['plain compiled']:>9.2f}{first[f'{label} eager']:>9.1f}" + before
+            f"{label:<34}{ratios[label]:>11.1f}x{e.ms:>10.2f}{e.ratio:>9.2f}"
+            f"{c.ms:>13.2f}{c.ratio:>9.2f}{first[f'{label} eager']:>9.1f}  {before:<19}"
+            f"  {e.quartiles}; {c.quartiles}"
         )
 
 

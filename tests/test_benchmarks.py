@@ -337,3 +337,17 @@ def test_bench_unit_split_compares_gbfuncs_rule_with_the_two_it_chooses_between(
         assert choice in (every_unit(row_terms), whole_registers(row_terms))
         seen.add(choice == every_unit(row_terms) != whole_registers(row_terms))
     assert seen == {True, False}  # both alternatives occur
+
+
+def test_bench_step_ratios_are_per_round_so_that_the_machines_drift_cancels():
+    """A machine twice as fast in later rounds moves the medians of both steps, not the ratio
+    of each round, which times both within about a second."""
+    from benchmarks.bench_step import Timing
+
+    plain = [4.0, 4.0, 2.0, 2.0, 2.0]
+    gbfunc = [6.0, 6.0, 3.0, 3.0, 3.6]
+    timing = Timing.of(gbfunc, plain)
+    assert timing.ms == 3.6  # the median step
+    assert timing.ratio == 1.5  # rounds' ratios 1.5, 1.5, 1.5, 1.5, 1.8
+    assert timing.quartiles == "1.50-1.65"
+    assert Timing.of([6.0, 6.0, 6.0, 3.0, 3.0], plain).ratio == 1.5  # medians: 6.0 / 2.0 = 3.0
