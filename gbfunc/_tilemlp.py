@@ -10,7 +10,10 @@ A tile therefore costs two tiny matmuls and ~3H FLOPs per weight, and nothing of
 `torch.compile(fullgraph=True)`. Called eagerly with `compiled=True`, its forward and backward
 bodies run as code compiled once per signature (shapes, dtypes, device, activation), which
 is what makes eager training with large genomes fast; under `torch.func` transforms and
-inside an outer `torch.compile` they run as plain torch code.
+inside an outer `torch.compile` they run as plain torch code. There, under
+`torch.func.grad`, dynamo drops the recomputing backward and AOTAutograd differentiates the
+forward (pytorch/pytorch#193279, torch 2.13): a compiled-whole step's g-net backward follows
+from how the forward is written. Under `loss.backward()` the recomputing backward runs.
 """
 
 import math
