@@ -173,6 +173,18 @@ def test_compiled_grad_of_shared_gnets_matches_eager():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+def test_the_compiled_hash_packs_bucket_and_sign_into_one_int32_losslessly():
+    """Compiled code copies the hash as `(bucket + 1) * sign` in int32 and unpacks it."""
+    from gbfunc._evaluate import _packed_tile_hash
+    from gbfunc._genome import hash_buckets
+
+    bucket, sign = hash_buckets(1000, 37)
+    packed = _packed_tile_hash(1000, 37, torch.device("cpu"))
+    assert packed.dtype == torch.int32
+    assert torch.equal((packed.abs() - 1).long(), bucket)
+    assert torch.equal(packed.sign().double(), sign)
+
+
 @pytest.mark.slow
 def test_compiled_hashed_genome_reads_its_hash_and_sums_back_without_atomic_scatters():
     """Traced as operations, the hash's argsort and integer arithmetic ran in every compiled
