@@ -92,7 +92,7 @@ def hashed_tiles(stack: Stack, table: Tensor) -> Tensor:
         )
     # torch.gather, not index_select: its backward is a scatter_add, which inductor's CPU code
     # leaves to torch's kernel, where index_select's index_add becomes a scatter of atomic
-    # adds. The MLP's full-tile hashed genome, compiled whole: 2.4x the plain step -> 1.6x.
+    # adds. The MLP's full-tile hashed genome, compiled whole: 16.84 -> 6.60 ms a step.
     index = bucket.expand(*table.shape[:-1], -1)
     shared = torch.gather(table, -1, index) * (sign * HASH_GAIN)
     return shared.reshape(table.shape[0], stack.tile[0], -1)
