@@ -1,8 +1,9 @@
 """How compiled one-output g-nets reduce over their hidden units, side by side in one run.
 
 The compiled backward of one-layer, one-output g-nets (`gbfunc._tilemlp._fused_reductions`)
-and the forward `torch.compile` traces (`_one_output`) reduce over the hidden units that
-`_vectorised_units` counts as one vectorised axis, and over the others one unit at a time.
+reduces over the hidden units that `_vectorised_units` counts as one vectorised axis, and
+over the others one unit at a time (the forward sums over the units with the columns as the
+vector axis instead, `_one_output`).
 This times the backward three ways, interleaved: every unit vectorised (inductor pads a short
 axis into one masked vector), whole registers vectorised and the rest one at a time, and
 gbfunc's rule (the rest as a masked vector where it fills more than half a register).

@@ -51,7 +51,8 @@ def evaluate_stack(
     """
     terms = stack_terms(stack, leaves)
     if recompute:
-        y = tile_mlp(terms, stack.genome.activation, compiled)  # (T, TH, Q, P)
+        b_t = units_major_columns(stack, leaves) if _reads_units_major(stack, compiled) else None
+        y = tile_mlp(terms, stack.genome.activation, compiled, b_t)  # (T, TH, Q, P)
     else:
         y = reference(terms, stack.genome.activation)
     y = y.reshape(y.shape[0], y.shape[1], -1)
@@ -122,6 +123,24 @@ def stack_terms(stack: Stack, leaves: Mapping[str, Tensor]) -> Terms:
         if w_hidden is not None:
             w_hidden, b_hidden = _per_tile(w_hidden, counts), _per_tile(b_hidden, counts)
     return Terms(a, b, c, w_hidden, b_hidden, w_out, b_out)
+
+
+def units_major_columns(stack: Stack, leaves: Mapping[str, Tensor]) -> Tensor:
+    """`stack_terms(stack, leaves).b` laid out units-major, `(T, H, Q)`: a matmul's own
+    output, which compiled code reads with the columns as the vector axis (`tile_mlp`)."""
+    w_in = leaves["w_in"]
+    _, col = _constant(
+        stack_codes, stack.tile, stack.window, stack.genome, stack.columns, w_in.dtype, w_in.device
+    )
+    b_t = w_in[:, stack.row_width :].mT @ col.mT  # (G, H, Q)
+    return _per_tile(b_t, stack.tiles_per_gnet) if stack.genome.share else b_t
+
+
+def _reads_units_major(stack: Stack, compiled: bool) -> bool:
+    """Whether the tile MLP's forward runs as compiled code that reads `units_major_columns`:
+    one hidden layer and one output (a fused reduction), traced or compiled eagerly."""
+    one_reduction = stack.genome.depth == 1 and stack.outputs == 1
+    return one_reduction and (compiled or torch.compiler.is_compiling())
 
 
 def _constant(make: Callable[..., Tensors], *args: Hashable) -> Tensors:

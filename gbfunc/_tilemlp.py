@@ -10,10 +10,11 @@ A tile therefore costs two tiny matmuls and ~3H FLOPs per weight, and nothing of
 `torch.compile(fullgraph=True)`. Called eagerly with `compiled=True`, its forward and backward
 bodies run as code compiled once per signature (shapes, dtypes, device, activation), which
 is what makes eager training with large genomes fast; under `torch.func` transforms and
-inside an outer `torch.compile` they run as plain torch code. There, under
-`torch.func.grad`, dynamo drops the recomputing backward and AOTAutograd differentiates the
-forward (pytorch/pytorch#193279, torch 2.13): a compiled-whole step's g-net backward follows
-from how the forward is written. Under `loss.backward()` the recomputing backward runs.
+inside an outer `torch.compile` they run as plain torch code. The recomputing backward runs
+there too, under `loss.backward()` and under `torch.func.grad` alike (checked with a backward
+that returns zeros): dynamo drops a Function's backward under `grad` only where the Function
+is applied to the transformed function's own argument (pytorch/pytorch#193279, torch 2.13),
+and the tile MLP's terms are always computed from the leaves first.
 """
 
 import math
@@ -109,32 +110,30 @@ def reference(terms: Terms, activation: str) -> Tensor:
     return torch.einsum("tiqh,thp->tiqp", h, w_out) + b_out[:, None, None, :]
 
 
-def _forward_no_save(terms: Terms, activation: str) -> Tensor:
+def _forward_no_save(terms: Terms, activation: str, b_t: Tensor | None = None) -> Tensor:
     a, b, c, w_hidden, _, w_out, b_out = terms
     if w_hidden is None and w_out.shape[-1] == 1:
         # One hidden layer, one output: a single fused reduction over H.
         if not torch.compiler.is_compiling():
             h = activate(_first_layer(a, b, c), activation)
             out = (h * w_out[:, None, None, :, 0]).sum(-1)
-        else:
-            out = _one_output(a + c[:, None], b, w_out[..., 0], activation)
+        else:  # without `b_t` (see `tile_mlp`), a transposed view: the same sums, read strided
+            b_t = b.transpose(1, 2) if b_t is None else b_t
+            out = _one_output(a + c[:, None], b_t, w_out[..., 0], activation)
         return out[..., None] + b_out[:, None, None, :]
     return reference(terms, activation)
 
 
-def _one_output(row_terms: Tensor, b: Tensor, w: Tensor, activation: str) -> Tensor:
-    """`(T, TH, Q)` output of one-layer, one-output g-nets, written for inductor: the hidden
-    units `_vectorised_units` counts reduced over H, the others one at a time. Shapes:
-    row_terms `(T, TH, H)` (`a + c`), b `(T, Q, H)`, w `(T, H)`."""
-    split = _vectorised_units(row_terms)
-    out = 0
-    if split:
-        z = row_terms[:, :, None, :split] + b[:, None, :, :split]
-        out = (activate(z, activation) * w[:, None, None, :split]).sum(-1)
-    for unit in range(split, row_terms.shape[-1]):
-        z = row_terms[:, :, unit, None] + b[:, None, :, unit]
-        out = out + activate(z, activation) * w[:, unit, None, None]
-    return out
+def _one_output(row_terms: Tensor, b_t: Tensor, w: Tensor, activation: str) -> Tensor:
+    """`(T, TH, Q)` outputs of one-layer, one-output g-nets, written for inductor, from the
+    row terms `(T, TH, H)` (`a + c`), the column terms laid out units-major, `b_t` `(T, H, Q)`,
+    and `w` `(T, H)`. The sum over the units then runs with the columns as the vector axis, in
+    registers, where with the units innermost each weight ended in a horizontal sum across a
+    register. Forward alone, 256 (64, 64) tiles of 32 units, compiled, one thread (AVX-512):
+    3.8 -> 1.9 ms. `b_t` must be realised in that layout (a matmul's output): a transposed
+    view of `b` is read strided, element by element, and the gain is lost."""
+    z = row_terms[:, :, :, None] + b_t[:, None, :, :]  # (T, TH, H, Q)
+    return (activate(z, activation) * w[:, None, :, None]).sum(2)
 
 
 def _backward_recompute(grad: Tensor, terms: Terms, activation: str) -> Terms:
@@ -265,14 +264,14 @@ def _one_unit_sums(g: Tensor, g_t: Tensor, row_terms: Tensor, b: Tensor, activat
 
 
 def _vectorised_units(row_terms: Tensor) -> int:
-    """How many leading hidden units compiled code reduces over as one vectorised axis: the
-    largest multiple of `_vector_lanes`, and the units left over too where they fill more
-    than half a register. Inductor vectorises a short innermost axis with one partial
-    (masked) vector, about as costly as a full one; units that go one at a time, vectorised
-    along the positions, cost a pass each. Backward alone, 2 threads: the MLP's (512, 784)
-    tile with 4 units 5.5 -> 1.3 ms one at a time (AVX2); 44 (128, 128) tiles on AVX-512
-    (16 lanes), masked against one at a time: 6 units 1.48 against 1.07 ms, 8 units 1.37
-    against 1.64, 12 units 1.73 against 2.98."""
+    """How many leading hidden units the compiled backward (`_fused_reductions`) reduces over
+    as one vectorised axis: the largest multiple of `_vector_lanes`, and the units left over
+    too where they fill more than half a register. Inductor vectorises a short innermost axis
+    with one partial (masked) vector, about as costly as a full one; units that go one at a
+    time, vectorised along the positions, cost a pass each. Backward alone, 2 threads: the
+    MLP's (512, 784) tile with 4 units 5.5 -> 1.3 ms one at a time (AVX2); 44 (128, 128)
+    tiles on AVX-512 (16 lanes), masked against one at a time: 6 units 1.48 against 1.07 ms,
+    8 units 1.37 against 1.64, 12 units 1.73 against 2.98."""
     hidden = row_terms.shape[-1]
     lanes = _vector_lanes(row_terms.dtype, row_terms.device.type)
     left_over = hidden % lanes
@@ -307,6 +306,11 @@ def _compiled_chunks(terms: Terms) -> list[tuple[int, int]]:
     return _chunks(num_tiles, rows * terms.b.shape[1] * hidden, COMPILED_CHUNK_ELEMENTS)
 
 
+def _rows(x: Tensor | None, lo: int, hi: int) -> Tensor | None:
+    """Tiles `lo:hi` of an optional per-tile tensor."""
+    return None if x is None else x[lo:hi]
+
+
 def _joined(parts: list) -> object:
     """One tensor, or one tuple of tensors (None kept), from the results of tile chunks."""
     if len(parts) == 1:
@@ -338,8 +342,8 @@ def _compiled(body: Callable, *args: object) -> object | None:
 
 
 def _forward_body(*inputs) -> Tensor:
-    *flat, activation = inputs
-    return _forward_no_save(Terms(*flat), activation)
+    *flat, b_t, activation = inputs
+    return _forward_no_save(Terms(*flat), activation, b_t)
 
 
 def _backward_body(grad: Tensor, *inputs) -> tuple:
@@ -348,32 +352,38 @@ def _backward_body(grad: Tensor, *inputs) -> tuple:
 
 
 class _TileMLP(torch.autograd.Function):
-    """`reference` with a recomputing backward; its arguments are a flat `Terms`, the
-    activation and whether to run compiled bodies (`autograd.Function` takes tensors one by
-    one)."""
+    """`reference` with a recomputing backward; its arguments are a flat `Terms`, `b_t`
+    (see `tile_mlp`), the activation and whether to run compiled bodies (`autograd.Function`
+    takes tensors one by one)."""
 
     @staticmethod
-    def forward(a, b, c, w_hidden, b_hidden, w_out, b_out, activation, compiled):
+    def forward(a, b, c, w_hidden, b_hidden, w_out, b_out, b_t, activation, compiled):
         # Named, not `*inputs`: dynamo, inlining a Function none of whose inputs requires grad
         # (under vmap, with frozen g-nets), passes `ctx` first unless the arity matches.
         terms = Terms(a, b, c, w_hidden, b_hidden, w_out, b_out)
         if compiled and plain_eager():
             # Detached: autograd records this Function, not what runs inside (no_grad here).
             detached = Terms(*(None if x is None else x.detach() for x in terms))
+            b_t = None if b_t is None else b_t.detach()
             outs = [
-                _compiled(_forward_body, *detached.tiles(lo, hi), activation)
+                _compiled(_forward_body, *detached.tiles(lo, hi), _rows(b_t, lo, hi), activation)
                 for lo, hi in _compiled_chunks(detached)
             ]
             if all(out is not None for out in outs):
                 return _joined(outs)
         num_tiles, rows, hidden = terms.a.shape
         parts = _chunks(num_tiles, rows * terms.b.shape[1] * hidden)
-        return _joined([_forward_no_save(terms.tiles(lo, hi), activation) for lo, hi in parts])
+        return _joined(
+            [
+                _forward_no_save(terms.tiles(lo, hi), activation, _rows(b_t, lo, hi))
+                for lo, hi in parts
+            ]
+        )
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        *flat, activation, compiled = inputs
-        ctx.save_for_backward(*flat[:-1])  # b_out is not needed
+        *flat, _, activation, compiled = inputs
+        ctx.save_for_backward(*flat[:-1])  # b_out is not needed, nor b_t (b holds its values)
         ctx.activation, ctx.compiled = activation, compiled
 
     @staticmethod
@@ -387,14 +397,14 @@ class _TileMLP(torch.autograd.Function):
                 for lo, hi in _compiled_chunks(saved)
             ]
             if all(result is not None for result in results):
-                return (*_joined(results), None, None)
+                return (*_joined(results), None, None, None)
         a, b = terms.a, terms.b
         parts = _chunks(a.shape[0], a.shape[1] * b.shape[1] * a.shape[2])
         results = [
             tuple(_backward_recompute(grad[lo:hi], terms.tiles(lo, hi), ctx.activation))
             for lo, hi in parts
         ]
-        return (*_joined(results), None, None)
+        return (*_joined(results), None, None, None)
 
     @staticmethod
     def vmap(info, in_dims, *inputs):
@@ -413,10 +423,15 @@ class _TileMLP(torch.autograd.Function):
         return out.reshape(size, -1, *out.shape[1:]), 0
 
 
-def tile_mlp(terms: Terms, activation: str, compiled: bool = False) -> Tensor:
+def tile_mlp(
+    terms: Terms, activation: str, compiled: bool = False, b_t: Tensor | None = None
+) -> Tensor:
     """`reference`, with a backward that recomputes instead of saving `(T, TH, Q, H)`.
 
     With `compiled`, plain eager calls run the forward and the backward as code compiled
-    once per signature (the first call of a signature compiles: seconds).
+    once per signature (the first call of a signature compiles: seconds). `b_t`, optional,
+    is `terms.b` laid out units-major, `(T, H, Q)`, computed apart (from the same leaves):
+    compiled code's one-layer, one-output forward reads it instead of `b`. Its gradient is
+    returned through `b` (None for `b_t`), so the two must hold the same values.
     """
-    return _TileMLP.apply(*terms, activation, compiled)
+    return _TileMLP.apply(*terms, b_t, activation, compiled)

@@ -252,3 +252,20 @@ def test_a_rule_splitting_columns_into_non_square_blocks_matches_the_reference()
     gparams = gb.init(plan, dtype=torch.float64)
     got = gb.apply(gparams, plan)["0.weight"]
     torch.testing.assert_close(got, naive_apply(gparams, plan)["0.weight"])
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_units_major_column_terms_are_the_column_terms_laid_out_units_first(share):
+    """What compiled one-output forwards read instead of `b`: the same values, `(T, H, Q)`,
+    contiguous (a matmul's own layout, not a strided view), shared g-nets repeated per tile."""
+    from gbfunc._evaluate import stack_terms, units_major_columns
+
+    plan = gb.plan(nn.Linear(20, 13), tile=(4, 6), share=share, hidden=5)
+    gparams = gb.init(plan, seed=2)
+    (stack,) = plan.stacks
+    leaves = gparams["stacks"][stack.key]
+    b_t = units_major_columns(stack, leaves)
+    want = stack_terms(stack, leaves).b.transpose(1, 2)
+    assert b_t.shape == want.shape == (stack.num_tiles, 5, stack.columns)
+    assert b_t.is_contiguous()
+    torch.testing.assert_close(b_t, want)

@@ -113,12 +113,44 @@ def test_compiled_reductions_equal_the_eager_backward(activation, hidden):
 def test_the_compiled_form_of_the_one_output_forward_equals_the_reference(
     monkeypatch, activation, hidden
 ):
-    """Traced by `torch.compile`, the one-output forward reduces whole vector registers of
-    hidden units and adds the units left over one at a time: the same outputs."""
+    """Traced by `torch.compile` without `b_t`, the one-output forward reads a transposed
+    view of `b` in its place: the same outputs."""
     terms = inputs(3, 5, 7, hidden, 1, 1, seed=4)
     want = reference(terms, activation)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     torch.testing.assert_close(_forward_no_save(terms, activation), want)
+
+
+@pytest.mark.parametrize("hidden", WIDTHS)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_the_one_output_forward_from_units_major_column_terms_equals_the_reference(
+    monkeypatch, activation, hidden
+):
+    """Given `b_t` (the column terms laid out `(T, H, Q)`), the traced one-output forward
+    sums over the units with the columns innermost: the same outputs, ragged shapes too."""
+    terms = inputs(3, 5, 7, hidden, 1, 1, seed=5)
+    want = reference(terms, activation)
+    b_t = terms.b.detach().transpose(1, 2).contiguous()
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    torch.testing.assert_close(_forward_no_save(terms, activation, b_t), want)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_the_gradient_of_units_major_column_terms_arrives_through_b(monkeypatch, activation):
+    """`tile_mlp(..., b_t=...)` returns no gradient for `b_t` and all of it for `b`: with both
+    computed from one leaf, that leaf's gradient is the reference's, once (not twice, not
+    lost), whichever of the two the forward read."""
+    gen = torch.Generator().manual_seed(6)
+    terms = inputs(2, 4, 6, 5, 1, 1, seed=6)
+    codes = torch.randn(6, 3, generator=gen, dtype=torch.float64)
+    w_col = torch.randn(2, 3, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(2, 4, 6, 1, generator=gen, dtype=torch.float64)
+    want = torch.autograd.grad(reference(terms._replace(b=codes @ w_col), activation), w_col, grad)
+    for traced in (False, True):  # the eager chunks ignore b_t; traced code reads it
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda traced=traced: traced)
+        b, b_t = codes @ w_col, w_col.mT @ codes.mT  # (T, Q, H) and (T, H, Q), as `_evaluate`
+        out = tile_mlp(terms._replace(b=b), activation, b_t=b_t)
+        torch.testing.assert_close(torch.autograd.grad(out, w_col, grad), want)
 
 
 def test_compiled_relu_reductions_take_the_derivative_at_zero_as_torch_does():
