@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ._genome import hash_buckets, stack_codes
 from ._plan import TILE_LEAVES, Stack
-from ._tilemlp import Terms, reference, tile_mlp
+from ._tilemlp import Terms, reads_units_major_columns, reference, tile_mlp
 
 Tensors = tuple[Tensor, Tensor]
 Made = TypeVar("Made", Tensor, Tensors)
@@ -51,7 +51,8 @@ def evaluate_stack(
     """
     terms = stack_terms(stack, leaves)
     if recompute:
-        b_t = units_major_columns(stack, leaves) if _reads_units_major(stack, compiled) else None
+        units_major = _reads_units_major(stack, leaves["w_in"], compiled)
+        b_t = units_major_columns(stack, leaves) if units_major else None
         y = tile_mlp(terms, stack.genome.activation, compiled, b_t)  # (T, TH, Q, P)
     else:
         y = reference(terms, stack.genome.activation)
@@ -136,11 +137,13 @@ def units_major_columns(stack: Stack, leaves: Mapping[str, Tensor]) -> Tensor:
     return _per_tile(b_t, stack.tiles_per_gnet) if stack.genome.share else b_t
 
 
-def _reads_units_major(stack: Stack, compiled: bool) -> bool:
+def _reads_units_major(stack: Stack, w_in: Tensor, compiled: bool) -> bool:
     """Whether the tile MLP's forward runs as compiled code that reads `units_major_columns`:
-    one hidden layer and one output (a fused reduction), traced or compiled eagerly."""
+    one hidden layer and one output (a fused reduction), traced or compiled eagerly, on tiles
+    wide enough for it (`reads_units_major_columns`)."""
     one_reduction = stack.genome.depth == 1 and stack.outputs == 1
-    return one_reduction and (compiled or torch.compiler.is_compiling())
+    wide = reads_units_major_columns(stack.columns, w_in.dtype, w_in.device)
+    return one_reduction and wide and (compiled or torch.compiler.is_compiling())
 
 
 def _constant(make: Callable[..., Tensors], *args: Hashable) -> Tensors:

@@ -117,23 +117,41 @@ def _forward_no_save(terms: Terms, activation: str, b_t: Tensor | None = None) -
         if not torch.compiler.is_compiling():
             h = activate(_first_layer(a, b, c), activation)
             out = (h * w_out[:, None, None, :, 0]).sum(-1)
-        else:  # without `b_t` (see `tile_mlp`), a transposed view: the same sums, read strided
-            b_t = b.transpose(1, 2) if b_t is None else b_t
-            out = _one_output(a + c[:, None], b_t, w_out[..., 0], activation)
+        elif b_t is not None:
+            out = _one_output_by_columns(a + c[:, None], b_t, w_out[..., 0], activation)
+        else:
+            out = _one_output_by_units(a + c[:, None], b, w_out[..., 0], activation)
         return out[..., None] + b_out[:, None, None, :]
     return reference(terms, activation)
 
 
-def _one_output(row_terms: Tensor, b_t: Tensor, w: Tensor, activation: str) -> Tensor:
+def _one_output_by_columns(row_terms: Tensor, b_t: Tensor, w: Tensor, activation: str) -> Tensor:
     """`(T, TH, Q)` outputs of one-layer, one-output g-nets, written for inductor, from the
     row terms `(T, TH, H)` (`a + c`), the column terms laid out units-major, `b_t` `(T, H, Q)`,
-    and `w` `(T, H)`. The sum over the units then runs with the columns as the vector axis, in
-    registers, where with the units innermost each weight ended in a horizontal sum across a
+    and `w` `(T, H)`. The sum over the units runs with the columns as the vector axis, in
+    registers, where with the units innermost each weight ends in a horizontal sum across a
     register. Forward alone, 256 (64, 64) tiles of 32 units, compiled, one thread (AVX-512):
-    3.8 -> 1.9 ms. `b_t` must be realised in that layout (a matmul's output): a transposed
-    view of `b` is read strided, element by element, and the gain is lost."""
+    3.8 -> 1.9 ms. Only for at least a vector register of columns: narrower, inductor's code
+    forks threads inside a serial loop (512 (32, 8) tiles, 2 threads: 0.39 -> 14 ms). `b_t`
+    must be realised in that layout (a matmul's output): a transposed view of `b` is read
+    strided, element by element, and the gain is lost."""
     z = row_terms[:, :, :, None] + b_t[:, None, :, :]  # (T, TH, H, Q)
     return (activate(z, activation) * w[:, None, :, None]).sum(2)
+
+
+def _one_output_by_units(row_terms: Tensor, b: Tensor, w: Tensor, activation: str) -> Tensor:
+    """`_one_output_by_columns` from `b` `(T, Q, H)`, for tiles with fewer columns than a
+    vector register holds: the hidden units `_vectorised_units` counts reduced as the vector
+    axis, the others one at a time."""
+    split = _vectorised_units(row_terms)
+    out = 0
+    if split:
+        z = row_terms[:, :, None, :split] + b[:, None, :, :split]
+        out = (activate(z, activation) * w[:, None, None, :split]).sum(-1)
+    for unit in range(split, row_terms.shape[-1]):
+        z = row_terms[:, :, unit, None] + b[:, None, :, unit]
+        out = out + activate(z, activation) * w[:, unit, None, None]
+    return out
 
 
 def _backward_recompute(grad: Tensor, terms: Terms, activation: str) -> Terms:
@@ -263,9 +281,17 @@ def _one_unit_sums(g: Tensor, g_t: Tensor, row_terms: Tensor, b: Tensor, activat
     return rows[..., None], cols[..., None], g_w[..., None]
 
 
+def reads_units_major_columns(columns: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether compiled one-output forwards of tiles with `columns` evaluation columns are
+    faster from units-major column terms (`tile_mlp`'s `b_t`): where the columns fill at
+    least one vector register (`_one_output_by_columns`)."""
+    return columns >= _vector_lanes(dtype, torch.device(device).type)
+
+
 def _vectorised_units(row_terms: Tensor) -> int:
-    """How many leading hidden units the compiled backward (`_fused_reductions`) reduces over
-    as one vectorised axis: the largest multiple of `_vector_lanes`, and the units left over
+    """How many leading hidden units the compiled backward (`_fused_reductions`), and the
+    forward of narrow tiles (`_one_output_by_units`), reduce over as one vectorised axis: the
+    largest multiple of `_vector_lanes`, and the units left over
     too where they fill more than half a register. Inductor vectorises a short innermost axis
     with one partial (masked) vector, about as costly as a full one; units that go one at a
     time, vectorised along the positions, cost a pass each. Backward alone, 2 threads: the
@@ -431,7 +457,8 @@ def tile_mlp(
     With `compiled`, plain eager calls run the forward and the backward as code compiled
     once per signature (the first call of a signature compiles: seconds). `b_t`, optional,
     is `terms.b` laid out units-major, `(T, H, Q)`, computed apart (from the same leaves):
-    compiled code's one-layer, one-output forward reads it instead of `b`. Its gradient is
+    compiled code's one-layer, one-output forward reads it instead of `b` (pass it where
+    `reads_units_major_columns`). Its gradient is
     returned through `b` (None for `b_t`), so the two must hold the same values.
     """
     return _TileMLP.apply(*terms, b_t, activation, compiled)

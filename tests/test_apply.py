@@ -269,3 +269,35 @@ def test_units_major_column_terms_are_the_column_terms_laid_out_units_first(shar
     assert b_t.shape == want.shape == (stack.num_tiles, 5, stack.columns)
     assert b_t.is_contiguous()
     torch.testing.assert_close(b_t, want)
+
+
+def test_units_major_column_terms_go_only_to_compiled_one_output_forwards_of_wide_tiles():
+    """Compiled one-output forwards read `b_t` where a tile's columns fill a vector register;
+    narrower (inductor forks threads inside a serial loop there), deeper or multi-output
+    g-nets, and uncompiled eager code, get none."""
+    from gbfunc._evaluate import _reads_units_major
+    from gbfunc._tilemlp import _vector_lanes, reads_units_major_columns
+
+    lanes = _vector_lanes(torch.float32, "cpu")
+    assert reads_units_major_columns(lanes, torch.float32, torch.device("cpu"))
+    assert not reads_units_major_columns(lanes - 1, torch.float32, torch.device("cpu"))
+    assert reads_units_major_columns(1, torch.float32, torch.device("meta"))  # no vector ISA
+    model = nn.Linear(2 * lanes, 2 * lanes)
+    wide, narrow, deep, outputs = (
+        gb.plan(model, tile=tile, **kwargs)
+        for tile, kwargs in [
+            ((lanes, lanes), {}),
+            ((lanes, lanes - 1), {}),
+            ((lanes, lanes), {"depth": 2}),
+            ((lanes, 2 * lanes), {"outputs": 2}),
+        ]
+    )
+
+    def reads(plan, compiled):
+        (stack,) = plan.stacks
+        w_in = gb.init(plan)["stacks"][stack.key]["w_in"]
+        return _reads_units_major(stack, w_in, compiled)
+
+    assert reads(wide, True)
+    assert not reads(wide, False)
+    assert not any(reads(plan, True) for plan in (narrow, deep, outputs))

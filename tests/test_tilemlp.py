@@ -113,8 +113,9 @@ def test_compiled_reductions_equal_the_eager_backward(activation, hidden):
 def test_the_compiled_form_of_the_one_output_forward_equals_the_reference(
     monkeypatch, activation, hidden
 ):
-    """Traced by `torch.compile` without `b_t`, the one-output forward reads a transposed
-    view of `b` in its place: the same outputs."""
+    """Traced by `torch.compile` without `b_t` (tiles narrower than a vector register), the
+    one-output forward reduces whole vector registers of hidden units and adds the units left
+    over one at a time: the same outputs."""
     terms = inputs(3, 5, 7, hidden, 1, 1, seed=4)
     want = reference(terms, activation)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
