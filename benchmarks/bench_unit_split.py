@@ -2,8 +2,8 @@
 
 The compiled backward of one-layer, one-output g-nets (`gbfunc._tilemlp._fused_reductions`)
 reduces over the hidden units that `_vectorised_units` counts as one vectorised axis, and
-over the others one unit at a time (the forward sums over the units with the columns as the
-vector axis instead, `_one_output`).
+over the others one unit at a time; so does the forward of tiles narrower than a vector
+register (`_one_output_by_units`; wider tiles sum with the columns as the vector axis).
 This times the backward three ways, interleaved: every unit vectorised (inductor pads a short
 axis into one masked vector), whole registers vectorised and the rest one at a time, and
 gbfunc's rule (the rest as a masked vector where it fills more than half a register).

@@ -301,3 +301,31 @@ def test_units_major_column_terms_go_only_to_compiled_one_output_forwards_of_wid
     assert reads(wide, True)
     assert not reads(wide, False)
     assert not any(reads(plan, True) for plan in (narrow, deep, outputs))
+
+
+def test_traced_one_output_forwards_of_wide_tiles_read_the_units_major_column_terms(
+    monkeypatch,
+):
+    """What `torch.compile` traces: `evaluate_stack` hands `units_major_columns` to the tile
+    MLP, whose forward sums from them (`_one_output_by_columns`); the weights are unchanged."""
+    from gbfunc import _tilemlp
+    from gbfunc._evaluate import evaluate_stack, units_major_columns
+
+    lanes = _tilemlp._vector_lanes(torch.float32, "cpu")
+    plan = gb.plan(nn.Linear(2 * lanes, 3 * lanes), tile=(lanes, lanes), hidden=5)
+    (stack,) = plan.stacks
+    leaves = gb.init(plan, seed=4)["stacks"][stack.key]
+    want = evaluate_stack(stack, leaves)
+    read = []
+    by_columns = _tilemlp._one_output_by_columns
+
+    def spy(row_terms, b_t, w, activation):
+        read.append(b_t)
+        return by_columns(row_terms, b_t, w, activation)
+
+    monkeypatch.setattr(_tilemlp, "_one_output_by_columns", spy)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    got = evaluate_stack(stack, leaves)
+    assert len(read) == 1
+    torch.testing.assert_close(read[0], units_major_columns(stack, leaves))
+    torch.testing.assert_close(got, want)
