@@ -1,5 +1,7 @@
 """The recomputing tile MLP against its autograd specification."""
 
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import example, given, strategies as st
@@ -134,6 +136,27 @@ def test_the_one_output_forward_from_units_major_column_terms_equals_the_referen
     b_t = terms.b.detach().transpose(1, 2).contiguous()
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     torch.testing.assert_close(_forward_no_save(terms, activation, b_t), want)
+
+
+@given(
+    tiles=st.integers(1, 3),
+    rows=st.integers(1, 6),
+    cols=st.integers(1, 2 * LANES + 1),
+    hidden=st.integers(1, 2 * LANES + 1),
+    activation=st.sampled_from(ACTIVATIONS),
+    units_major=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_both_traced_one_output_forms_equal_the_reference_on_any_shape(
+    tiles, rows, cols, hidden, activation, units_major, seed
+):
+    """The traced one-output forward, from units-major column terms or from `b`, on shapes
+    that fill vector registers or leave ragged ends in both the columns and the units."""
+    terms = inputs(tiles, rows, cols, hidden, 1, 1, seed)
+    b_t = terms.b.detach().transpose(1, 2).contiguous() if units_major else None
+    with mock.patch.object(torch.compiler, "is_compiling", return_value=True):
+        got = _forward_no_save(terms, activation, b_t)
+    torch.testing.assert_close(got, reference(terms, activation))
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
