@@ -291,13 +291,13 @@ def reads_units_major_columns(columns: int, dtype: torch.dtype, device: torch.de
 def _vectorised_units(row_terms: Tensor) -> int:
     """How many leading hidden units the compiled backward (`_fused_reductions`), and the
     forward of narrow tiles (`_one_output_by_units`), reduce over as one vectorised axis: the
-    largest multiple of `_vector_lanes`, and the units left over
-    too where they fill more than half a register. Inductor vectorises a short innermost axis
-    with one partial (masked) vector, about as costly as a full one; units that go one at a
-    time, vectorised along the positions, cost a pass each. Backward alone, 2 threads: the
-    MLP's (512, 784) tile with 4 units 5.5 -> 1.3 ms one at a time (AVX2); 44 (128, 128)
-    tiles on AVX-512 (16 lanes), masked against one at a time: 6 units 1.48 against 1.07 ms,
-    8 units 1.37 against 1.64, 12 units 1.73 against 2.98."""
+    largest multiple of `_vector_lanes`, and the units left over too where they fill more
+    than half a register. Inductor vectorises a short innermost axis with one partial
+    (masked) vector, about as costly as a full one; units that go one at a time, vectorised
+    along the positions, cost a pass each. Backward alone, 2 threads: the MLP's (512, 784)
+    tile with 4 units 5.5 -> 1.3 ms one at a time (AVX2); 44 (128, 128) tiles on AVX-512
+    (16 lanes), masked against one at a time: 6 units 1.48 against 1.07 ms, 8 units 1.37
+    against 1.64, 12 units 1.73 against 2.98."""
     hidden = row_terms.shape[-1]
     lanes = _vector_lanes(row_terms.dtype, row_terms.device.type)
     left_over = hidden % lanes
