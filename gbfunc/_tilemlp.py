@@ -55,7 +55,7 @@ class Terms(NamedTuple):
 
     def tiles(self, lo: int, hi: int) -> "Terms":
         """The terms of tiles `lo:hi` (the first axis)."""
-        return Terms(*(None if x is None else x[lo:hi] for x in self))
+        return Terms(*(_rows(x, lo, hi) for x in self))
 
 
 def activate(z: Tensor, activation: str) -> Tensor:
@@ -458,7 +458,7 @@ def tile_mlp(
     once per signature (the first call of a signature compiles: seconds). `b_t`, optional,
     is `terms.b` laid out units-major, `(T, H, Q)`, computed apart (from the same leaves):
     compiled code's one-layer, one-output forward reads it instead of `b` (pass it where
-    `reads_units_major_columns`). Its gradient is
-    returned through `b` (None for `b_t`), so the two must hold the same values.
+    `reads_units_major_columns`). Its gradient is returned through `b` (None for `b_t`), so
+    the two must hold the same values.
     """
     return _TileMLP.apply(*terms, b_t, activation, compiled)
