@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ._evaluate import compiles_eagerly, evaluate_tiles
 from ._plan import Free, Generated, Plan, Stack
+from ._realised import realised
 from ._tree import GParams
 
 Region = tuple[tuple[int, int], ...]  # [start, stop) along every dim of a parameter
@@ -222,7 +223,7 @@ class Selection:
         return parameters(
             self._params.values(),
             gparams,
-            lambda p: self._join(p, lambda k, region: self._lay_out(p, k, region, tiles)),
+            lambda p: realised(self._join(p, lambda k, region: self._lay_out(p, k, region, tiles))),
             self._cut if self._views else None,
         )
 

@@ -224,6 +224,58 @@ def test_compiled_hashed_genome_reads_its_hash_and_sums_back_without_atomic_scat
     assert not {"aten.index_put.default", "aten.index_add.default"} & aten_ops
 
 
+@pytest.mark.slow
+def test_compiled_graphs_compute_every_generated_parameter_into_a_buffer_of_its_own():
+    """Traced, a generated embedding table is a chain of pointwise ops; inlined into the
+    lookup, inductor stored the lookup's activation-sized result instead of recomputing it
+    (the main job's transformer, compiled step: 2.8 MiB above the plain model's peak, 0.9
+    with the tables realised). Every generated parameter passes through inductor's
+    `force_stride_order`, gradients unchanged; eager code never does."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from gbfunc._realised import realised
+
+    model = nn.Sequential(nn.Embedding(11, 8), nn.Flatten(), nn.Linear(24, 5))
+    plan = gb.plan(model, tile=(4, 4), embeddings=True, hashed=3)
+    gparams = gb.init(plan, requires_grad=False)
+    idx, y = torch.randint(0, 11, (6, 3)), torch.randint(0, 5, (6,))
+    forward_graphs = []
+
+    def recording(gm, example_inputs):
+        forward_graphs.append(gm)
+        return gm.forward
+
+    loss = loss_fn(model, plan)
+    backend = aot_autograd(fw_compiler=recording)
+    compiled = torch.compile(grad(loss), backend=backend, fullgraph=True)(gparams, idx, y)
+    targets = [str(node.target) for gm in forward_graphs for node in gm.graph.nodes]
+    assert targets.count("prims.inductor_force_stride_order.default") == len(plan.generated)
+    for a, b in zip(tree_leaves(compiled), tree_leaves(grad(loss)(gparams, idx, y)), strict=True):
+        torch.testing.assert_close(a, b)
+    weight = torch.randn(3, 4)
+    assert realised(weight) is weight
+
+
+def test_exported_generation_holds_only_standard_ops():
+    """`torch.export` traces `gb.apply` as compiling, but an exported graph is for other
+    runtimes: inductor's prim that realises generated parameters stays out of it."""
+    model = nn.Sequential(nn.Embedding(11, 8), nn.Flatten(), nn.Linear(24, 5))
+    plan = gb.plan(model, tile=(4, 4), embeddings=True)
+
+    class Generated(nn.Module):
+        def forward(self, idx, gparams):
+            return functional_call(model, gb.apply(gparams, plan), (idx,))
+
+    idx, gparams = torch.randint(0, 11, (6, 3)), gb.init(plan, requires_grad=False)
+    exported = torch.export.export(Generated(), (idx, gparams))
+    targets = [str(node.target) for node in exported.graph.nodes]
+    assert targets
+    assert not any("prims." in t for t in targets)
+    torch.testing.assert_close(
+        exported.module()(idx, gparams), Generated()(idx, gparams), rtol=1e-6, atol=1e-6
+    )
+
+
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 def test_functional_adamw_matches_torch_optim_adamw(weight_decay):
     """gb.optim.adamw_update is torch.optim.AdamW on the same tensors, step for step."""
