@@ -92,6 +92,15 @@ def _first_layer(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
     return (a + c[:, None])[:, :, None, :] + b[:, None, :, :]  # (T, TH, Q, H)
 
 
+def _first_layer_again(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
+    """`_first_layer` for the backward, bitwise equal (the last addition's operands swapped,
+    which IEEE addition ignores) but not the same traced op. A graph that holds forward and
+    backward together (AOTAutograd's) would otherwise merge the two as one common
+    subexpression and keep the forward's `(T, TH, Q, H)` alive for the backward, instead of
+    recomputing it there from the small terms."""
+    return b[:, None, :, :] + (a + c[:, None])[:, :, None, :]
+
+
 def reference(terms: Terms, activation: str) -> Tensor:
     """Outputs of every g-net of a stack at every position of its tile.
 
@@ -161,7 +170,7 @@ def _backward_recompute(grad: Tensor, terms: Terms, activation: str) -> Terms:
     if w_hidden is None and w_out.shape[-1] == 1 and compiling:
         g_a, g_b, g_w_out = _fused_reductions(grad[..., 0], a, b, c, w_out[..., 0], activation)
         return Terms(g_a, g_b, g_a.sum(1), None, None, g_w_out[..., None], grad.sum((1, 2)))
-    z = _first_layer(a, b, c)  # (T, TH, Q, H), one chunk at a time in eager mode
+    z = _first_layer_again(a, b, c)  # (T, TH, Q, H), one chunk at a time in eager mode
     if w_hidden is None and w_out.shape[-1] == 1:
         num_tiles, hidden = a.shape[0], a.shape[-1]
         h = activate(z, activation).reshape(num_tiles, -1, hidden)  # (T, TH*Q, H)
