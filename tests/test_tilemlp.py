@@ -269,6 +269,7 @@ def test_eager_evaluation_is_chunked_to_the_chunk_size_and_compiled_left_whole(m
     assert _chunks(5, 2 * CHUNK_ELEMENTS) == [(0, 5)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("depth", [1, 2])
 def test_a_partitioned_compiled_graph_recomputes_the_hidden_activations_instead_of_saving_them(
     depth,
