@@ -22,9 +22,10 @@ def realised(weight: Tensor) -> Tensor:
 
 
 class _Realised(torch.autograd.Function):
-    """The identity, with inductor's `force_stride_order` forward: its lowering realises the
-    input (a no-op copy for a tensor already in those strides, which every buffer is).
-    The prim has no autograd formula or batching rule of its own; this gives it both."""
+    """The identity, with inductor's `force_stride_order` forward, given the tensor's own
+    strides: inductor's lowering computes the tensor into a buffer; run op by op (other
+    backends) it returns the tensor itself. The prim has no autograd formula or batching
+    rule of its own; this gives it both."""
 
     @staticmethod
     def forward(weight: Tensor) -> Tensor:
