@@ -58,6 +58,7 @@ def main() -> None:
         opt.zero_grad()
         if last and mesh.get_local_rank("dp") == 0 and step % 10 == 0:
             print(f"step {step:4d}  loss {torch.stack(losses).mean().item():.4f}", flush=True)
+    dist.barrier()  # every rank done before any tears down (see launch.train)
     dist.destroy_process_group()
 
 
