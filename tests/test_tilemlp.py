@@ -284,7 +284,8 @@ def test_a_partitioned_compiled_graph_recomputes_the_hidden_activations_instead_
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     terms = inputs(tiles=3, rows=4, cols=5, hidden=6, depth=depth, outputs=2, seed=0)
-    hidden_size = 3 * 4 * 5 * 6
+    (tiles, rows, hidden), cols = terms.a.shape, terms.b.shape[1]
+    hidden_size = tiles * rows * cols * hidden  # (T, TH, Q, H)
     saved_sizes = []
 
     def forward_compiler(gm, example_inputs):
