@@ -1,5 +1,6 @@
-"""Generated parameters as buffers of their own in graphs traced by `torch.compile`.
+"""Tensors as buffers of their own in graphs traced by `torch.compile`.
 
+Generated parameters (`realised`):
 Traced, a generated parameter is a chain of pointwise ops (layout, hashed values, scale) on
 the g-nets' output. A matmul reads it from a buffer, so inductor computes it into one; a
 pointwise consumer, an embedding lookup, would inline the whole chain, and inductor then
@@ -11,12 +12,13 @@ model's; 74.2 MiB with the parameters realised.
 
 import torch
 from torch import Tensor
+from torch._prims_common import make_contiguous_strides_for
 
 
 def realised(weight: Tensor) -> Tensor:
     """`weight`, computed into a buffer of its own where a graph is being compiled (not
     exported: an exported graph keeps only standard ops); itself otherwise."""
-    if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+    if compiling_a_buffer():
         return _Realised.apply(weight)
     return weight
 
@@ -48,3 +50,20 @@ class _Realised(torch.autograd.Function):
     @staticmethod
     def vmap(info, in_dims, weight: Tensor) -> tuple[Tensor, int | None]:
         return _Realised.apply(weight), in_dims[0]
+
+
+def contiguous_buffer(x: Tensor) -> Tensor:
+    """`x.contiguous()`, and in a graph being compiled without gradients (a Function's
+    forward or backward), a buffer of that layout: inductor otherwise inlines the copy into
+    each consumer, which then reads `x` in its old layout."""
+    if compiling_a_buffer() and not torch.is_grad_enabled():
+        from torch._inductor import inductor_prims  # noqa: F401 (registers the prim)
+
+        return torch.ops.prims.inductor_force_stride_order(x, make_contiguous_strides_for(x.shape))
+    return x.contiguous()
+
+
+def compiling_a_buffer() -> bool:
+    """Compiling (inductor's prims apply), not exporting (an exported graph keeps only
+    standard ops)."""
+    return torch.compiler.is_compiling() and not torch.compiler.is_exporting()
