@@ -71,6 +71,37 @@ def test_outputs_and_every_gradient_match_the_reference(
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=name)
 
 
+@given(
+    tiles=st.integers(1, 3),
+    rows=st.integers(1, 6),
+    cols=st.integers(1, 5),
+    hidden=st.sampled_from([1, 3, 32, 33]),  # around the unrolled forward's 32 units
+    depth=st.integers(1, 2),
+    outputs=st.sampled_from([2, 16, 17]),  # and around its 16 outputs
+    activation=st.sampled_from(ACTIVATIONS),
+    seed=st.integers(0, 2**16),
+)
+def test_the_compiled_forms_of_several_outputs_or_layers_equal_the_reference(
+    tiles, rows, cols, hidden, depth, outputs, activation, seed
+):
+    """What traced graphs run for several outputs or hidden layers (units-major matmuls, or
+    the unrolled sum over the units; terms forced into buffers, as inside a Function), run
+    op by op: the reference's outputs and gradients, ragged shapes too."""
+    terms = inputs(tiles, rows, cols, hidden, depth, outputs, seed)
+    spec = reference(terms, activation)
+    grad = torch.randn(spec.shape, generator=torch.Generator().manual_seed(seed), dtype=spec.dtype)
+    present = [x for x in terms if x is not None]
+    want = torch.autograd.grad(spec, present, grad)
+    detached = Terms(*(None if x is None else x.detach() for x in terms))
+    with mock.patch.object(torch.compiler, "is_compiling", return_value=True), torch.no_grad():
+        out = _forward_no_save(detached, activation)
+        got = [g for g in _backward_recompute(grad, detached, activation) if g is not None]
+    torch.testing.assert_close(out, spec)
+    names = [n for n, x in terms._asdict().items() if x is not None]
+    for name, g, w in zip(names, got, want, strict=True):
+        torch.testing.assert_close(g, w, msg=name)
+
+
 # Hidden widths around the vector registers' (float64 lanes on this CPU, at least 4 on
 # x86-64 with AVX2): one unit, whole registers, whole registers and one unit left over (which
 # goes alone), one unit short of two registers (the units left over go as a masked vector).
