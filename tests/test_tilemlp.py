@@ -102,6 +102,48 @@ def test_the_compiled_forms_of_several_outputs_or_layers_equal_the_reference(
         torch.testing.assert_close(g, w, msg=name)
 
 
+@pytest.mark.parametrize(
+    ("hidden", "depth", "outputs", "unrolled"),
+    [(32, 1, 16, True), (33, 1, 16, False), (6, 1, 17, False), (6, 1, 2, True), (6, 2, 2, False)],
+)
+def test_traced_forwards_unroll_one_layer_of_at_most_16_outputs_and_32_units(
+    hidden, depth, outputs, unrolled
+):
+    """The rule `_unrolls` states, read from the outputs' axis of `w_out` `(T, H, P)`."""
+    import gbfunc._tilemlp as tilemlp
+
+    terms = inputs(2, 3, 2, hidden, depth, outputs, seed=0)
+    calls = []
+    real = tilemlp._one_layer_unrolled
+
+    def spy(*args):
+        calls.append(args)
+        return real(*args)
+
+    with (
+        mock.patch.object(torch.compiler, "is_compiling", return_value=True),
+        mock.patch.object(tilemlp, "_one_layer_unrolled", spy),
+    ):
+        out = _forward_no_save(terms, "relu")
+    assert bool(calls) == unrolled
+    torch.testing.assert_close(out, reference(terms, "relu"))
+
+
+def test_a_nan_in_one_tiles_gradient_leaves_the_other_tiles_gradients_exact():
+    """The backward's ordering dependency on the incoming gradient (`_after`) adds an exact
+    zero whatever the gradient holds: a NaN at its first element stays in the first tile."""
+    terms = inputs(3, 4, 2, 5, 1, 3, seed=2)
+    grad = torch.randn(3, 4, 2, 3, dtype=torch.float64)
+    grad[0, 0, 0, 0] = float("nan")
+    present = [x for x in terms if x is not None]
+    got = torch.autograd.grad(tile_mlp(terms, "relu"), present, grad)
+    want = torch.autograd.grad(reference(terms, "relu"), present, grad)
+    names = [n for n, x in terms._asdict().items() if x is not None]
+    for name, g, w in zip(names, got, want, strict=True):
+        torch.testing.assert_close(g[1:], w[1:], msg=name)
+        assert g[0].isnan().any(), name
+
+
 # Hidden widths around the vector registers' (float64 lanes on this CPU, at least 4 on
 # x86-64 with AVX2): one unit, whole registers, whole registers and one unit left over (which
 # goes alone), one unit short of two registers (the units left over go as a masked vector).
