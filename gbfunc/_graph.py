@@ -8,8 +8,9 @@ inside runs as it does under an outer `torch.compile`. Measured on the MLP 784-5
 (2 threads, AVX2): row g-nets 1.5-1.7x the plain eager step -> 1.2-1.3x; torchGB's genome at
 `compression=10` 2.4-2.7x -> 2.1-2.3x.
 
-A graph holds a stack's transient `(T, TH, Q, H)` whole. Where that is a matmul operand
-(several outputs or hidden layers) and larger than `COMPILED_CHUNK_ELEMENTS`, the stacks run
+A graph holds a stack's hidden activations (`T * TH * Q * H` elements) whole. Where they are
+matmul operands (several outputs or hidden layers: the backward, and the forward of more than
+16 outputs or of hidden layers) and larger than `COMPILED_CHUNK_ELEMENTS`, the stacks run
 through the tile MLP's compiled bodies instead, in chunks (`gbfunc._tilemlp`), which bounds
 the step's peak memory. The graph's backward cannot be differentiated again: double backward
 (`create_graph=True`) needs `gb.apply(..., compile=False)`.

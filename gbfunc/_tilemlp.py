@@ -3,7 +3,9 @@
 The first layer is separable: for tile `t`, row `i` and evaluation column `q`,
 `z[t, i, q] = a[t, i] + b[t, q] + c[t]` with `a = row_code @ w_in[:R]`, `b = col_code @ w_in[R:]`.
 A tile therefore costs two tiny matmuls and ~3H FLOPs per weight, and nothing of size
-`(T, TH, Q, H)` has to be saved: the backward recomputes it (FlashAttention-style).
+`(T, TH, Q, H)` has to be saved: the backward recomputes it (FlashAttention-style). With
+several outputs or hidden layers the activations are laid out units-major, `(T, H, Q * TH)`,
+so that every matmul has the tile's positions as its long axis (`_forward_units_major`).
 
 `reference` is the specification (plain autograd). `tile_mlp` is the same function as an
 `autograd.Function` whose backward recomputes; it composes with `grad`, `vmap` and
