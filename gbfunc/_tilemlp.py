@@ -193,7 +193,7 @@ def _first_layer_units_major_again(a: Tensor, b: Tensor, c: Tensor, grad: Tensor
     `(T, H, Q * TH)` result until the backward: the main job's transformer with its tiled
     plan, compiled step, 1.5 MiB above the plain model's peak."""
     row_terms, col_terms = _units_major_terms(a, b, c)
-    return _after(col_terms, grad)[..., None] + row_terms[:, :, None, :]
+    return row_terms[:, :, None, :] + _after(col_terms, grad)[..., None]
 
 
 def _after(x: Tensor, anchor: Tensor) -> Tensor:
