@@ -351,3 +351,34 @@ def test_bench_step_ratios_are_per_round_so_that_the_machines_drift_cancels():
     assert timing.ratio == 1.5  # rounds' ratios 1.5, 1.5, 1.5, 1.5, 1.8
     assert timing.quartiles == "1.50-1.65"
     assert Timing.of([6.0, 6.0, 6.0, 3.0, 3.0], plain).ratio == 1.5  # medians: 6.0 / 2.0 = 3.0
+
+
+def test_step_budget_takes_the_steps_excess_over_its_target_off_the_generation():
+    from benchmarks.step_budget import generation_budget, sgemm_gflops
+
+    # A 6 ms step on a 4 ms plain step (1.5x), its generation 2.5 ms: 1.25x needs 1 ms less.
+    assert generation_budget(2.5, 1.5, 1.25, 4.0) == pytest.approx(1.5)
+    assert generation_budget(2.5, 1.5, 1.5, 4.0) == pytest.approx(2.5)  # on target already
+    assert generation_budget(0.5, 2.0, 1.0, 4.0) < 0  # the rest of the step alone is over
+    assert sgemm_gflops(2 * 1024**3 / 1e9 * 1e3 / 100) == pytest.approx(100)  # 100 GFLOP/s
+
+
+def test_step_budget_generation_pass_leaves_the_gradients_of_its_linear_loss():
+    from torch import nn
+
+    import gbfunc as gb
+    from benchmarks.step_budget import generation_steps
+
+    torch.manual_seed(0)
+    plan = gb.plan(nn.Sequential(nn.Linear(20, 12), nn.ReLU(), nn.Linear(12, 3)), tile=(8, 8))
+    gparams = gb.init(plan)
+    cotangents = {p.name: torch.randn(p.shape) for p in plan.generated}
+    eager, _ = generation_steps(plan, gparams, cotangents)
+    eager()
+    eager()  # gradients are reset between calls, not accumulated
+    fresh = gb.init(plan)
+    params = gb.apply(fresh, plan)
+    sum((params[n] * g).sum() for n, g in cotangents.items()).backward()
+    for key, leaves in fresh["stacks"].items():
+        for name, leaf in leaves.items():
+            torch.testing.assert_close(gparams["stacks"][key][name].grad, leaf.grad)
