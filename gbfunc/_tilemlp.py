@@ -167,14 +167,26 @@ def _unrolls(hidden: int, outputs: int) -> bool:
 def _one_layer_unrolled(terms: Terms, activation: str) -> Tensor:
     """`_forward_units_major` of one hidden layer as one pointwise sum over the units: inductor
     computes each output from the row and column terms in registers, without the hidden
-    activations or the matmul's output in memory, and can fuse the tiles' layout after it."""
+    activations or the matmul's output in memory, and can fuse the tiles' layout after it.
+
+    The sum runs over one spare tile of zeros, dropped after: inductor stores it (it is too
+    long a chain to inline into the layout) and, compiling a training step as one graph, kept
+    that buffer past its last read to reuse it for the backward's tile gradient, which has the
+    same size, across the step's peak (the main job's transformer: 1.5 MiB). With the spare
+    tile the sizes differ, and the buffer is freed after its last read."""
     a, b, c, _, _, w_out, b_out = terms
     row_terms, col_terms = _units_major_terms(a, b, c)  # (T, H, TH), (T, H, Q)
+    row_terms, col_terms, w_out, b_out = map(_spare_tile, (row_terms, col_terms, w_out, b_out))
     out = b_out[:, :, None, None]
     for unit in range(a.shape[-1]):
         h = activate(row_terms[:, unit, None, :] + col_terms[:, unit, :, None], activation)
         out = out + w_out[:, unit, :, None, None] * h[:, None]  # (T, P, Q, TH)
-    return out.permute(0, 3, 2, 1)
+    return out[: a.shape[0]].permute(0, 3, 2, 1)
+
+
+def _spare_tile(x: Tensor) -> Tensor:
+    """`x` with one more tile (its first axis) of zeros."""
+    return F.pad(x, (0, 0) * (x.dim() - 1) + (0, 1))
 
 
 def _first_layer_units_major(a: Tensor, b: Tensor, c: Tensor) -> Tensor:

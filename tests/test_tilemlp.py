@@ -434,8 +434,8 @@ def test_a_compiled_forward_of_few_outputs_holds_neither_hidden_activations_nor_
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
 
-    terms = inputs(tiles=3, rows=8, cols=4, hidden=6, depth=1, outputs=5, seed=0)
-    hidden_size = 3 * 6 * 8 * 4  # (T, H, Q * TH)
+    terms = inputs(tiles=3, rows=8, cols=4, hidden=8, depth=1, outputs=5, seed=0)
+    hidden_size = 3 * 8 * 8 * 4  # (T, H, Q * TH); the sum, with its spare tile: 4 * 5 * 4 * 8
     forward_nodes = []
 
     def record_forward(gm, example_inputs):
@@ -449,6 +449,36 @@ def test_a_compiled_forward_of_few_outputs_holds_neither_hidden_activations_nor_
     assert forward_nodes
     assert torch.ops.aten.bmm.default not in {n.target for n in forward_nodes}
     assert max(n.meta["val"].numel() for n in forward_nodes) < hidden_size
+    torch.testing.assert_close(out, reference(terms, "relu"))
+
+
+@pytest.mark.slow
+def test_the_compiled_sum_over_units_has_a_size_no_tile_gradient_shares():
+    """The unrolled forward's sum, which inductor stores, runs over a spare tile: a training
+    step compiled as one graph kept the stored sum past its last read to reuse it for the
+    backward's tile gradient of the same size, across the step's peak. Every tensor of the
+    sum's size in the forward graph is the sum's; none has the tiles' `T * TH * Q * P`."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    tiles, rows, cols, outputs = 3, 8, 4, 5
+    terms = inputs(tiles=tiles, rows=rows, cols=cols, hidden=8, depth=1, outputs=outputs, seed=0)
+    shapes = []
+
+    def record_forward(gm, example_inputs):
+        shapes.extend(
+            tuple(n.meta["val"].shape)
+            for n in gm.graph.nodes
+            if isinstance(n.meta.get("val"), torch.Tensor)
+            and n.op == "call_function"
+            and not n.target.is_view  # a view is no buffer of its own
+        )
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=record_forward)
+    out = torch.compile(lambda *flat: tile_mlp(Terms(*flat), "relu"), backend=backend)(*terms)
+    assert (tiles + 1, outputs, cols, rows) in shapes  # (T + 1, P, Q, TH): with the spare tile
+    assert (tiles, outputs, cols, rows) not in shapes
     torch.testing.assert_close(out, reference(terms, "relu"))
 
 
