@@ -169,24 +169,35 @@ def _one_layer_unrolled(terms: Terms, activation: str) -> Tensor:
     computes each output from the row and column terms in registers, without the hidden
     activations or the matmul's output in memory, and can fuse the tiles' layout after it.
 
-    The sum runs over one spare tile of zeros, dropped after: inductor stores it (it is too
-    long a chain to inline into the layout) and, compiling a training step as one graph, kept
-    that buffer past its last read to reuse it for the backward's tile gradient, which has the
-    same size, across the step's peak (the main job's transformer: 1.5 MiB). With the spare
-    tile the sizes differ, and the buffer is freed after its last read."""
+    The sum runs over a spare tile, output or column of zeros (the longest of those axes),
+    dropped after: inductor stores the sum, too long a chain to inline into the layout, and,
+    compiling a training step as one graph, kept that buffer past its last read to reuse it
+    for the backward's tile gradient, which has the same size, across the step's peak (the
+    main job's transformer: 1.5 MiB). With the spare slot the sizes differ, and the buffer is
+    freed after its last read. (The one-output forward's sum was left as it is: padded the
+    same way, some compiled peaks fell and others rose, by up to 1.5 MiB either way.)"""
     a, b, c, _, _, w_out, b_out = terms
     row_terms, col_terms = _units_major_terms(a, b, c)  # (T, H, TH), (T, H, Q)
-    row_terms, col_terms, w_out, b_out = map(_spare_tile, (row_terms, col_terms, w_out, b_out))
+    num_tiles, outputs, cols = a.shape[0], w_out.shape[-1], b.shape[1]
+    longest = max(num_tiles, outputs, cols)
+    if longest == num_tiles:
+        row_terms, col_terms, w_out, b_out = (
+            _padded(x, 0) for x in (row_terms, col_terms, w_out, b_out)
+        )
+    elif longest == outputs:
+        w_out, b_out = _padded(w_out, 2), _padded(b_out, 1)
+    else:
+        col_terms = _padded(col_terms, 2)
     out = b_out[:, :, None, None]
     for unit in range(a.shape[-1]):
         h = activate(row_terms[:, unit, None, :] + col_terms[:, unit, :, None], activation)
         out = out + w_out[:, unit, :, None, None] * h[:, None]  # (T, P, Q, TH)
-    return out[: a.shape[0]].permute(0, 3, 2, 1)
+    return out[:num_tiles, :outputs, :cols].permute(0, 3, 2, 1)
 
 
-def _spare_tile(x: Tensor) -> Tensor:
-    """`x` with one more tile (its first axis) of zeros."""
-    return F.pad(x, (0, 0) * (x.dim() - 1) + (0, 1))
+def _padded(x: Tensor, axis: int) -> Tensor:
+    """`x` with one more slot of zeros at the end of `axis`."""
+    return F.pad(x, (0, 0) * (x.dim() - 1 - axis) + (0, 1))
 
 
 def _first_layer_units_major(a: Tensor, b: Tensor, c: Tensor) -> Tensor:

@@ -452,17 +452,23 @@ def test_a_compiled_forward_of_few_outputs_holds_neither_hidden_activations_nor_
     torch.testing.assert_close(out, reference(terms, "relu"))
 
 
-@pytest.mark.slow
-def test_the_compiled_sum_over_units_has_a_size_no_tile_gradient_shares():
-    """The unrolled forward's sum, which inductor stores, runs over a spare tile: a training
-    step compiled as one graph kept the stored sum past its last read to reuse it for the
-    backward's tile gradient of the same size, across the step's peak. Every tensor of the
-    sum's size in the forward graph is the sum's; none has the tiles' `T * TH * Q * P`."""
+@pytest.mark.parametrize(("tiles", "outputs", "cols"), [(7, 5, 4), (3, 5, 4), (3, 2, 6)])
+def test_the_unrolled_sum_over_a_spare_slot_of_any_axis_equals_the_reference(tiles, outputs, cols):
+    """`_one_layer_unrolled` pads its longest outer axis (tiles, outputs, columns: one case
+    each), then drops the spare slot: the outputs are the reference's."""
+    terms = inputs(tiles=tiles, rows=8, cols=cols, hidden=8, depth=1, outputs=outputs, seed=0)
+    import gbfunc._tilemlp as tilemlp
+
+    got = tilemlp._one_layer_unrolled(terms, "relu")
+    torch.testing.assert_close(got, reference(terms, "relu"))
+
+
+def _stored_shapes(fn, *args) -> tuple[list[tuple[int, ...]], object]:
+    """Shapes of the tensors, views aside, of `fn`'s forward graph compiled by AOTAutograd,
+    and what the compiled `fn` returns for `args`."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
 
-    tiles, rows, cols, outputs = 3, 8, 4, 5
-    terms = inputs(tiles=tiles, rows=rows, cols=cols, hidden=8, depth=1, outputs=outputs, seed=0)
     shapes = []
 
     def record_forward(gm, example_inputs):
@@ -476,9 +482,27 @@ def test_the_compiled_sum_over_units_has_a_size_no_tile_gradient_shares():
         return make_boxed_func(gm.forward)
 
     backend = aot_autograd(fw_compiler=record_forward)
-    out = torch.compile(lambda *flat: tile_mlp(Terms(*flat), "relu"), backend=backend)(*terms)
-    assert (tiles + 1, outputs, cols, rows) in shapes  # (T + 1, P, Q, TH): with the spare tile
-    assert (tiles, outputs, cols, rows) not in shapes
+    result = torch.compile(fn, backend=backend, dynamic=False)(*args)  # one lambda, many shapes
+    return shapes, result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("tiles", "outputs", "cols", "spare"),
+    [(7, 5, 4, (8, 5, 4, 8)), (3, 5, 4, (3, 6, 4, 8)), (3, 2, 6, (3, 2, 7, 8))],
+)
+def test_the_compiled_sum_over_units_has_a_size_no_tile_gradient_shares(
+    tiles, outputs, cols, spare
+):
+    """The unrolled forward's sum `(T, P, Q, TH)`, which inductor stores, runs over a spare
+    slot of its longest outer axis: a training step compiled as one graph kept the stored sum
+    past its last read to reuse it for the backward's tile gradient of the same size, across
+    the step's peak. The forward graph stores the sum with the spare slot and nothing of the
+    tiles' `T * TH * Q * P` shape."""
+    terms = inputs(tiles=tiles, rows=8, cols=cols, hidden=8, depth=1, outputs=outputs, seed=0)
+    shapes, out = _stored_shapes(lambda *flat: tile_mlp(Terms(*flat), "relu"), *terms)
+    assert spare in shapes
+    assert (tiles, outputs, cols, 8) not in shapes
     torch.testing.assert_close(out, reference(terms, "relu"))
 
 
@@ -494,8 +518,8 @@ def test_a_compiled_grad_recomputes_the_hidden_activations_only_once_the_gradien
     from torch._inductor.fx_passes.joint_graph import joint_graph_passes
     from torch.func import grad
 
-    terms = inputs(tiles=3, rows=8, cols=4, hidden=6, depth=1, outputs=5, seed=0)
-    hidden_size, output_size = 3 * 6 * 8 * 4, 3 * 8 * 4 * 5  # (T, H, Q * TH), (T, TH, Q, P)
+    terms = inputs(tiles=3, rows=8, cols=4, hidden=7, depth=1, outputs=5, seed=0)
+    hidden_size, output_size = 3 * 7 * 8 * 4, 3 * 8 * 4 * 5  # (T, H, Q * TH), (T, TH, Q, P)
     graphs = []
 
     def record(gm, example_inputs):
