@@ -12,10 +12,13 @@ import types
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
+
+if TYPE_CHECKING:
+    import gbfunc as gb
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -92,6 +95,11 @@ def compile_static(fn: Callable) -> Callable:
         fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
     )
     return torch.compile(private, fullgraph=True, dynamic=False)
+
+
+def generation_flops(plan: "gb.Plan") -> int:
+    """FLOPs of one forward generation of every weight of `plan`: `Stack.tile_flops` per tile."""
+    return sum(stack.num_tiles * stack.tile_flops for stack in plan.stacks)
 
 
 def write_json(path: Path, rows: list[dict[str, Any]], **extra: Any) -> None:

@@ -34,7 +34,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import gbfunc as gb
 import gbfunc.dist as gbd
-from benchmarks._meta import RESULTS, header_md, markdown_table, provenance_line
+from benchmarks._meta import RESULTS, generation_flops, header_md, markdown_table, provenance_line
 from examples.gpt import GPT, GPTConfig, loss_fn
 
 DEMO = GPTConfig(vocab=64, dim=64, layers=2, heads=4, seq=32)
@@ -157,13 +157,12 @@ class Sizes:
     @classmethod
     def of(cls, plan: gb.Plan) -> "Sizes":
         report = gb.report(plan)
-        flops = sum(s.num_tiles * s.tile_flops for s in plan.stacks)
         return cls(
             report.dense_params,
             report.generated_weights,
             report.gnet_params,
             report.free_params,
-            flops,
+            generation_flops(plan),
         )
 
 

@@ -25,8 +25,16 @@ import torch
 from torch.func import grad
 
 import gbfunc as gb
-from benchmarks._meta import RESULTS, compile_static, recorded
-from benchmarks.bench_step import MLP_GENOMES, cross_entropy, dense_steps, gb_steps, mlp, round_ms
+from benchmarks._meta import RESULTS, compile_static, generation_flops, recorded
+from benchmarks.bench_step import (
+    MLP_GENOMES,
+    Timing,
+    cross_entropy,
+    dense_steps,
+    gb_steps,
+    mlp,
+    round_ms,
+)
 
 # Issue 12's targets (x the plain step in the same mode), by bench_step's genome label.
 TARGETS: dict[str, dict[str, float]] = {
@@ -85,7 +93,7 @@ def run(labels: list[str], rounds: int, inner: int) -> None:
     flops = {}
     for label in labels:
         plan = gb.plan(model, **MLP_GENOMES[label])
-        flops[label] = 3 * sum(s.num_tiles * s.tile_flops for s in plan.stacks)
+        flops[label] = 3 * generation_flops(plan)  # forward and backward, as the roofline counts
         steps[f"{label} eager"], steps[f"{label} compiled"] = gb_steps(
             model, plan, batch, cross_entropy
         )
@@ -104,8 +112,7 @@ def run(labels: list[str], rounds: int, inner: int) -> None:
     print(head + f"{'target':>8}{'gen ms for it':>15}{'GFLOP/s':>9}{'sgemm':>7}")
     for label in labels:
         for mode in ("eager", "compiled"):
-            step, plain = samples[f"{label} {mode}"], samples[f"plain {mode}"]
-            ratio = statistics.median(s / p for s, p in zip(step, plain, strict=True))
+            ratio = Timing.of(samples[f"{label} {mode}"], samples[f"plain {mode}"]).ratio
             gen = ms[f"{label} gen {mode}"]
             rate = flops[label] / gen / 1e6
             row = f"{label:<36}{mode:<9}{ratio:>12.2f}x{gen:>8.2f}{rate:>9.0f}{rate / peak:>7.0%}"

@@ -427,25 +427,30 @@ def test_every_compiled_matmul_has_the_tile_positions_as_its_long_axis(depth, ou
         torch.testing.assert_close(got, want)
 
 
+def _forward_nodes(fn, *args) -> tuple[list[torch.fx.Node], object]:
+    """The nodes holding tensors of `fn`'s forward graph compiled by AOTAutograd, and what
+    the compiled `fn` returns for `args`."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    nodes = []
+
+    def record_forward(gm, example_inputs):
+        nodes.extend(n for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor))
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=record_forward)
+    result = torch.compile(fn, backend=backend, dynamic=False)(*args)  # one lambda, many shapes
+    return nodes, result
+
+
 @pytest.mark.slow
 def test_a_compiled_forward_of_few_outputs_holds_neither_hidden_activations_nor_matmuls():
     """One hidden layer, at most 16 outputs (`_unrolls`): the forward is one pointwise sum over
     the units, so its graph has no matmul and nothing the size of the hidden activations."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.aot_autograd import make_boxed_func
-
     terms = inputs(tiles=3, rows=8, cols=4, hidden=8, depth=1, outputs=5, seed=0)
-    hidden_size = 3 * 8 * 8 * 4  # (T, H, Q * TH); the sum, with its spare tile: 4 * 5 * 4 * 8
-    forward_nodes = []
-
-    def record_forward(gm, example_inputs):
-        forward_nodes.extend(
-            n for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)
-        )
-        return make_boxed_func(gm.forward)
-
-    backend = aot_autograd(fw_compiler=record_forward)
-    out = torch.compile(lambda *flat: tile_mlp(Terms(*flat), "relu"), backend=backend)(*terms)
+    hidden_size = 3 * 8 * 8 * 4  # (T, H, Q * TH); the sum, with its spare slot: 3 * 6 * 4 * 8
+    forward_nodes, out = _forward_nodes(lambda *flat: tile_mlp(Terms(*flat), "relu"), *terms)
     assert forward_nodes
     assert torch.ops.aten.bmm.default not in {n.target for n in forward_nodes}
     assert max(n.meta["val"].numel() for n in forward_nodes) < hidden_size
@@ -463,29 +468,6 @@ def test_the_unrolled_sum_over_a_spare_slot_of_any_axis_equals_the_reference(til
     torch.testing.assert_close(got, reference(terms, "relu"))
 
 
-def _stored_shapes(fn, *args) -> tuple[list[tuple[int, ...]], object]:
-    """Shapes of the tensors, views aside, of `fn`'s forward graph compiled by AOTAutograd,
-    and what the compiled `fn` returns for `args`."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.aot_autograd import make_boxed_func
-
-    shapes = []
-
-    def record_forward(gm, example_inputs):
-        shapes.extend(
-            tuple(n.meta["val"].shape)
-            for n in gm.graph.nodes
-            if isinstance(n.meta.get("val"), torch.Tensor)
-            and n.op == "call_function"
-            and not n.target.is_view  # a view is no buffer of its own
-        )
-        return make_boxed_func(gm.forward)
-
-    backend = aot_autograd(fw_compiler=record_forward)
-    result = torch.compile(fn, backend=backend, dynamic=False)(*args)  # one lambda, many shapes
-    return shapes, result
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("tiles", "outputs", "cols", "spare"),
@@ -500,7 +482,12 @@ def test_the_compiled_sum_over_units_has_a_size_no_tile_gradient_shares(
     the step's peak. The forward graph stores the sum with the spare slot and nothing of the
     tiles' `T * TH * Q * P` shape."""
     terms = inputs(tiles=tiles, rows=8, cols=cols, hidden=8, depth=1, outputs=outputs, seed=0)
-    shapes, out = _stored_shapes(lambda *flat: tile_mlp(Terms(*flat), "relu"), *terms)
+    nodes, out = _forward_nodes(lambda *flat: tile_mlp(Terms(*flat), "relu"), *terms)
+    shapes = [  # of the tensors computed, views aside (a view is no buffer of its own)
+        tuple(n.meta["val"].shape)
+        for n in nodes
+        if n.op == "call_function" and not n.target.is_view
+    ]
     assert spare in shapes
     assert (tiles, outputs, cols, 8) not in shapes
     torch.testing.assert_close(out, reference(terms, "relu"))
