@@ -141,9 +141,12 @@ def output_layer(
     """G-net outputs `(BLOCK_N, BLOCK_P)`; one output is a row reduction, not a padded dot."""
     w = output_weight(wo_ptr, g, hid, p, H, P, BLOCK_P)
     bias = tl.load(bo_ptr + g * P + p, mask=p < P, other=0.0).to(tl.float32)
+    # The compiler, unlike the interpreter, goes on past a `return` inside a constexpr `if`.
     if BLOCK_P == 1:
-        return tl.sum(h * w[None, :], axis=1)[:, None] + bias[None, :]
-    return tl.dot(h, w, input_precision=PRECISION) + bias[None, :]
+        y = tl.sum(h * w[None, :], axis=1)[:, None]
+    else:
+        y = tl.dot(h, w, input_precision=PRECISION)
+    return y + bias[None, :]
 
 
 @triton.jit
