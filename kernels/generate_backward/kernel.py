@@ -32,11 +32,45 @@ def _accumulate(ptr, value, mask):
     tl.debug_barrier()
 
 
+@triton.jit
+def _zero_partials(
+    gb_ptr,
+    gwh_ptr,
+    gbh_ptr,
+    part,
+    hid,
+    Q,
+    H,
+    DEPTH: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Zero this program's slots of the partials it accumulates into.
+
+    The kernel starts its own sums rather than relying on zeroed buffers: the autotuner runs
+    it repeatedly on the same buffers, and its `reset_to_zero` fails on the `None` hidden-layer
+    partials of a one-layer g-net (and a custom `pre_hook` would not compile under dynamo).
+    """
+    h_ok = hid < H
+    for col_block in range(0, tl.cdiv(Q, BLOCK_Q)):
+        q = col_block * BLOCK_Q + tl.arange(0, BLOCK_Q)
+        zeros = tl.zeros((BLOCK_Q, BLOCK_H), dtype=tl.float32)
+        mask = (q[:, None] < Q) & h_ok[None, :]
+        tl.store(gb_ptr + (part * Q + q[:, None]) * H + hid[None, :], zeros, mask=mask)
+    if DEPTH > 1:
+        for layer in range(0, DEPTH - 1):
+            slot = part * (DEPTH - 1) + layer
+            zeros = tl.zeros((BLOCK_H, BLOCK_H), dtype=tl.float32)
+            mask = h_ok[:, None] & h_ok[None, :]
+            tl.store(gwh_ptr + (slot * H + hid[:, None]) * H + hid[None, :], zeros, mask=mask)
+            tl.store(gbh_ptr + slot * H + hid, tl.zeros((BLOCK_H,), dtype=tl.float32), mask=h_ok)
+    tl.debug_barrier()  # the first `_accumulate` reads what other threads zeroed
+
+
 @triton.autotune(
     configs=_runtime.configs((32, 64, 128), (4, 8)),
     key=["TH", "Q", "H", "P", "DEPTH"],
     prune_configs_by={"early_config_prune": _runtime.fit_registers},
-    reset_to_zero=["gb_ptr", "gwh_ptr", "gbh_ptr"],
 )
 @tile_blocks
 @triton.jit
@@ -93,6 +127,7 @@ def _generate_backward_kernel(
     else:
         g_w_out = tl.zeros((BLOCK_H, BLOCK_P), dtype=tl.float32)
     g_b_out = tl.zeros((BLOCK_P,), dtype=tl.float32)
+    _zero_partials(gb_ptr, gwh_ptr, gbh_ptr, part, hid, Q, H, DEPTH, BLOCK_Q, BLOCK_H)
 
     for row_block in range(split, tl.cdiv(TH, BLOCK_I), splits):
         i = row_block * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -186,14 +221,14 @@ def generate_backward(
     depth, num_tiles = stack.genome.depth, stack.num_tiles
     genome_tiles = math.prod(batch) * num_tiles
     splits = splits_for(a.device, genome_tiles, th)
-    # float32 accumulators; sums over rows are per-split partials, zeroed for `_accumulate`.
+    # float32 accumulators; sums over rows are per-split partials, zeroed by the kernel.
     f32 = {"dtype": torch.float32, "device": a.device}
     g_a = torch.empty(genome_tiles, th, hidden, **f32)
-    g_b = torch.zeros(splits, genome_tiles, q, hidden, **f32)
+    g_b = torch.empty(splits, genome_tiles, q, hidden, **f32)
     g_w_hidden = g_b_hidden = None
     if depth > 1:
-        g_w_hidden = torch.zeros(splits, genome_tiles, depth - 1, hidden, hidden, **f32)
-        g_b_hidden = torch.zeros(splits, genome_tiles, depth - 1, hidden, **f32)
+        g_w_hidden = torch.empty(splits, genome_tiles, depth - 1, hidden, hidden, **f32)
+        g_b_hidden = torch.empty(splits, genome_tiles, depth - 1, hidden, **f32)
     g_w_out = torch.empty(splits, genome_tiles, hidden, outputs, **f32)
     g_b_out = torch.empty(splits, genome_tiles, outputs, **f32)
     _generate_backward_kernel[(genome_tiles, splits)](
