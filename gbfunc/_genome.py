@@ -224,8 +224,10 @@ def _mul32(x: Tensor, c: int) -> Tensor:
 def kernel_code(window: tuple[int, ...]) -> Tensor:
     """One-hot code of every kernel tap (row-major), shape `(prod(window), sum(window))`."""
     taps = torch.cartesian_prod(*[torch.arange(k) for k in window]).reshape(-1, len(window))
+    # Compared with each class, not `F.one_hot`: torch 2.11's one_hot does not trace under
+    # `torch.compile` on CUDA (it checks the values, a data-dependent branch).
     return torch.cat(
-        [torch.nn.functional.one_hot(taps[:, d], k).double() for d, k in enumerate(window)], dim=1
+        [(taps[:, d, None] == torch.arange(k)).double() for d, k in enumerate(window)], dim=1
     )
 
 

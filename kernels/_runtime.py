@@ -94,6 +94,13 @@ def dot_precision(dtype: torch.dtype) -> str:
     Follows `torch.get_float32_matmul_precision()`, so the kernels round like the torch path.
     Half-precision inputs carry fewer mantissa bits than TF32, so TF32 loses nothing there.
     """
-    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+    if dtype == torch.float32 and _float32_matmul_precision() == "highest":
         return "ieee"
     return "tf32"
+
+
+@torch.compiler.assume_constant_result
+def _float32_matmul_precision() -> str:
+    # Dynamo cannot put the string that torch returns in a graph; traced, it is a constant
+    # (and dynamo's guards on global state recompile when the setting changes).
+    return torch.get_float32_matmul_precision()
