@@ -44,6 +44,8 @@ def test_the_library_has_examples_to_run():
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda t: t.name)
 def test_docstring_example(example, tmp_path, monkeypatch):
+    if example.name.startswith("gbfunc.kernels") and torch.cuda.is_available():
+        pytest.skip("the kernels' examples take CPU tensors: Triton's interpreter, off on GPUs")
     monkeypatch.chdir(tmp_path)  # examples that save files write here
     torch.manual_seed(0)
     example.globs.update({"torch": torch, "nn": nn, "gb": gb, "functional_call": functional_call})

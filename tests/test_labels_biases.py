@@ -83,10 +83,10 @@ def test_the_papers_genome_is_one_gnet_per_weight_and_bias():
 
 def test_generated_biases_get_gradients_and_match_the_triton_kernels():
     pytest.importorskip("triton")
-    model = paper_mlp()
+    model = paper_mlp().to(KERNEL_DEVICE)
     plan = gb.plan(model, **PAPER)
-    gparams = gb.init(plan)
-    x = torch.rand(5, 1, 8, 8)
+    gparams = gb.init(plan, device=KERNEL_DEVICE)
+    x = torch.rand(5, 1, 8, 8, device=KERNEL_DEVICE)
 
     def loss(g, backend):
         return functional_call(model, gb.apply(g, plan, backend=backend), (x,)).square().mean()

@@ -17,6 +17,9 @@ def torchrun(tmp_path: Path, module: str, *args: str, max_restarts: int = 0) -> 
         "GLOO_SOCKET_IFNAME": "lo",
         "TMPDIR": str(tmp_path),
         "OMP_NUM_THREADS": "1",
+        # gloo on CPU on a GPU host too: with CUDA visible, `init_mesh` would start NCCL with
+        # one GPU per rank, which two ranks on a one-GPU machine do not have.
+        "CUDA_VISIBLE_DEVICES": "",
     }
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]

@@ -426,7 +426,41 @@ def test_gpu_dtypes_match_reference(dtype):
 
 @pytest.mark.gpu
 @requires_gpu
-def test_gpu_autotune_sweep_picks_a_config_per_shape():
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case("linear", (70, 90), 1, (16, 24), 32, 2, "gelu", 3, "code", 0),  # dots, ragged
+        Case("conv2d", (20, 12), 3, (8, 8), 32, 1, "silu", 1, "code", 1),  # row reductions
+    ],
+    ids=["three-outputs-depth-2", "one-output"],
+)
+def test_gpu_every_autotune_config_matches_reference(case, all_autotune_configs, monkeypatch):
+    # The tuner may pick any config for a shape: each must compute the same op.
+    stack, params, _ = case.stack()
+    tensors, absent = split(case.terms(torch.float32))
+    out = forward_reference.generate(Terms(**as64(tensors), **absent), stack, params)
+    cotangent = torch.randn(out.shape, dtype=torch.float64, device=out.device)
+
+    def loss(fn, cot):
+        return lambda t: (fn(Terms(**t, **absent), stack, params) * cot).sum()
+
+    expected = grad(loss(forward_reference.generate, cotangent))(as64(tensors))
+    forward, backward = (k.configs for k in all_autotune_configs)
+    for step in range(max(len(forward), len(backward))):
+        configs = (forward[step % len(forward)], backward[step % len(backward)])
+        for kernel, config in zip(all_autotune_configs, configs, strict=True):
+            monkeypatch.setattr(kernel, "configs", [config])
+        label = " / ".join(str(c) for c in configs)
+        got = kernels.generate(Terms(**tensors, **absent), stack, params)
+        assert_close(got, out, reductions(stack)[0], label)
+        grads = grad(loss(kernels.generate, cotangent.float()))(tensors)
+        for name in tensors:
+            assert_close(grads[name], expected[name], reductions(stack)[1], f"{label}: grad_{name}")
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_autotune_sweep_picks_a_config_per_shape(all_autotune_configs):
     # Several tile shapes, each tuned over every config, every result still matching the reference.
     for tile, hidden, depth, outputs in [
         ((64, 64), 32, 1, 1),
@@ -445,3 +479,21 @@ def test_gpu_autotune_sweep_picks_a_config_per_shape():
         )
         assert len(forward_kernel._generate_kernel.configs) > 1
         assert forward_kernel._generate_kernel.best_config is not None
+
+
+@pytest.mark.slow
+def test_dot_precision_traces_under_compile_and_follows_the_setting():
+    # Read inside the fused op when `torch.compile(fullgraph=True)` traces it on a GPU.
+    def signed(x: Tensor) -> Tensor:
+        return x + (1.0 if _runtime.dot_precision(torch.float32) == "ieee" else -1.0)
+
+    compiled = torch.compile(signed, fullgraph=True)
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert compiled(torch.zeros(2)).tolist() == [1.0, 1.0]
+        torch.set_float32_matmul_precision("high")
+        assert compiled(torch.zeros(2)).tolist() == [-1.0, -1.0]
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert _runtime.dot_precision(torch.bfloat16) == "tf32"
