@@ -453,3 +453,19 @@ def test_sharded_free_refuses_a_plan_of_another_model_before_sharding():
         gbd.ShardedFree(plan, other, mesh=None)
     assert not isinstance(other[0].weight, torch.distributed.tensor.DTensor)  # untouched
     assert other[0].weight.device.type == "cpu"  # not released to meta
+
+
+def test_init_mesh_follows_a_started_gloo_group_even_where_cuda_is_available(
+    process_group, monkeypatch
+):
+    # gb.dist.testing.spawn starts gloo; on a GPU host the mesh must stay on the CPU.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert gbd.init_mesh().device_type == "cpu"
+
+
+def test_init_mesh_names_a_machine_with_fewer_gpus_than_ranks(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(ValueError, match=r"LOCAL_RANK=1, but this machine has 1 CUDA device"):
+        gbd.init_mesh()

@@ -86,7 +86,8 @@ def init_mesh(
         dp: Data-parallel size; `None` uses every rank that `tp` and `pp` leave.
         tp: Tensor-parallel size.
         pp: Pipeline-parallel size.
-        device_type: `"cuda"` or `"cpu"`; default CUDA when available.
+        device_type: `"cuda"` or `"cpu"`; default: the CPU when a gloo process group is
+            already started, else CUDA when available.
         timeout: Process-group timeout, used when this call starts the process group.
 
     Returns:
@@ -98,13 +99,32 @@ def init_mesh(
         >>> mesh = gb.dist.init_mesh(tp=2)  # doctest: +SKIP
     """
     if device_type is None:
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        device_type = _default_device_type()
     if not dist.is_initialized():
         if device_type == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(_local_gpu())
         _start_process_group("nccl" if device_type == "cuda" else "gloo", timeout)
     shape = mesh_shape(dist.get_world_size(), dp=dp, tp=tp, pp=pp)
     return init_device_mesh(device_type, (shape.pp, shape.dp, shape.tp), mesh_dim_names=DIMS)
+
+
+def _default_device_type() -> str:
+    """The started process group's device (gloo alone: the CPU), else CUDA when available."""
+    if dist.is_initialized() and dist.get_backend() == "gloo":
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _local_gpu() -> int:
+    """This rank's GPU, `LOCAL_RANK`; a clear error where the machine has fewer GPUs than ranks."""
+    local_rank, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if local_rank >= gpus:
+        raise ValueError(
+            f"gb.dist.init_mesh: LOCAL_RANK={local_rank}, but this machine has {gpus} CUDA "
+            f"device(s) and NCCL needs one per rank. Start at most {gpus} processes per machine "
+            "(torchrun --nproc_per_node), or pass device_type='cpu' for gloo on the CPU."
+        )
+    return local_rank
 
 
 def _start_process_group(backend: str, timeout: datetime.timedelta) -> None:
