@@ -9,11 +9,12 @@ materialise `(T, TH*TW, H)`). Each row prints weights/s, bytes saved for backwar
     roofline time = max(flops / sgemm FLOP/s, bytes written / write bandwidth),
 
 with both peaks measured by this script in the same run. With CUDA it also times the Triton
-kernels (`triton.testing.do_bench`) in TFLOP/s and GB/s against peaks measured the same way
-on the GPU.
+kernels and the torch path, eager and compiled (`triton.testing.do_bench`), in TFLOP/s and
+GB/s against peaks measured the same way on the GPU.
 
     python -m benchmarks.bench_generation                 # CPU, one thread: ~1 minute
     python -m benchmarks.bench_generation --threads 2 --sizes 512 2048 --hidden 64 --depth 2
+    python -m benchmarks.bench_generation --skip-cpu      # the GPU half alone (gpu_check.sh)
 
 Writes what it prints to `benchmarks/results/bench_generation.md` (`--out`) under the command,
 machine and date.
@@ -185,8 +186,9 @@ def run_gpu(args: argparse.Namespace) -> None:
     print(
         f"\n{name}: fp32 sgemm {flops_peak / 1e12:.1f} TFLOP/s, write {write_peak / 1e9:.0f} GB/s"
     )
+    print("ms: triton.testing.do_bench's mean; weights by one stack, fp32")
     header = f"{'weights':>10} {'pass':<8} {'path':<14} {'ms':>8} {'TFLOP/s':>8} {'GB/s':>7}"
-    print(header + f" {'roofline':>9} {'vs torch':>9}")
+    print(f"{header} {'roofline':>9} {'vs torch compile':>17}")
     for size in args.gpu_sizes:
         plan, gparams = setup(size, args, "cuda")
         leaves = list(gparams["stacks"][plan.stacks[0].key].values())
@@ -200,27 +202,37 @@ def run_gpu(args: argparse.Namespace) -> None:
                 roofline = max(work * flops / flops_peak, written / write_peak) / t
                 tflops, gbps = work * flops / t / 1e12, written / t / 1e9
                 row = f"{numel:>10} {label:<8} {path:<14} {t * 1e3:>8.3f} {tflops:>8.2f}"
-                print(row + f" {gbps:>7.0f} {roofline:>8.1%} {times['torch'] / t:>8.2f}x")
+                print(row + f" {gbps:>7.0f} {roofline:>8.1%} {times['torch compile'] / t:>16.2f}x")
 
 
 def gpu_paths(plan: gb.Plan, gparams: dict, launch: Callable) -> dict[str, dict[str, Callable]]:
-    """Eager `gb.apply` per backend, forward and forward+backward; also the bare forward launch."""
+    """`gb.apply` per backend (torch eager and compiled), forward and forward+backward; also
+    the bare forward launch."""
     stack, params = plan.stacks[0], plan.generated
     leaves = gparams["stacks"][stack.key]
     terms = Terms(
         *(None if t is None else t.detach().contiguous() for t in stack_terms(stack, leaves))
     )
 
-    def fwd_bwd(backend: str) -> tuple[Tensor, ...]:
-        return gradients(gb.apply(gparams, plan, backend=backend)["weight"], list(leaves.values()))
+    def weight(backend: str) -> Callable[[dict], Tensor]:
+        return lambda g: gb.apply(g, plan, backend=backend)["weight"]
 
+    def fwd_bwd(generate: Callable[[dict], Tensor]) -> Callable[[], tuple[Tensor, ...]]:
+        return lambda: gradients(generate(gparams), list(leaves.values()))
+
+    compiled = compile_static(weight("torch"))
     return {
         "fwd": {
             "triton kernel": lambda: launch(terms, stack, params),
-            "triton": lambda: gb.apply(gparams, plan, backend="triton")["weight"],
-            "torch": lambda: gb.apply(gparams, plan, backend="torch")["weight"],
+            "triton": lambda: weight("triton")(gparams),
+            "torch": lambda: weight("torch")(gparams),
+            "torch compile": lambda: compiled(gparams),
         },
-        "fwd+bwd": {"triton": lambda: fwd_bwd("triton"), "torch": lambda: fwd_bwd("torch")},
+        "fwd+bwd": {
+            "triton": fwd_bwd(weight("triton")),
+            "torch": fwd_bwd(weight("torch")),
+            "torch compile": fwd_bwd(compiled),
+        },
     }
 
 
@@ -230,6 +242,7 @@ def main() -> None:
         "--sizes", type=int, nargs="+", default=[256, 1024], help="CPU: Linear(n, n)"
     )
     parser.add_argument("--gpu-sizes", type=int, nargs="+", default=[1024, 4096, 8192])
+    parser.add_argument("--skip-cpu", action="store_true", help="time the GPU half alone")
     parser.add_argument("--tile", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--depth", type=int, default=1)
@@ -248,7 +261,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     with recorded(args.out, "Weight generation per stack size vs the roofline"):
-        run_cpu(args)
+        if not args.skip_cpu:
+            run_cpu(args)
         if torch.cuda.is_available():
             run_gpu(args)
         else:

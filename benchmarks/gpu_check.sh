@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The checks that need a GPU, for a CUDA machine that already has torch, triton, pytest,
+# pytest-xdist and hypothesis (no network needed): the kernel tests with the Triton kernels
+# compiled for the GPU (the `gpu`-marked ones included), then bench_generation's GPU half.
+#
+#   bash benchmarks/gpu_check.sh [RESULTS_DIR]    # default: benchmarks/results
+#
+# Writes gpu_tests.log and bench_generation_gpu.md into RESULTS_DIR.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+results=${1:-benchmarks/results}
+mkdir -p "$results"
+export PYTHONUNBUFFERED=1
+# gbfunc.kernels is the folder kernels/ (pyproject's package-dir): an editable install maps it.
+python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
+nvidia-smi -L
+python3 -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__)"
+timeout 200 python3 -m pytest -q -n 8 -p no:randomly -p no:benchmark --durations=8 tests/kernels \
+    tests/test_labels_biases.py::test_centred_rows_sum_to_zero_on_both_backends \
+    2>&1 | tee "$results/gpu_tests.log"
+timeout 150 python3 -m benchmarks.bench_generation --skip-cpu --gpu-sizes 1024 8192 \
+    --out "$results/bench_generation_gpu.md"
