@@ -13,10 +13,13 @@ mkdir -p "$results"
 export PYTHONUNBUFFERED=1
 # gbfunc.kernels is the folder kernels/ (pyproject's package-dir): an editable install maps it.
 python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
-nvidia-smi -L
-python3 -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__)"
+{
+    echo "# bash benchmarks/gpu_check.sh, $(date -u '+%Y-%m-%d %H:%M UTC')"
+    nvidia-smi -L
+    python3 -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__)"
+} | tee "$results/gpu_tests.log"
 timeout 200 python3 -m pytest -q -n 8 -p no:randomly -p no:benchmark --durations=8 tests/kernels \
     tests/test_labels_biases.py::test_centred_rows_sum_to_zero_on_both_backends \
-    2>&1 | tee "$results/gpu_tests.log"
+    2>&1 | tee -a "$results/gpu_tests.log"
 timeout 150 python3 -m benchmarks.bench_generation --skip-cpu --gpu-sizes 1024 8192 \
     --out "$results/bench_generation_gpu.md"

@@ -5,6 +5,7 @@ Triton kernels run compiled on a GPU and through Triton's interpreter elsewhere;
 anything imports the kernels.
 """
 
+import importlib.util
 import os
 
 import torch
@@ -34,6 +35,36 @@ if "MUTANT_UNDER_TEST" in os.environ:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _one_autotune_config(request, monkeypatch) -> None:
+    """On a GPU, tests run the Triton kernels with one autotune config, not the sweep.
+
+    Each new tile shape (hypothesis draws one per example) would compile and time every
+    `(BLOCK_N, num_warps)` config of both kernels. The tests take the smallest (the
+    interpreter's block size); the tests about the configs ask for `all_autotune_configs`.
+    """
+    if not torch.cuda.is_available() or "all_autotune_configs" in request.fixturenames:
+        return
+    for kernel in _tuned_kernels():
+        smallest = min(kernel.configs, key=lambda c: (c.kwargs["BLOCK_N"], c.num_warps))
+        monkeypatch.setattr(kernel, "configs", [smallest])
+
+
+@pytest.fixture
+def all_autotune_configs() -> tuple:
+    """The autotuned kernels, forward and backward, with their full config lists."""
+    return _tuned_kernels()
+
+
+def _tuned_kernels() -> tuple:
+    if importlib.util.find_spec("triton") is None:
+        return ()
+    from gbfunc.kernels.generate import kernel as forward
+    from gbfunc.kernels.generate_backward import kernel as backward
+
+    return forward._generate_kernel, backward._generate_backward_kernel
 
 
 @pytest.fixture
