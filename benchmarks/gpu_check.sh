@@ -18,8 +18,13 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
     nvidia-smi -L
     python3 -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__)"
 } | tee "$results/gpu_tests.log"
-timeout 200 python3 -m pytest -q -n 8 -p no:randomly -p no:benchmark --durations=8 tests/kernels \
+timeout 200 python3 -m pytest -q -n 8 -p no:randomly -p no:benchmark --durations=5 tests/kernels \
     tests/test_labels_biases.py::test_centred_rows_sum_to_zero_on_both_backends \
+    tests/test_labels_biases.py::test_generated_biases_get_gradients_and_match_the_triton_kernels \
     2>&1 | tee -a "$results/gpu_tests.log"
+tests=${PIPESTATUS[0]}
 timeout 150 python3 -m benchmarks.bench_generation --skip-cpu --gpu-sizes 1024 8192 \
     --out "$results/bench_generation_gpu.md"
+bench=$?
+echo "tests exit $tests, benchmark exit $bench"
+exit $(( tests != 0 ? tests : bench ))

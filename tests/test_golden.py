@@ -74,16 +74,26 @@ def generated(name: str) -> dict[str, torch.Tensor]:
 
 
 def summary(values: dict[str, torch.Tensor]) -> dict[str, dict]:
-    """First values, sum and sum of squares of every parameter, and a hash of its shape."""
+    """Shape, first values, sum, sum of squares and a projection of every parameter.
+
+    Sums miss values that trade places, and generated rows are often centred and normalised
+    (sum 0, fixed sum of squares); the projection on `cos(0.7 i)` weighs every position
+    differently, so moving a value changes it.
+    """
     return {
         key: {
             "shape": list(v.shape),
             "first": [round(float(x), 10) for x in v.flatten()[:6]],
             "sum": float(v.sum()),
             "sum_sq": float(v.square().sum()),
+            "projection": float((v.flatten() * _positions(v.numel(), v.dtype)).sum()),
         }
         for key, v in values.items()
     }
+
+
+def _positions(n: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.cos(0.7 * torch.arange(n, dtype=torch.float64)).to(dtype)
 
 
 def assert_matches_summary(got: dict[str, dict], expected: dict[str, dict], name: str) -> None:
@@ -97,7 +107,7 @@ def assert_matches_summary(got: dict[str, dict], expected: dict[str, dict], name
         assert have["shape"] == want["shape"], where
         for a, b in zip(have["first"], want["first"], strict=True):
             assert abs(a - b) <= 1e-6, where
-        for stat in ("sum", "sum_sq"):
+        for stat in ("sum", "sum_sq", "projection"):
             assert abs(have[stat] - want[stat]) <= 1e-6 * max(1.0, abs(want[stat])), where
 
 

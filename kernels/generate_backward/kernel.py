@@ -33,6 +33,22 @@ def _accumulate(ptr, value, mask):
 
 
 @triton.jit
+def _column_partial(gb_ptr, part, q, hid, Q, H):
+    """Pointers and mask of partial `part`'s `grad b` at columns `q`, `(BLOCK_Q, BLOCK_H)`."""
+    mask = (q[:, None] < Q) & (hid[None, :] < H)
+    return gb_ptr + (part * Q + q[:, None]) * H + hid[None, :], mask
+
+
+@triton.jit
+def _hidden_partials(gwh_ptr, gbh_ptr, slot, hid, H):
+    """Pointers and masks of slot `slot`'s `grad w_hidden` `(BLOCK_H, BLOCK_H)` and
+    `grad b_hidden` `(BLOCK_H,)`; a slot is one hidden layer of one partial."""
+    h_ok = hid < H
+    w = gwh_ptr + (slot * H + hid[:, None]) * H + hid[None, :]
+    return w, h_ok[:, None] & h_ok[None, :], gbh_ptr + slot * H + hid, h_ok
+
+
+@triton.jit
 def _zero_partials(
     gb_ptr,
     gwh_ptr,
@@ -51,19 +67,17 @@ def _zero_partials(
     it repeatedly on the same buffers, and its `reset_to_zero` fails on the `None` hidden-layer
     partials of a one-layer g-net (and a custom `pre_hook` would not compile under dynamo).
     """
-    h_ok = hid < H
     for col_block in range(0, tl.cdiv(Q, BLOCK_Q)):
         q = col_block * BLOCK_Q + tl.arange(0, BLOCK_Q)
-        zeros = tl.zeros((BLOCK_Q, BLOCK_H), dtype=tl.float32)
-        mask = (q[:, None] < Q) & h_ok[None, :]
-        tl.store(gb_ptr + (part * Q + q[:, None]) * H + hid[None, :], zeros, mask=mask)
+        b, b_ok = _column_partial(gb_ptr, part, q, hid, Q, H)
+        tl.store(b, tl.zeros((BLOCK_Q, BLOCK_H), dtype=tl.float32), mask=b_ok)
     if DEPTH > 1:
         for layer in range(0, DEPTH - 1):
-            slot = part * (DEPTH - 1) + layer
-            zeros = tl.zeros((BLOCK_H, BLOCK_H), dtype=tl.float32)
-            mask = h_ok[:, None] & h_ok[None, :]
-            tl.store(gwh_ptr + (slot * H + hid[:, None]) * H + hid[None, :], zeros, mask=mask)
-            tl.store(gbh_ptr + slot * H + hid, tl.zeros((BLOCK_H,), dtype=tl.float32), mask=h_ok)
+            w, w_ok, bias, bias_ok = _hidden_partials(
+                gwh_ptr, gbh_ptr, part * (DEPTH - 1) + layer, hid, H
+            )
+            tl.store(w, tl.zeros((BLOCK_H, BLOCK_H), dtype=tl.float32), mask=w_ok)
+            tl.store(bias, tl.zeros((BLOCK_H,), dtype=tl.float32), mask=bias_ok)
     tl.debug_barrier()  # the first `_accumulate` reads what other threads zeroed
 
 
@@ -171,22 +185,18 @@ def _generate_backward_kernel(
                         ),
                         ACTIVATION,
                     )
-                    slot = part * (DEPTH - 1) + layer
-                    h2 = h_ok[:, None] & h_ok[None, :]
-                    _accumulate(
-                        gwh_ptr + (slot * H + hid[:, None]) * H + hid[None, :],
-                        tl.dot(tl.trans(h_in), g_z, input_precision=PRECISION),
-                        h2,
+                    w_slot, w_ok, bias_slot, bias_ok = _hidden_partials(
+                        gwh_ptr, gbh_ptr, part * (DEPTH - 1) + layer, hid, H
                     )
-                    _accumulate(gbh_ptr + slot * H + hid, tl.sum(g_z, axis=0), h_ok)
+                    g_w = tl.dot(tl.trans(h_in), g_z, input_precision=PRECISION)
+                    _accumulate(w_slot, g_w, w_ok)
+                    _accumulate(bias_slot, tl.sum(g_z, axis=0), bias_ok)
                     w = _gnet.hidden_weight(wh_ptr, g, layer, hid, H, DEPTH)
                     g_h = tl.dot(g_z, tl.trans(w), input_precision=PRECISION)
             g_z = tl.reshape(g_h * _gnet.activate_grad(z, ACTIVATION), (BLOCK_I, BLOCK_Q, BLOCK_H))
             g_a += tl.sum(g_z, axis=1)
-            q_ok = (q[:, None] < Q) & h_ok[None, :]
-            _accumulate(
-                gb_ptr + (part * Q + q[:, None]) * H + hid[None, :], tl.sum(g_z, axis=0), q_ok
-            )
+            b_slot, b_ok = _column_partial(gb_ptr, part, q, hid, Q, H)
+            _accumulate(b_slot, tl.sum(g_z, axis=0), b_ok)
         tl.store(
             ga_ptr + (g * TH + i[:, None]) * H + hid[None, :],
             g_a,

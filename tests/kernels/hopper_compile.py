@@ -4,6 +4,10 @@ Triton's compiler and ptxas run anywhere, and they reject code that the interpre
 happily (the interpreter executes the kernel as Python): a `return` inside a constexpr `if`
 followed by more code, a `tl.dot` on a vector. Run as a script in a process that did not
 set TRITON_INTERPRET; prints `{variant: error}` as JSON, `{}` when everything compiled.
+
+Every constexpr branch and every block size and warp count of each kernel's autotune configs
+is compiled; not every specialisation a launch makes (integer arguments equal to 1 become
+constants, pointers and sizes divisible by 16 get alignment hints).
 """
 
 import json
@@ -24,14 +28,14 @@ FIXED_POINTERS = {"place_ptr": "*i64", "scale_ptr": "*fp32"}
 FLOAT32_GRADIENTS = ("ga_ptr", "gb_ptr", "gwh_ptr", "gbh_ptr", "gwo_ptr", "gbo_ptr")
 HIDDEN_LAYER_POINTERS = ("wh_ptr", "bh_ptr", "gwh_ptr", "gbh_ptr")
 
-# (dtype, outputs, depth, activation, dot precision, rows, columns, hidden, BLOCK_N): every
-# branch of the kernels' constexprs at least once, ragged and power-of-two shapes.
+# (dtype, outputs, depth, activation, dot precision, rows, columns, hidden): every branch of
+# the kernels' constexprs at least once, ragged and power-of-two shapes.
 VARIANTS = [
-    ("fp32", 1, 1, "relu", "ieee", 8, 5, 17, 32),
-    ("fp32", 1, 2, "gelu", "ieee", 64, 64, 32, 256),
-    ("fp16", 1, 3, "tanh", "tf32", 8, 5, 8, 32),
-    ("bf16", 3, 2, "silu", "tf32", 16, 24, 32, 64),
-    ("fp32", 16, 1, "relu", "tf32", 64, 64, 32, 128),
+    ("fp32", 1, 1, "relu", "ieee", 8, 5, 17),
+    ("fp32", 1, 2, "gelu", "ieee", 64, 64, 32),
+    ("fp16", 1, 3, "tanh", "tf32", 8, 5, 8),
+    ("bf16", 3, 2, "silu", "tf32", 16, 24, 32),
+    ("fp32", 16, 1, "relu", "tf32", 64, 64, 32),
 ]
 
 
@@ -42,8 +46,11 @@ def jit_function(kernel) -> triton.runtime.jit.JITFunction:
     return kernel
 
 
-def compile_variant(kernel, dtype, outputs, depth, activation, precision, th, q, hidden, block_n):
-    """Compile one specialisation the way the launcher would pick its constexprs."""
+def compile_variant(
+    kernel, config, dtype, outputs, depth, activation, precision, th, q, hidden
+) -> None:
+    """Compile one specialisation under one autotune config, constexprs as the launcher sets."""
+    block_n = config.kwargs["BLOCK_N"]
     fn = jit_function(kernel)
     constants = {
         "P": outputs,
@@ -71,16 +78,21 @@ def compile_variant(kernel, dtype, outputs, depth, activation, precision, th, q,
         signature=signature,
         constexprs={(fn.arg_names.index(n),): v for n, v in constants.items()},
     )
-    triton.compile(source, target=HOPPER)
+    triton.compile(source, target=HOPPER, options={"num_warps": config.num_warps})
 
 
 def main() -> None:
     failures = {}
     for kernel in (forward._generate_kernel, backward._generate_backward_kernel):
-        for variant in VARIANTS:
-            label = f"{jit_function(kernel).__name__}{variant}"
+        # The variants in turn meet the configs, each config at least once.
+        for step in range(max(len(VARIANTS), len(kernel.configs))):
+            variant, config = (
+                VARIANTS[step % len(VARIANTS)],
+                kernel.configs[step % len(kernel.configs)],
+            )
+            label = f"{jit_function(kernel).__name__}{variant} {config}"
             try:
-                compile_variant(kernel, *variant)
+                compile_variant(kernel, config, *variant)
             except Exception as error:  # report every variant, not the first failure
                 failures[label] = "".join(traceback.format_exception_only(error))[-2000:]
     print(json.dumps(failures))

@@ -202,6 +202,30 @@ def test_backward_kernel_matches_reference(case):
         assert_close(g, e, reductions(stack)[1], name)
 
 
+def test_the_backward_kernel_starts_its_own_sums(monkeypatch):
+    # The launcher allocates the partials uninitialised; NaN there must never reach a gradient.
+    # Depth 2 (hidden partials too) and rows split over several programs, some without rows.
+    case = Case("linear", (13, 11), 1, (8, 4), 6, 2, "tanh", 1, "code", 3)
+    stack, params, _ = case.stack()
+    terms = case.terms(torch.float32)
+    cotangent = torch.randn(sum(p.numel for p in params)).to(KERNEL_DEVICE)
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs) -> Tensor:
+        out = empty(*args, **kwargs)
+        return out.fill_(math.nan) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    grads = backward_kernel.generate_backward(cotangent, Terms(**terms), stack, params)
+    monkeypatch.undo()
+    assert backward_kernel.splits_for(KERNEL_DEVICE, stack.num_tiles, stack.tile[0]) > 1
+    expected = backward_reference.generate_backward(
+        cotangent.double(), Terms(**as64(terms)), stack, params
+    )
+    for name, g, e in zip(GRAD_NAMES, grads, expected, strict=True):
+        assert_close(g, e, reductions(stack)[1], name)
+
+
 @given(cases())
 def test_grad_of_op_matches_grad_of_reference(case):
     stack, params, _ = case.stack()
@@ -461,24 +485,30 @@ def test_gpu_every_autotune_config_matches_reference(case, all_autotune_configs,
 @pytest.mark.gpu
 @requires_gpu
 def test_gpu_autotune_sweep_picks_a_config_per_shape(all_autotune_configs):
-    # Several tile shapes, each tuned over every config, every result still matching the reference.
-    for tile, hidden, depth, outputs in [
-        ((64, 64), 32, 1, 1),
-        ((32, 64), 64, 2, 1),
-        ((16, 48), 16, 3, 4),
-    ]:
+    # Each new shape is tuned over every config, forward and backward (the tuner reruns the
+    # backward on the same buffers, with None hidden partials at depth 1), and still matches.
+    tuned_before = [len(kernel.cache) for kernel in all_autotune_configs]
+    shapes = [((64, 64), 32, 1, 1), ((32, 64), 64, 2, 1), ((16, 48), 16, 3, 4)]
+    for tile, hidden, depth, outputs in shapes:
         case = Case("linear", (200, 300), 1, tile, hidden, depth, "relu", outputs, "code", 0)
         stack, params, _ = case.stack()
-        terms = {n: None if x is None else x.cuda() for n, x in case.terms(torch.float32).items()}
-        out = kernels.generate(Terms(**terms), stack, params)
-        assert_close(
-            out,
-            forward_reference.generate(Terms(**as64(terms)), stack, params),
-            256,
-            str(tile),
-        )
-        assert len(forward_kernel._generate_kernel.configs) > 1
-        assert forward_kernel._generate_kernel.best_config is not None
+        tensors, absent = split(case.terms(torch.float32))
+        cotangent = torch.randn(sum(p.numel for p in params), device=KERNEL_DEVICE)
+
+        def loss(fn, cot, stack=stack, params=params, absent=absent):
+            return lambda t: (fn(Terms(**t, **absent), stack, params) * cot).sum()
+
+        out = kernels.generate(Terms(**tensors, **absent), stack, params)
+        expected = forward_reference.generate(Terms(**as64(tensors), **absent), stack, params)
+        assert_close(out, expected, reductions(stack)[0], str(tile))
+        got = grad(loss(kernels.generate, cotangent))(tensors)
+        want = grad(loss(forward_reference.generate, cotangent.double()))(as64(tensors))
+        for name in tensors:
+            assert_close(got[name], want[name], reductions(stack)[1], f"{tile}: grad_{name}")
+    tuned = [
+        len(kernel.cache) - n for kernel, n in zip(all_autotune_configs, tuned_before, strict=True)
+    ]
+    assert tuned == [len(shapes), len(shapes)]  # one tuning per new shape, in both kernels
 
 
 @pytest.mark.slow
