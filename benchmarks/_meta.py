@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import shlex
+import subprocess
 import sys
 import types
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -24,9 +25,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def provenance() -> dict[str, Any]:
-    """The command, the machine (cores, CPU, threads, torch) and the date of this run."""
+    """The command, the code (commit), the machine (cores, CPU, threads, torch) and the date."""
     return {
         "command": "python " + _invocation(),
+        "code": code_version(),
         "machine": f"{len(os.sched_getaffinity(0))} CPU cores ({cpu_model()}, "
         f"{torch.backends.cpu.get_cpu_capability()}), {platform.machine()}, "
         f"{torch.get_num_threads()} torch threads",
@@ -34,6 +36,22 @@ def provenance() -> dict[str, Any]:
         "torch": torch.__version__,
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
+
+
+def code_version() -> str:
+    """The repository's commit, marked when tracked files differ from it; a copy of the tree
+    without `.git` (a device machine's) says so."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head, changes = (
+            subprocess.run(
+                ["git", "-C", str(root), *args], capture_output=True, text=True, check=True
+            ).stdout.strip()
+            for args in (["rev-parse", "--short", "HEAD"], ["status", "--porcelain", "-uno"])
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return f"commit {head}" + (" with uncommitted changes" if changes else "")
 
 
 def cpu_model() -> str:
@@ -65,6 +83,7 @@ def header_md(title: str) -> str:
     return (
         f"# {title}\n\n"
         f"- command: `{p['command']}`\n"
+        f"- code: {p['code']}\n"
         f"- machine: {p['machine']}; Python {p['python']}, torch {p['torch']}\n"
         f"- date: {p['date']}\n"
         "- written by the script; not edited by hand\n"

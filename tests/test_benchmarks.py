@@ -18,7 +18,7 @@ def test_recorded_writes_what_was_printed_under_the_provenance(tmp_path, capsys)
     assert "row 2" in capsys.readouterr().out  # still printed
     text = path.read_text()
     assert text.startswith("# A title\n")
-    for field in ("- command: `python ", "- machine: ", "torch ", "- date: 20"):
+    for field in ("- command: `python ", "- code: ", "- machine: ", "torch ", "- date: 20"):
         assert field in text
     assert text.endswith("```\n| a | b |\nrow 2\n```\n")
 
