@@ -220,17 +220,18 @@ def gpu_paths(plan: gb.Plan, gparams: dict, launch: Callable) -> dict[str, dict[
     def fwd_bwd(generate: Callable[[dict], Tensor]) -> Callable[[], tuple[Tensor, ...]]:
         return lambda: gradients(generate(gparams), list(leaves.values()))
 
-    compiled = compile_static(weight("torch"))
+    fused, eager = weight("triton"), weight("torch")
+    compiled = compile_static(eager)
     return {
         "fwd": {
             "triton kernel": lambda: launch(terms, stack, params),
-            "triton": lambda: weight("triton")(gparams),
-            "torch": lambda: weight("torch")(gparams),
+            "triton": lambda: fused(gparams),
+            "torch": lambda: eager(gparams),
             "torch compile": lambda: compiled(gparams),
         },
         "fwd+bwd": {
-            "triton": fwd_bwd(weight("triton")),
-            "torch": fwd_bwd(weight("torch")),
+            "triton": fwd_bwd(fused),
+            "torch": fwd_bwd(eager),
             "torch compile": fwd_bwd(compiled),
         },
     }

@@ -170,6 +170,14 @@ def as64(terms: dict[str, Tensor | None]) -> dict[str, Tensor | None]:
     return {n: None if x is None else x.double() for n, x in terms.items()}
 
 
+def weighted_sum(fn, stack: gb.Stack, params: tuple, absent: dict, cotangent: Tensor):
+    """`terms -> sum(fn(terms) * cotangent)`: its gradient is the op's vector-Jacobian product.
+
+    `fn` is the kernel op or its reference; `absent` holds the `None` terms (`split`).
+    """
+    return lambda t: (fn(Terms(**t, **absent), stack, params) * cotangent).sum()
+
+
 def split(terms: dict[str, Tensor | None]) -> tuple[dict[str, Tensor], dict[str, None]]:
     """Tensors to differentiate, and the `None` hidden layers of a one-layer g-net, apart."""
     return {n: x for n, x in terms.items() if x is not None}, {
@@ -235,11 +243,10 @@ def test_grad_of_op_matches_grad_of_reference(case):
     ).to(KERNEL_DEVICE)
     tensors, absent = split(terms)
 
-    def loss(fn, cot):
-        return lambda t: (fn(Terms(**t, **absent), stack, params) * cot).sum()
-
-    got = grad(loss(kernels.generate, cotangent))(tensors)
-    expected = grad(loss(forward_reference.generate, cotangent.double()))(as64(tensors))
+    got = grad(weighted_sum(kernels.generate, stack, params, absent, cotangent))(tensors)
+    expected = grad(
+        weighted_sum(forward_reference.generate, stack, params, absent, cotangent.double())
+    )(as64(tensors))
     assert set(got) == set(tensors)
     for name in tensors:
         assert_close(got[name], expected[name], reductions(stack)[1], f"grad_{name}")
@@ -465,10 +472,9 @@ def test_gpu_every_autotune_config_matches_reference(case, all_autotune_configs,
     out = forward_reference.generate(Terms(**as64(tensors), **absent), stack, params)
     cotangent = torch.randn(out.shape, dtype=torch.float64, device=out.device)
 
-    def loss(fn, cot):
-        return lambda t: (fn(Terms(**t, **absent), stack, params) * cot).sum()
-
-    expected = grad(loss(forward_reference.generate, cotangent))(as64(tensors))
+    expected = grad(weighted_sum(forward_reference.generate, stack, params, absent, cotangent))(
+        as64(tensors)
+    )
     forward, backward = (k.configs for k in all_autotune_configs)
     for step in range(max(len(forward), len(backward))):
         configs = (forward[step % len(forward)], backward[step % len(backward)])
@@ -477,7 +483,9 @@ def test_gpu_every_autotune_config_matches_reference(case, all_autotune_configs,
         label = " / ".join(str(c) for c in configs)
         got = kernels.generate(Terms(**tensors, **absent), stack, params)
         assert_close(got, out, reductions(stack)[0], label)
-        grads = grad(loss(kernels.generate, cotangent.float()))(tensors)
+        grads = grad(weighted_sum(kernels.generate, stack, params, absent, cotangent.float()))(
+            tensors
+        )
         for name in tensors:
             assert_close(grads[name], expected[name], reductions(stack)[1], f"{label}: grad_{name}")
 
@@ -495,14 +503,13 @@ def test_gpu_autotune_sweep_picks_a_config_per_shape(all_autotune_configs):
         tensors, absent = split(case.terms(torch.float32))
         cotangent = torch.randn(sum(p.numel for p in params), device=KERNEL_DEVICE)
 
-        def loss(fn, cot, stack=stack, params=params, absent=absent):
-            return lambda t: (fn(Terms(**t, **absent), stack, params) * cot).sum()
-
         out = kernels.generate(Terms(**tensors, **absent), stack, params)
         expected = forward_reference.generate(Terms(**as64(tensors), **absent), stack, params)
         assert_close(out, expected, reductions(stack)[0], str(tile))
-        got = grad(loss(kernels.generate, cotangent))(tensors)
-        want = grad(loss(forward_reference.generate, cotangent.double()))(as64(tensors))
+        got = grad(weighted_sum(kernels.generate, stack, params, absent, cotangent))(tensors)
+        want = grad(
+            weighted_sum(forward_reference.generate, stack, params, absent, cotangent.double())
+        )(as64(tensors))
         for name in tensors:
             assert_close(got[name], want[name], reductions(stack)[1], f"{tile}: grad_{name}")
     tuned = [
