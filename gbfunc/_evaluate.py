@@ -144,9 +144,8 @@ def _reads_units_major(stack: Stack, w_in: Tensor, compiled: bool) -> bool:
     """Whether the tile MLP's forward runs as compiled code that reads `units_major_columns`:
     one hidden layer and one output (a fused reduction), traced or compiled eagerly, on tiles
     wide enough for it (`reads_units_major_columns`)."""
-    one_reduction = stack.genome.depth == 1 and stack.outputs == 1
     wide = reads_units_major_columns(stack.columns, w_in.dtype, w_in.device)
-    return one_reduction and wide and (compiled or torch.compiler.is_compiling())
+    return stack.one_reduction and wide and (compiled or torch.compiler.is_compiling())
 
 
 def _constant(make: Callable[..., Tensors], *args: Hashable) -> Tensors:

@@ -38,10 +38,9 @@ _SELECTIONS: dict[tuple, Selection] = {}
 def fits_graph(stack: Stack) -> bool:
     """Whether a graph may hold this stack whole: inductor fuses its MLP into reductions (one
     hidden layer, one output) or its transient is no larger than one compiled chunk."""
-    genome = stack.genome
-    if genome.depth == 1 and stack.outputs == 1:
+    if stack.one_reduction:
         return True
-    transient = stack.num_tiles * stack.tile[0] * stack.columns * genome.hidden
+    transient = stack.num_tiles * stack.tile[0] * stack.columns * stack.genome.hidden
     return transient <= _tilemlp.COMPILED_CHUNK_ELEMENTS
 
 

@@ -117,6 +117,13 @@ class Stack:
         return tuple(g for g, n in enumerate(self.tiles_per_gnet) for _ in range(n))
 
     @property
+    def one_reduction(self) -> bool:
+        """One hidden layer and one output: the tile MLP, forward and backward, is a sum over
+        the hidden units that compiled code keeps in registers, with no `(T, TH, Q, H)`
+        transient in memory."""
+        return self.genome.depth == 1 and self.outputs == 1
+
+    @property
     def tile_flops(self) -> int:
         """FLOPs of one tile's forward generation: the tile's two small first-layer matmuls
         (`2H (TH R + Q C)`), then per evaluation the separable sum and activation (`3H`), the

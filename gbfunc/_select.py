@@ -258,12 +258,25 @@ class Selection:
 
         A split's backward is one concatenation; slicing the stack once per parameter makes a
         zero-filled stack-sized gradient per slice and adds them up (row g-nets' eager
-        generation: 9.1 -> 8.0 ms). Compiled, splitting is faster too (the MLP's
-        `compression=10` step: 27.5 -> 21.6 ms) but peaks higher (8.3 -> 11.9 MiB): inductor
-        keeps the concatenation beside its parts.
+        generation: 9.1 -> 8.0 ms).
+
+        Traced (`torch.compile`, or eager `gb.apply`'s graph), stacks whose tile MLP is one
+        fused reduction (`Stack.one_reduction`) are sliced instead, as fast there: inductor
+        allocates a split's concatenated gradient whole when the first weight's gradient
+        arrives, at the start of a training step's backward, where the model's activations
+        peak; the slices' gradients it adds up in one kernel after the last one. Peak of a
+        step, split -> sliced (`benchmarks/bench_memory.py`, 2026-11-26): the character
+        transformer compiled, `compression=20` 72.45 -> 71.64 MiB and `hidden=8` 73.35 ->
+        71.12 (the plain model's: 73.32); the MLP's torchGB genome 8.74 -> 6.83 compiled,
+        9.73 -> 6.37 eager. Where the stack's backward holds transients larger than its tiles
+        (units-major hidden activations), slices keep every weight's gradient beside their sum
+        while those run, and the end of the backward peaks instead: the MLP's `outputs=16`
+        compiled, 13.78 -> 18.34 MiB (the plain model's: 16.78); hence only one reduction.
         """
         parts: dict[tuple[int, int] | None, Tensor] = {None: stack_tiles}
         spans = self._splits[s]
+        if torch.compiler.is_compiling() and self.plan.stacks[s].one_reduction:
+            spans = None
         if spans is not None:
             sizes = [stop - start for start, stop in spans]
             split = stack_tiles.split(sizes) if len(sizes) > 1 else (stack_tiles,)

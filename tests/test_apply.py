@@ -329,3 +329,46 @@ def test_traced_one_output_forwards_of_wide_tiles_read_the_units_major_column_te
     assert len(read) == 1
     torch.testing.assert_close(read[0], units_major_columns(stack, leaves))
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize(("outputs", "split_when_traced"), [(1, False), (4, True)])
+def test_traced_stacks_of_one_reduction_are_sliced_not_split(
+    monkeypatch, outputs, split_when_traced
+):
+    """Op by op, a stack's tiles are split into its weights' blocks (the backward is one
+    concatenation). Traced, a one-reduction stack's are sliced instead (inductor would allocate
+    the concatenated gradient at the first weight's gradient, where a step's backward peaks);
+    other stacks stay split. The weights and their gradients are the same either way."""
+    from gbfunc._select import Selection, full_region
+
+    model = nn.Sequential(nn.Linear(24, 16), nn.ReLU(), nn.Linear(16, 16))
+    plan = gb.plan(model, tile=(8, 8), outputs=outputs)
+    regions = {p.name: full_region(p.shape) for p in plan.generated}
+    assert len(plan.stacks) == 1
+    assert len(plan.generated) == 2
+    splits = []
+    split = Selection._split
+
+    def spy(self, s, stack_tiles):
+        parts = split(self, s, stack_tiles)
+        splits.append(len(parts) > 1)
+        return parts
+
+    monkeypatch.setattr(Selection, "_split", spy)
+    generator = torch.Generator().manual_seed(2)
+    cotangents = {p.name: torch.randn(p.shape, generator=generator) for p in plan.generated}
+
+    def pullback(traced):
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: traced)
+        gparams = gb.init(plan, seed=1)
+        params = Selection(plan, regions).apply(gparams)
+        sum((params[n] * g).sum() for n, g in cotangents.items()).backward()
+        return params, [leaf.grad for leaf in torch.utils._pytree.tree_leaves(gparams["stacks"])]
+
+    want, want_grads = pullback(traced=False)
+    got, got_grads = pullback(traced=True)
+    assert splits == [True, split_when_traced]
+    for name in want:
+        torch.testing.assert_close(got[name], want[name])
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w)
