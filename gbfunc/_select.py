@@ -260,22 +260,22 @@ class Selection:
         zero-filled stack-sized gradient per slice and adds them up (row g-nets' eager
         generation: 9.1 -> 8.0 ms).
 
-        Traced (`torch.compile`, or eager `gb.apply`'s graph), stacks whose tile MLP is one
-        fused reduction (`Stack.one_reduction`) are sliced instead, as fast there: inductor
-        allocates a split's concatenated gradient whole when the first weight's gradient
-        arrives, at the start of a training step's backward, where the model's activations
-        peak; the slices' gradients it adds up in one kernel after the last one. Peak of a
-        step, split -> sliced (`benchmarks/bench_memory.py`, 2026-11-26): the character
-        transformer compiled, `compression=20` 72.45 -> 71.64 MiB and `hidden=8` 73.35 ->
-        71.12 (the plain model's: 73.32); the MLP's torchGB genome 8.74 -> 6.83 compiled,
-        9.73 -> 6.37 eager. Where the stack's backward holds transients larger than its tiles
-        (units-major hidden activations), slices keep every weight's gradient beside their sum
-        while those run, and the end of the backward peaks instead: the MLP's `outputs=16`
-        compiled, 13.78 -> 18.34 MiB (the plain model's: 16.78); hence only one reduction.
+        Traced (`torch.compile`, or eager `gb.apply`'s graph), stacks whose backward holds
+        no transient larger than their tiles (`_sliced_when_traced`) are sliced instead, as
+        fast there: inductor allocates a split's concatenated gradient whole when the first
+        weight's gradient arrives, at the start of a training step's backward, where the
+        model's activations peak; the slices' gradients it adds up in one kernel after the
+        last one. Peak of a step, split -> sliced (`benchmarks/bench_memory.py`,
+        2026-11-26): the character transformer compiled, the main job's hashed plan 73.70 ->
+        72.50 MiB and `hidden=8, compression=20` 73.35 -> 71.12 (the plain model's: 73.32);
+        the MLP's torchGB genome 8.74 -> 6.83 compiled, 9.73 -> 6.37 eager. Slices keep every
+        weight's gradient beside their sum while the stack's backward runs: where that holds
+        larger transients, the end of the backward peaks instead (the MLP's `outputs=16`, 32
+        hidden units, compiled: 13.78 -> 18.34 MiB; the plain model's: 16.78).
         """
         parts: dict[tuple[int, int] | None, Tensor] = {None: stack_tiles}
         spans = self._splits[s]
-        if torch.compiler.is_compiling() and self.plan.stacks[s].one_reduction:
+        if torch.compiler.is_compiling() and _sliced_when_traced(self.plan.stacks[s]):
             spans = None
         if spans is not None:
             sizes = [stop - start for start, stop in spans]
@@ -312,6 +312,14 @@ class Selection:
                 for rows in self._rows[name, k]
             ]
         return self._index[key]
+
+
+def _sliced_when_traced(stack: Stack) -> bool:
+    """Whether traced code slices `stack`'s tiles into its weights rather than splitting them
+    (`Selection._split`): where its backward holds nothing larger than the tiles. One hidden
+    layer, and one output (a fused reduction, no transient) or no more hidden units than
+    outputs (units-major hidden activations `(T, H, Q * TH)` against tiles `(T, TH, Q * P)`)."""
+    return stack.one_reduction or (stack.genome.depth == 1 and stack.genome.hidden <= stack.outputs)
 
 
 def _rows_of(split: dict[tuple[int, int] | None, Tensor], rows: slice | Tensor) -> Tensor:

@@ -331,18 +331,22 @@ def test_traced_one_output_forwards_of_wide_tiles_read_the_units_major_column_te
     torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize(("outputs", "split_when_traced"), [(1, False), (4, True)])
-def test_traced_stacks_of_one_reduction_are_sliced_not_split(
-    monkeypatch, outputs, split_when_traced
+@pytest.mark.parametrize(
+    ("outputs", "hidden", "depth", "split_when_traced"),
+    [(1, 32, 1, False), (4, 4, 1, False), (4, 8, 1, True), (1, 4, 2, True)],
+)
+def test_traced_stacks_whose_backward_holds_no_more_than_their_tiles_are_sliced_not_split(
+    monkeypatch, outputs, hidden, depth, split_when_traced
 ):
     """Op by op, a stack's tiles are split into its weights' blocks (the backward is one
-    concatenation). Traced, a one-reduction stack's are sliced instead (inductor would allocate
-    the concatenated gradient at the first weight's gradient, where a step's backward peaks);
-    other stacks stay split. The weights and their gradients are the same either way."""
+    concatenation). Traced, they are sliced where the stack's backward holds nothing larger
+    than its tiles: one hidden layer, and one output or no more hidden units than outputs
+    (inductor would allocate the concatenated gradient at the first weight's gradient, where
+    a step's backward peaks). The weights and their gradients are the same either way."""
     from gbfunc._select import Selection, full_region
 
     model = nn.Sequential(nn.Linear(24, 16), nn.ReLU(), nn.Linear(16, 16))
-    plan = gb.plan(model, tile=(8, 8), outputs=outputs)
+    plan = gb.plan(model, tile=(8, 8), outputs=outputs, hidden=hidden, depth=depth)
     regions = {p.name: full_region(p.shape) for p in plan.generated}
     assert len(plan.stacks) == 1
     assert len(plan.generated) == 2
