@@ -49,15 +49,38 @@ def evaluate_stack(
         recompute: Use the recomputing backward (`tile_mlp`); False runs plain autograd.
         compiled: Run `tile_mlp` eagerly through compiled code (see `gb.apply`).
     """
+    (tiles,) = evaluate_parts(stack, leaves, None, recompute=recompute, compiled=compiled)
+    return tiles
+
+
+def evaluate_parts(
+    stack: Stack,
+    leaves: Mapping[str, Tensor],
+    spans: Sequence[tuple[int, int]] | None,
+    *,
+    recompute: bool = True,
+    compiled: bool = False,
+) -> tuple[Tensor, ...]:
+    """`evaluate_stack` cut into the consecutive tile ranges `spans` (None: one part, the
+    whole stack), each part with a gradient of its own that the tile MLP's backward takes
+    apart (`tile_mlp`)."""
     terms = stack_terms(stack, leaves)
+    spans = None if spans is None else tuple(spans)
     if recompute:
         units_major = _reads_units_major(stack, leaves["w_in"], compiled)
         b_t = units_major_columns(stack, leaves) if units_major else None
-        y = tile_mlp(terms, stack.genome.activation, compiled, b_t)  # (T, TH, Q, P)
+        parts = tile_mlp(terms, stack.genome.activation, compiled, b_t, spans)  # (T, TH, Q, P)
     else:
         y = reference(terms, stack.genome.activation)
-    y = y.reshape(y.shape[0], y.shape[1], -1)
-    return y + hashed_tiles(stack, leaves["tile_hash"]) if stack.genome.hashed else y
+        parts = y if spans is None else tuple(y[lo:hi] for lo, hi in spans)
+    parts = (parts,) if spans is None else parts
+    ranges = spans or ((0, stack.num_tiles),)
+    hashed = hashed_tiles(stack, leaves["tile_hash"]) if stack.genome.hashed else None
+    out = []
+    for y, (lo, hi) in zip(parts, ranges, strict=True):
+        y = y.reshape(y.shape[0], y.shape[1], -1)
+        out.append(y if hashed is None else y + hashed[lo:hi])
+    return tuple(out)
 
 
 def evaluate_tiles(
@@ -67,8 +90,22 @@ def evaluate_tiles(
 
     Only the g-nets of those tiles run; gradients flow back into their rows of `leaves`.
     """
+    (out,) = evaluate_tile_parts(stack, leaves, tiles, None, compiled=compiled)
+    return out
+
+
+def evaluate_tile_parts(
+    stack: Stack,
+    leaves: Mapping[str, Tensor],
+    tiles: Sequence[int],
+    spans: Sequence[tuple[int, int]] | None,
+    *,
+    compiled: bool = False,
+) -> tuple[Tensor, ...]:
+    """`evaluate_tiles` cut into `spans`, consecutive ranges of positions in `tiles`, each
+    part with a gradient of its own (`evaluate_parts`)."""
     if list(tiles) == list(range(stack.num_tiles)):
-        return evaluate_stack(stack, leaves, compiled=compiled)
+        return evaluate_parts(stack, leaves, spans, compiled=compiled)
     device = leaves["w_in"].device
     owner = stack.gnet_of_tile
     per_gnet = Counter(owner[t] for t in tiles)
@@ -79,7 +116,7 @@ def evaluate_tiles(
     sub = {
         k: v.index_select(0, by_tile if k in TILE_LEAVES else by_gnet) for k, v in leaves.items()
     }
-    return evaluate_stack(replace(stack, tiles_per_gnet=counts), sub, compiled=compiled)
+    return evaluate_parts(replace(stack, tiles_per_gnet=counts), sub, spans, compiled=compiled)
 
 
 def hashed_tiles(stack: Stack, table: Tensor) -> Tensor:

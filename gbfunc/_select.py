@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ._evaluate import compiles_eagerly, evaluate_tiles
+from ._evaluate import compiles_eagerly, evaluate_tile_parts, evaluate_tiles
 from ._plan import Free, Generated, Plan, Stack
 from ._realised import realised
 from ._tree import GParams
@@ -219,6 +219,13 @@ class Selection:
             stack = self.plan.stacks[s]
             leaves = gparams["stacks"][stack.key]
             compiled = compiles_eagerly(stack, compile)
+            spans = self._splits[s]
+            if spans is not None and torch.compiler.is_compiling():
+                # Traced, the parts come apart out of the tile MLP: the backward then never
+                # assembles the stack's gradient (`tile_mlp`).
+                parts = evaluate_tile_parts(stack, leaves, indices, spans, compiled=compiled)
+                tiles[s] = dict(zip(spans, parts, strict=True))
+                continue
             tiles[s] = self._split(s, evaluate_tiles(stack, leaves, indices, compiled=compiled))
         return parameters(
             self._params.values(),
@@ -240,15 +247,17 @@ class Selection:
 
     def _partition(self, s: int) -> list[tuple[int, int]] | None:
         """The row ranges of stack `s`'s evaluated tiles that the pieces read, where they are
-        consecutive and cover every row once (a whole plan's blocks): split, not sliced."""
-        spans = {
-            (rows.start, rows.stop)
+        consecutive ranges that cover every row once (a whole plan's blocks): split, not
+        sliced."""
+        rows_of_stack = [
+            rows
             for (name, _), pieces in self._rows.items()
             if self._params[name].stack_index == s
             for rows in pieces
-            if isinstance(rows, slice)
-        }
-        ordered = sorted(spans)
+        ]
+        if not all(isinstance(rows, slice) for rows in rows_of_stack):
+            return None
+        ordered = sorted({(rows.start, rows.stop) for rows in rows_of_stack})
         stops = [0] + [stop for _, stop in ordered]
         covers = [start for start, _ in ordered] == stops[:-1] and stops[-1] == len(self.tiles[s])
         return ordered if covers else None
@@ -258,25 +267,10 @@ class Selection:
 
         A split's backward is one concatenation; slicing the stack once per parameter makes a
         zero-filled stack-sized gradient per slice and adds them up (row g-nets' eager
-        generation: 9.1 -> 8.0 ms).
-
-        Traced (`torch.compile`, or eager `gb.apply`'s graph), stacks whose backward holds
-        no transient larger than their tiles (`_sliced_when_traced`) are sliced instead, as
-        fast there: inductor allocates a split's concatenated gradient whole when the first
-        weight's gradient arrives, at the start of a training step's backward, where the
-        model's activations peak; the slices' gradients it adds up in one kernel after the
-        last one. Peak of a step, split -> sliced (`benchmarks/bench_memory.py`,
-        2026-11-26): the character transformer compiled, the main job's hashed plan 73.70 ->
-        72.50 MiB and `hidden=8, compression=20` 73.35 -> 71.12 (the plain model's: 73.32);
-        the MLP's torchGB genome 8.74 -> 6.83 compiled, 9.73 -> 6.37 eager. Slices keep every
-        weight's gradient beside their sum while the stack's backward runs: where that holds
-        larger transients, the end of the backward peaks instead (the MLP's `outputs=16`, 32
-        hidden units, compiled: 13.78 -> 18.34 MiB; the plain model's: 16.78).
+        generation: 9.1 -> 8.0 ms). Traced, `apply` takes the parts from the tile MLP instead.
         """
         parts: dict[tuple[int, int] | None, Tensor] = {None: stack_tiles}
         spans = self._splits[s]
-        if torch.compiler.is_compiling() and _sliced_when_traced(self.plan.stacks[s]):
-            spans = None
         if spans is not None:
             sizes = [stop - start for start, stop in spans]
             split = stack_tiles.split(sizes) if len(sizes) > 1 else (stack_tiles,)
@@ -287,7 +281,8 @@ class Selection:
         self, p: Generated, k: int, region: Region, tiles: dict[int, dict[object, Tensor]]
     ) -> Tensor:
         split = tiles[p.stack_index]
-        parts = [_rows_of(split, rows) for rows in self._indices(p.name, k, split[None].device)]
+        device = next(iter(split.values())).device
+        parts = [_rows_of(split, rows) for rows in self._indices(p.name, k, device)]
         stack = self.plan.stacks[p.stack_index]
         return lay_out(p, stack, region, self._pieces[p.name, k], parts)
 
@@ -314,22 +309,13 @@ class Selection:
         return self._index[key]
 
 
-def _sliced_when_traced(stack: Stack) -> bool:
-    """Whether traced code slices `stack`'s tiles into its weights rather than splitting them
-    (`Selection._split`): where its backward holds nothing larger than the tiles. One hidden
-    layer, and one output (a fused reduction, no transient) or no more hidden units than
-    outputs (units-major hidden activations `(T, H, Q * TH)` against tiles `(T, TH, Q * P)`)."""
-    return stack.one_reduction or (stack.genome.depth == 1 and stack.genome.hidden <= stack.outputs)
-
-
 def _rows_of(split: dict[tuple[int, int] | None, Tensor], rows: slice | Tensor) -> Tensor:
-    """Rows `rows` of a stack's evaluated tiles, from `Selection._split`'s parts where one is
+    """Rows `rows` of a stack's evaluated tiles (key None), from its parts where one is
     exactly those rows."""
-    stack_tiles = split[None]
     if isinstance(rows, Tensor):
-        return stack_tiles.index_select(0, rows)
+        return split[None].index_select(0, rows)
     part = split.get((rows.start, rows.stop))
-    return stack_tiles[rows] if part is None else part
+    return split[None][rows] if part is None else part
 
 
 def _parts(region: Region | Concat) -> tuple[tuple[Region, ...], int]:

@@ -479,16 +479,28 @@ def _backward_body(grad: Tensor, *inputs) -> tuple:
     return tuple(_backward_recompute(grad, Terms(*saved, None), activation))
 
 
+def _backward_per_range(terms: Terms) -> bool:
+    """Whether traced code runs the backward once per tile range (`tile_mlp`'s `spans`)
+    rather than once on their concatenation: except for one-layer, one-output g-nets whose
+    hidden units are reduced one at a time (`_vectorised_units`), three reductions per unit,
+    which per range multiplied the compiled graph (the main job's transformer, `hidden=8,
+    compression=20`, compiled step: first call 34 -> 176 s)."""
+    a, _, _, w_hidden, _, w_out, _ = terms
+    one_reduction = w_hidden is None and w_out.shape[-1] == 1
+    return not one_reduction or _vectorised_units(a) == a.shape[-1]
+
+
 class _TileMLP(torch.autograd.Function):
     """`reference` with a recomputing backward; its arguments are a flat `Terms`, `b_t`
-    (see `tile_mlp`), the activation and whether to run compiled bodies (`autograd.Function`
-    takes tensors one by one)."""
+    (see `tile_mlp`), the activation, whether to run compiled bodies and the tile ranges
+    to return apart, or None (`autograd.Function` takes tensors one by one)."""
 
     @staticmethod
-    def forward(a, b, c, w_hidden, b_hidden, w_out, b_out, b_t, activation, compiled):
+    def forward(a, b, c, w_hidden, b_hidden, w_out, b_out, b_t, activation, compiled, spans):
         # Named, not `*inputs`: dynamo, inlining a Function none of whose inputs requires grad
         # (under vmap, with frozen g-nets), passes `ctx` first unless the arity matches.
         terms = Terms(a, b, c, w_hidden, b_hidden, w_out, b_out)
+        out = None
         if compiled and plain_eager():
             # Detached: autograd records this Function, not what runs inside (no_grad here).
             detached = Terms(*(None if x is None else x.detach() for x in terms))
@@ -498,26 +510,40 @@ class _TileMLP(torch.autograd.Function):
                 for lo, hi in _compiled_chunks(detached)
             ]
             if all(out is not None for out in outs):
-                return _joined(outs)
-        num_tiles, rows, hidden = terms.a.shape
-        parts = _chunks(num_tiles, rows * terms.b.shape[1] * hidden)
-        return _joined(
-            [
-                _forward_no_save(terms.tiles(lo, hi), activation, _rows(b_t, lo, hi))
-                for lo, hi in parts
-            ]
-        )
+                out = _joined(outs)
+        if out is None:
+            num_tiles, rows, hidden = terms.a.shape
+            parts = _chunks(num_tiles, rows * terms.b.shape[1] * hidden)
+            out = _joined(
+                [
+                    _forward_no_save(terms.tiles(lo, hi), activation, _rows(b_t, lo, hi))
+                    for lo, hi in parts
+                ]
+            )
+        return out if spans is None else tuple(out[lo:hi] for lo, hi in spans)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        *flat, _, activation, compiled = inputs
+        *flat, _, activation, compiled, spans = inputs
         ctx.save_for_backward(*flat[:-1])  # b_out is not needed, nor b_t (b holds its values)
-        ctx.activation, ctx.compiled = activation, compiled
+        ctx.activation, ctx.compiled, ctx.spans = activation, compiled, spans
 
     @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
+    def backward(ctx, *grads):
         terms = Terms(*ctx.saved_tensors, None)
+        if ctx.spans is not None and torch.compiler.is_compiling():
+            if _backward_per_range(terms):
+                # Each range's gradient goes through the backward on its own: the whole
+                # stack's gradient is never assembled (see `tile_mlp`).
+                results = [
+                    tuple(_backward_recompute(g.contiguous(), terms.tiles(lo, hi), ctx.activation))
+                    for g, (lo, hi) in zip(grads, ctx.spans, strict=True)
+                ]
+                return (*_joined(results), None, None, None, None)
+            # Assembled once every range's gradient exists, not from the first one on.
+            last = torch.cat([g.reshape(-1)[:1] for g in grads])
+            grads = tuple(_after(g, last) for g in grads)
+        grad = (grads[0] if len(grads) == 1 else torch.cat(grads)).contiguous()
         if ctx.compiled and plain_eager() and not torch.is_grad_enabled():  # not create_graph
             saved = Terms(*(None if x is None else x.detach() for x in terms))
             results = [
@@ -525,14 +551,14 @@ class _TileMLP(torch.autograd.Function):
                 for lo, hi in _compiled_chunks(saved)
             ]
             if all(result is not None for result in results):
-                return (*_joined(results), None, None, None)
+                return (*_joined(results), None, None, None, None)
         a, b = terms.a, terms.b
         parts = _chunks(a.shape[0], a.shape[1] * b.shape[1] * a.shape[2])
         results = [
             tuple(_backward_recompute(grad[lo:hi], terms.tiles(lo, hi), ctx.activation))
             for lo, hi in parts
         ]
-        return (*_joined(results), None, None, None)
+        return (*_joined(results), None, None, None, None)
 
     @staticmethod
     def vmap(info, in_dims, *inputs):
@@ -545,15 +571,22 @@ class _TileMLP(torch.autograd.Function):
             x = x.unsqueeze(0).expand(size, *x.shape) if dim is None else x.movedim(dim, 0)
             return x.reshape(size * x.shape[1], *x.shape[2:])
 
-        *flat, activation, compiled = inputs
+        *flat, activation, compiled, spans = inputs
         args = [fold(x, d) for x, d in zip(flat, in_dims, strict=False)]
-        out = _TileMLP.apply(*args, activation, compiled)
-        return out.reshape(size, -1, *out.shape[1:]), 0
+        out = _TileMLP.apply(*args, activation, compiled, None)
+        out = out.reshape(size, -1, *out.shape[1:])
+        if spans is None:
+            return out, 0
+        return tuple(out[:, lo:hi] for lo, hi in spans), (0,) * len(spans)
 
 
 def tile_mlp(
-    terms: Terms, activation: str, compiled: bool = False, b_t: Tensor | None = None
-) -> Tensor:
+    terms: Terms,
+    activation: str,
+    compiled: bool = False,
+    b_t: Tensor | None = None,
+    spans: tuple[tuple[int, int], ...] | None = None,
+) -> Tensor | tuple[Tensor, ...]:
     """`reference`, with a backward that recomputes instead of saving `(T, TH, Q, H)`.
 
     With `compiled`, plain eager calls run the forward and the backward as code compiled
@@ -562,5 +595,11 @@ def tile_mlp(
     compiled code's one-layer, one-output forward reads it instead of `b` (pass it where
     `reads_units_major_columns`). Its gradient is returned through `b` (None for `b_t`), so
     the two must hold the same values.
+
+    `spans`, optional: consecutive tile ranges `(start, stop)` covering the stack; the output
+    is returned cut into them, one tensor each. Traced, the backward then runs once per range
+    on that range's gradient, so the whole stack's gradient is never assembled: a concatenation
+    of gradients arriving one weight at a time, which inductor allocates whole at the first,
+    at the start of a training step's backward, where the model's activations peak.
     """
-    return _TileMLP.apply(*terms, b_t, activation, compiled)
+    return _TileMLP.apply(*terms, b_t, activation, compiled, spans)

@@ -332,47 +332,71 @@ def test_traced_one_output_forwards_of_wide_tiles_read_the_units_major_column_te
 
 
 @pytest.mark.parametrize(
-    ("outputs", "hidden", "depth", "split_when_traced"),
-    [(1, 32, 1, False), (4, 4, 1, False), (4, 8, 1, True), (1, 4, 2, True)],
+    ("outputs", "hidden", "depth", "per_weight"),
+    [(1, 32, 1, True), (4, 8, 1, True), (1, 4, 2, True), (1, 4, 1, False)],
 )
-def test_traced_stacks_whose_backward_holds_no_more_than_their_tiles_are_sliced_not_split(
-    monkeypatch, outputs, hidden, depth, split_when_traced
+def test_traced_tile_mlps_return_each_weights_tiles_apart_and_take_their_gradients_apart(
+    monkeypatch, outputs, hidden, depth, per_weight
 ):
-    """Op by op, a stack's tiles are split into its weights' blocks (the backward is one
-    concatenation). Traced, they are sliced where the stack's backward holds nothing larger
-    than its tiles: one hidden layer, and one output or no more hidden units than outputs
-    (inductor would allocate the concatenated gradient at the first weight's gradient, where
-    a step's backward peaks). The weights and their gradients are the same either way."""
-    from gbfunc._select import Selection, full_region
+    """Traced, a stack's tile MLP returns its weights' tiles as separate outputs and its
+    backward runs once per weight, on that weight's gradient: the stack's gradient is never
+    concatenated (inductor would allocate it at the first weight's gradient, where a step's
+    backward peaks). One-output g-nets whose units are reduced one at a time (4 units here,
+    fewer than half a vector register) run it once, on the gradients concatenated once all
+    exist. Op by op it runs once. The weights and the gradients are the same either way."""
+    from gbfunc import _tilemlp
 
     model = nn.Sequential(nn.Linear(24, 16), nn.ReLU(), nn.Linear(16, 16))
     plan = gb.plan(model, tile=(8, 8), outputs=outputs, hidden=hidden, depth=depth)
-    regions = {p.name: full_region(p.shape) for p in plan.generated}
     assert len(plan.stacks) == 1
-    assert len(plan.generated) == 2
-    splits = []
-    split = Selection._split
+    sizes = [p.numel // 64 for p in plan.generated]  # tiles of each weight
+    assert sizes == [6, 4]
+    backward_tiles = []
+    backward = _tilemlp._backward_recompute
 
-    def spy(self, s, stack_tiles):
-        parts = split(self, s, stack_tiles)
-        splits.append(len(parts) > 1)
-        return parts
+    def spy(grad, terms, activation):
+        backward_tiles.append(grad.shape[0])
+        return backward(grad, terms, activation)
 
-    monkeypatch.setattr(Selection, "_split", spy)
+    monkeypatch.setattr(_tilemlp, "_backward_recompute", spy)
     generator = torch.Generator().manual_seed(2)
     cotangents = {p.name: torch.randn(p.shape, generator=generator) for p in plan.generated}
 
     def pullback(traced):
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: traced)
+        backward_tiles.clear()
         gparams = gb.init(plan, seed=1)
-        params = Selection(plan, regions).apply(gparams)
+        params = gb.apply(gparams, plan, compile=False)
         sum((params[n] * g).sum() for n, g in cotangents.items()).backward()
-        return params, [leaf.grad for leaf in torch.utils._pytree.tree_leaves(gparams["stacks"])]
+        leaves = torch.utils._pytree.tree_leaves(gparams["stacks"])
+        return params, [leaf.grad for leaf in leaves], list(backward_tiles)
 
-    want, want_grads = pullback(traced=False)
-    got, got_grads = pullback(traced=True)
-    assert splits == [True, split_when_traced]
+    want, want_grads, eager_calls = pullback(traced=False)
+    got, got_grads, traced_calls = pullback(traced=True)
+    assert eager_calls == [10]
+    assert traced_calls == (sizes if per_weight else [10])
     for name in want:
         torch.testing.assert_close(got[name], want[name])
     for g, w in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(g, w)
+
+
+@pytest.mark.slow
+def test_compiled_gradients_through_per_weight_tile_mlp_outputs_match_eager_ones():
+    """`torch.compile` (AOTAutograd, no inductor) of a loss through `gb.apply` of a stack that
+    generates two weights, hashed and shared genomes included: the same gradients as eager."""
+    from torch.func import functional_call, grad
+
+    model = nn.Sequential(nn.Linear(24, 16), nn.ReLU(), nn.Linear(16, 16))
+    x = torch.randn(5, 24, generator=torch.Generator().manual_seed(3))
+    for kwargs in ({}, {"outputs": 4, "hidden": 8}, {"hashed": 7}, {"share": True}):
+        plan = gb.plan(model, tile=(8, 8), **kwargs)
+
+        def loss(gparams, plan=plan):
+            return functional_call(model, gb.apply(gparams, plan), (x,)).square().sum()
+
+        gparams = gb.init(plan, seed=1, requires_grad=False)
+        want = grad(loss)(gparams)
+        got = torch.compile(grad(loss), backend="aot_eager", fullgraph=True)(gparams)
+        for g, w in zip(*map(torch.utils._pytree.tree_leaves, (got, want)), strict=True):
+            torch.testing.assert_close(g, w)
