@@ -247,8 +247,8 @@ class Selection:
 
     def _partition(self, s: int) -> list[tuple[int, int]] | None:
         """The row ranges of stack `s`'s evaluated tiles that the pieces read, where they are
-        consecutive ranges that cover every row once (a whole plan's blocks): split, not
-        sliced."""
+        consecutive ranges that cover every row once (a whole plan's blocks): split (traced:
+        taken apart out of the tile MLP), not sliced."""
         rows_of_stack = [
             rows
             for (name, _), pieces in self._rows.items()
