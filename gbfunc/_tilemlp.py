@@ -509,7 +509,7 @@ class _TileMLP(torch.autograd.Function):
                 _compiled(_forward_body, *detached.tiles(lo, hi), _rows(b_t, lo, hi), activation)
                 for lo, hi in _compiled_chunks(detached)
             ]
-            if all(out is not None for out in outs):
+            if all(part is not None for part in outs):
                 out = _joined(outs)
         if out is None:
             num_tiles, rows, hidden = terms.a.shape
