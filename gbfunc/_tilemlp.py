@@ -60,6 +60,12 @@ class Terms(NamedTuple):
         """The terms of tiles `lo:hi` (the first axis)."""
         return Terms(*(_rows(x, lo, hi) for x in self))
 
+    @property
+    def one_reduction(self) -> bool:
+        """One hidden layer and one output (`Stack.one_reduction`): a single fused reduction
+        over the hidden units, forward and backward."""
+        return self.w_hidden is None and self.w_out.shape[-1] == 1
+
 
 def activate(z: Tensor, activation: str) -> Tensor:
     """Apply the named activation."""
@@ -123,8 +129,8 @@ def reference(terms: Terms, activation: str) -> Tensor:
 
 
 def _forward_no_save(terms: Terms, activation: str, b_t: Tensor | None = None) -> Tensor:
-    a, b, c, w_hidden, _, w_out, b_out = terms
-    if w_hidden is None and w_out.shape[-1] == 1:
+    a, b, c, _, _, w_out, b_out = terms
+    if terms.one_reduction:
         # One hidden layer, one output: a single fused reduction over H.
         if not torch.compiler.is_compiling():
             h = activate(_first_layer(a, b, c), activation)
@@ -266,8 +272,8 @@ def _one_output_by_units(row_terms: Tensor, b: Tensor, w: Tensor, activation: st
 
 def _backward_recompute(grad: Tensor, terms: Terms, activation: str) -> Terms:
     """Gradients of `reference` w.r.t. every term (`terms.b_out` is not read)."""
-    a, b, c, w_hidden, _, w_out, _ = terms
-    if w_hidden is not None or w_out.shape[-1] > 1:
+    a, b, c, _, _, w_out, _ = terms
+    if not terms.one_reduction:
         return _backward_units_major(grad, terms, activation)
     if torch.compiler.is_compiling():
         g_a, g_b, g_w_out = _fused_reductions(grad[..., 0], a, b, c, w_out[..., 0], activation)
@@ -429,7 +435,7 @@ def _chunks(num_tiles: int, per_tile: int, budget: int = CHUNK_ELEMENTS) -> list
 def _compiled_chunks(terms: Terms) -> list[tuple[int, int]]:
     """The tile ranges that compiled bodies run on: the whole stack where inductor fuses it."""
     num_tiles, rows, hidden = terms.a.shape
-    if terms.w_hidden is None and terms.w_out.shape[-1] == 1:
+    if terms.one_reduction:
         return [(0, num_tiles)]
     return _chunks(num_tiles, rows * terms.b.shape[1] * hidden, COMPILED_CHUNK_ELEMENTS)
 
@@ -485,9 +491,7 @@ def _backward_per_range(terms: Terms) -> bool:
     hidden units are reduced one at a time (`_vectorised_units`), three reductions per unit,
     which per range multiplied the compiled graph (the main job's transformer, `hidden=8,
     compression=20`, compiled step: first call 34 -> 176 s)."""
-    a, _, _, w_hidden, _, w_out, _ = terms
-    one_reduction = w_hidden is None and w_out.shape[-1] == 1
-    return not one_reduction or _vectorised_units(a) == a.shape[-1]
+    return not terms.one_reduction or _vectorised_units(terms.a) == terms.a.shape[-1]
 
 
 class _TileMLP(torch.autograd.Function):
@@ -543,7 +547,7 @@ class _TileMLP(torch.autograd.Function):
             # Assembled once every range's gradient exists, not from the first one on.
             last = torch.cat([g.reshape(-1)[:1] for g in grads])
             grads = tuple(_after(g, last) for g in grads)
-        grad = (grads[0] if len(grads) == 1 else torch.cat(grads)).contiguous()
+        grad = _joined(list(grads)).contiguous()
         if ctx.compiled and plain_eager() and not torch.is_grad_enabled():  # not create_graph
             saved = Terms(*(None if x is None else x.detach() for x in terms))
             results = [
