@@ -51,7 +51,8 @@ def generation_steps(
 ) -> tuple[Callable[[], None], Callable[[], dict]]:
     """(eager, compiled) generation of `plan`'s weights from `gparams` and the backward of the
     weight gradients `cotangents`: `gb.apply` as a step calls it, without the p-net. The eager
-    pass leaves the gradients in `gparams`' leaves; the compiled one returns them."""
+    pass leaves the gradients in `gparams`' leaves; the compiled one returns them, and the
+    weights."""
     leaves = torch.utils._pytree.tree_leaves(gparams)
 
     def eager() -> None:
@@ -61,14 +62,15 @@ def generation_steps(
         names = list(cotangents)
         torch.autograd.backward([params[n] for n in names], [cotangents[n] for n in names])
 
-    def linear_loss(tree: dict, cotangents: dict) -> torch.Tensor:
+    def linear_loss(tree: dict, cotangents: dict) -> tuple[torch.Tensor, dict]:
         params = gb.apply(tree, plan)
-        return sum((params[n] * g).sum() for n, g in cotangents.items())
+        return sum((params[n] * g).sum() for n, g in cotangents.items()), params
 
-    # The gradient of a linear loss is the pullback of `cotangents`: what `vjp` computes, in
-    # the same time (checked for torchGB's genome and row g-nets).
+    # The gradient of a linear loss is the pullback of `cotangents`. The weights come back
+    # too, as a step uses them: a gradient alone does not need the forward's output, and
+    # inductor drops its computation (a third of torchGB's generation, measured).
     fixed = torch.utils._pytree.tree_map(torch.Tensor.detach, gparams)
-    compiled_grad = compile_static(grad(linear_loss))
+    compiled_grad = compile_static(grad(linear_loss, has_aux=True))
     return eager, lambda: compiled_grad(fixed, cotangents)
 
 
