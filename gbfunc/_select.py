@@ -220,7 +220,7 @@ class Selection:
             leaves = gparams["stacks"][stack.key]
             compiled = compiles_eagerly(stack, compile)
             spans = self._splits[s]
-            if spans is not None and torch.compiler.is_compiling():
+            if spans is not None and _parts_from_tile_mlp(stack) and torch.compiler.is_compiling():
                 # Traced, the parts come apart out of the tile MLP: the backward then never
                 # assembles the stack's gradient (`tile_mlp`).
                 parts = evaluate_tile_parts(stack, leaves, indices, spans, compiled=compiled)
@@ -307,6 +307,17 @@ class Selection:
                 for rows in self._rows[name, k]
             ]
         return self._index[key]
+
+
+def _parts_from_tile_mlp(stack: Stack) -> bool:
+    """Whether traced code takes a split stack's parts out of its tile MLP (`tile_mlp`'s
+    `spans`), rather than splitting the MLP's output: all but row g-nets (one evaluation per
+    tile row, `Q == 1`). Their hidden activations are a tile row's `H` values, so there is
+    little for the parts to free early, and per part their backward runs more, smaller batched
+    matmuls: taken apart, the MLP 784-512-512-10's compiled step with row g-nets went from
+    1.00x to 1.07x (hidden 8) and from 1.04x to 1.12x (hidden 16) the plain step, one process,
+    21 interleaved rounds, for 0.8 MiB (5%) less peak memory."""
+    return stack.columns > 1
 
 
 def _rows_of(split: dict[tuple[int, int] | None, Tensor], rows: slice | Tensor) -> Tensor:

@@ -333,7 +333,7 @@ def test_traced_one_output_forwards_of_wide_tiles_read_the_units_major_column_te
 
 @pytest.mark.parametrize(
     ("outputs", "hidden", "depth", "per_weight"),
-    [(1, 32, 1, True), (4, 8, 1, True), (1, 4, 2, True), (1, 4, 1, False)],
+    [(1, 32, 1, True), (4, 8, 1, True), (1, 4, 2, True), (1, 4, 1, False), (8, 8, 1, False)],
 )
 def test_traced_tile_mlps_return_each_weights_tiles_apart_and_take_their_gradients_apart(
     monkeypatch, outputs, hidden, depth, per_weight
@@ -343,7 +343,9 @@ def test_traced_tile_mlps_return_each_weights_tiles_apart_and_take_their_gradien
     concatenated (inductor would allocate it at the first weight's gradient, where a step's
     backward peaks). One-output g-nets whose units are reduced one at a time (4 units here,
     fewer than half a vector register) run it once, on the gradients concatenated once all
-    exist. Op by op it runs once. The weights and the gradients are the same either way."""
+    exist. Row g-nets (8 outputs: one evaluation per tile row) split the MLP's output instead
+    and run it once on the whole stack's gradient. Op by op it runs once. The weights and the
+    gradients are the same either way."""
     from gbfunc import _tilemlp
 
     model = nn.Sequential(nn.Linear(24, 16), nn.ReLU(), nn.Linear(16, 16))
