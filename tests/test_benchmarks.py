@@ -382,3 +382,27 @@ def test_step_budget_generation_pass_leaves_the_gradients_of_its_linear_loss():
     for key, leaves in fresh["stacks"].items():
         for name, leaf in leaves.items():
             torch.testing.assert_close(gparams["stacks"][key][name].grad, leaf.grad)
+
+
+@pytest.mark.slow
+def test_step_budget_compiled_generation_returns_the_weights_with_their_gradients():
+    """The compiled pass computes the weights, as a step does: a gradient alone would let
+    inductor drop the forward's output (a third of torchGB's generation)."""
+    from torch import nn
+
+    import gbfunc as gb
+    from benchmarks.step_budget import generation_steps
+
+    torch.manual_seed(0)
+    plan = gb.plan(nn.Sequential(nn.Linear(20, 12), nn.ReLU(), nn.Linear(12, 3)), tile=(8, 8))
+    gparams = gb.init(plan)
+    cotangents = {p.name: torch.randn(p.shape) for p in plan.generated}
+    eager, compiled = generation_steps(plan, gparams, cotangents)
+    eager()
+    grads, weights = compiled()
+    want = gb.apply(gparams, plan)
+    for name in cotangents:
+        torch.testing.assert_close(weights[name], want[name])
+    for key, leaves in gparams["stacks"].items():
+        for name, leaf in leaves.items():
+            torch.testing.assert_close(grads["stacks"][key][name], leaf.grad)
