@@ -363,7 +363,8 @@ def test_step_budget_takes_the_steps_excess_over_its_target_off_the_generation()
     assert sgemm_gflops(2 * 1024**3 / 1e9 * 1e3 / 100) == pytest.approx(100)  # 100 GFLOP/s
 
 
-def test_step_budget_generation_pass_leaves_the_gradients_of_its_linear_loss():
+def _budget_generation():
+    """A small plan, its g-nets, weight gradients and step_budget's (eager, compiled) passes."""
     from torch import nn
 
     import gbfunc as gb
@@ -373,7 +374,13 @@ def test_step_budget_generation_pass_leaves_the_gradients_of_its_linear_loss():
     plan = gb.plan(nn.Sequential(nn.Linear(20, 12), nn.ReLU(), nn.Linear(12, 3)), tile=(8, 8))
     gparams = gb.init(plan)
     cotangents = {p.name: torch.randn(p.shape) for p in plan.generated}
-    eager, _ = generation_steps(plan, gparams, cotangents)
+    return plan, gparams, cotangents, generation_steps(plan, gparams, cotangents)
+
+
+def test_step_budget_generation_pass_leaves_the_gradients_of_its_linear_loss():
+    import gbfunc as gb
+
+    plan, gparams, cotangents, (eager, _) = _budget_generation()
     eager()
     eager()  # gradients are reset between calls, not accumulated
     fresh = gb.init(plan)
@@ -388,16 +395,9 @@ def test_step_budget_generation_pass_leaves_the_gradients_of_its_linear_loss():
 def test_step_budget_compiled_generation_returns_the_weights_with_their_gradients():
     """The compiled pass computes the weights, as a step does: a gradient alone would let
     inductor drop the forward's output (a third of torchGB's generation)."""
-    from torch import nn
-
     import gbfunc as gb
-    from benchmarks.step_budget import generation_steps
 
-    torch.manual_seed(0)
-    plan = gb.plan(nn.Sequential(nn.Linear(20, 12), nn.ReLU(), nn.Linear(12, 3)), tile=(8, 8))
-    gparams = gb.init(plan)
-    cotangents = {p.name: torch.randn(p.shape) for p in plan.generated}
-    eager, compiled = generation_steps(plan, gparams, cotangents)
+    plan, gparams, cotangents, (eager, compiled) = _budget_generation()
     eager()
     grads, weights = compiled()
     want = gb.apply(gparams, plan)
