@@ -34,8 +34,7 @@ def compiles_eagerly(stack: Stack, compile: bool | None) -> bool:
     """Whether `gb.apply(compile=compile)` runs this stack's tile MLP compiled when eager."""
     if compile is not None:
         return compile
-    work = stack.num_tiles * stack.tile[0] * stack.columns * stack.genome.hidden
-    return work >= AUTO_COMPILE_ELEMENTS
+    return stack.hidden_elements >= AUTO_COMPILE_ELEMENTS
 
 
 def evaluate_stack(

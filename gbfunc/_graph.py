@@ -40,8 +40,7 @@ def fits_graph(stack: Stack) -> bool:
     hidden layer, one output) or its transient is no larger than one compiled chunk."""
     if stack.one_reduction:
         return True
-    transient = stack.num_tiles * stack.tile[0] * stack.columns * stack.genome.hidden
-    return transient <= _tilemlp.COMPILED_CHUNK_ELEMENTS
+    return stack.hidden_elements <= _tilemlp.COMPILED_CHUNK_ELEMENTS
 
 
 def runs_as_graph(plan: Plan, compile: bool | None) -> bool:

@@ -124,6 +124,12 @@ class Stack:
         return self.genome.depth == 1 and self.outputs == 1
 
     @property
+    def hidden_elements(self) -> int:
+        """Elements of the stack's hidden activations, `T * TH * Q * H`: the tile MLP's
+        transient wherever it is materialised."""
+        return self.num_tiles * self.tile[0] * self.columns * self.genome.hidden
+
+    @property
     def tile_flops(self) -> int:
         """FLOPs of one tile's forward generation: the tile's two small first-layer matmuls
         (`2H (TH R + Q C)`), then per evaluation the separable sum and activation (`3H`), the
