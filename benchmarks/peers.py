@@ -5,7 +5,7 @@ The task is one training step (generate, forward, cross-entropy, backward, AdamW
 than the MLP has:
 
 - plain: the MLP trained directly (`benchmarks/bench_step.py`'s dense step);
-- gbfunc: the torchGB genome (32 hidden units) with `compression=10` (it picks 74x74 tiles),
+- gbfunc: the torchGB genome (32 hidden units) with `compression=10` (it picks 57x96 tiles),
   and row g-nets: 128x128 tiles with 8 hidden units whose g-nets emit a whole tile row per
   evaluation (`outputs=128`, 11.4x), and 256x256 tiles with 16 (`outputs=256`, 10.6x);
 - hyper-nn: `hypernn.torch.TorchLinearHyperNetwork`, 90 embeddings of 8 into one linear layer

@@ -3,7 +3,7 @@
 import math
 
 from ._entries import Entry, block_cost, free_reason, genome_for, param_cost, tile_for
-from ._genome import AUTO
+from ._genome import AUTO, Genome
 from ._plan import block_shapes, tile_grid
 
 
@@ -13,11 +13,13 @@ def search_tile(
     target: float,
     flags: dict[str, bool],
 ) -> list[dict[str, object]]:
-    """Pick the `(TH, TW)` whose generated-weights / g-net-params ratio is closest to `target`.
+    """Pick a `(TH, TW)` whose generated-weights / g-net-params ratio is within 2% of
+    `target` (else the closest): the squarest, unless one about as square has its g-nets
+    evaluate at least 5% fewer vectors (`vector_work`); then the one that evaluates fewest.
 
     Costs are counted per distinct block shape, so the search over a few thousand candidate
-    tiles (sizes that split some weight dimension evenly, plus powers of two) takes well
-    under a second even for GPT-2-sized plans.
+    tiles (sizes that split some weight dimension evenly, powers of two and multiples of
+    `VECTOR_LANES`) takes well under a second even for GPT-2-sized plans.
     """
     check_target(target)
     fixed_weights, fixed = 0, 0  # weights and g-net parameters of tiles the caller fixed
@@ -39,14 +41,19 @@ def search_tile(
     if not searched:
         raise ValueError("gb.plan: compression= has no parameter to choose a tile for.")
     dims = {d for (_, _, blocks) in searched for shape in blocks for d in shape}
-    sizes = sorted({-(-d // n) for d in dims for n in range(1, 65)} | {2**k for k in range(13)})
+    sizes = sorted(
+        {-(-d // n) for d in dims for n in range(1, 65)}
+        | {2**k for k in range(13)}
+        | {VECTOR_LANES * k for k in range(1, 65)}
+    )
     sizes = [s for s in sizes if s <= max(dims)]
     # A tile narrower than `outputs` is refused by `tile_for` (a weight whose own columns are
     # fewer is refused there whatever the tile).
     widest = max(genome.outputs for genome, *_ in searched)
     widths = [s for s in sizes if s >= widest] or sizes[-1:]
-    best: tuple[bool, float, tuple[int, int]] | None = None
-    lo, hi, best_err = math.inf, 0.0, math.inf
+    close: list[tuple[float, tuple[int, int]]] = []  # (aspect, tile) within 2% of target
+    nearest: tuple[float, tuple[int, int]] | None = None  # (error, tile) of the closest ratio
+    lo, hi = math.inf, 0.0
     for th in sizes:
         for tw in widths:
             weights, cost = fixed_weights, fixed
@@ -60,18 +67,53 @@ def search_tile(
             ratio = weights / cost
             lo, hi = min(lo, ratio), max(hi, ratio)
             err = abs(ratio / target - 1)
-            # Within 2% of the target, prefer the squarest tile; otherwise the closest ratio.
-            rank = (err > 0.02, abs(math.log(th / tw)) if err <= 0.02 else err, (th, tw))
-            if best is None or rank[:2] < best[:2]:
-                best, best_err = rank, err
-    if best is None or best_err > 0.10:
+            if err <= 0.02:
+                close.append((abs(math.log(th / tw)), (th, tw)))
+            if nearest is None or err < nearest[0]:
+                nearest = (err, (th, tw))
+    if nearest is None or nearest[0] > 0.10:
         raise ValueError(
             f"gb.plan: compression={target} cannot be reached within 10% with these g-nets: tiles "
             f"give {lo:.2f}x to {hi:.2f}x. Change hidden/depth, use share=True for higher "
             "ratios, or pass tile= directly."
         )
-    tile = best[2]
+    tile = nearest[1]
+    if close:
+
+        def work(candidate: tuple[int, int]) -> int:
+            return sum(n * vector_work(g, w, b, candidate) for (g, w, b), n in searched.items())
+
+        squarest = min(close)
+        shaped = [c for c in close if c[0] <= max(MAX_ASPECT, squarest[0] + ASPECT_SLACK)]
+        least = min(shaped, key=lambda c: (work(c[1]), c))
+        tile = least[1] if work(least[1]) < WORK_GAIN * work(squarest[1]) else squarest[1]
     return [o if o.get("explicit_tile") else {**o, "tile": tile, "searched": True} for o in options]
+
+
+# Compiled one-output g-nets evaluate a tile row on CPU as vectors of its columns: 16 floats
+# on AVX-512 (two AVX2 registers), a row that ends in a partial vector paying about a whole
+# one more. The MLP 784-512-512-10 at `compression=10` (torchGB's genome; compiled generation,
+# forward and backward): a 74-wide tile row took 1.16x the time of an 80-wide one. (The Triton
+# kernels pad a tile row to a power of two, which this does not model.)
+VECTOR_LANES = 16
+# The search leaves the squarest tile that reaches the target for one with at most this share
+# of its vector work, of aspect ratio up to 2 or up to 1.5 times the squarest's.
+WORK_GAIN = 0.95
+MAX_ASPECT, ASPECT_SLACK = math.log(2), math.log(1.5)
+
+
+def vector_work(
+    genome: Genome, window: tuple[int, ...], blocks: tuple[tuple[int, int], ...], tile: tuple
+) -> int:
+    """Vectors that a parameter's one-output g-nets evaluate under `tile`, over its tile grid,
+    a row's partial vector counted twice; for g-nets with several outputs, positions."""
+    total = 0
+    for rows, cols in blocks:
+        th, tw = min(tile[0], rows), min(tile[1], cols)
+        # several outputs are laid out otherwise (`gbfunc._tilemlp`): only overhang counts
+        per_row = tw // VECTOR_LANES + 2 * (tw % VECTOR_LANES > 0) if genome.outputs == 1 else tw
+        total += math.prod(tile_grid(rows, cols, (th, tw))) * th * per_row * math.prod(window)
+    return total
 
 
 # Under `hashed="auto"` a tile's table grows as (its positions) ** TABLE_EXPONENT. Measured

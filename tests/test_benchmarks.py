@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+import gbfunc as gb
 from benchmarks import peers, scaling
 from benchmarks._meta import recorded
 
@@ -406,3 +407,18 @@ def test_step_budget_compiled_generation_returns_the_weights_with_their_gradient
     for key, leaves in gparams["stacks"].items():
         for name, leaf in leaves.items():
             torch.testing.assert_close(grads["stacks"][key][name], leaf.grad)
+
+
+def test_tile_choice_forces_the_squarest_tile_and_restores_the_search():
+    from benchmarks import tile_choice
+    from benchmarks.bench_step import mlp
+
+    model = mlp()
+    squarest = tile_choice.planned(model, "squarest", {"compression": 10})
+    searched = tile_choice.planned(model, "searched", {"compression": 10})
+    assert tile_choice.tiles(squarest) == "74x74, 10x74"
+    assert tile_choice.tiles(searched) != tile_choice.tiles(squarest)
+    assert tile_choice.tiles(gb.plan(model, compression=10)) == tile_choice.tiles(searched)
+    with pytest.raises(RuntimeError), tile_choice.squarest_tiles():
+        raise RuntimeError  # restored however the block ends
+    assert tile_choice.tiles(gb.plan(model, compression=10)) == tile_choice.tiles(searched)

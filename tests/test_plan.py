@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import gbfunc as gb
+from gbfunc import _search
 
 
 def per_tile_params(rows_bits: int, col_width: int, hidden: int = 32, outputs: int = 1) -> int:
@@ -330,6 +331,48 @@ def test_compression_counts_a_shared_gnet_once_per_block():
     tiles = sum(b.num_tiles for b in small.blocks)
     per_gnet = stack.genome.param_count(stack.row_width + stack.col_width, stack.outputs)
     assert tiles * per_gnet > small.numel > per_gnet + tiles * stack.genome.embed_dim
+
+
+def test_compression_picks_tiles_of_whole_vectors_where_that_saves_work():
+    # torchGB's genome on the MLP at 10x: the squarest tile reaching it, 74x74, ends every
+    # tile row in a partial vector; the search takes a tile of whole vectors (one output per
+    # evaluation), about as square, that evaluates less.
+    model = nn.Sequential(nn.Linear(784, 512), nn.Linear(512, 512), nn.Linear(512, 10))
+    plan = gb.plan(model, compression=10)
+    (tile,) = {s.tile for s in plan.stacks if s.tile[0] > 10}  # the 10-row weight's is cut
+    assert tile != (74, 74)
+    assert tile[1] % _search.VECTOR_LANES == 0
+    assert 0.5 <= tile[0] / tile[1] <= 2
+    assert gb.report(plan).generated_compression == pytest.approx(10, rel=0.02)
+
+    def work(tile: tuple[int, int]) -> int:
+        return sum(
+            _search.vector_work(s.genome, (), ((p.shape[0], p.shape[1]),), tile)
+            for p in plan.generated
+            for s in [plan.stacks[p.stack_index]]
+        )
+
+    assert work(tile) < _search.WORK_GAIN * work((74, 74))
+
+
+def test_compression_keeps_the_squarest_tile_where_it_is_whole_vectors():
+    # (128, 128) tiles of a 512x512 weight: no partial vector and no overhang, nothing to gain.
+    target = gb.report(gb.plan(nn.Linear(512, 512), tile=(128, 128))).generated_compression
+    assert {s.tile for s in gb.plan(nn.Linear(512, 512), compression=target).stacks} == {(128, 128)}
+
+
+@pytest.mark.parametrize(
+    ("outputs", "tile", "work"),
+    [
+        (1, (74, 74), 2 * 2 * 74 * (4 + 2)),  # 2x2 tiles, rows of 4 vectors and a part
+        (1, (50, 80), 2 * 1 * 50 * 5),  # whole vectors: 5 a row
+        (1, (50, 100), 2 * 1 * 50 * 5),  # a tile wider than the block is cut to it
+        (2, (50, 74), 2 * 2 * 50 * 74),  # several outputs: positions, overhang included
+    ],
+)
+def test_vector_work_counts_partial_vectors_twice(outputs, tile, work):
+    genome = gb.Genome(outputs=outputs)
+    assert _search.vector_work(genome, (), ((100, 80),), tile) == work
 
 
 @pytest.mark.parametrize(("rows", "cols", "target", "outputs"), [(100, 30, 2, 3), (64, 64, 6, 2)])

@@ -1,0 +1,150 @@
+"""What `gb.plan(compression=...)`'s tile choice buys: the squarest tile against the one it picks.
+
+Among the tiles within 2% of the target ratio, `gb.plan` takes the squarest unless one about
+as square has its g-nets evaluate at least 5% fewer vectors (`gbfunc._search.vector_work`: on
+CPU no partial vector at the end of a tile row, and less overhang past a weight's edge). This
+runs both choices side by side, the squarest forced by setting `WORK_GAIN` to 0:
+
+- speed: `benchmarks/bench_step.py`'s training step, eager and compiled, in interleaved
+  rounds, as ratios to the plain model in the same rounds;
+- quality: `benchmarks/equal_params.py`'s protocol (its tasks, steps, batches and seeds) on
+  the digits MLP and the character transformer, both choices at the same learning rates,
+  each scored at its best mean over the seeds.
+
+    python -m benchmarks.tile_choice            # ~30 minutes on 2 cores
+    python -m benchmarks.tile_choice --quick    # speed only, fewer rounds
+
+Writes what it prints to `benchmarks/results/tile_choice.md`.
+"""
+
+import argparse
+import contextlib
+import statistics
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import gbfunc as gb
+from benchmarks import equal_params
+from benchmarks._meta import RESULTS, recorded
+from benchmarks.bench_step import (
+    Timing,
+    cross_entropy,
+    dense_steps,
+    gb_steps,
+    round_ms,
+    workloads,
+)
+from gbfunc import _search
+
+CHOICES = ("squarest", "searched")
+# (workload title prefix, gb.plan options): the step's models are bench_step's.
+SPEED = (
+    ("MLP", {"compression": 10}),
+    ("MLP", {"compression": 10, "hidden": 8}),
+    ("MLP", {"compression": 20}),
+    ("main job's character transformer", {"compression": 20, "hidden": 8}),
+)
+# (equal_params task, gb.plan options, learning rates, seeds)
+QUALITY = (
+    ("mlp", {"compression": 20}, (0.01, 0.03, 0.1), 3),
+    ("charlm", {"compression": 20, "hidden": 8}, (0.02,), 2),
+)
+
+
+@contextlib.contextmanager
+def squarest_tiles() -> Iterator[None]:
+    """`gb.plan(compression=...)` choosing the squarest tile within 2% of the target, as it
+    did before it counted vectors."""
+    saved = _search.WORK_GAIN
+    _search.WORK_GAIN = 0.0
+    try:
+        yield
+    finally:
+        _search.WORK_GAIN = saved
+
+
+def planned(model: nn.Module, choice: str, options: dict) -> gb.Plan:
+    """`gb.plan(model, **options)` under the tile choice `choice` (one of `CHOICES`)."""
+    with squarest_tiles() if choice == "squarest" else contextlib.nullcontext():
+        return gb.plan(model, **options)
+
+
+def tiles(plan: gb.Plan) -> str:
+    """The plan's distinct tiles, e.g. `57x96, 10x96`."""
+    return ", ".join(f"{h}x{w}" for h, w in sorted({s.tile for s in plan.stacks}, reverse=True))
+
+
+def speed(rounds: int, inner: int) -> None:
+    models = {title: (model, batch) for title, model, batch, _ in workloads()}
+    print(f"\n## Step time (x the plain step in the same rounds; {rounds} x {inner} steps)")
+    print("model | options | tiles: squarest -> searched | eager | compiled")
+    for prefix, options in SPEED:
+        title = next(t for t in models if t.startswith(prefix))
+        model, batch = models[title]
+        steps, shown = {}, []
+        steps["plain eager"], steps["plain compiled"] = dense_steps(model, batch, cross_entropy)
+        for choice in CHOICES:
+            plan = planned(model, choice, options)
+            shown.append(tiles(plan))
+            steps[f"{choice} eager"], steps[f"{choice} compiled"] = gb_steps(
+                model, plan, batch, cross_entropy
+            )
+        samples, _ = round_ms(steps, rounds, inner)
+        cells = []
+        for mode in ("eager", "compiled"):
+            ratio = [Timing.of(samples[f"{c} {mode}"], samples[f"plain {mode}"]) for c in CHOICES]
+            cells.append(f"{ratio[0].ratio:.2f}x -> {ratio[1].ratio:.2f}x")
+        print(
+            f"{title.split(' (')[0]} | {options} | {shown[0]} -> {shown[1]} | " + " | ".join(cells)
+        )
+
+
+def quality() -> None:
+    print("\n## Quality (equal_params' protocol; the best learning rate's mean ± sd over seeds)")
+    print("task | options | choice | tiles | trainable params | lr | score")
+    for name, options, lrs, seeds in QUALITY:
+        task = equal_params.TASKS[name]
+        data = task.data()
+        for choice in CHOICES:
+            scores: dict[float, list[float]] = {lr: [] for lr in lrs}
+            for seed in range(seeds):
+                for lr in lrs:
+                    with squarest_tiles() if choice == "squarest" else contextlib.nullcontext():
+                        arm, plan = equal_params.gbfunc_arm(task, choice, options, seed, data)
+                    loss, acc = equal_params.train(arm, lr, data, task.steps, task.batch, seed)
+                    scores[lr].append(acc if task.metric == "val_acc" else loss)
+            best = max(lrs, key=lambda lr: statistics.mean(scores[lr]) * _sign(task))
+            runs = scores[best]
+            spread = statistics.stdev(runs) if len(runs) > 1 else 0.0
+            unit = "accuracy" if task.metric == "val_acc" else "val loss (nats)"
+            print(
+                f"{task.name} | {options} | {choice} | {tiles(plan)} | {arm.params:,} | "
+                f"{best} of {lrs} | {unit} {statistics.mean(runs):.4f} ± {spread:.4f} "
+                f"({', '.join(f'{r:.4f}' for r in runs)})"
+            )
+
+
+def _sign(task: equal_params.Task) -> int:
+    """+1 where a higher score is better, -1 where lower is."""
+    return 1 if task.metric == "val_acc" else -1
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="speed only, fewer rounds")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS / "tile_choice.md")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    with recorded(args.out, "compression='s tile choice against the squarest tile"):
+        speed(*((5, 5) if args.quick else (15, 10)))
+        if not args.quick:
+            quality()
+
+
+if __name__ == "__main__":
+    main()
