@@ -11,7 +11,7 @@ runs both choices side by side, the squarest forced by setting `WORK_GAIN` to 0:
   the digits MLP and the character transformer, both choices at the same learning rates,
   each scored at its best mean over the seeds.
 
-    python -m benchmarks.tile_choice            # ~20 minutes on 2 cores
+    python -m benchmarks.tile_choice            # ~12 minutes on 2 cores
     python -m benchmarks.tile_choice --quick    # speed only, fewer rounds
 
 Writes what it prints to `benchmarks/results/tile_choice.md`.
