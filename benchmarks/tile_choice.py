@@ -118,7 +118,10 @@ def quality() -> None:
                         arm, plan = equal_params.gbfunc_arm(task, choice, options, seed, data)
                     loss, acc = equal_params.train(arm, lr, data, task.steps, task.batch, seed)
                     scores[lr].append(acc if task.metric == "val_acc" else loss)
-            best = max(lrs, key=lambda lr: statistics.mean(scores[lr]) * _sign(task))
+            means = {lr: statistics.mean(runs) for lr, runs in scores.items()}
+            best = lrs[0]
+            for lr in lrs[1:]:
+                best = lr if task.better(means[lr], means[best]) else best
             runs = scores[best]
             spread = statistics.stdev(runs) if len(runs) > 1 else 0.0
             unit = "accuracy" if task.metric == "val_acc" else "val loss (nats)"
@@ -127,11 +130,6 @@ def quality() -> None:
                 f"{best} of {lrs} | {unit} {statistics.mean(runs):.4f} ± {spread:.4f} "
                 f"({', '.join(f'{r:.4f}' for r in runs)})"
             )
-
-
-def _sign(task: equal_params.Task) -> int:
-    """+1 where a higher score is better, -1 where lower is."""
-    return 1 if task.metric == "val_acc" else -1
 
 
 def main() -> None:

@@ -422,3 +422,18 @@ def test_tile_choice_forces_the_squarest_tile_and_restores_the_search():
     with pytest.raises(RuntimeError), tile_choice.squarest_tiles():
         raise RuntimeError  # restored however the block ends
     assert tile_choice.tiles(gb.plan(model, compression=10)) == tile_choice.tiles(searched)
+
+
+def test_tile_choice_scores_each_choice_at_its_best_mean_rate(monkeypatch, capsys):
+    from benchmarks import equal_params, tile_choice
+
+    accuracy = {(0.01, 0): 0.5, (0.01, 1): 0.9, (0.03, 0): 0.8, (0.03, 1): 0.7}  # means .7, .75
+    monkeypatch.setattr(
+        equal_params, "train", lambda arm, lr, data, steps, batch, seed: (1.0, accuracy[lr, seed])
+    )
+    monkeypatch.setattr(tile_choice, "QUALITY", (("mlp", {"compression": 20}, (0.01, 0.03), 2),))
+    tile_choice.quality()
+    rows = [line for line in capsys.readouterr().out.splitlines() if "| accuracy" in line]
+    assert [row.split(" | ")[2] for row in rows] == ["squarest", "searched"]
+    for row in rows:
+        assert "| 0.03 of (0.01, 0.03) | accuracy 0.7500 ± 0.0707 (0.8000, 0.7000)" in row
