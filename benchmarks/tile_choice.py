@@ -3,7 +3,10 @@
 Among the tiles within 2% of the target ratio, `gb.plan` takes the squarest unless one about
 as square has its g-nets evaluate at least 5% fewer vectors (`gbfunc._search.vector_work`: on
 CPU no partial vector at the end of a tile row, and less overhang past a weight's edge). This
-runs both choices side by side, the squarest forced by setting `WORK_GAIN` to 0:
+runs both choices side by side, the squarest forced by setting `WORK_GAIN` to 0. That is the
+squarest among today's candidates, which include multiples of 16 since the change: for the
+plans here, the tile the search picked before it; elsewhere it can differ by a row or a
+column (the MLP at `compression=12`: 86x80, where it picked 86x79).
 
 - speed: `benchmarks/bench_step.py`'s training step, eager and compiled, in interleaved
   rounds, as ratios to the plain model in the same rounds;

@@ -4,7 +4,7 @@ import math
 
 from ._entries import Entry, block_cost, free_reason, genome_for, param_cost, tile_for
 from ._genome import AUTO, Genome
-from ._plan import block_shapes, tile_grid
+from ._plan import block_shapes, stack_geometry, tile_grid
 
 
 def search_tile(
@@ -80,21 +80,26 @@ def search_tile(
     tile = nearest[1]
     if close:
 
-        def work(candidate: tuple[int, int]) -> int:
-            return sum(n * vector_work(g, w, b, candidate) for (g, w, b), n in searched.items())
+        def work(candidate: tuple[int, int]) -> int:  # of the parameters it would generate
+            return sum(
+                n * vector_work(g, w, b, candidate)
+                for (g, w, b), n in searched.items()
+                if param_cost(g, w, b, candidate) < sum(r * c for r, c in b) * math.prod(w)
+            )
 
         squarest = min(close)
         shaped = [c for c in close if c[0] <= max(MAX_ASPECT, squarest[0] + ASPECT_SLACK)]
         least = min(shaped, key=lambda c: (work(c[1]), c))
-        tile = least[1] if work(least[1]) < WORK_GAIN * work(squarest[1]) else squarest[1]
+        tile = least[1] if work(least[1]) <= WORK_GAIN * work(squarest[1]) else squarest[1]
     return [o if o.get("explicit_tile") else {**o, "tile": tile, "searched": True} for o in options]
 
 
 # Compiled one-output g-nets evaluate a tile row on CPU as vectors of its columns: 16 floats
 # on AVX-512 (two AVX2 registers), a row that ends in a partial vector paying about a whole
 # one more. The MLP 784-512-512-10 at `compression=10` (torchGB's genome; compiled generation,
-# forward and backward): a 74-wide tile row took 1.16x the time of an 80-wide one. (The Triton
-# kernels pad a tile row to a power of two, which this does not model.)
+# forward and backward): a 74-wide tile row took 1.16x the time of an 80-wide one. Fixed, not
+# read from the machine: a plan is the same wherever it is built (checkpoints, ranks). The
+# Triton kernels pad a tile row to a power of two, which this does not model.
 VECTOR_LANES = 16
 # The search leaves the squarest tile that reaches the target for one with at most this share
 # of its vector work, of aspect ratio up to 2 or up to 1.5 times the squarest's.
@@ -105,14 +110,19 @@ MAX_ASPECT, ASPECT_SLACK = math.log(2), math.log(1.5)
 def vector_work(
     genome: Genome, window: tuple[int, ...], blocks: tuple[tuple[int, int], ...], tile: tuple
 ) -> int:
-    """Vectors that a parameter's one-output g-nets evaluate under `tile`, over its tile grid,
-    a row's partial vector counted twice; for g-nets with several outputs, positions."""
+    """What a parameter's g-nets evaluate under `tile`, over its tile grid (the overhang
+    past its edges included): for one-layer, one-output g-nets (`Stack.one_reduction`), the
+    vectors of each tile row's evaluation columns, a partial vector counted twice; for the
+    others, which compiled code lays out units-major (`gbfunc._tilemlp`), positions."""
     total = 0
     for rows, cols in blocks:
-        th, tw = min(tile[0], rows), min(tile[1], cols)
-        # several outputs are laid out otherwise (`gbfunc._tilemlp`): only overhang counts
-        per_row = tw // VECTOR_LANES + 2 * (tw % VECTOR_LANES > 0) if genome.outputs == 1 else tw
-        total += math.prod(tile_grid(rows, cols, (th, tw))) * th * per_row * math.prod(window)
+        clipped = (min(tile[0], rows), -(-min(tile[1], cols) // genome.outputs) * genome.outputs)
+        outputs, columns, _, _ = stack_geometry(genome, clipped, window)
+        if genome.depth == 1 and outputs == 1:
+            per_row = columns // VECTOR_LANES + 2 * (columns % VECTOR_LANES > 0)
+        else:
+            per_row = columns * outputs
+        total += math.prod(tile_grid(rows, cols, clipped)) * clipped[0] * per_row
     return total
 
 

@@ -345,20 +345,23 @@ def test_compression_picks_tiles_of_whole_vectors_where_that_saves_work():
     assert 0.5 <= tile[0] / tile[1] <= 2
     assert gb.report(plan).generated_compression == pytest.approx(10, rel=0.02)
 
-    def work(tile: tuple[int, int]) -> int:
-        return sum(
-            _search.vector_work(s.genome, (), ((p.shape[0], p.shape[1]),), tile)
-            for p in plan.generated
-            for s in [plan.stacks[p.stack_index]]
-        )
 
-    assert work(tile) < _search.WORK_GAIN * work((74, 74))
-
-
-def test_compression_keeps_the_squarest_tile_where_it_is_whole_vectors():
+def test_compression_keeps_the_squarest_tile_unless_another_saves_five_percent(monkeypatch):
     # (128, 128) tiles of a 512x512 weight: no partial vector and no overhang, nothing to gain.
     target = gb.report(gb.plan(nn.Linear(512, 512), tile=(128, 128))).generated_compression
     assert {s.tile for s in gb.plan(nn.Linear(512, 512), compression=target).stacks} == {(128, 128)}
+    # 500x500 at 15x: 63 rows instead of 64 cut the overhang (504 rows, not 512), under 5%.
+    assert {s.tile for s in gb.plan(nn.Linear(500, 500), compression=15).stacks} == {(64, 144)}
+    monkeypatch.setattr(_search, "WORK_GAIN", 1.0)
+    assert {s.tile for s in gb.plan(nn.Linear(500, 500), compression=15).stacks} == {(63, 144)}
+
+
+def test_compression_counts_no_work_for_weights_it_leaves_free():
+    # conv1's 1,728 weights stay free under the tile picked; its g-nets would never run.
+    model = nn.Sequential(nn.Conv2d(3, 64, 3), nn.Conv2d(64, 128, 3), nn.Linear(128, 10))
+    plan = gb.plan(model, compression=5)
+    assert "0.weight" in {p.name for p in plan.free}
+    assert {s.tile for s in plan.stacks} == {(15, 22)}
 
 
 @pytest.mark.parametrize(
@@ -373,6 +376,19 @@ def test_compression_keeps_the_squarest_tile_where_it_is_whole_vectors():
 def test_vector_work_counts_partial_vectors_twice(outputs, tile, work):
     genome = gb.Genome(outputs=outputs)
     assert _search.vector_work(genome, (), ((100, 80),), tile) == work
+
+
+@pytest.mark.parametrize(
+    ("genome", "work"),
+    [
+        # a kernel's taps in the code: a tile row is 26 * 9 = 234 columns, 14 vectors and a part
+        (gb.Genome(), 3 * 3 * 40 * (14 + 2)),
+        (gb.Genome(window_in="output"), 3 * 3 * 40 * 26 * 9),  # taps as outputs: positions
+        (gb.Genome(depth=2), 3 * 3 * 40 * 26 * 9),  # hidden layers: units-major, positions
+    ],
+)
+def test_vector_work_counts_the_columns_a_stack_evaluates(genome, work):
+    assert _search.vector_work(genome, (3, 3), ((100, 70),), (40, 26)) == work
 
 
 @pytest.mark.parametrize(("rows", "cols", "target", "outputs"), [(100, 30, 2, 3), (64, 64, 6, 2)])
