@@ -182,6 +182,11 @@ def param_cost(
     """G-net parameters of a parameter with these blocks under a candidate `tile`."""
     total = 0
     for rows, cols in blocks:
-        clipped = (min(tile[0], rows), -(-min(tile[1], cols) // genome.outputs) * genome.outputs)
-        total += block_cost(genome, window, rows, cols, clipped)
+        total += block_cost(genome, window, rows, cols, clip_tile(genome, rows, cols, tile))
     return total
+
+
+def clip_tile(genome: Genome, rows: int, cols: int, tile: tuple) -> tuple[int, int]:
+    """A candidate `tile` as a `(rows, cols)` block gets it: cut to the block, its width a
+    whole number of evaluations (as `tile_for` lays it out)."""
+    return min(tile[0], rows), -(-min(tile[1], cols) // genome.outputs) * genome.outputs

@@ -121,7 +121,7 @@ class Stack:
         """One hidden layer and one output: the tile MLP, forward and backward, is a sum over
         the hidden units that compiled code keeps in registers, with no `(T, TH, Q, H)`
         transient in memory."""
-        return self.genome.depth == 1 and self.outputs == 1
+        return one_reduction(self.genome, self.outputs)
 
     @property
     def hidden_elements(self) -> int:
@@ -216,6 +216,12 @@ def tile_grid(rows: int, cols: int, tile: tuple[int, int]) -> tuple[int, int]:
 def tile_buckets(genome: Genome, tile: tuple[int, int], window: tuple[int, ...]) -> int:
     """Buckets of a tile's hashed table: `genome.hashed`, at most one per position of the tile."""
     return min(genome.hashed, tile[0] * tile[1] * math.prod(window))
+
+
+def one_reduction(genome: Genome, outputs: int) -> bool:
+    """Whether g-nets of `genome` emitting `outputs` per evaluation are one hidden layer and
+    one output (`Stack.one_reduction`)."""
+    return genome.depth == 1 and outputs == 1
 
 
 def stack_geometry(

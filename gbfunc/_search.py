@@ -2,9 +2,17 @@
 
 import math
 
-from ._entries import Entry, block_cost, free_reason, genome_for, param_cost, tile_for
+from ._entries import (
+    Entry,
+    block_cost,
+    clip_tile,
+    free_reason,
+    genome_for,
+    param_cost,
+    tile_for,
+)
 from ._genome import AUTO, Genome
-from ._plan import block_shapes, stack_geometry, tile_grid
+from ._plan import block_shapes, one_reduction, stack_geometry, tile_grid
 
 
 def search_tile(
@@ -51,24 +59,28 @@ def search_tile(
     # fewer is refused there whatever the tile).
     widest = max(genome.outputs for genome, *_ in searched)
     widths = [s for s in sizes if s >= widest] or sizes[-1:]
-    close: list[tuple[float, tuple[int, int]]] = []  # (aspect, tile) within 2% of target
+    close: list[tuple[float, int, tuple[int, int]]] = []  # (aspect, work, tile) within 2%
     nearest: tuple[float, tuple[int, int]] | None = None  # (error, tile) of the closest ratio
     lo, hi = math.inf, 0.0
     for th in sizes:
         for tw in widths:
             weights, cost = fixed_weights, fixed
-            for (genome, window, blocks), count in searched.items():
+            generated = []  # (key, count) of the searched parameters this tile generates
+            for key, count in searched.items():
+                genome, window, blocks = key
                 spent = param_cost(genome, window, blocks, (th, tw))
                 size = sum(r * c for r, c in blocks) * math.prod(window)
                 if spent < size:  # otherwise it stays free (as the plan builder decides)
                     weights, cost = weights + count * size, cost + count * spent
+                    generated.append((key, count))
             if cost == 0:
                 continue
             ratio = weights / cost
             lo, hi = min(lo, ratio), max(hi, ratio)
             err = abs(ratio / target - 1)
             if err <= 0.02:
-                close.append((abs(math.log(th / tw)), (th, tw)))
+                work = sum(n * vector_work(*key, (th, tw)) for key, n in generated)
+                close.append((abs(math.log(th / tw)), work, (th, tw)))
             if nearest is None or err < nearest[0]:
                 nearest = (err, (th, tw))
     if nearest is None or nearest[0] > 0.10:
@@ -79,18 +91,10 @@ def search_tile(
         )
     tile = nearest[1]
     if close:
-
-        def work(candidate: tuple[int, int]) -> int:  # of the parameters it would generate
-            return sum(
-                n * vector_work(g, w, b, candidate)
-                for (g, w, b), n in searched.items()
-                if param_cost(g, w, b, candidate) < sum(r * c for r, c in b) * math.prod(w)
-            )
-
-        squarest = min(close)
+        squarest = min(close, key=lambda c: (c[0], c[2]))
         shaped = [c for c in close if c[0] <= max(MAX_ASPECT, squarest[0] + ASPECT_SLACK)]
-        least = min(shaped, key=lambda c: (work(c[1]), c))
-        tile = least[1] if work(least[1]) <= WORK_GAIN * work(squarest[1]) else squarest[1]
+        least = min(shaped, key=lambda c: (c[1], c[0], c[2]))
+        tile = least[2] if least[1] <= WORK_GAIN * squarest[1] else squarest[2]
     return [o if o.get("explicit_tile") else {**o, "tile": tile, "searched": True} for o in options]
 
 
@@ -116,9 +120,9 @@ def vector_work(
     others, which compiled code lays out units-major (`gbfunc._tilemlp`), positions."""
     total = 0
     for rows, cols in blocks:
-        clipped = (min(tile[0], rows), -(-min(tile[1], cols) // genome.outputs) * genome.outputs)
+        clipped = clip_tile(genome, rows, cols, tile)
         outputs, columns, _, _ = stack_geometry(genome, clipped, window)
-        if genome.depth == 1 and outputs == 1:
+        if one_reduction(genome, outputs):
             per_row = columns // VECTOR_LANES + 2 * (columns % VECTOR_LANES > 0)
         else:
             per_row = columns * outputs
