@@ -283,7 +283,6 @@ def test_recipe_gains_scale_rows_and_columns_and_are_counted():
     import torch
     from torch import nn
 
-    import gbfunc as gb
     from benchmarks.equal_params import Arm
     from benchmarks.recipes import with_gains
 
@@ -368,7 +367,6 @@ def _budget_generation():
     """A small plan, its g-nets, weight gradients and step_budget's (eager, compiled) passes."""
     from torch import nn
 
-    import gbfunc as gb
     from benchmarks.step_budget import generation_steps
 
     torch.manual_seed(0)
@@ -379,8 +377,6 @@ def _budget_generation():
 
 
 def test_step_budget_generation_pass_leaves_the_gradients_of_its_linear_loss():
-    import gbfunc as gb
-
     plan, gparams, cotangents, (eager, _) = _budget_generation()
     eager()
     eager()  # gradients are reset between calls, not accumulated
@@ -396,8 +392,6 @@ def test_step_budget_generation_pass_leaves_the_gradients_of_its_linear_loss():
 def test_step_budget_compiled_generation_returns_the_weights_with_their_gradients():
     """The compiled pass computes the weights, as a step does: a gradient alone would let
     inductor drop the forward's output (a third of torchGB's generation)."""
-    import gbfunc as gb
-
     plan, gparams, cotangents, (eager, compiled) = _budget_generation()
     eager()
     grads, weights = compiled()
