@@ -16,8 +16,10 @@ column (the MLP at `compression=12`: 86x80, where it picked 86x79).
 
     python -m benchmarks.tile_choice            # ~12 minutes on 2 cores
     python -m benchmarks.tile_choice --quick    # speed only, fewer rounds
+    python -m benchmarks.tile_choice --baselines   # a narrower model and low rank, ~7 minutes
 
-Writes what it prints to `benchmarks/results/tile_choice.md`.
+Writes what it prints to `benchmarks/results/tile_choice.md` (`--baselines`:
+`tile_choice_baselines.md`).
 """
 
 import argparse
@@ -50,6 +52,13 @@ SPEED = (
     ("MLP", {"compression": 20}),
     ("main job's character transformer", {"compression": 20, "hidden": 8}),
 )
+# Rates of the baselines on the transformer, one each as the gbfunc arms have one: the best of
+# their sweeps in `benchmarks/equal_params.py` (narrow at ~20x; low rank in the main job).
+# None: the task's own sweep.
+BASELINE_LRS: dict[str, dict[str, tuple[float, ...]] | None] = {
+    "mlp": None,
+    "charlm": {"narrow": (0.06,), "low rank": (0.01,)},
+}
 # (equal_params task, gb.plan options, learning rates, seeds). 9 seeds on the MLP: seeds 0-2
 # alone gave the squarest tile a 1.8-point lead (0.9231 against 0.9056 at the best rate),
 # seeds 3-8 alone 0.9088 against 0.9097.
@@ -124,31 +133,75 @@ def quality() -> None:
                 for lr in lrs:
                     with choosing(choice):
                         arm, plan = equal_params.gbfunc_arm(task, choice, options, seed, data)
-                    loss, acc = equal_params.train(arm, lr, data, task.steps, task.batch, seed)
-                    scores[lr].append(acc if task.metric == "val_acc" else loss)
-            means = {lr: statistics.mean(runs) for lr, runs in scores.items()}
-            best = lrs[0]
-            for lr in lrs[1:]:
-                best = lr if task.better(means[lr], means[best]) else best
-            runs = scores[best]
-            spread = statistics.stdev(runs) if len(runs) > 1 else 0.0
-            unit = "accuracy" if task.metric == "val_acc" else "val loss (nats)"
-            print(
-                f"{task.name} | {options} | {choice} | {tiles(plan)} | {arm.params:,} | "
-                f"{best} of {lrs} | {unit} {statistics.mean(runs):.4f} ± {spread:.4f} "
-                f"({', '.join(f'{r:.4f}' for r in runs)})"
-            )
+                    scores[lr].append(_score(task, arm, lr, data, seed))
+            print(f"{task.name} | {options} | {choice} | {tiles(plan)} | {arm.params:,} | ", end="")
+            print(_best(task, scores))
+
+
+def baselines() -> None:
+    """A narrower model and low rank at the searched plan's trainable parameters, under the
+    same protocol and seeds (`equal_params.arms_at`), each at its best rate of `BASELINE_LRS`
+    (the task's own sweep where that is None)."""
+    print("\n## Baselines at the searched plan's trainable parameters (same protocol and seeds)")
+    print("task | family | arm | trainable params | lr | score")
+    for name, options, _, seeds in QUALITY:
+        task = equal_params.TASKS[name]
+        data = task.data()
+        for family in ("narrow", "low rank"):
+            lrs = (BASELINE_LRS.get(name) or task.lrs)[family]
+            scores: dict[float, list[float]] = {lr: [] for lr in lrs}
+            for seed in range(seeds):
+                for lr in lrs:  # a fresh arm per run: training updates its tree in place
+                    arms = equal_params.arms_at(task, "searched", options, seed, data)
+                    arm = next(a for a in arms if a.family == family)
+                    scores[lr].append(_score(task, arm, lr, data, seed))
+            print(f"{task.name} | {family} | {arm.label} | {arm.params:,} | {_best(task, scores)}")
+
+
+def _score(task: equal_params.Task, arm: equal_params.Arm, lr: float, data, seed: int) -> float:
+    """The arm's validation score after the task's protocol at rate `lr`."""
+    loss, acc = equal_params.train(arm, lr, data, task.steps, task.batch, seed)
+    return acc if task.metric == "val_acc" else loss
+
+
+def _best(task: equal_params.Task, scores: dict[float, list[float]]) -> str:
+    """`lr of (lrs) | score mean ± sd (runs)` at the rate with the best mean over seeds."""
+    lrs = tuple(scores)
+    means = {lr: statistics.mean(runs) for lr, runs in scores.items()}
+    best = lrs[0]
+    for lr in lrs[1:]:
+        best = lr if task.better(means[lr], means[best]) else best
+    runs = scores[best]
+    spread = statistics.stdev(runs) if len(runs) > 1 else 0.0
+    unit = "accuracy" if task.metric == "val_acc" else "val loss (nats)"
+    return (
+        f"{best} of {lrs} | {unit} {means[best]:.4f} ± {spread:.4f} "
+        f"({', '.join(f'{r:.4f}' for r in runs)})"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="speed only, fewer rounds")
+    parser.add_argument(
+        "--baselines",
+        action="store_true",
+        help="only a narrower model and low rank at the searched plans' parameter counts",
+    )
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=RESULTS / "tile_choice.md")
+    parser.add_argument("--out", type=Path, help="default: results/tile_choice[_baselines].md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    with recorded(args.out, "compression='s tile choice against the squarest tile"):
+    if args.baselines:
+        out = args.out or RESULTS / "tile_choice_baselines.md"
+        with recorded(out, "compression='s tile choice: the baselines at its parameter counts"):
+            baselines()
+        return
+    with recorded(
+        args.out or RESULTS / "tile_choice.md",
+        "compression='s tile choice against the squarest tile",
+    ):
         speed(*((5, 5) if args.quick else (15, 10)))
         if not args.quick:
             quality()

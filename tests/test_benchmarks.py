@@ -431,3 +431,29 @@ def test_tile_choice_scores_each_choice_at_its_best_mean_rate(monkeypatch, capsy
     assert [row.split(" | ")[2] for row in rows] == ["squarest", "searched"]
     for row in rows:
         assert "| 0.03 of (0.01, 0.03) | accuracy 0.7500 ± 0.0707 (0.8000, 0.7000)" in row
+
+
+def test_tile_choice_baselines_train_a_narrow_and_a_low_rank_arm_at_the_plans_count(
+    monkeypatch, capsys
+):
+    from benchmarks import equal_params, tile_choice
+
+    trained = []
+
+    def train(arm, lr, data, steps, batch, seed):
+        trained.append((arm.family, lr, seed, arm.tree))  # kept alive: ids stay distinct
+        return 1.0, {"narrow": 0.6, "low rank": 0.4}[arm.family] + lr
+
+    monkeypatch.setattr(equal_params, "train", train)
+    monkeypatch.setattr(tile_choice, "QUALITY", (("mlp", {"compression": 20}, (0.1,), 2),))
+    tile_choice.baselines()
+    out = capsys.readouterr().out
+    assert "| narrow | width " in out
+    assert "| low rank | U V^T |" in out
+    lrs = equal_params.TASKS["mlp"].lrs
+    assert f"{lrs['narrow'][-1]} of {lrs['narrow']} | accuracy" in out  # the best mean's rate
+    assert len(trained) == 2 * 2 * len(lrs["narrow"])  # families x seeds x rates
+    assert len({id(t[-1]) for t in trained}) == len(trained)  # a fresh arm for every run
+    count = gb.report(gb.plan(equal_params.TASKS["mlp"].build(None), compression=20))
+    narrow = next(line for line in out.splitlines() if "| narrow |" in line)
+    assert abs(int(narrow.split(" | ")[3].replace(",", "")) / count.stored_params - 1) < 0.1
