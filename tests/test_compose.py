@@ -404,6 +404,49 @@ def test_plans_run_as_one_graph_where_it_pays_and_holds_no_large_transient(monke
     assert not runs_as_graph(deep, True)
 
 
+def test_eager_graph_checks_only_its_tensors_and_torchs_global_state(monkeypatch):
+    """Dynamo checks a compiled function's guards on every call. gb.apply's graph had 436 on
+    the MLP with row g-nets, most on the plan's layout, which its cache key fixes (0.2 ms a
+    step); only those on the g-nets' tensors and on global state (grad mode...) are kept."""
+    from gbfunc import _compiled, _graph
+    from gbfunc._compiled import CompiledCache
+
+    kept, dropped = [], []
+
+    def recording(entries):
+        flags = filter_guards(entries)
+        for entry, keep in zip(entries, flags, strict=True):
+            (kept if keep else dropped).append(entry)
+        return flags
+
+    filter_guards = _compiled._tensor_and_global_state_guards
+    monkeypatch.setattr(_compiled, "_tensor_and_global_state_guards", recording)
+    monkeypatch.setattr(_graph, "_GRAPHS", CompiledCache("gb.apply's graph"))
+    model = nn.Sequential(nn.Linear(24, 20), nn.ReLU(), nn.Linear(20, 6))
+    plan = gb.plan(model, tile=(8, 8), hidden=4)
+    gparams = gb.init(plan, seed=2)
+    expected = gb.apply(gparams, plan, compile=False)
+    first = gb.apply(gparams, plan, compile=True)
+    tensors = {e.name for e in kept if e.guard_type == "TENSOR_MATCH"}
+    leaves = gparams["stacks"].items()
+    assert tensors == {f"stacks[{s!r}][{k!r}]" for s, stack in leaves for k in stack}
+    assert {"GRAD_MODE", "GLOBAL_STATE", "DEFAULT_DEVICE"} <= {e.guard_type for e in kept}
+    assert all(not e.name or e.guard_type in _compiled._TENSOR_GUARDS for e in kept)
+    assert any(e.name.startswith("selection") for e in dropped)
+    # What is still checked still works: under no_grad the graph is traced again, without
+    # autograd, and the first graph serves the next call with gradients.
+    with torch.no_grad():
+        evaluated = gb.apply(gparams, plan, compile=True)
+    again = gb.apply(gparams, plan, compile=True)
+    for name, value in expected.items():
+        for params in (first, evaluated, again):
+            torch.testing.assert_close(params[name], value)
+    for name in (p.name for p in plan.generated):
+        assert first[name].requires_grad
+        assert again[name].requires_grad
+        assert not evaluated[name].requires_grad
+
+
 def test_a_plan_that_fails_to_compile_warns_once_and_runs_op_by_op(monkeypatch):
     from gbfunc import _compiled as _compiled_module, _graph
     from gbfunc._compiled import CompiledCache
