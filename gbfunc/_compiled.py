@@ -23,6 +23,12 @@ class CompiledCache:
     on gbfunc's and torch's module globals: checking those took 0.2 ms a call, a tenth of what
     row g-nets add to the eager step of the MLP 784-512-512-10. So the key must name every
     non-tensor argument that the compiled code depends on.
+
+    Inductor's C++ code is compiled with floating-point contraction (`a * b + c` as one fused
+    multiply-add, rounded once), which its global default leaves off: the one-output tile
+    MLP's forward (a sum of products) ran 13% faster in isolation, and the eager step of the
+    MLP with torchGB's genome at `compression=10` went 2.08x -> 2.01x the plain step. Only
+    these compiles get it; the process's inductor settings are not touched.
     """
 
     def __init__(self, what: str) -> None:
@@ -42,7 +48,7 @@ class CompiledCache:
                 private,
                 fullgraph=True,
                 dynamic=False,
-                options={"guard_filter_fn": _tensor_and_global_state_guards},
+                options=_options(),
             )
         compiled = self._compiled[key]
         if compiled is None:
@@ -59,6 +65,20 @@ class CompiledCache:
             )
             return None
 
+
+def _options() -> dict[str, object]:
+    """`torch.compile` options for the cache's compiles, those this torch knows."""
+    from torch._inductor import config as inductor_config
+
+    options: dict[str, object] = {}
+    if hasattr(torch.compiler, "keep_tensor_guards_unsafe"):  # came with guard_filter_fn
+        options["guard_filter_fn"] = _tensor_and_global_state_guards
+    if _FP_CONTRACT in inductor_config.get_config_copy():
+        options[_FP_CONTRACT] = "fast"
+    return options
+
+
+_FP_CONTRACT = "cpp.enable_floating_point_contract_flag"
 
 # Guards on tensors themselves: their metadata, and which of them are the same tensor.
 _TENSOR_GUARDS = frozenset({"TENSOR_MATCH", "DUPLICATE_INPUT", "NO_TENSOR_ALIASING"})

@@ -447,6 +447,28 @@ def test_eager_graph_checks_only_its_tensors_and_torchs_global_state(monkeypatch
         assert not evaluated[name].requires_grad
 
 
+def test_eager_compiles_fuse_multiply_adds_without_touching_inductors_settings(monkeypatch):
+    from torch._inductor import config as inductor_config
+
+    from gbfunc._compiled import CompiledCache
+
+    seen = []
+
+    def recording(fn, **kwargs):
+        seen.append(kwargs["options"])
+        return fn
+
+    monkeypatch.setattr(torch, "compile", recording)
+    before = inductor_config.get_config_copy()
+    x = torch.randn(3)
+    result = CompiledCache("a test").call("key", lambda t: t.sin(), x)
+    torch.testing.assert_close(result, x.sin())
+    (options,) = seen
+    assert options["cpp.enable_floating_point_contract_flag"] == "fast"
+    assert callable(options["guard_filter_fn"])
+    assert inductor_config.get_config_copy() == before
+
+
 def test_a_plan_that_fails_to_compile_warns_once_and_runs_op_by_op(monkeypatch):
     from gbfunc import _compiled as _compiled_module, _graph
     from gbfunc._compiled import CompiledCache
