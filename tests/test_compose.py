@@ -447,6 +447,32 @@ def test_eager_graph_checks_only_its_tensors_and_torchs_global_state(monkeypatch
         assert not evaluated[name].requires_grad
 
 
+def test_a_compiled_caller_has_no_guard_per_tile():
+    """A user's compiled function that applies a plan is guarded on the plan's attributes it
+    reads. `Stack.num_tiles` summed `tiles_per_gnet` there, one guard per g-net: 2,513 on a
+    width-1024 transformer, 0.23 ms a step. It is counted once when the stack is made."""
+    model = nn.Linear(64, 48)
+    plan = gb.plan(model, tile=(8, 8), hidden=4)  # 48 tiles, one g-net each
+    (stack,) = plan.stacks
+    assert stack.num_tiles == len(stack.tiles_per_gnet) == 48
+    names = []
+
+    def recording(entries):
+        names.extend(e.name for e in entries)
+        return [True] * len(entries)
+
+    gparams = gb.init(plan, seed=0)
+    compiled = torch.compile(
+        lambda g: gb.apply(g, plan)["weight"].sum(),
+        fullgraph=True,
+        options={"guard_filter_fn": recording},
+    )
+    expected = gb.apply(gparams, plan, compile=False)["weight"].sum()
+    torch.testing.assert_close(compiled(gparams), expected)
+    assert any("_num_tiles" in name for name in names)
+    assert not [name for name in names if "tiles_per_gnet[" in name]
+
+
 def test_eager_compiles_fuse_multiply_adds_without_touching_inductors_settings(monkeypatch):
     from torch._inductor import config as inductor_config
 
