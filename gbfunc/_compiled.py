@@ -80,8 +80,9 @@ def _options() -> dict[str, object]:
 
 _FP_CONTRACT = "cpp.enable_floating_point_contract_flag"
 
-# Guards on tensors themselves: their metadata, and which of them are the same tensor.
-_TENSOR_GUARDS = frozenset({"TENSOR_MATCH", "DUPLICATE_INPUT", "NO_TENSOR_ALIASING"})
+# Guards on tensors themselves: their metadata, and which of them are the same tensor
+# (dynamo derives its no-aliasing check from the TENSOR_MATCH guards it keeps).
+_TENSOR_GUARDS = frozenset({"TENSOR_MATCH", "DUPLICATE_INPUT"})
 
 
 def _tensor_and_global_state_guards(entries: list) -> list[bool]:
