@@ -7,8 +7,8 @@ register (`_one_output_by_units`; wider tiles sum with the columns as the vector
 This times the backward four ways, interleaved: three written for inductor (every unit
 vectorised, where inductor pads a short axis into one masked vector; whole registers
 vectorised and the rest one at a time; gbfunc's rule, the rest as a masked vector where it
-fills more than half a register) and the one pass in C (`gbfunc._relu_sums`), which gbfunc
-takes for ReLU in float32 where `_relu_sums.usable` says so (marked `*`).
+fills more than half a register) and the one pass in C (`gbfunc._relu_loops`), which gbfunc
+takes for ReLU in float32 where `_relu_loops.sums_usable` says so (marked `*`).
 
     python -m benchmarks.bench_unit_split
 
@@ -25,7 +25,7 @@ from unittest import mock
 import torch
 
 from benchmarks._meta import RESULTS, compile_static, recorded
-from gbfunc import _relu_sums, _tilemlp
+from gbfunc import _relu_loops, _tilemlp
 
 SHAPES = [(1, 512, 784, 4), (1, 512, 784, 16), (135, 57, 96, 32)] + [
     (44, 128, 128, h) for h in (4, 6, 8, 10, 12, 14, 20, 32)
@@ -56,7 +56,7 @@ def _never(units: int, dtype: torch.dtype, device_type: str) -> bool:
 
 @torch.compiler.assume_constant_result
 def _always(units: int, dtype: torch.dtype, device_type: str) -> bool:
-    return _relu_sums._library(units) is not None
+    return _relu_loops._function(_relu_loops._SUMS, units) is not None
 
 
 def backward_ms(shape: tuple[int, int, int, int], rounds: int, inner: int) -> dict[str, float]:
@@ -76,7 +76,7 @@ def backward_ms(shape: tuple[int, int, int, int], rounds: int, inner: int) -> di
         one_pass = _always if name == ONE_PASS else _never
         with (
             mock.patch.object(_tilemlp, "_vectorised_units", rule),
-            mock.patch.object(_relu_sums, "usable", one_pass),
+            mock.patch.object(_relu_loops, "sums_usable", one_pass),
         ):
             for _ in range(calls):
                 compiled[name](g, a, b, c, w, "relu")
@@ -104,7 +104,7 @@ def main() -> None:
         print(f"{'tiles, TH, Q, H':<22}" + "".join(f"{n:>18}" for n in [*RULES, ONE_PASS]))
         for shape in SHAPES:
             times = backward_ms(shape, rounds=7, inner=20)
-            taken = "*" if _relu_sums.usable(shape[-1], torch.float32, "cpu") else " "
+            taken = "*" if _relu_loops.sums_usable(shape[-1], torch.float32, "cpu") else " "
             row = "".join(f"{times[name]:>18.2f}" for name in RULES)
             print(f"{shape!s:<22}{row}{times[ONE_PASS]:>17.2f}{taken}")
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _relu_sums
+from . import _relu_loops
 from ._compiled import CompiledCache
 from ._realised import contiguous_buffer
 
@@ -151,7 +151,12 @@ def _forward_units_major(terms: Terms, activation: str) -> Tensor:
     outputs (MKL, 2 threads). Returns `(T, TH, Q, P)`, a transposed view."""
     a, b, c, w_hidden, b_hidden, w_out, b_out = terms
     num_tiles, rows, hidden = a.shape
-    if w_hidden is None and torch.compiler.is_compiling() and _unrolls(hidden, w_out.shape[-1]):
+    outputs = w_out.shape[-1]
+    if w_hidden is None and torch.compiler.is_compiling() and _unrolls(hidden, outputs):
+        if activation == "relu" and _relu_loops.forward_usable(
+            hidden, outputs, a.dtype, a.device.type
+        ):
+            return _relu_loops.relu_layer_forward(a + c[:, None], b, w_out, b_out)
         return _one_layer_unrolled(terms, activation)
     h = activate(_first_layer_units_major(a, b, c), activation).reshape(num_tiles, hidden, -1)
     for layer in range(0 if w_hidden is None else w_hidden.shape[1]):
@@ -167,7 +172,10 @@ def _unrolls(hidden: int, outputs: int) -> bool:
     matmul's rows, where MKL is slow; for at most 32 units, since each is a term of the code.
     Compiled generation, forward and backward, the MLP's stacks: 8 units and 8 outputs
     2.55 -> 2.09 ms, 32 units and 16 outputs 5.95 -> 3.48 ms; 8 and 16 units with 128 and 256
-    outputs (row g-nets) 1.00x and 1.09x, hence the matmul there."""
+    outputs (row g-nets) 1.00x and 1.09x, hence the matmul there. For ReLU in float32 on CPU
+    the sum runs as a C loop instead (`_relu_loops.relu_layer_forward`), which computes each
+    hidden activation once rather than once per output: the MLP's compiled step with 32 units
+    and 16 outputs 1.79x -> 1.53x the plain step, with 8 and 8 1.43x -> 1.37x."""
     return outputs <= 16 and hidden <= 32
 
 
@@ -335,13 +343,13 @@ def _fused_reductions(g: Tensor, a: Tensor, b: Tensor, c: Tensor, w: Tensor, act
     materialising `(T, TH, Q, H)` (as it does for the shared-`z` form: ~10x slower here).
     Hidden units that fill half a vector register or less go one at a time
     (`_vectorised_units`). ReLU's on CPU, in float32, take one pass in C instead where
-    `_relu_sums.usable` (the compiled steps of the MLP 784-512-512-10 with torchGB's genome,
+    `_relu_loops.sums_usable` (the compiled steps of the MLP 784-512-512-10 with torchGB's genome,
     2 threads: 1.67x -> 1.51x the plain step at tile 128, 1.80x -> 1.61x at `compression=10`).
     Shapes: g `(T, TH, Q)`, a `(T, TH, H)`, b `(T, Q, H)`, c and w `(T, H)`.
     """
     row_terms = a + c[:, None]  # (T, TH, H)
-    if activation == "relu" and _relu_sums.usable(a.shape[-1], g.dtype, g.device.type):
-        rows, cols = _relu_sums.relu_unit_sums(g, -row_terms, b)  # one pass, in C
+    if activation == "relu" and _relu_loops.sums_usable(a.shape[-1], g.dtype, g.device.type):
+        rows, cols = _relu_loops.relu_unit_sums(g, -row_terms, b)  # one pass, in C
         g_w = (row_terms * rows).sum(1) + (b * cols).sum(1)  # as in `_unit_axis_sums`
         return rows * w[:, None, :], cols * w[:, None, :], g_w
     g_t = g.transpose(1, 2).contiguous()  # (T, Q, TH): unit-stride innermost reads

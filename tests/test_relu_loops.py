@@ -1,0 +1,215 @@
+"""The C loops of one-layer ReLU g-nets against their torch specifications."""
+
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from gbfunc import _relu_loops
+from gbfunc._relu_loops import (
+    MIN_UNITS,
+    forward_reference,
+    forward_usable,
+    relu_layer_forward,
+    relu_unit_sums,
+    sums_reference,
+    sums_usable,
+)
+from gbfunc._tilemlp import Terms, _backward_recompute, _fused_reductions, tile_mlp
+
+pytestmark = pytest.mark.skipif(
+    not sums_usable(MIN_UNITS, torch.float32, "cpu"), reason="no C++ compiler for the C loops"
+)
+
+
+def sums_inputs(tiles, rows, cols, units, seed, integers=False):
+    """g, threshold and b; small integers make many ties (`b == threshold`)."""
+    gen = torch.Generator().manual_seed(seed)
+    if integers:
+        draw = lambda *shape: torch.randint(-2, 3, shape, generator=gen).float()
+    else:
+        draw = lambda *shape: torch.randn(shape, generator=gen)
+    return draw(tiles, rows, cols), draw(tiles, rows, units), draw(tiles, cols, units)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    tiles=st.integers(1, 4),
+    rows=st.integers(1, 9),
+    cols=st.integers(1, 40),
+    units=st.integers(MIN_UNITS, 37),
+    threads=st.sampled_from([1, 2, 3]),
+    integers=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_the_c_loop_equals_its_specification_on_any_shape(
+    tiles, rows, cols, units, threads, integers, seed
+):
+    """Units that fill vector registers or leave a ragged end, tiles fewer than the threads
+    (split by rows, then the splits' column sums added), ties that must count as inactive."""
+    g, threshold, b = sums_inputs(tiles, rows, cols, units, seed, integers)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = relu_unit_sums(g, threshold, b)
+    finally:
+        torch.set_num_threads(previous)
+    want = sums_reference(g, threshold, b)
+    torch.testing.assert_close(got[0], want[0], msg="rows")
+    torch.testing.assert_close(got[1], want[1], msg="cols")
+
+
+def test_the_c_loop_reads_strided_inputs():
+    """Inputs as compiled graphs hand them over: transposed views and expanded tiles."""
+    g, threshold, b = sums_inputs(3, 5, 7, 6, seed=1)
+    g_t, b_t = g.transpose(1, 2).contiguous(), b.transpose(1, 2).contiguous()
+    args = (g_t.transpose(1, 2), threshold, b_t.transpose(1, 2))
+    torch.testing.assert_close(relu_unit_sums(*args), sums_reference(g, threshold, b))
+    shared = b[:1].expand(3, -1, -1)
+    torch.testing.assert_close(
+        relu_unit_sums(g, threshold, shared), sums_reference(g, threshold, shared.contiguous())
+    )
+
+
+def test_vmap_folds_genomes_into_tiles():
+    """`vmap` over genomes, with an unbatched argument: each genome's sums."""
+    g, threshold, _ = sums_inputs(6, 5, 7, 8, seed=2)
+    b = torch.randn(3, 7, 8)
+    got = torch.vmap(relu_unit_sums, in_dims=(0, 0, None))(
+        g.unflatten(0, (2, 3)), threshold.unflatten(0, (2, 3)), b
+    )
+    for genome in range(2):
+        part = slice(3 * genome, 3 * genome + 3)
+        want = sums_reference(g[part], threshold[part], b)
+        torch.testing.assert_close(got[0][genome], want[0])
+        torch.testing.assert_close(got[1][genome], want[1])
+
+
+def test_the_c_loop_differentiates_as_its_specification():
+    """Linear in `g` (double backward through a compiled backward): the same gradient."""
+    g, threshold, b = sums_inputs(2, 4, 6, 5, seed=3)
+    g.requires_grad_()
+    weights = torch.randn(2, 4, 5), torch.randn(2, 6, 5)
+
+    def gradient(sums):
+        rows, cols = sums(g, threshold, b)
+        return torch.autograd.grad((rows * weights[0]).sum() + (cols * weights[1]).sum(), g)[0]
+
+    torch.testing.assert_close(gradient(relu_unit_sums), gradient(sums_reference))
+
+
+def test_only_cpu_float32_with_enough_units_takes_the_c_loops():
+    assert sums_usable(MIN_UNITS, torch.float32, "cpu")
+    assert not sums_usable(MIN_UNITS - 1, torch.float32, "cpu")
+    assert not sums_usable(MIN_UNITS, torch.float64, "cpu")
+    assert not sums_usable(MIN_UNITS, torch.float32, "cuda")
+    assert forward_usable(MIN_UNITS, 1, torch.float32, "cpu")
+    assert forward_usable(MIN_UNITS, 64, torch.float32, "cpu")
+    assert not forward_usable(MIN_UNITS, 65, torch.float32, "cpu")
+    assert not forward_usable(MIN_UNITS - 1, 8, torch.float32, "cpu")
+    assert not forward_usable(MIN_UNITS, 8, torch.bfloat16, "cpu")
+
+
+def test_without_a_compiler_the_reductions_run_in_torch(monkeypatch, tmp_path):
+    """A compiler that fails: `usable` says no, and the backward still comes out right."""
+    units = 23  # a count no other test compiles
+    monkeypatch.setattr(_relu_loops, "_LIBRARIES", {})
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert not sums_usable(units, torch.float32, "cpu")
+    assert not forward_usable(units, 3, torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(4)
+    a, b = torch.randn(2, 3, units, generator=gen), torch.randn(2, 5, units, generator=gen)
+    c, w = torch.randn(2, units, generator=gen), torch.randn(2, units, generator=gen)
+    g = torch.randn(2, 3, 5, generator=gen)
+    with mock.patch.object(_relu_loops, "relu_unit_sums", side_effect=AssertionError("ran")):
+        got = _fused_reductions(g, a, b, c, w, "relu")
+    terms = Terms(a, b, c, None, None, w[..., None], torch.zeros(2, 1))
+    want = _backward_recompute(g[..., None], terms, "relu")
+    torch.testing.assert_close(got[0], want.a)
+    torch.testing.assert_close(got[1], want.b)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("outputs", "loop"), [(1, "relu_unit_sums"), (5, "relu_layer_forward")])
+def test_a_compiled_step_through_relu_gnets_runs_the_c_loops(outputs, loop):
+    """`torch.compile` of a step through the tile MLP (one layer, ReLU, float32): one output
+    takes the backward's loop, a few outputs the forward's, and the gradients are the eager
+    ones."""
+    gen = torch.Generator().manual_seed(5)
+    leaves = [
+        torch.randn(shape, generator=gen, requires_grad=True)
+        for shape in ((3, 9, 8), (3, 11, 8), (3, 8), (3, 8, outputs), (3, outputs))
+    ]
+
+    def loss(a, b, c, w_out, b_out):
+        out = tile_mlp(Terms(a, b, c, None, None, w_out, b_out), "relu")
+        return (out * out).sum()
+
+    want = torch.autograd.grad(loss(*leaves), leaves)
+    calls = []
+    function = _relu_loops._function
+
+    def counted(compiled_loop, units, outputs=1):
+        c_function = function(compiled_loop, units, outputs)
+
+        def call(*args):
+            calls.append(compiled_loop.name)
+            return c_function(*args)
+
+        return call
+
+    compiled = torch.compile(loss, fullgraph=True, dynamic=False)
+    with mock.patch.object(_relu_loops, "_function", counted):
+        got = torch.autograd.grad(compiled(*leaves), leaves)
+    for x, y in zip(got, want, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+    assert loop in calls, f"the compiled step did not call {loop}: {calls}"
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    tiles=st.integers(1, 4),
+    rows=st.integers(1, 6),
+    cols=st.integers(1, 11),
+    units=st.integers(MIN_UNITS, 37),
+    outputs=st.integers(1, 19),
+    threads=st.sampled_from([1, 2, 3]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_forward_loop_equals_its_specification_on_any_shape(
+    tiles, rows, cols, units, outputs, threads, seed
+):
+    """Columns not a multiple of the loop's four-position blocks, units and outputs that
+    fill vector registers or leave ragged ends."""
+    gen = torch.Generator().manual_seed(seed)
+    args = [
+        torch.randn(shape, generator=gen)
+        for shape in ((tiles, rows, units), (tiles, cols, units), (tiles, units, outputs))
+    ] + [torch.randn(tiles, outputs, generator=gen)]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = relu_layer_forward(*args)
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(got, forward_reference(*args))
+
+
+def test_the_forward_loop_under_vmap_and_autograd():
+    """Genomes under `vmap` (one argument shared) and the gradient of every argument: the
+    reference's."""
+    gen = torch.Generator().manual_seed(7)
+    row_terms, b = torch.randn(2, 3, 4, 6, generator=gen), torch.randn(3, 5, 6, generator=gen)
+    w_out, b_out = torch.randn(2, 3, 6, 3, generator=gen), torch.randn(2, 3, 3, generator=gen)
+    got = torch.vmap(relu_layer_forward, in_dims=(0, None, 0, 0))(row_terms, b, w_out, b_out)
+    for genome in range(2):
+        want = forward_reference(row_terms[genome], b, w_out[genome], b_out[genome])
+        torch.testing.assert_close(got[genome], want)
+    args = [x[0].clone().requires_grad_() for x in (row_terms, w_out, b_out)]
+    args.insert(1, b.clone().requires_grad_())
+    grad = torch.randn(3, 4, 5, 3, generator=gen)
+    got = torch.autograd.grad(relu_layer_forward(*args), args, grad)
+    want = torch.autograd.grad(forward_reference(*args), args, grad)
+    for name, x, y in zip(("row_terms", "b", "w_out", "b_out"), got, want, strict=True):
+        torch.testing.assert_close(x, y, msg=name)
