@@ -9,8 +9,10 @@ from hypothesis import given, settings, strategies as st
 from gbfunc import _relu_loops
 from gbfunc._relu_loops import (
     MIN_UNITS,
+    backward_reference,
     forward_reference,
     forward_usable,
+    relu_layer_backward,
     relu_layer_forward,
     relu_unit_sums,
     sums_reference,
@@ -131,11 +133,14 @@ def test_without_a_compiler_the_reductions_run_in_torch(monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("outputs", "loop"), [(1, "relu_unit_sums"), (5, "relu_layer_forward")])
-def test_a_compiled_step_through_relu_gnets_runs_the_c_loops(outputs, loop):
+@pytest.mark.parametrize(
+    ("outputs", "loops"),
+    [(1, {"relu_unit_sums"}), (5, {"relu_layer_forward", "relu_layer_backward"})],
+)
+def test_a_compiled_step_through_relu_gnets_runs_the_c_loops(outputs, loops):
     """`torch.compile` of a step through the tile MLP (one layer, ReLU, float32): one output
-    takes the backward's loop, a few outputs the forward's, and the gradients are the eager
-    ones."""
+    takes the backward's sums, a few outputs the forward and backward loops, and the
+    gradients are the eager ones."""
     gen = torch.Generator().manual_seed(5)
     leaves = [
         torch.randn(shape, generator=gen, requires_grad=True)
@@ -164,7 +169,7 @@ def test_a_compiled_step_through_relu_gnets_runs_the_c_loops(outputs, loop):
         got = torch.autograd.grad(compiled(*leaves), leaves)
     for x, y in zip(got, want, strict=True):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
-    assert loop in calls, f"the compiled step did not call {loop}: {calls}"
+    assert set(calls) == loops
 
 
 @settings(max_examples=40, deadline=None)
@@ -213,3 +218,77 @@ def test_the_forward_loop_under_vmap_and_autograd():
     want = torch.autograd.grad(forward_reference(*args), args, grad)
     for name, x, y in zip(("row_terms", "b", "w_out", "b_out"), got, want, strict=True):
         torch.testing.assert_close(x, y, msg=name)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    tiles=st.integers(1, 4),
+    rows=st.integers(1, 6),
+    cols=st.integers(1, 11),
+    units=st.integers(MIN_UNITS, 37),
+    outputs=st.integers(1, 19),
+    threads=st.sampled_from([1, 2, 3]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_backward_loop_equals_its_specification_on_any_shape(
+    tiles, rows, cols, units, outputs, threads, seed
+):
+    """Every gradient of the forward loop's specification, with fewer tiles than threads (split
+    by rows, the splits' sums added) and ragged units and outputs."""
+    gen = torch.Generator().manual_seed(seed)
+    args = [
+        torch.randn(shape, generator=gen)
+        for shape in (
+            (tiles, rows, cols, outputs),
+            (tiles, rows, units),
+            (tiles, cols, units),
+            (tiles, units, outputs),
+        )
+    ]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = relu_layer_backward(*args)
+    finally:
+        torch.set_num_threads(previous)
+    want = backward_reference(*args)
+    for name, x, y in zip(("row_terms", "b", "w_out"), got, want, strict=True):
+        torch.testing.assert_close(x, y, msg=name)
+
+
+def test_backward_reference_is_autograd_of_the_forward_reference():
+    """The backward's specification is the forward's gradient, as autograd has it."""
+    gen = torch.Generator().manual_seed(8)
+    args = [
+        torch.randn(shape, generator=gen, dtype=torch.float64, requires_grad=True)
+        for shape in ((2, 3, 5), (2, 4, 5), (2, 5, 3), (2, 3))
+    ]
+    grad = torch.randn(2, 3, 4, 3, generator=gen, dtype=torch.float64)
+    want = torch.autograd.grad(forward_reference(*args), args[:3], grad)
+    got = backward_reference(grad, *(x.detach() for x in args[:3]))
+    for name, x, y in zip(("row_terms", "b", "w_out"), got, want, strict=True):
+        torch.testing.assert_close(x, y, msg=name)
+
+
+def test_the_backward_loop_under_vmap_and_autograd():
+    """Genomes under `vmap`, and double backward through the loop: the reference's."""
+    gen = torch.Generator().manual_seed(9)
+    grad, row_terms = (
+        torch.randn(2, 3, 4, 5, 3, generator=gen),
+        torch.randn(2, 3, 4, 6, generator=gen),
+    )
+    b, w_out = torch.randn(3, 5, 6, generator=gen), torch.randn(2, 3, 6, 3, generator=gen)
+    got = torch.vmap(relu_layer_backward, in_dims=(0, 0, None, 0))(grad, row_terms, b, w_out)
+    for genome in range(2):
+        want = backward_reference(grad[genome], row_terms[genome], b, w_out[genome])
+        for x, y in zip(got, want, strict=True):
+            torch.testing.assert_close(x[genome], y)
+    args = [x.clone().requires_grad_() for x in (grad[0], row_terms[0], b, w_out[0])]
+    weights = [torch.randn(x.shape, generator=gen) for x in (row_terms[0], b, w_out[0])]
+
+    def gradient(loop):
+        total = sum((out * weight).sum() for out, weight in zip(loop(*args), weights, strict=True))
+        return torch.autograd.grad(total, (args[0], args[3]))
+
+    for x, y in zip(gradient(relu_layer_backward), gradient(backward_reference), strict=True):
+        torch.testing.assert_close(x, y)
