@@ -35,6 +35,28 @@ def sums_inputs(tiles, rows, cols, units, seed, integers=False):
     return draw(tiles, rows, cols), draw(tiles, rows, units), draw(tiles, cols, units)
 
 
+def on_threads(threads, loop, *args):
+    """`loop(*args)` with torch's thread count set to `threads` (the loops read it)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return loop(*args)
+    finally:
+        torch.set_num_threads(previous)
+
+
+# Shapes of one-layer g-nets with several outputs, for the forward and backward loops.
+LAYER_SHAPES = {
+    "tiles": st.integers(1, 4),
+    "rows": st.integers(1, 6),
+    "cols": st.integers(1, 11),
+    "units": st.integers(MIN_UNITS, 37),
+    "outputs": st.integers(1, 19),
+    "threads": st.sampled_from([1, 2, 3]),
+    "seed": st.integers(0, 2**16),
+}
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     tiles=st.integers(1, 4),
@@ -51,12 +73,7 @@ def test_the_c_loop_equals_its_specification_on_any_shape(
     """Units that fill vector registers or leave a ragged end, tiles fewer than the threads
     (split by rows, then the splits' column sums added), ties that must count as inactive."""
     g, threshold, b = sums_inputs(tiles, rows, cols, units, seed, integers)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got = relu_unit_sums(g, threshold, b)
-    finally:
-        torch.set_num_threads(previous)
+    got = on_threads(threads, relu_unit_sums, g, threshold, b)
     want = sums_reference(g, threshold, b)
     torch.testing.assert_close(got[0], want[0], msg="rows")
     torch.testing.assert_close(got[1], want[1], msg="cols")
@@ -173,15 +190,7 @@ def test_a_compiled_step_through_relu_gnets_runs_the_c_loops(outputs, loops):
 
 
 @settings(max_examples=40, deadline=None)
-@given(
-    tiles=st.integers(1, 4),
-    rows=st.integers(1, 6),
-    cols=st.integers(1, 11),
-    units=st.integers(MIN_UNITS, 37),
-    outputs=st.integers(1, 19),
-    threads=st.sampled_from([1, 2, 3]),
-    seed=st.integers(0, 2**16),
-)
+@given(**LAYER_SHAPES)
 def test_the_forward_loop_equals_its_specification_on_any_shape(
     tiles, rows, cols, units, outputs, threads, seed
 ):
@@ -192,13 +201,9 @@ def test_the_forward_loop_equals_its_specification_on_any_shape(
         torch.randn(shape, generator=gen)
         for shape in ((tiles, rows, units), (tiles, cols, units), (tiles, units, outputs))
     ] + [torch.randn(tiles, outputs, generator=gen)]
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got = relu_layer_forward(*args)
-    finally:
-        torch.set_num_threads(previous)
-    torch.testing.assert_close(got, forward_reference(*args))
+    torch.testing.assert_close(
+        on_threads(threads, relu_layer_forward, *args), forward_reference(*args)
+    )
 
 
 def test_the_forward_loop_under_vmap_and_autograd():
@@ -221,15 +226,7 @@ def test_the_forward_loop_under_vmap_and_autograd():
 
 
 @settings(max_examples=40, deadline=None)
-@given(
-    tiles=st.integers(1, 4),
-    rows=st.integers(1, 6),
-    cols=st.integers(1, 11),
-    units=st.integers(MIN_UNITS, 37),
-    outputs=st.integers(1, 19),
-    threads=st.sampled_from([1, 2, 3]),
-    seed=st.integers(0, 2**16),
-)
+@given(**LAYER_SHAPES)
 def test_the_backward_loop_equals_its_specification_on_any_shape(
     tiles, rows, cols, units, outputs, threads, seed
 ):
@@ -245,12 +242,7 @@ def test_the_backward_loop_equals_its_specification_on_any_shape(
             (tiles, units, outputs),
         )
     ]
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got = relu_layer_backward(*args)
-    finally:
-        torch.set_num_threads(previous)
+    got = on_threads(threads, relu_layer_backward, *args)
     want = backward_reference(*args)
     for name, x, y in zip(("row_terms", "b", "w_out"), got, want, strict=True):
         torch.testing.assert_close(x, y, msg=name)
