@@ -24,7 +24,7 @@
 Each source compiles once per shape constant (units, outputs) with the C++ compiler and
 vector ISA flags that inductor uses, into a cache in the temp directory, and runs as a custom
 op (`gbfunc::...`), opaque to inductor, with fake, vmap and autograd rules (the latter by
-autograd through the torch specification). `sums_usable` and `forward_usable` say where:
+autograd through the torch specification). `sums_usable` and `layer_usable` say where:
 CPU float32 and enough units; elsewhere, or where the compile fails (no compiler),
 inductor's code runs instead.
 """
@@ -34,6 +34,7 @@ import hashlib
 import os
 import subprocess
 import tempfile
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -186,28 +187,31 @@ extern "C" void relu_layer_backward(const float* grad, const float* row_terms, c
 """
 
 # Units per compiled loop. Fewer than 4 do not fill the narrowest vector (SSE's 4 floats):
-# inductor's reductions along the positions are faster there (44 (128, 128) tiles, 2
-# threads, AVX-512: 3 units 0.80 ms in C against 0.44; 4 units 0.71 against 0.81). At most
-# 512: a position's or a row's values live on the stack, in registers.
+# inductor's reductions along the positions are faster there (the backward's sums on 44
+# (128, 128) tiles, 2 threads, AVX-512: 3 units 0.80 ms in C against 0.44, scratch; 4 units
+# 0.46 against 0.61, `bench_unit_split.md`). At most 512: a position's or a row's values
+# live on the stack, in registers.
 MIN_UNITS = 4
 MAX_UNITS = 512
 
 
 class _Loop(NamedTuple):
-    """A C function: its name, source and number of size arguments (after the pointers)."""
+    """A C function: its name, source, and how many tensor pointers and sizes it takes (then
+    the thread count)."""
 
     name: str
     source: str
+    pointers: int
     sizes: int
 
 
-_SUMS = _Loop("relu_unit_sums", _SUMS_SOURCE, 4)
-_FORWARD = _Loop("relu_layer_forward", _FORWARD_SOURCE, 3)
-_BACKWARD = _Loop("relu_layer_backward", _BACKWARD_SOURCE, 4)
+_SUMS = _Loop("relu_unit_sums", _SUMS_SOURCE, pointers=5, sizes=4)
+_FORWARD = _Loop("relu_layer_forward", _FORWARD_SOURCE, pointers=5, sizes=3)
+_BACKWARD = _Loop("relu_layer_backward", _BACKWARD_SOURCE, pointers=7, sizes=4)
 _LIBRARIES: dict[tuple, ctypes.CDLL | None] = {}
 
 
-def _differentiated_as(op, reference) -> None:
+def _differentiated_as(op: torch.library.CustomOpDef, reference: Callable) -> None:
     """Give the custom op `op` the gradients of its specification `reference`, by autograd
     through it (for double backward and transforms that differentiate the op itself, which
     are rare: the reference materialises what the loop avoids)."""
@@ -271,9 +275,9 @@ def sums_usable(units: int, dtype: torch.dtype, device_type: str) -> bool:
 
 
 @torch.compiler.assume_constant_result
-def forward_usable(units: int, outputs: int, dtype: torch.dtype, device_type: str) -> bool:
-    """Whether `relu_layer_forward` and `relu_layer_backward` run their C loops: as
-    `sums_usable`, for 1 to 64 outputs."""
+def layer_usable(units: int, outputs: int, dtype: torch.dtype, device_type: str) -> bool:
+    """Whether `relu_layer_forward` and `relu_layer_backward` run their C loops for a layer
+    of `units` units and `outputs` outputs: as `sums_usable`, for 1 to 64 outputs."""
     if not _supported(units, dtype, device_type) or not 1 <= outputs <= 64:
         return False
     return all(_function(loop, units, outputs) is not None for loop in (_FORWARD, _BACKWARD))
@@ -324,7 +328,7 @@ _differentiated_as(relu_unit_sums, sums_reference)
 
 @torch.library.custom_op("gbfunc::relu_layer_forward", mutates_args=(), device_types="cpu")
 def relu_layer_forward(row_terms: Tensor, b: Tensor, w_out: Tensor, b_out: Tensor) -> Tensor:
-    """`forward_reference(row_terms, b, w_out, b_out)` by the C loop (`forward_usable` must
+    """`forward_reference(row_terms, b, w_out, b_out)` by the C loop (`layer_usable` must
     hold), contiguous."""
     tiles, tile_rows, units = row_terms.shape
     columns, outputs = b.shape[1], w_out.shape[-1]
@@ -363,7 +367,7 @@ _differentiated_as(relu_layer_forward, forward_reference)
 def relu_layer_backward(
     grad: Tensor, row_terms: Tensor, b: Tensor, w_out: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """`backward_reference(grad, row_terms, b, w_out)` by the C loop (`forward_usable` must
+    """`backward_reference(grad, row_terms, b, w_out)` by the C loop (`layer_usable` must
     hold): for each position the hidden activations once, their gradient from `w_out`'s
     columns, and every sum (over the columns, the rows, the positions) in one pass."""
     tiles, tile_rows, units = row_terms.shape
@@ -472,7 +476,8 @@ def _load(loop: _Loop, units: int, outputs: int) -> ctypes.CDLL:
                     os.remove(leftover)
     library = ctypes.CDLL(path)
     function = getattr(library, loop.name)
-    pointers = 7 if loop is _BACKWARD else 5
-    function.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_long] * loop.sizes + [ctypes.c_int]
+    function.argtypes = (
+        [ctypes.c_void_p] * loop.pointers + [ctypes.c_long] * loop.sizes + [ctypes.c_int]
+    )
     function.restype = None
     return library

@@ -180,14 +180,14 @@ def _unrolls(hidden: int, outputs: int) -> bool:
 
 def _in_c(terms: Terms, activation: str) -> bool:
     """Whether traced code runs a one-layer ReLU g-net with few outputs (`_unrolls`) through
-    the C loops of `_relu_loops`, forward and backward (CPU, float32: `forward_usable`)."""
+    the C loops of `_relu_loops`, forward and backward (CPU, float32: `layer_usable`)."""
     hidden, outputs = terms.a.shape[-1], terms.w_out.shape[-1]
     return (
         terms.w_hidden is None
         and activation == "relu"
         and torch.compiler.is_compiling()
         and _unrolls(hidden, outputs)
-        and _relu_loops.forward_usable(hidden, outputs, terms.a.dtype, terms.a.device.type)
+        and _relu_loops.layer_usable(hidden, outputs, terms.a.dtype, terms.a.device.type)
     )
 
 

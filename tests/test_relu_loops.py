@@ -11,7 +11,7 @@ from gbfunc._relu_loops import (
     MIN_UNITS,
     backward_reference,
     forward_reference,
-    forward_usable,
+    layer_usable,
     relu_layer_backward,
     relu_layer_forward,
     relu_unit_sums,
@@ -123,11 +123,11 @@ def test_only_cpu_float32_with_enough_units_takes_the_c_loops():
     assert not sums_usable(MIN_UNITS - 1, torch.float32, "cpu")
     assert not sums_usable(MIN_UNITS, torch.float64, "cpu")
     assert not sums_usable(MIN_UNITS, torch.float32, "cuda")
-    assert forward_usable(MIN_UNITS, 1, torch.float32, "cpu")
-    assert forward_usable(MIN_UNITS, 64, torch.float32, "cpu")
-    assert not forward_usable(MIN_UNITS, 65, torch.float32, "cpu")
-    assert not forward_usable(MIN_UNITS - 1, 8, torch.float32, "cpu")
-    assert not forward_usable(MIN_UNITS, 8, torch.bfloat16, "cpu")
+    assert layer_usable(MIN_UNITS, 1, torch.float32, "cpu")
+    assert layer_usable(MIN_UNITS, 64, torch.float32, "cpu")
+    assert not layer_usable(MIN_UNITS, 65, torch.float32, "cpu")
+    assert not layer_usable(MIN_UNITS - 1, 8, torch.float32, "cpu")
+    assert not layer_usable(MIN_UNITS, 8, torch.bfloat16, "cpu")
 
 
 def test_without_a_compiler_the_reductions_run_in_torch(monkeypatch, tmp_path):
@@ -136,7 +136,7 @@ def test_without_a_compiler_the_reductions_run_in_torch(monkeypatch, tmp_path):
     monkeypatch.setattr(_relu_loops, "_LIBRARIES", {})
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     assert not sums_usable(units, torch.float32, "cpu")
-    assert not forward_usable(units, 3, torch.float32, "cpu")
+    assert not layer_usable(units, 3, torch.float32, "cpu")
     gen = torch.Generator().manual_seed(4)
     a, b = torch.randn(2, 3, units, generator=gen), torch.randn(2, 5, units, generator=gen)
     c, w = torch.randn(2, units, generator=gen), torch.randn(2, units, generator=gen)
