@@ -289,25 +289,13 @@ def relu_unit_sums(g: Tensor, threshold: Tensor, b: Tensor) -> tuple[Tensor, Ten
     tiles, tile_rows, columns = g.shape
     units = threshold.shape[-1]
     g, threshold, b = g.contiguous(), threshold.contiguous(), b.contiguous()
-    threads = torch.get_num_threads()
-    # Tiles are shared out among the threads; too few of them and each is split by rows,
-    # every split with its own column sums, added after.
-    splits = max(1, min(tile_rows, -(-threads // tiles)))
+    threads, splits = _threads_and_splits(tiles, tile_rows)
     rows = g.new_empty(tiles, tile_rows, units)
     cols = g.new_empty(tiles, splits, columns, units)
-    _function(_SUMS, units)(
-        g.data_ptr(),
-        threshold.data_ptr(),
-        b.data_ptr(),
-        rows.data_ptr(),
-        cols.data_ptr(),
-        tiles,
-        tile_rows,
-        columns,
-        splits,
-        threads,
+    _run(
+        _SUMS, units, 1, (g, threshold, b, rows, cols), (tiles, tile_rows, columns, splits), threads
     )
-    return rows, cols[:, 0] if splits == 1 else cols.sum(1)
+    return rows, _splits_added(cols)
 
 
 @relu_unit_sums.register_fake
@@ -334,15 +322,12 @@ def relu_layer_forward(row_terms: Tensor, b: Tensor, w_out: Tensor, b_out: Tenso
     columns, outputs = b.shape[1], w_out.shape[-1]
     row_terms, b, w_out, b_out = (x.contiguous() for x in (row_terms, b, w_out, b_out))
     out = row_terms.new_empty(tiles, tile_rows, columns, outputs)
-    _function(_FORWARD, units, outputs)(
-        row_terms.data_ptr(),
-        b.data_ptr(),
-        w_out.data_ptr(),
-        b_out.data_ptr(),
-        out.data_ptr(),
-        tiles,
-        tile_rows,
-        columns,
+    _run(
+        _FORWARD,
+        units,
+        outputs,
+        (row_terms, b, w_out, b_out, out),
+        (tiles, tile_rows, columns),
         torch.get_num_threads(),
     )
     return out
@@ -373,28 +358,13 @@ def relu_layer_backward(
     tiles, tile_rows, units = row_terms.shape
     columns, outputs = b.shape[1], w_out.shape[-1]
     grad, row_terms, b, w_out = (x.contiguous() for x in (grad, row_terms, b, w_out))
-    threads = torch.get_num_threads()
-    splits = max(1, min(tile_rows, -(-threads // tiles)))  # as in `relu_unit_sums`
+    threads, splits = _threads_and_splits(tiles, tile_rows)
     g_rows = grad.new_empty(tiles, tile_rows, units)
     g_cols = grad.new_empty(tiles, splits, columns, units)
     g_w_out = grad.new_empty(tiles, splits, units, outputs)
-    _function(_BACKWARD, units, outputs)(
-        grad.data_ptr(),
-        row_terms.data_ptr(),
-        b.data_ptr(),
-        w_out.data_ptr(),
-        g_rows.data_ptr(),
-        g_cols.data_ptr(),
-        g_w_out.data_ptr(),
-        tiles,
-        tile_rows,
-        columns,
-        splits,
-        threads,
-    )
-    if splits == 1:
-        return g_rows, g_cols[:, 0], g_w_out[:, 0]
-    return g_rows, g_cols.sum(1), g_w_out.sum(1)
+    tensors = (grad, row_terms, b, w_out, g_rows, g_cols, g_w_out)
+    _run(_BACKWARD, units, outputs, tensors, (tiles, tile_rows, columns, splits), threads)
+    return g_rows, _splits_added(g_cols), _splits_added(g_w_out)
 
 
 @relu_layer_backward.register_fake
@@ -410,6 +380,19 @@ def _(info, in_dims: tuple, grad: Tensor, row_terms: Tensor, b: Tensor, w_out: T
 
 
 _differentiated_as(relu_layer_backward, backward_reference)
+
+
+def _threads_and_splits(tiles: int, tile_rows: int) -> tuple[int, int]:
+    """torch's thread count, and into how many row ranges the loops split each tile: tiles
+    are shared out among the threads; too few of them and each is split by rows, every split
+    with its own partial sums (`_splits_added`)."""
+    threads = torch.get_num_threads()
+    return threads, max(1, min(tile_rows, -(-threads // tiles)))
+
+
+def _splits_added(partials: Tensor) -> Tensor:
+    """`(T, splits, ...)` partial sums, one per row split, added: `(T, ...)`."""
+    return partials[:, 0] if partials.shape[1] == 1 else partials.sum(1)
 
 
 def _tiles_folded(size: int, in_dims: tuple, args: tuple) -> list[Tensor]:
@@ -430,6 +413,12 @@ def _supported(units: int, dtype: torch.dtype, device_type: str) -> bool:
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     return bool(pick_vec_isa())
+
+
+def _run(loop: _Loop, units: int, outputs: int, tensors: tuple, sizes: tuple, threads: int) -> None:
+    """Call `loop` compiled for `units` and `outputs` on contiguous `tensors` (inputs, then the
+    outputs it writes), `sizes` and `threads`."""
+    _function(loop, units, outputs)(*(t.data_ptr() for t in tensors), *sizes, threads)
 
 
 def _function(loop: _Loop, units: int, outputs: int = 1) -> ctypes._CFuncPtr | None:
