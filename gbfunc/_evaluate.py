@@ -143,7 +143,7 @@ def stack_terms(stack: Stack, leaves: Mapping[str, Tensor]) -> Terms:
     tile embedding when g-nets are shared, and shared g-nets are repeated over their tiles.
     """
     w_in = leaves["w_in"]
-    row, col = _codes(stack, w_in)
+    row, col = code_tables(stack, w_in)
     r = stack.row_width
     a = row @ w_in[:, :r]  # (G, TH, H)
     b = col @ w_in[:, r:]  # (G, Q, H)
@@ -164,12 +164,12 @@ def units_major_columns(stack: Stack, leaves: Mapping[str, Tensor]) -> Tensor:
     """`stack_terms(stack, leaves).b` laid out units-major, `(T, H, Q)`: a matmul's own
     output, which compiled code reads with the columns as the vector axis (`tile_mlp`)."""
     w_in = leaves["w_in"]
-    _, col = _codes(stack, w_in)
+    _, col = code_tables(stack, w_in)
     b_t = w_in[:, stack.row_width :].mT @ col.mT  # (G, H, Q)
     return _per_tile(b_t, stack.tiles_per_gnet) if stack.genome.share else b_t
 
 
-def _codes(stack: Stack, w_in: Tensor) -> Tensors:
+def code_tables(stack: Stack, w_in: Tensor) -> Tensors:
     """The stack's row and column code tables, in `w_in`'s dtype and on its device."""
     return _constant(
         stack_codes, stack.tile, stack.window, stack.genome, stack.columns, w_in.dtype, w_in.device

@@ -14,9 +14,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from . import _relu_rows
 from ._evaluate import compiles_eagerly, evaluate_tile_parts, evaluate_tiles
 from ._plan import Free, Generated, Plan, Stack
 from ._realised import realised
+from ._tilemlp import plain_eager
 from ._tree import GParams
 
 Region = tuple[tuple[int, int], ...]  # [start, stop) along every dim of a parameter
@@ -198,6 +200,7 @@ class Selection:
         self._rows = {key: self._tile_rows(self._params[key[0]], key) for key in self._pieces}
         self._index: dict[tuple[str, int, torch.device], list[Tensor]] = {}
         self._splits = {s: self._partition(s) for s in self.tiles}
+        self._placements = {s: self._placement(s) for s in self.tiles}
 
     @staticmethod
     def whole(plan: Plan) -> "Selection":
@@ -214,10 +217,14 @@ class Selection:
 
         `compile` is `gb.apply`'s: run big stacks' tile MLPs through compiled code when eager.
         """
-        tiles = {}
+        tiles, direct = {}, {}
         for s, indices in self.tiles.items():
             stack = self.plan.stacks[s]
             leaves = gparams["stacks"][stack.key]
+            if self._placements[s] is not None and runs_direct(stack, leaves, compile):
+                names, where = self._placements[s]
+                direct.update(zip(names, _relu_rows.generate(stack, leaves, where), strict=True))
+                continue
             compiled = compiles_eagerly(stack, compile)
             spans = self._splits[s]
             if spans is not None and _parts_from_tile_mlp(stack) and torch.compiler.is_compiling():
@@ -230,8 +237,22 @@ class Selection:
         return parameters(
             self._params.values(),
             gparams,
-            lambda p: realised(self._join(p, lambda k, region: self._lay_out(p, k, region, tiles))),
+            lambda p: (
+                direct[p.name].reshape(p.shape)
+                if p.name in direct
+                else realised(self._join(p, lambda k, region: self._lay_out(p, k, region, tiles)))
+            ),
             self._cut if self._views else None,
+        )
+
+    def runs_direct(self, gparams: GParams) -> bool:
+        """Whether `apply(gparams, compile=True)`, called eagerly, runs every stack through
+        `_relu_rows`' loops: nothing left for a compiled graph to fuse."""
+        stacks = gparams["stacks"]
+        return all(
+            self._placements[s] is not None
+            and runs_direct(self.plan.stacks[s], stacks[self.plan.stacks[s].key], True)
+            for s in self.tiles
         )
 
     def _join(self, p: Generated | Free, part: Callable[[int, Region], Tensor]) -> Tensor:
@@ -261,6 +282,20 @@ class Selection:
         stops = [0] + [stop for _, stop in ordered]
         covers = [start for start, _ in ordered] == stops[:-1] and stops[-1] == len(self.tiles[s])
         return ordered if covers else None
+
+    def _placement(self, s: int) -> tuple[list[str], "_relu_rows.Placement"] | None:
+        """Where stack `s`'s tiles land, for `_relu_rows`, where its g-nets suit the loops
+        and the selection takes every parameter of the stack whole."""
+        stack = self.plan.stacks[s]
+        if not _relu_rows.suits(stack):
+            return None
+        params = [p for p in self.plan.generated if p.stack_index == s]
+        whole = all(
+            p.name in self._params and self._parts[p.name][0] == (full_region(p.shape),)
+            for p in params
+        )
+        where = _relu_rows.placement(stack, params) if whole else None
+        return None if where is None else ([p.name for p in params], where)
 
     def _split(self, s: int, stack_tiles: Tensor) -> dict[tuple[int, int] | None, Tensor]:
         """Stack `s`'s tiles (key None) and, where `_partition` found one, its split parts.
@@ -307,6 +342,16 @@ class Selection:
                 for rows in self._rows[name, k]
             ]
         return self._index[key]
+
+
+def runs_direct(stack: Stack, leaves: Mapping[str, Tensor], compile: bool | None) -> bool:
+    """Whether a stack that suits `_relu_rows` runs its loops: traced by `torch.compile`, or
+    called eagerly with `compile=True` outside `torch.func` transforms (`gb.apply` passes that
+    where it would otherwise compile a graph), on CPU in float32."""
+    if not (torch.compiler.is_compiling() or (compile is True and plain_eager())):
+        return False
+    w_out = leaves["w_out"]
+    return _relu_rows.usable(stack.genome.hidden, stack.outputs, w_out.dtype, w_out.device.type)
 
 
 def _parts_from_tile_mlp(stack: Stack) -> bool:

@@ -345,9 +345,11 @@ def test_traced_tile_mlps_return_each_weights_tiles_apart_and_take_their_gradien
     fewer than half a vector register) run it once, on the gradients concatenated once all
     exist. Row g-nets (8 outputs: one evaluation per tile row) split the MLP's output instead
     and run it once on the whole stack's gradient. Op by op it runs once. The weights and the
-    gradients are the same either way."""
-    from gbfunc import _tilemlp
+    gradients are the same either way. (Traced ReLU row g-nets on CPU take the C loops of
+    `gbfunc._relu_rows` instead, switched off here; `tests/test_relu_rows.py` covers them.)"""
+    from gbfunc import _select, _tilemlp
 
+    monkeypatch.setattr(_select, "runs_direct", lambda stack, leaves, compile: False)
     model = nn.Sequential(nn.Linear(24, 16), nn.ReLU(), nn.Linear(16, 16))
     plan = gb.plan(model, tile=(8, 8), outputs=outputs, hidden=hidden, depth=depth)
     assert len(plan.stacks) == 1

@@ -1,0 +1,530 @@
+"""Row g-nets with one ReLU layer on CPU: from their leaves straight to the weights, in C.
+
+A row g-net (`Stack.columns == 1`) emits a whole tile row per evaluation. Through the tile
+MLP that is a `(TH, H) @ (H, P)` matmul per tile with 8-16 hidden units, too short a
+contraction for MKL; its tiles are then copied onto each weight's grid, cut and scaled, and
+the weights' gradients copied back into tiles (ragged ones through masked copies). Here one
+loop computes each tile row from the g-net's leaves (the first layer from the code tables
+included) and writes it, scaled, where it lands in its weight; the backward reads each
+weight's gradient in place, row by row, and returns the leaves' gradients.
+
+Eagerly, a plan whose stacks all suit runs these loops op by op instead of a compiled graph
+(`gb.apply`), which also skips AOTAutograd's wrappers. The MLP 784-512-512-10, 2 threads
+(AVX-512), one process, interleaved rounds: its generation with `tile=(128, 128), hidden=8,
+outputs=128`, forward and backward, 1.38 -> 0.86 ms; the eager training step 1.336x ->
+1.141x the plain step, and 1.389x -> 1.277x with `tile=(256, 256), hidden=16`. Compiled
+steps moved within noise (1.124x -> 1.129x, 1.084x -> 1.090x): inductor had already fused
+the copies there.
+
+`relu_rows` and `relu_rows_backward` are custom ops (`gbfunc::...`), opaque to inductor;
+`_Rows` pairs them as forward and backward for autograd, `vmap` and `torch.compile`.
+`rows_reference` is the specification in plain torch, and double backward goes through it.
+`suits`, `placement` and `usable` say where the loops run: CPU float32, 4-512 units, at most
+1024 outputs, both loops compiled.
+"""
+
+import ctypes
+import functools
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from . import _relu_loops
+from ._evaluate import code_tables
+from ._plan import Generated, Stack
+
+_SOURCE = r"""
+#include <string.h>
+
+// A tile's placement: [weight, offset of its first element, the weight's row stride,
+// rows, columns] (rows and columns inside the weight: fewer than TH and P at a ragged edge).
+enum { WEIGHT, OFFSET, STRIDE, ROWS, COLS, PLACEMENT };
+
+static inline float dot(const float* __restrict x, const float* __restrict y) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int p = 0; p < OUTPUTS; ++p) sum += x[p] * y[p];
+  return sum;
+}
+
+// z[h] = b_in[h] + sum_c col_code[c] w_in[R + c, h] + sum_r code[r] w_in[r, h]
+static inline void pre_activations(const float* code, const float* col_code, const float* w_in,
+                                   const float* b_in, long row_width, long col_width,
+                                   float* z) {
+  for (int h = 0; h < HIDDEN; ++h) z[h] = b_in[h];
+  for (long c = 0; c < col_width; ++c) {
+    const float x = col_code[c];
+    const float* w = w_in + (row_width + c) * HIDDEN;
+#pragma omp simd
+    for (int h = 0; h < HIDDEN; ++h) z[h] += x * w[h];
+  }
+  for (long r = 0; r < row_width; ++r) {
+    const float x = code[r];
+    const float* w = w_in + r * HIDDEN;
+#pragma omp simd
+    for (int h = 0; h < HIDDEN; ++h) z[h] += x * w[h];
+  }
+}
+
+extern "C" void relu_rows_forward(const float* row_code, const float* col_code,
+                                  const float* w_in, const float* b_in, const float* w_out,
+                                  const float* b_out, const float* scales,
+                                  const long* placement, float* const* weights, long tiles,
+                                  long tile_rows, long row_width, long col_width, int threads) {
+  const long width = row_width + col_width;
+#pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
+  for (long t = 0; t < tiles; ++t) {
+    for (long i = 0; i < tile_rows; ++i) {
+      const long* at = placement + PLACEMENT * t;
+      if (i >= at[ROWS]) continue;
+      float z[HIDDEN], acc[OUTPUTS];
+      pre_activations(row_code + i * row_width, col_code, w_in + t * width * HIDDEN,
+                      b_in + t * HIDDEN, row_width, col_width, z);
+      const float* w = w_out + t * HIDDEN * OUTPUTS;
+#pragma omp simd
+      for (int p = 0; p < OUTPUTS; ++p) acc[p] = b_out[t * OUTPUTS + p];
+      for (int h = 0; h < HIDDEN; ++h) {
+        const float x = z[h] > 0.0f ? z[h] : 0.0f;
+        const float* w_h = w + h * OUTPUTS;
+#pragma omp simd
+        for (int p = 0; p < OUTPUTS; ++p) acc[p] += x * w_h[p];
+      }
+      const float scale = scales[t];
+      float* out = weights[at[WEIGHT]] + at[OFFSET] + i * at[STRIDE];
+      const long cols = at[COLS];
+#pragma omp simd
+      for (long p = 0; p < cols; ++p) out[p] = scale * acc[p];
+    }
+  }
+}
+
+// The leaves' gradients given each weight's gradient (NULL: zero), per row split k of each
+// tile: g_w_in (T, splits, R + C, H), g_b_in (T, splits, H), g_w_out (T, splits, H, P),
+// g_b_out (T, splits, P). Four rows at a time share each pass over g_w_out.
+extern "C" void relu_rows_backward(const float* const* grads, const float* row_code,
+                                   const float* col_code, const float* w_in, const float* b_in,
+                                   const float* w_out, const float* scales,
+                                   const long* placement, float* g_w_in, float* g_b_in,
+                                   float* g_w_out, float* g_b_out, long tiles, long tile_rows,
+                                   long row_width, long col_width, long splits, int threads) {
+  const long width = row_width + col_width;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (long job = 0; job < tiles * splits; ++job) {
+    const long t = job / splits, split = job % splits;
+    const long* at = placement + PLACEMENT * t;
+    const float* grad = grads[at[WEIGHT]];
+    const long first = split * tile_rows / splits;
+    const long stop = (split + 1) * tile_rows / splits;
+    const long last = grad == 0 ? first : (stop < at[ROWS] ? stop : at[ROWS]);
+    const float* w_in_t = w_in + t * width * HIDDEN;
+    const float* w = w_out + t * HIDDEN * OUTPUTS;
+    const float scale = scales[t];
+    float* g_w_in_job = g_w_in + job * width * HIDDEN;
+    float* g_w_out_job = g_w_out + job * HIDDEN * OUTPUTS;
+    float* g_b_out_job = g_b_out + job * OUTPUTS;
+    float g_z_sum[HIDDEN];
+    memset(g_w_in_job, 0, sizeof(float) * width * HIDDEN);
+    memset(g_w_out_job, 0, sizeof(float) * HIDDEN * OUTPUTS);
+    memset(g_b_out_job, 0, sizeof(float) * OUTPUTS);
+    memset(g_z_sum, 0, sizeof(g_z_sum));
+    static const float zeros[OUTPUTS] = {};
+    float padded[4][OUTPUTS];  // rows of a tile cut at the weight's last column, zero-filled
+    const bool ragged = at[COLS] < OUTPUTS;
+    if (ragged) memset(padded, 0, sizeof(padded));
+    for (long i0 = first; i0 < last; i0 += 4) {
+      float x[4][HIDDEN];
+      const float* g[4];
+      for (int k = 0; k < 4; ++k) {
+        const long i = i0 + k;
+        if (i >= last) {
+          g[k] = zeros;
+          for (int h = 0; h < HIDDEN; ++h) x[k][h] = 0.0f;
+          continue;
+        }
+        const float* row = grad + at[OFFSET] + i * at[STRIDE];
+        if (ragged) {
+          memcpy(padded[k], row, sizeof(float) * at[COLS]);
+          row = padded[k];
+        }
+        g[k] = row;
+        const float* code = row_code + i * row_width;
+        float z[HIDDEN], g_z[HIDDEN];
+        pre_activations(code, col_code, w_in_t, b_in + t * HIDDEN, row_width, col_width, z);
+        for (int h = 0; h < HIDDEN; ++h) {
+          const float g_hidden = scale * dot(row, w + h * OUTPUTS);
+          g_z[h] = z[h] > 0.0f ? g_hidden : 0.0f;
+          x[k][h] = z[h] > 0.0f ? z[h] : 0.0f;
+        }
+#pragma omp simd
+        for (int h = 0; h < HIDDEN; ++h) g_z_sum[h] += g_z[h];
+        for (long r = 0; r < row_width; ++r) {
+          const float c = code[r];
+          float* g_w = g_w_in_job + r * HIDDEN;
+#pragma omp simd
+          for (int h = 0; h < HIDDEN; ++h) g_w[h] += c * g_z[h];
+        }
+      }
+      const float *g0 = g[0], *g1 = g[1], *g2 = g[2], *g3 = g[3];
+#pragma omp simd
+      for (int p = 0; p < OUTPUTS; ++p) g_b_out_job[p] += g0[p] + g1[p] + g2[p] + g3[p];
+      for (int h = 0; h < HIDDEN; ++h) {
+        float* g_w_h = g_w_out_job + h * OUTPUTS;
+        const float x0 = x[0][h], x1 = x[1][h], x2 = x[2][h], x3 = x[3][h];
+#pragma omp simd
+        for (int p = 0; p < OUTPUTS; ++p)
+          g_w_h[p] += x0 * g0[p] + x1 * g1[p] + x2 * g2[p] + x3 * g3[p];
+      }
+    }
+    for (long c = 0; c < col_width; ++c) {
+      float* g_w = g_w_in_job + (row_width + c) * HIDDEN;
+#pragma omp simd
+      for (int h = 0; h < HIDDEN; ++h) g_w[h] = col_code[c] * g_z_sum[h];
+    }
+    memcpy(g_b_in + job * HIDDEN, g_z_sum, sizeof(g_z_sum));
+#pragma omp simd
+    for (int p = 0; p < OUTPUTS; ++p) g_b_out_job[p] *= scale;
+    for (long e = 0; e < HIDDEN * OUTPUTS; ++e) g_w_out_job[e] *= scale;
+  }
+}
+"""
+
+_FORWARD = _relu_loops._Loop("relu_rows_forward", _SOURCE, pointers=9, sizes=4)
+_BACKWARD = _relu_loops._Loop("relu_rows_backward", _SOURCE, pointers=12, sizes=5)
+# At most this many outputs: a tile row's sums live on the stack, in registers.
+MAX_OUTPUTS = 1024
+
+
+class Placement(NamedTuple):
+    """Where a stack's tiles land, in the loops' terms, as plain numbers (constants to a
+    compiled graph): per tile `(weight, offset, row stride, rows, columns)`, flattened;
+    each weight's matrix shape `(rows, columns)`, flattened; each weight's scale."""
+
+    tiles: tuple[int, ...]
+    shapes: tuple[int, ...]
+    scales: tuple[float, ...]
+
+
+def suits(stack: Stack) -> bool:
+    """Whether a stack's g-nets are what the loops compute: row g-nets (one evaluation
+    column) of one ReLU layer, one g-net per tile (not shared), without a hashed table, on
+    matrices (no kernel window)."""
+    genome = stack.genome
+    return (
+        stack.columns == 1
+        and stack.window == ()
+        and genome.depth == 1
+        and genome.activation == "relu"
+        and not genome.share
+        and not genome.hashed
+        and 1 <= stack.outputs <= MAX_OUTPUTS
+    )
+
+
+def placement(stack: Stack, params: list[Generated]) -> Placement | None:
+    """Where `stack`'s tiles land on `params`, the parameters it generates, each whole; None
+    where a parameter is centred (its rows' means need the whole row first) or the tiles
+    are not exactly theirs."""
+    th, tw = stack.tile
+    rows: list[tuple[int, ...] | None] = [None] * stack.num_tiles
+    shapes: list[int] = []
+    for index, p in enumerate(params):
+        if p.center:
+            return None
+        width = p.numel // p.shape[0]
+        shapes += [p.shape[0], width]
+        offset = 0
+        for block in p.blocks:
+            top, left = (offset, 0) if p.split_dim == 0 else (0, offset)
+            offset += block.rows if p.split_dim == 0 else block.cols
+            for i in range(block.grid[0]):
+                for j in range(block.grid[1]):
+                    start = (top + i * th) * width + left + j * tw
+                    cut = (min(th, block.rows - i * th), min(tw, block.cols - j * tw))
+                    rows[block.first_tile + i * block.grid[1] + j] = (index, start, width, *cut)
+    if any(r is None for r in rows):
+        return None
+    tiles = tuple(v for r in rows for v in r)  # type: ignore[union-attr]
+    return Placement(tiles, tuple(shapes), tuple(p.scale for p in params))
+
+
+@torch.compiler.assume_constant_result
+def usable(units: int, outputs: int, dtype: torch.dtype, device_type: str) -> bool:
+    """Whether the loops run for `units` hidden units and `outputs` outputs: on CPU, in
+    float32, for the units `_relu_loops` takes, with both loops compiled."""
+    return _usable(units, outputs, dtype, device_type)
+
+
+@functools.cache
+def _usable(units: int, outputs: int, dtype: torch.dtype, device_type: str) -> bool:
+    if not _relu_loops._supported(units, dtype, device_type) or not 1 <= outputs <= MAX_OUTPUTS:
+        return False
+    loops = (_FORWARD, _BACKWARD)
+    return all(_relu_loops._function(loop, units, outputs) is not None for loop in loops)
+
+
+def generate(stack: Stack, leaves: dict[str, Tensor], where: Placement) -> tuple[Tensor, ...]:
+    """The weights `stack`'s g-nets generate, as matrices `(rows, columns)`, from its leaves
+    in `gparams["stacks"]` (`suits(stack)` and `usable` must hold)."""
+    row_code, col_code = code_tables(stack, leaves["w_in"])
+    g_nets = [leaves[k] for k in ("w_in", "b_in", "w_out", "b_out")]
+    if torch.compiler.is_compiling():
+        # Traced under `torch.func.grad`, dynamo mishandles a Function applied to the
+        # transformed function's own arguments (the ops inside see its wrapped tensors;
+        # pytorch/pytorch#193279, torch 2.13): a view makes them values computed inside.
+        g_nets = [x.view_as(x) for x in g_nets]
+    return _Rows.apply(row_code, col_code, *g_nets, where)
+
+
+class _Rows(torch.autograd.Function):
+    """`relu_rows` with `relu_rows_backward` as its backward; composes with `grad`, `vmap`
+    and `torch.compile`. Eager calls skip the custom ops' dispatch (tens of microseconds a
+    call, a tenth of the loops' time here); traced ones go through them, opaque to inductor."""
+
+    @staticmethod
+    def forward(row_code, col_code, w_in, b_in, w_out, b_out, where: Placement):
+        numbers = (list(where.tiles), list(where.shapes), list(where.scales))
+        op = relu_rows if torch.compiler.is_compiling() else _forward
+        return tuple(op(row_code, col_code, w_in, b_in, w_out, b_out, *numbers))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        row_code, col_code, w_in, b_in, w_out, _, where = inputs
+        ctx.save_for_backward(row_code, col_code, w_in, b_in, w_out)
+        ctx.numbers = (list(where.tiles), list(where.shapes), list(where.scales))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        traced = torch.compiler.is_compiling() or torch.is_grad_enabled()  # or double backward
+        op = relu_rows_backward if traced else _backward
+        gradients = op(list(grads), *ctx.saved_tensors, *ctx.numbers)
+        return (None, None, *gradients, None)
+
+    @staticmethod
+    def vmap(info, in_dims, row_code, col_code, w_in, b_in, w_out, b_out, where):
+        tensors = (row_code, col_code, w_in, b_in, w_out, b_out)
+        each = [
+            _Rows.apply(*args, where) for args in _batched(info.batch_size, in_dims[:6], tensors)
+        ]
+        return tuple(torch.stack(w) for w in zip(*each, strict=True)), (0,) * len(where.scales)
+
+
+def rows_reference(
+    row_code: Tensor,
+    col_code: Tensor,
+    w_in: Tensor,
+    b_in: Tensor,
+    w_out: Tensor,
+    b_out: Tensor,
+    tiles: list[int],
+    shapes: list[int],
+    scales: list[float],
+) -> list[Tensor]:
+    """`relu_rows` in plain torch: the specification.
+
+    Shapes: row_code `(TH, R)`, col_code `(1, C)`, w_in `(T, R + C, H)`, b_in `(T, H)`,
+    w_out `(T, H, P)`, b_out `(T, P)`; `tiles`, `shapes` and `scales` as in `Placement`.
+    Tile `t` is `relu(row_code @ w_in[t, :R] + col_code @ w_in[t, R:] + b_in[t]) @ w_out[t]
+    + b_out[t]`, `(TH, P)`, cut to its rows and columns, placed at its offset in its weight
+    and scaled by the weight's scale. Returns each weight as its matrix.
+    """
+    r = row_code.shape[-1]
+    z = row_code @ w_in[:, :r] + col_code @ w_in[:, r:] + b_in[:, None]  # (T, TH, H)
+    out = torch.relu(z) @ w_out + b_out[:, None]  # (T, TH, P)
+    weights = []
+    for index, scale in enumerate(scales):
+        height, width = shapes[2 * index : 2 * index + 2]
+        bands: dict[int, list[tuple[int, Tensor]]] = {}
+        for t in range(len(tiles) // 5):
+            weight, start, _, rows, cols = tiles[5 * t : 5 * t + 5]
+            if weight == index:
+                bands.setdefault(start // width, []).append((start % width, out[t, :rows, :cols]))
+        rows_of = [
+            torch.cat([x for _, x in sorted(b, key=lambda e: e[0])], 1)
+            for _, b in sorted(bands.items(), key=lambda e: e[0])
+        ]
+        weights.append((torch.cat(rows_of) * scale).reshape(height, width))
+    return weights
+
+
+@torch.library.custom_op("gbfunc::relu_rows", mutates_args=(), device_types="cpu")
+def relu_rows(
+    row_code: Tensor,
+    col_code: Tensor,
+    w_in: Tensor,
+    b_in: Tensor,
+    w_out: Tensor,
+    b_out: Tensor,
+    tiles: list[int],
+    shapes: list[int],
+    scales: list[float],
+) -> list[Tensor]:
+    """`rows_reference(...)` by the C loop (`usable` must hold)."""
+    return _forward(row_code, col_code, w_in, b_in, w_out, b_out, tiles, shapes, scales)
+
+
+def _forward(row_code, col_code, w_in, b_in, w_out, b_out, tiles, shapes, scales) -> list[Tensor]:
+    inputs = [x.contiguous() for x in (row_code, col_code, w_in, b_in, w_out, b_out)]
+    weights = _new_weights(w_in, shapes)
+    table, tile_scales = _tables(tuple(tiles), tuple(scales))
+    units, outputs = w_out.shape[-2:]
+    _relu_loops._function(_FORWARD, units, outputs)(
+        *(x.data_ptr() for x in inputs),
+        tile_scales.data_ptr(),
+        table.data_ptr(),
+        _pointers(weights),
+        w_in.shape[0],
+        row_code.shape[0],
+        row_code.shape[1],
+        col_code.shape[1],
+        torch.get_num_threads(),
+    )
+    return weights
+
+
+@relu_rows.register_fake
+def _(row_code, col_code, w_in, b_in, w_out, b_out, tiles, shapes, scales) -> list[Tensor]:
+    return _new_weights(w_in, shapes)
+
+
+@torch.library.custom_op("gbfunc::relu_rows_backward", mutates_args=(), device_types="cpu")
+def relu_rows_backward(
+    grads: list[Tensor | None],
+    row_code: Tensor,
+    col_code: Tensor,
+    w_in: Tensor,
+    b_in: Tensor,
+    w_out: Tensor,
+    tiles: list[int],
+    shapes: list[int],
+    scales: list[float],
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The gradients of `relu_rows` w.r.t. `w_in`, `b_in`, `w_out` and `b_out`, given each
+    weight's gradient (None: zero), by the C loop, which reads them in place."""
+    return _backward(grads, row_code, col_code, w_in, b_in, w_out, tiles, shapes, scales)
+
+
+def _backward(grads, row_code, col_code, w_in, b_in, w_out, tiles, shapes, scales) -> tuple:
+    inputs = [x.contiguous() for x in (row_code, col_code, w_in, b_in, w_out)]
+    grads = [None if g is None else g.contiguous() for g in grads]
+    table, tile_scales = _tables(tuple(tiles), tuple(scales))
+    num_tiles, width, units = w_in.shape
+    outputs, tile_rows = w_out.shape[-1], row_code.shape[0]
+    threads, splits = _relu_loops._threads_and_splits(num_tiles, tile_rows)
+    partials = (
+        w_in.new_empty(num_tiles, splits, width, units),
+        w_in.new_empty(num_tiles, splits, units),
+        w_in.new_empty(num_tiles, splits, units, outputs),
+        w_in.new_empty(num_tiles, splits, outputs),
+    )
+    _relu_loops._function(_BACKWARD, units, outputs)(
+        _pointers(grads),
+        *(x.data_ptr() for x in inputs),
+        tile_scales.data_ptr(),
+        table.data_ptr(),
+        *(x.data_ptr() for x in partials),
+        num_tiles,
+        tile_rows,
+        row_code.shape[1],
+        col_code.shape[1],
+        splits,
+        threads,
+    )
+    return tuple(_relu_loops._splits_added(x) for x in partials)
+
+
+@relu_rows_backward.register_fake
+def _(grads, row_code, col_code, w_in, b_in, w_out, tiles, shapes, scales) -> tuple:
+    b_out = w_out.new_empty(w_out.shape[0], w_out.shape[-1])
+    return (
+        w_in.new_empty(w_in.shape),
+        b_in.new_empty(b_in.shape),
+        w_out.new_empty(w_out.shape),
+        b_out,
+    )
+
+
+@relu_rows_backward.register_vmap
+def _(info, in_dims, grads, row_code, col_code, w_in, b_in, w_out, tiles, shapes, scales):
+    size = info.batch_size
+    present = [g for g in grads if g is not None]
+    dims = [d for g, d in zip(grads, in_dims[0], strict=True) if g is not None]
+    others = (row_code, col_code, w_in, b_in, w_out)
+    batched = _batched(size, (*dims, *in_dims[1:]), (*present, *others))
+    each = []
+    for args in batched:
+        given = iter(args[: len(present)])
+        per_weight = [None if g is None else next(given) for g in grads]
+        each.append(relu_rows_backward(per_weight, *args[len(present) :], tiles, shapes, scales))
+    return tuple(torch.stack(x) for x in zip(*each, strict=True)), (0, 0, 0, 0)
+
+
+def _backward_reference(grads, row_code, col_code, w_in, b_in, w_out, tiles, shapes, scales):
+    """`relu_rows_backward` by autograd through `rows_reference`, differentiable."""
+    b_out = w_out.new_zeros(w_out.shape[0], w_out.shape[-1]).requires_grad_()
+    leaves = (w_in, b_in, w_out)
+    with torch.enable_grad():
+        leaves = tuple(x if x.requires_grad else x.detach().requires_grad_() for x in leaves)
+        weights = rows_reference(row_code, col_code, *leaves, b_out, tiles, shapes, scales)
+        pairs = [(w, g) for w, g in zip(weights, grads, strict=True) if g is not None]
+        return torch.autograd.grad(
+            [w for w, _ in pairs],
+            [*leaves, b_out],
+            [g for _, g in pairs],
+            create_graph=True,
+            allow_unused=True,
+            materialize_grads=True,
+        )
+
+
+def _save_backward(ctx, inputs: tuple, output) -> None:
+    grads, *tensors, tiles, shapes, scales = inputs
+    ctx.present = [g is not None for g in grads]
+    ctx.save_for_backward(*(g for g in grads if g is not None), *tensors)
+    ctx.numbers = (tiles, shapes, scales)
+
+
+def _backward_backward(ctx, *outer: Tensor | None) -> tuple:
+    """Double backward: autograd through `_backward_reference`."""
+    saved = [x.detach().requires_grad_() for x in ctx.saved_tensors]
+    count = sum(ctx.present)
+    given = iter(saved[:count])
+    grads = [next(given) if present else None for present in ctx.present]
+    with torch.enable_grad():
+        inner = _backward_reference(grads, *saved[count:], *ctx.numbers)
+    pairs = [(x, g) for x, g in zip(inner, outer, strict=True) if g is not None]
+    result = torch.autograd.grad(
+        [x for x, _ in pairs], saved, [g for _, g in pairs], allow_unused=True
+    )
+    given = iter(result[:count])
+    per_weight = [next(given) if present else None for present in ctx.present]
+    return (per_weight, *result[count:], None, None, None)
+
+
+relu_rows_backward.register_autograd(_backward_backward, setup_context=_save_backward)
+
+
+def _new_weights(like: Tensor, shapes: list[int]) -> list[Tensor]:
+    return [like.new_empty(shapes[i], shapes[i + 1]) for i in range(0, len(shapes), 2)]
+
+
+@functools.lru_cache(maxsize=64)
+def _tables(tiles: tuple[int, ...], scales: tuple[float, ...]) -> tuple[Tensor, Tensor]:
+    """The placement as the loops read it, `(T, 5)` int64, and each tile's scale, cached per
+    placement (a plan's)."""
+    table = torch.tensor(tiles, dtype=torch.int64).reshape(-1, 5)
+    return table, torch.tensor(scales, dtype=torch.float32)[table[:, 0]]
+
+
+def _pointers(tensors: list[Tensor | None]) -> ctypes.Array:
+    """An array of the tensors' data pointers (NULL for None) for the loops."""
+    return (ctypes.c_void_p * len(tensors))(*(None if x is None else x.data_ptr() for x in tensors))
+
+
+def _batched(size: int, in_dims: tuple, tensors: tuple) -> list[tuple[Tensor, ...]]:
+    """Per vmapped genome, the tensors' slices (unbatched ones repeated)."""
+    moved = [x if d is None else x.movedim(d, 0) for x, d in zip(tensors, in_dims, strict=True)]
+    return [
+        tuple(x if d is None else x[k] for x, d in zip(moved, in_dims, strict=True))
+        for k in range(size)
+    ]

@@ -1,0 +1,228 @@
+"""Row g-nets' C loops (`gbfunc._relu_rows`): leaves to weights and back, against plain torch."""
+
+import itertools
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch import nn
+from torch.func import functional_call, grad_and_value
+
+import gbfunc as gb
+from gbfunc import _relu_loops, _relu_rows, _select
+from gbfunc._evaluate import code_tables
+from gbfunc._relu_loops import MIN_UNITS
+
+pytestmark = pytest.mark.skipif(
+    not _relu_rows.usable(MIN_UNITS, 8, torch.float32, "cpu"), reason="no C++ compiler"
+)
+
+
+def row_plan(widths, tile, hidden, **genome):
+    """A plan of g-nets with `outputs` = the tile's width, at most every weight's width, over
+    an MLP of `widths`: row g-nets where a weight is at least a tile wide."""
+    layers = [nn.Linear(a, b) for a, b in itertools.pairwise(widths)]
+    model = nn.Sequential(*layers)
+    outputs = min(tile[1], *widths[:-1])
+    return model, gb.plan(model, tile=tile, hidden=hidden, outputs=outputs, **genome)
+
+
+def on_threads(threads, fn, *args):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def stack_inputs(plan, gparams, s):
+    """The loops' arguments for stack `s`: code tables, leaves and placement numbers."""
+    stack = plan.stacks[s]
+    leaves = gparams["stacks"][stack.key]
+    params = [p for p in plan.generated if p.stack_index == s]
+    where = _relu_rows.placement(stack, params)
+    codes = code_tables(stack, leaves["w_in"])
+    tensors = [*codes, *(leaves[k] for k in ("w_in", "b_in", "w_out", "b_out"))]
+    return tensors, where, params
+
+
+def counting(monkeypatch):
+    """Record which loop functions run (`_forward`, `_backward`)."""
+    calls = []
+    for name in ("_forward", "_backward"):
+        original = getattr(_relu_rows, name)
+
+        def counted(*args, _original=original, _name=name):
+            calls.append(_name)
+            return _original(*args)
+
+        monkeypatch.setattr(_relu_rows, name, counted)
+    return calls
+
+
+SHAPES = {
+    "widths": st.lists(st.integers(1, 40), min_size=2, max_size=3),
+    "tile": st.tuples(st.integers(1, 12), st.integers(1, 20)),
+    "hidden": st.integers(MIN_UNITS, 12),
+    "threads": st.sampled_from([1, 2, 3]),
+    "seed": st.integers(0, 2**16),
+}
+
+
+@settings(max_examples=30, deadline=None)
+@given(**SHAPES)
+def test_the_loops_equal_their_specification_on_any_shape(widths, tile, hidden, threads, seed):
+    """Ragged tiles at every edge, fewer tiles than threads (row splits), random leaves:
+    weights and every leaf's gradient as `rows_reference` and autograd give them."""
+    torch.manual_seed(seed)
+    _, plan = row_plan(widths, tile, hidden)
+    gparams = gb.init(plan)
+    row_stacks = [s for s, stack in enumerate(plan.stacks) if _relu_rows.suits(stack)]
+    assert row_stacks  # the narrowest weight's tiles, at least
+    for s in row_stacks:
+        tensors, where, params = stack_inputs(plan, gparams, s)
+        leaves = [x.detach().clone().requires_grad_() for x in tensors[2:]]
+        for leaf in leaves:
+            leaf.data.normal_()
+        numbers = (list(where.tiles), list(where.shapes), list(where.scales))
+        want = _relu_rows.rows_reference(*tensors[:2], *leaves, *numbers)
+        got = on_threads(threads, _relu_rows.relu_rows, *tensors[:2], *leaves, *numbers)
+        for w, g, p in zip(want, got, params, strict=True):
+            assert g.shape == w.shape == (p.shape[0], p.numel // p.shape[0])
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        grads = [torch.randn(w.shape) for w in want]
+        grads[0] = None if len(grads) > 1 else grads[0]  # an unused weight: no gradient
+        pairs = [(w, g) for w, g in zip(want, grads, strict=True) if g is not None]
+        expected = torch.autograd.grad(
+            [w for w, _ in pairs], leaves, [g for _, g in pairs], materialize_grads=True
+        )
+        args = (grads, *tensors[:2], *(x.detach() for x in leaves[:3]), *numbers)
+        got = on_threads(threads, _relu_rows.relu_rows_backward, *args)
+        for g, e in zip(got, expected, strict=True):
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+
+
+def test_eager_apply_runs_the_loops_with_the_gradients_of_plain_torch(monkeypatch):
+    """`gb.apply(compile=True)`, eager, on row g-nets: both loops run, no graph compiles, and
+    weights and gradients match `compile=False` (plain torch)."""
+    torch.manual_seed(0)
+    model, plan = row_plan([50, 37, 9], (16, 16), 6)
+    gparams = gb.init(plan)
+    x, y = torch.randn(5, 50), torch.randint(0, 9, (5,))
+
+    def loss(compile):
+        params = gb.apply(gparams, plan, compile=compile)
+        return nn.functional.cross_entropy(functional_call(model, params, (x,)), y), params
+
+    leaves = torch.utils._pytree.tree_leaves(gparams)
+    want_loss, want = loss(False)
+    want_grads = torch.autograd.grad(want_loss, leaves)
+    calls = counting(monkeypatch)
+    with mock.patch("gbfunc._graph.generate", side_effect=AssertionError("compiled a graph")):
+        got_loss, got = loss(True)
+        got_grads = torch.autograd.grad(got_loss, leaves)
+    assert calls == ["_forward"] * len(plan.stacks) + ["_backward"] * len(plan.stacks)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+
+
+def test_double_backward_goes_through_the_specification():
+    """A gradient of a gradient (`create_graph=True`) through the loops equals plain torch's."""
+    torch.manual_seed(1)
+    _, plan = row_plan([20, 13], (8, 8), 4)
+    gparams = gb.init(plan)
+    leaves = torch.utils._pytree.tree_leaves(gparams)
+
+    def grad_norm(compile):
+        params = gb.apply(gparams, plan, compile=compile)
+        value = sum((w**3).sum() for w in params.values())
+        grads = torch.autograd.grad(value, leaves, create_graph=True)
+        return torch.autograd.grad(sum((g * g).sum() for g in grads), leaves)
+
+    for got, want in zip(grad_norm(True), grad_norm(False), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_vmap_over_genomes_equals_one_genome_at_a_time():
+    """The Function's vmap rule: a batch of genomes, each as if alone."""
+    torch.manual_seed(2)
+    _, plan = row_plan([30, 11], (8, 16), 4)
+    tensors, where, _ = stack_inputs(plan, gb.init(plan), 0)
+    batch = [torch.stack([x.detach() + k for k in range(3)]) for x in tensors[2:]]
+
+    def weights(*leaves):
+        return _relu_rows._Rows.apply(*tensors[:2], *leaves, where)
+
+    got = torch.func.vmap(weights)(*batch)
+    for k in range(3):
+        want = weights(*(x[k] for x in batch))
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g[k], w)
+
+
+def test_only_suitable_stacks_and_whole_parameters_take_the_loops():
+    """Shared, hashed, deeper or many-column g-nets keep the tile MLP; so do centred
+    weights and selections that cut a weight (tensor parallelism)."""
+    _, plan = row_plan([30, 11], (8, 16), 4)
+    assert _relu_rows.suits(plan.stacks[0])
+    for genome in ({"share": True}, {"hashed": 64}, {"depth": 2}):
+        assert not _relu_rows.suits(row_plan([30, 11], (8, 16), 4, **genome)[1].stacks[0])
+    model = nn.Sequential(nn.Linear(30, 11))
+    assert not _relu_rows.suits(gb.plan(model, tile=(8, 16), hidden=4, outputs=8).stacks[0])
+    whole = _select.Selection.whole(plan)
+    assert whole._placements[0] is not None
+    half = _select.Selection(plan, {"0.weight": ((0, 5), (0, 30))})
+    assert half._placements[0] is None
+    centred = [p.__class__(**{**p.__dict__, "center": True}) for p in plan.generated]
+    assert _relu_rows.placement(plan.stacks[0], centred) is None
+    assert not _relu_rows.usable(MIN_UNITS, 8, torch.float64, "cpu")
+    assert not _relu_rows.usable(MIN_UNITS - 1, 8, torch.float32, "cpu")
+    assert not _relu_rows.usable(MIN_UNITS, _relu_rows.MAX_OUTPUTS + 1, torch.float32, "cpu")
+
+
+def test_without_a_compiler_apply_falls_back_to_torch(monkeypatch, tmp_path):
+    """A compiler that fails: `usable` says no and `gb.apply(compile=True)` runs without the
+    loops, with the same weights."""
+    hidden = 29  # a count no other test compiles
+    monkeypatch.setattr(_relu_loops, "_LIBRARIES", {})
+    monkeypatch.setattr(_relu_rows, "_usable", _relu_rows._usable.__wrapped__)
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert not _relu_rows.usable(hidden, 8, torch.float32, "cpu")
+    torch.manual_seed(3)
+    _, plan = row_plan([20, 13], (8, 8), hidden)
+    gparams = gb.init(plan)
+    assert not _select.Selection.whole(plan).runs_direct(gparams)
+    calls = counting(monkeypatch)
+    got = gb.apply(gparams, plan, compile=True)
+    want = gb.apply(gparams, plan, compile=False)
+    assert calls == []
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_compiled_step_under_grad_runs_the_loops(monkeypatch):
+    """`torch.compile(fullgraph=True)` of `grad_and_value` through `gb.apply`: the loops run
+    as custom ops inside the graph, and loss and gradients are the eager ones."""
+    torch.manual_seed(4)
+    model, plan = row_plan([50, 40, 7], (16, 16), 4)
+    tree = gb.init(plan, requires_grad=False)
+    x, y = torch.randn(8, 50), torch.randint(0, 7, (8,))
+
+    def loss(tree):
+        out = functional_call(model, gb.apply(tree, plan, compile=False), (x,))
+        return nn.functional.cross_entropy(out, y)
+
+    want_grads, want = grad_and_value(loss)(tree)
+    calls = counting(monkeypatch)
+    step = torch.compile(grad_and_value(loss), fullgraph=True, dynamic=False)
+    got_grads, got = step(tree)
+    assert set(calls) == {"_forward", "_backward"}
+    torch.testing.assert_close(got, want)
+    flat = zip(*(torch.utils._pytree.tree_leaves(g) for g in (got_grads, want_grads)), strict=True)
+    for g, w in flat:
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
