@@ -38,7 +38,7 @@ class CompiledCache:
     def call(self, key: Hashable, fn: Callable, *args: object) -> object | None:
         """`fn(*args)` through the code compiled for `key`, or None where that compile failed
         or dynamo is switched off: the caller runs `fn` op by op."""
-        if _dynamo_disabled():
+        if dynamo_disabled():
             return None
         if key not in self._compiled:
             private = types.FunctionType(
@@ -94,6 +94,6 @@ def _tensor_and_global_state_guards(entries: list) -> list[bool]:
     ]
 
 
-def _dynamo_disabled() -> bool:
+def dynamo_disabled() -> bool:
     """Whether dynamo is switched off (`torch._dynamo.config.disable`)."""
     return bool(torch._dynamo.config.disable)

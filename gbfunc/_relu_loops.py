@@ -195,7 +195,7 @@ MIN_UNITS = 4
 MAX_UNITS = 512
 
 
-class _Loop(NamedTuple):
+class Loop(NamedTuple):
     """A C function: its name, source, and how many tensor pointers and sizes it takes (then
     the thread count)."""
 
@@ -205,9 +205,9 @@ class _Loop(NamedTuple):
     sizes: int
 
 
-_SUMS = _Loop("relu_unit_sums", _SUMS_SOURCE, pointers=5, sizes=4)
-_FORWARD = _Loop("relu_layer_forward", _FORWARD_SOURCE, pointers=5, sizes=3)
-_BACKWARD = _Loop("relu_layer_backward", _BACKWARD_SOURCE, pointers=7, sizes=4)
+_SUMS = Loop("relu_unit_sums", _SUMS_SOURCE, pointers=5, sizes=4)
+_FORWARD = Loop("relu_layer_forward", _FORWARD_SOURCE, pointers=5, sizes=3)
+_BACKWARD = Loop("relu_layer_backward", _BACKWARD_SOURCE, pointers=7, sizes=4)
 _LIBRARIES: dict[tuple, ctypes.CDLL | None] = {}
 
 
@@ -269,18 +269,18 @@ def backward_reference(
 def sums_usable(units: int, dtype: torch.dtype, device_type: str) -> bool:
     """Whether `relu_unit_sums` runs its C loop for `units` hidden units: CPU float32 with a
     vector ISA inductor knows, `MIN_UNITS` to `MAX_UNITS` units, and the loop compiled."""
-    if not _supported(units, dtype, device_type):
+    if not supported(units, dtype, device_type):
         return False
-    return _function(_SUMS, units) is not None
+    return compiled_loop(_SUMS, units) is not None
 
 
 @torch.compiler.assume_constant_result
 def layer_usable(units: int, outputs: int, dtype: torch.dtype, device_type: str) -> bool:
     """Whether `relu_layer_forward` and `relu_layer_backward` run their C loops for a layer
     of `units` units and `outputs` outputs: as `sums_usable`, for 1 to 64 outputs."""
-    if not _supported(units, dtype, device_type) or not 1 <= outputs <= 64:
+    if not supported(units, dtype, device_type) or not 1 <= outputs <= 64:
         return False
-    return all(_function(loop, units, outputs) is not None for loop in (_FORWARD, _BACKWARD))
+    return all(compiled_loop(loop, units, outputs) is not None for loop in (_FORWARD, _BACKWARD))
 
 
 @torch.library.custom_op("gbfunc::relu_unit_sums", mutates_args=(), device_types="cpu")
@@ -289,13 +289,13 @@ def relu_unit_sums(g: Tensor, threshold: Tensor, b: Tensor) -> tuple[Tensor, Ten
     tiles, tile_rows, columns = g.shape
     units = threshold.shape[-1]
     g, threshold, b = g.contiguous(), threshold.contiguous(), b.contiguous()
-    threads, splits = _threads_and_splits(tiles, tile_rows)
+    threads, splits = threads_and_splits(tiles, tile_rows)
     rows = g.new_empty(tiles, tile_rows, units)
     cols = g.new_empty(tiles, splits, columns, units)
     _run(
         _SUMS, units, 1, (g, threshold, b, rows, cols), (tiles, tile_rows, columns, splits), threads
     )
-    return rows, _splits_added(cols)
+    return rows, splits_added(cols)
 
 
 @relu_unit_sums.register_fake
@@ -358,13 +358,13 @@ def relu_layer_backward(
     tiles, tile_rows, units = row_terms.shape
     columns, outputs = b.shape[1], w_out.shape[-1]
     grad, row_terms, b, w_out = (x.contiguous() for x in (grad, row_terms, b, w_out))
-    threads, splits = _threads_and_splits(tiles, tile_rows)
+    threads, splits = threads_and_splits(tiles, tile_rows)
     g_rows = grad.new_empty(tiles, tile_rows, units)
     g_cols = grad.new_empty(tiles, splits, columns, units)
     g_w_out = grad.new_empty(tiles, splits, units, outputs)
     tensors = (grad, row_terms, b, w_out, g_rows, g_cols, g_w_out)
     _run(_BACKWARD, units, outputs, tensors, (tiles, tile_rows, columns, splits), threads)
-    return g_rows, _splits_added(g_cols), _splits_added(g_w_out)
+    return g_rows, splits_added(g_cols), splits_added(g_w_out)
 
 
 @relu_layer_backward.register_fake
@@ -382,15 +382,15 @@ def _(info, in_dims: tuple, grad: Tensor, row_terms: Tensor, b: Tensor, w_out: T
 _differentiated_as(relu_layer_backward, backward_reference)
 
 
-def _threads_and_splits(tiles: int, tile_rows: int) -> tuple[int, int]:
+def threads_and_splits(tiles: int, tile_rows: int) -> tuple[int, int]:
     """torch's thread count, and into how many row ranges the loops split each tile: tiles
     are shared out among the threads; too few of them and each is split by rows, every split
-    with its own partial sums (`_splits_added`)."""
+    with its own partial sums (`splits_added`)."""
     threads = torch.get_num_threads()
     return threads, max(1, min(tile_rows, -(-threads // tiles)))
 
 
-def _splits_added(partials: Tensor) -> Tensor:
+def splits_added(partials: Tensor) -> Tensor:
     """`(T, splits, ...)` partial sums, one per row split, added: `(T, ...)`."""
     return partials[:, 0] if partials.shape[1] == 1 else partials.sum(1)
 
@@ -407,7 +407,9 @@ def _tiles_unfolded(size: int, x: Tensor) -> Tensor:
     return x.unflatten(0, (size, -1))
 
 
-def _supported(units: int, dtype: torch.dtype, device_type: str) -> bool:
+def supported(units: int, dtype: torch.dtype, device_type: str) -> bool:
+    """Whether loops for `units` hidden units can run here: CPU float32, `MIN_UNITS` to
+    `MAX_UNITS` units, and a vector ISA inductor knows (its compile flags are the loops')."""
     if device_type != "cpu" or dtype != torch.float32 or not MIN_UNITS <= units <= MAX_UNITS:
         return False
     from torch._inductor.cpu_vec_isa import pick_vec_isa
@@ -415,13 +417,13 @@ def _supported(units: int, dtype: torch.dtype, device_type: str) -> bool:
     return bool(pick_vec_isa())
 
 
-def _run(loop: _Loop, units: int, outputs: int, tensors: tuple, sizes: tuple, threads: int) -> None:
+def _run(loop: Loop, units: int, outputs: int, tensors: tuple, sizes: tuple, threads: int) -> None:
     """Call `loop` compiled for `units` and `outputs` on contiguous `tensors` (inputs, then the
     outputs it writes), `sizes` and `threads`."""
-    _function(loop, units, outputs)(*(t.data_ptr() for t in tensors), *sizes, threads)
+    compiled_loop(loop, units, outputs)(*(t.data_ptr() for t in tensors), *sizes, threads)
 
 
-def _function(loop: _Loop, units: int, outputs: int = 1) -> ctypes._CFuncPtr | None:
+def compiled_loop(loop: Loop, units: int, outputs: int = 1) -> ctypes._CFuncPtr | None:
     """`loop` compiled for `units` units and `outputs` outputs (None where it cannot be)."""
     key = (loop, units, outputs)
     if key not in _LIBRARIES:
@@ -433,7 +435,7 @@ def _function(loop: _Loop, units: int, outputs: int = 1) -> ctypes._CFuncPtr | N
     return None if library is None else getattr(library, loop.name)
 
 
-def _load(loop: _Loop, units: int, outputs: int) -> ctypes.CDLL:
+def _load(loop: Loop, units: int, outputs: int) -> ctypes.CDLL:
     """Compile `loop` (cached in the temp directory across processes) and load it."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 

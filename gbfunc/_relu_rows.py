@@ -19,8 +19,8 @@ the copies there.
 `relu_rows` and `relu_rows_backward` are custom ops (`gbfunc::...`), opaque to inductor;
 `_Rows` pairs them as forward and backward for autograd, `vmap` and `torch.compile`.
 `rows_reference` is the specification in plain torch, and double backward goes through it.
-`suits`, `placement` and `usable` say where the loops run: CPU float32, 4-512 units, at most
-1024 outputs, both loops compiled.
+`suits`, `placement` and `usable` say where the loops run: CPU float32, 4-32 units, at most
+512 outputs, both loops compiled.
 """
 
 import ctypes
@@ -33,6 +33,7 @@ from torch import Tensor
 from . import _relu_loops
 from ._evaluate import code_tables
 from ._plan import Generated, Stack
+from ._tilemlp import plain_eager
 
 _SOURCE = r"""
 #include <string.h>
@@ -189,10 +190,13 @@ extern "C" void relu_rows_backward(const float* const* grads, const float* row_c
 }
 """
 
-_FORWARD = _relu_loops._Loop("relu_rows_forward", _SOURCE, pointers=9, sizes=4)
-_BACKWARD = _relu_loops._Loop("relu_rows_backward", _SOURCE, pointers=12, sizes=5)
-# At most this many outputs: a tile row's sums live on the stack, in registers.
-MAX_OUTPUTS = 1024
+_FORWARD = _relu_loops.Loop("relu_rows_forward", _SOURCE, pointers=9, sizes=4)
+_BACKWARD = _relu_loops.Loop("relu_rows_backward", _SOURCE, pointers=12, sizes=5)
+# The loops are measured, and run, for at most this many hidden units and outputs (the MLP's
+# row g-nets: 8 and 16 units, 128 and 256 outputs): each position costs `units * outputs`
+# multiply-adds without register blocking, where MKL's matmuls gain on larger g-nets.
+MAX_UNITS = 32
+MAX_OUTPUTS = 512
 
 
 class Placement(NamedTuple):
@@ -207,8 +211,8 @@ class Placement(NamedTuple):
 
 def suits(stack: Stack) -> bool:
     """Whether a stack's g-nets are what the loops compute: row g-nets (one evaluation
-    column) of one ReLU layer, one g-net per tile (not shared), without a hashed table, on
-    matrices (no kernel window)."""
+    column, a tile row's worth of outputs) of one ReLU layer, one g-net per tile (not shared),
+    without a hashed table, on matrices (no kernel window)."""
     genome = stack.genome
     return (
         stack.columns == 1
@@ -217,7 +221,7 @@ def suits(stack: Stack) -> bool:
         and genome.activation == "relu"
         and not genome.share
         and not genome.hashed
-        and 1 <= stack.outputs <= MAX_OUTPUTS
+        and stack.tile[1] == stack.outputs
     )
 
 
@@ -251,16 +255,19 @@ def placement(stack: Stack, params: list[Generated]) -> Placement | None:
 @torch.compiler.assume_constant_result
 def usable(units: int, outputs: int, dtype: torch.dtype, device_type: str) -> bool:
     """Whether the loops run for `units` hidden units and `outputs` outputs: on CPU, in
-    float32, for the units `_relu_loops` takes, with both loops compiled."""
+    float32, from `_relu_loops.MIN_UNITS` to `MAX_UNITS` units, at most `MAX_OUTPUTS`
+    outputs, with both loops compiled."""
     return _usable(units, outputs, dtype, device_type)
 
 
 @functools.cache
 def _usable(units: int, outputs: int, dtype: torch.dtype, device_type: str) -> bool:
-    if not _relu_loops._supported(units, dtype, device_type) or not 1 <= outputs <= MAX_OUTPUTS:
+    if units > MAX_UNITS or not 1 <= outputs <= MAX_OUTPUTS:
+        return False
+    if not _relu_loops.supported(units, dtype, device_type):
         return False
     loops = (_FORWARD, _BACKWARD)
-    return all(_relu_loops._function(loop, units, outputs) is not None for loop in loops)
+    return all(_relu_loops.compiled_loop(loop, units, outputs) is not None for loop in loops)
 
 
 def generate(stack: Stack, leaves: dict[str, Tensor], where: Placement) -> tuple[Tensor, ...]:
@@ -295,8 +302,9 @@ class _Rows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        traced = torch.compiler.is_compiling() or torch.is_grad_enabled()  # or double backward
-        op = relu_rows_backward if traced else _backward
+        # The op (with its vmap and autograd rules) unless plainly eager without create_graph.
+        needs_op = not plain_eager() or torch.is_grad_enabled()
+        op = relu_rows_backward if needs_op else _backward
         gradients = op(list(grads), *ctx.saved_tensors, *ctx.numbers)
         return (None, None, *gradients, None)
 
@@ -368,7 +376,7 @@ def _forward(row_code, col_code, w_in, b_in, w_out, b_out, tiles, shapes, scales
     weights = _new_weights(w_in, shapes)
     table, tile_scales = _tables(tuple(tiles), tuple(scales))
     units, outputs = w_out.shape[-2:]
-    _relu_loops._function(_FORWARD, units, outputs)(
+    _relu_loops.compiled_loop(_FORWARD, units, outputs)(
         *(x.data_ptr() for x in inputs),
         tile_scales.data_ptr(),
         table.data_ptr(),
@@ -410,14 +418,14 @@ def _backward(grads, row_code, col_code, w_in, b_in, w_out, tiles, shapes, scale
     table, tile_scales = _tables(tuple(tiles), tuple(scales))
     num_tiles, width, units = w_in.shape
     outputs, tile_rows = w_out.shape[-1], row_code.shape[0]
-    threads, splits = _relu_loops._threads_and_splits(num_tiles, tile_rows)
+    threads, splits = _relu_loops.threads_and_splits(num_tiles, tile_rows)
     partials = (
         w_in.new_empty(num_tiles, splits, width, units),
         w_in.new_empty(num_tiles, splits, units),
         w_in.new_empty(num_tiles, splits, units, outputs),
         w_in.new_empty(num_tiles, splits, outputs),
     )
-    _relu_loops._function(_BACKWARD, units, outputs)(
+    _relu_loops.compiled_loop(_BACKWARD, units, outputs)(
         _pointers(grads),
         *(x.data_ptr() for x in inputs),
         tile_scales.data_ptr(),
@@ -430,7 +438,7 @@ def _backward(grads, row_code, col_code, w_in, b_in, w_out, tiles, shapes, scale
         splits,
         threads,
     )
-    return tuple(_relu_loops._splits_added(x) for x in partials)
+    return tuple(_relu_loops.splits_added(x) for x in partials)
 
 
 @relu_rows_backward.register_fake
@@ -450,7 +458,7 @@ def _(info, in_dims, grads, row_code, col_code, w_in, b_in, w_out, tiles, shapes
     present = [g for g in grads if g is not None]
     dims = [d for g, d in zip(grads, in_dims[0], strict=True) if g is not None]
     others = (row_code, col_code, w_in, b_in, w_out)
-    batched = _batched(size, (*dims, *in_dims[1:]), (*present, *others))
+    batched = _batched(size, (*dims, *in_dims[1:6]), (*present, *others))
     each = []
     for args in batched:
         given = iter(args[: len(present)])

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from . import _relu_rows
+from ._compiled import dynamo_disabled
 from ._evaluate import compiles_eagerly, evaluate_tile_parts, evaluate_tiles
 from ._plan import Free, Generated, Plan, Stack
 from ._realised import realised
@@ -348,6 +349,8 @@ def runs_direct(stack: Stack, leaves: Mapping[str, Tensor], compile: bool | None
     """Whether a stack that suits `_relu_rows` runs its loops: traced by `torch.compile`, or
     called eagerly with `compile=True` outside `torch.func` transforms (`gb.apply` passes that
     where it would otherwise compile a graph), on CPU in float32."""
+    if torch.compiler.is_exporting() or dynamo_disabled():
+        return False  # exported graphs keep standard ops; dynamo off: nothing compiles
     if not (torch.compiler.is_compiling() or (compile is True and plain_eager())):
         return False
     w_out = leaves["w_out"]

@@ -507,7 +507,7 @@ def test_a_plan_that_fails_to_compile_warns_once_and_runs_op_by_op(monkeypatch):
 
     monkeypatch.setattr(torch, "compile", lambda fn, **options: failing)
     # Tried even where dynamo is switched off (under mutmut): torch.compile is the fake above.
-    monkeypatch.setattr(_compiled_module, "_dynamo_disabled", lambda: False)
+    monkeypatch.setattr(_compiled_module, "dynamo_disabled", lambda: False)
     monkeypatch.setattr(_graph, "_GRAPHS", CompiledCache("gb.apply's graph"))
     model = nn.Linear(24, 20)
     plan = gb.plan(model, tile=(8, 8), hidden=4)

@@ -170,7 +170,7 @@ def test_a_compiled_step_through_relu_gnets_runs_the_c_loops(outputs, loops):
 
     want = torch.autograd.grad(loss(*leaves), leaves)
     calls = []
-    function = _relu_loops._function
+    function = _relu_loops.compiled_loop
 
     def counted(compiled_loop, units, outputs=1):
         c_function = function(compiled_loop, units, outputs)
@@ -182,7 +182,7 @@ def test_a_compiled_step_through_relu_gnets_runs_the_c_loops(outputs, loops):
         return call
 
     compiled = torch.compile(loss, fullgraph=True, dynamic=False)
-    with mock.patch.object(_relu_loops, "_function", counted):
+    with mock.patch.object(_relu_loops, "compiled_loop", counted):
         got = torch.autograd.grad(compiled(*leaves), leaves)
     for x, y in zip(got, want, strict=True):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)

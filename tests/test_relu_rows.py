@@ -62,10 +62,11 @@ def counting(monkeypatch):
     return calls
 
 
+# Few (units, outputs) pairs: each compiles its own loops (a g++ run each, on a cold cache).
 SHAPES = {
-    "widths": st.lists(st.integers(1, 40), min_size=2, max_size=3),
-    "tile": st.tuples(st.integers(1, 12), st.integers(1, 20)),
-    "hidden": st.integers(MIN_UNITS, 12),
+    "widths": st.tuples(st.integers(16, 40), st.integers(16, 40), st.integers(1, 40)),
+    "tile": st.tuples(st.integers(1, 12), st.sampled_from([5, 16])),
+    "hidden": st.sampled_from([MIN_UNITS, 7]),
     "threads": st.sampled_from([1, 2, 3]),
     "seed": st.integers(0, 2**16),
 }
@@ -120,7 +121,7 @@ def test_eager_apply_runs_the_loops_with_the_gradients_of_plain_torch(monkeypatc
     want_loss, want = loss(False)
     want_grads = torch.autograd.grad(want_loss, leaves)
     calls = counting(monkeypatch)
-    with mock.patch("gbfunc._graph.generate", side_effect=AssertionError("compiled a graph")):
+    with mock.patch("gbfunc._apply.generate", side_effect=AssertionError("compiled a graph")):
         got_loss, got = loss(True)
         got_grads = torch.autograd.grad(got_loss, leaves)
     assert calls == ["_forward"] * len(plan.stacks) + ["_backward"] * len(plan.stacks)
@@ -164,6 +165,46 @@ def test_vmap_over_genomes_equals_one_genome_at_a_time():
             torch.testing.assert_close(g[k], w)
 
 
+def test_the_backward_op_under_vmap_is_one_genome_at_a_time():
+    """`relu_rows_backward`'s vmap rule (a batch of genomes' gradients, under a compiled
+    `vmap(grad)`), with an unbatched argument and a missing gradient, as a loop over them."""
+    torch.manual_seed(5)
+    _, plan = row_plan([30, 20, 11], (8, 16), 4)
+    tensors, where, params = stack_inputs(plan, gb.init(plan), 0)
+    numbers = (list(where.tiles), list(where.shapes), list(where.scales))
+    codes, leaves = tensors[:2], [x.detach() for x in tensors[2:5]]
+    grads = [torch.randn(3, p.shape[0], p.numel // p.shape[0]) for p in params]
+    w_out = torch.stack([leaves[2] + k for k in range(3)])
+
+    def backward(grad, w_out):
+        return _relu_rows.relu_rows_backward([grad, None], *codes, *leaves[:2], w_out, *numbers)
+
+    got = torch.func.vmap(backward, in_dims=(0, 0))(grads[0], w_out)
+    for k in range(3):
+        for g, w in zip(got, backward(grads[0][k], w_out[k]), strict=True):
+            torch.testing.assert_close(g[k], w)
+
+
+def test_a_weight_of_several_blocks_lands_block_by_block():
+    """A weight holding two matrices side by side (`split_dim=1`, like GPT-2's fused Q/K/V):
+    each block's tiles land in its own columns, as `gb.apply` lays them out op by op."""
+
+    class TwoBlocks(nn.Linear):
+        pass
+
+    gb.register_rule(
+        TwoBlocks, lambda m: {"weight": gb.Layout(init_std=0.1, splits=2, split_dim=1)}
+    )
+    torch.manual_seed(6)
+    plan = gb.plan(nn.Sequential(TwoBlocks(40, 12)), tile=(5, 8), hidden=4, outputs=8)
+    assert len(plan.generated[0].blocks) == 2
+    assert _relu_rows.suits(plan.stacks[0])
+    gparams = gb.init(plan)
+    got = gb.apply(gparams, plan, compile=True)
+    want = gb.apply(gparams, plan, compile=False)
+    torch.testing.assert_close(got["0.weight"], want["0.weight"], rtol=1e-5, atol=1e-6)
+
+
 def test_only_suitable_stacks_and_whole_parameters_take_the_loops():
     """Shared, hashed, deeper or many-column g-nets keep the tile MLP; so do centred
     weights and selections that cut a weight (tensor parallelism)."""
@@ -182,6 +223,7 @@ def test_only_suitable_stacks_and_whole_parameters_take_the_loops():
     assert not _relu_rows.usable(MIN_UNITS, 8, torch.float64, "cpu")
     assert not _relu_rows.usable(MIN_UNITS - 1, 8, torch.float32, "cpu")
     assert not _relu_rows.usable(MIN_UNITS, _relu_rows.MAX_OUTPUTS + 1, torch.float32, "cpu")
+    assert not _relu_rows.usable(_relu_rows.MAX_UNITS + 1, 8, torch.float32, "cpu")
 
 
 def test_without_a_compiler_apply_falls_back_to_torch(monkeypatch, tmp_path):
