@@ -5,6 +5,7 @@ from unittest import mock
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from threads import on_threads
 
 from gbfunc import _relu_loops
 from gbfunc._relu_loops import (
@@ -33,16 +34,6 @@ def sums_inputs(tiles, rows, cols, units, seed, integers=False):
     else:
         draw = lambda *shape: torch.randn(shape, generator=gen)
     return draw(tiles, rows, cols), draw(tiles, rows, units), draw(tiles, cols, units)
-
-
-def on_threads(threads, loop, *args):
-    """`loop(*args)` with torch's thread count set to `threads` (the loops read it)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return loop(*args)
-    finally:
-        torch.set_num_threads(previous)
 
 
 # Shapes of one-layer g-nets with several outputs, for the forward and backward loops.

@@ -6,6 +6,7 @@ from unittest import mock
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from threads import on_threads
 from torch import nn
 from torch.func import functional_call, grad_and_value
 
@@ -26,15 +27,6 @@ def row_plan(widths, tile, hidden, **genome):
     model = nn.Sequential(*layers)
     outputs = min(tile[1], *widths[:-1])
     return model, gb.plan(model, tile=tile, hidden=hidden, outputs=outputs, **genome)
-
-
-def on_threads(threads, fn, *args):
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return fn(*args)
-    finally:
-        torch.set_num_threads(previous)
 
 
 def stack_inputs(plan, gparams, s):
