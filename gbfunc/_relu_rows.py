@@ -10,9 +10,10 @@ weight's gradient in place, row by row, and returns the leaves' gradients.
 
 Eagerly, a plan whose stacks all suit runs these loops op by op instead of a compiled graph
 (`gb.apply`), which also skips AOTAutograd's wrappers. The MLP 784-512-512-10, 2 threads
-(AVX-512), one process, interleaved rounds: its generation with `tile=(128, 128), hidden=8,
-outputs=128`, forward and backward, 1.38 -> 0.86 ms; the eager training step 1.336x ->
-1.141x the plain step, and 1.389x -> 1.277x with `tile=(256, 256), hidden=16`. Compiled
+(AVX-512), one process, interleaved rounds, against the tile MLP's compiled graph: the
+generation with `tile=(128, 128), hidden=8, outputs=128`, forward and backward, 1.46 ->
+1.00 ms (1.82 -> 1.14 in a second run), with `tile=(256, 256), hidden=16` 1.45 -> 1.22 ms;
+the eager training step 1.336x -> 1.141x the plain step, and 1.389x -> 1.277x. Compiled
 steps moved within noise (1.124x -> 1.129x, 1.084x -> 1.090x): inductor had already fused
 the copies there.
 
