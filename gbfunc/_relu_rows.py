@@ -396,6 +396,16 @@ def _(row_code, col_code, w_in, b_in, w_out, b_out, tiles, shapes, scales) -> li
     return _new_weights(w_in, shapes)
 
 
+@relu_rows.register_vmap
+def _(info, in_dims, row_code, col_code, w_in, b_in, w_out, b_out, tiles, shapes, scales):
+    tensors = (row_code, col_code, w_in, b_in, w_out, b_out)
+    each = [
+        relu_rows(*args, tiles, shapes, scales)
+        for args in _batched(info.batch_size, in_dims[:6], tensors)
+    ]
+    return [torch.stack(w) for w in zip(*each, strict=True)], [0] * len(scales)
+
+
 @torch.library.custom_op("gbfunc::relu_rows_backward", mutates_args=(), device_types="cpu")
 def relu_rows_backward(
     grads: list[Tensor | None],

@@ -260,3 +260,19 @@ def test_a_compiled_step_under_grad_runs_the_loops(monkeypatch):
     flat = zip(*(torch.utils._pytree.tree_leaves(g) for g in (got_grads, want_grads)), strict=True)
     for g, w in flat:
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_compiled_vmap_over_genomes_runs_the_loops_per_genome(monkeypatch):
+    """`torch.compile(vmap(gb.apply))` over a batch of row-g-net genomes: the forward op's
+    vmap rule runs the loop once per genome and stack, with eager vmap's weights."""
+    _, plan = row_plan([50, 40, 7], (16, 16), 4)
+    trees = [gb.init(plan, seed=k, requires_grad=False) for k in range(3)]
+    batched = torch.utils._pytree.tree_map(lambda *xs: torch.stack(xs), *trees)
+    generate = torch.func.vmap(lambda tree: gb.apply(tree, plan))
+    want = generate(batched)
+    calls = counting(monkeypatch)
+    got = torch.compile(generate, fullgraph=True, dynamic=False)(batched)
+    assert calls == ["_forward"] * 3 * len(plan.stacks)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
