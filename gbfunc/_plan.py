@@ -222,6 +222,65 @@ def tile_grid(rows: int, cols: int, tile: tuple[int, int]) -> tuple[int, int]:
     return -(-rows // tile[0]), -(-cols // tile[1])
 
 
+# Where a tile lands in its stack's flat output (the stack's parameters one after the other,
+# each row-major): offset of its (0, 0) element, row stride, valid rows, valid flat columns.
+Place = tuple[int, int, int, int]
+
+
+def tile_places(
+    stack: Stack, params: tuple[Generated, ...]
+) -> tuple[tuple[Place, ...], tuple[float, ...], int]:
+    """Per tile of `stack`, its `Place` and scale in `params` (the stack's parameters, in plan
+    order), and their total size: tile-and-cut as data, for code that writes tiles where they
+    land (the fused kernels, the row g-nets' C loops). A parameter is its `(M, N * K)` matrix
+    view, a bias `(M, 1)`.
+
+    Raises:
+        ValueError: If the blocks of `params` do not cover every tile of `stack` exactly once.
+    """
+    th, tw = stack.tile
+    taps = math.prod(stack.window)
+    places: list[Place | None] = [None] * stack.num_tiles
+    scales = [0.0] * stack.num_tiles
+    offset = 0
+    for p in params:
+        ld = (p.shape[1] if len(p.shape) > 1 else 1) * taps
+        start = 0  # where the block begins along p.split_dim
+        for block in p.blocks:
+            row0, col0 = (start, 0) if p.split_dim == 0 else (0, start)
+            for r in range(block.grid[0]):
+                for c in range(block.grid[1]):
+                    t = block.first_tile + r * block.grid[1] + c
+                    if not 0 <= t < stack.num_tiles or places[t] is not None:
+                        raise ValueError(
+                            _cover_error(
+                                stack, params, f"tile {t} is placed twice or is out of range"
+                            )
+                        )
+                    base = offset + (row0 + r * th) * ld + (col0 + c * tw) * taps
+                    places[t] = (
+                        base,
+                        ld,
+                        min(th, block.rows - r * th),
+                        min(tw, block.cols - c * tw) * taps,
+                    )
+                    scales[t] = p.scale
+            start += block.rows if p.split_dim == 0 else block.cols
+        offset += p.numel
+    missing = [t for t, place in enumerate(places) if place is None]
+    if missing:
+        raise ValueError(_cover_error(stack, params, f"tiles {missing[:8]} are not placed"))
+    return tuple(places), tuple(scales), offset  # type: ignore[arg-type]
+
+
+def _cover_error(stack: Stack, params: tuple[Generated, ...], what: str) -> str:
+    names = [p.name for p in params]
+    return (
+        f"gbfunc: params {names} do not tile stack {stack.key!r} ({stack.num_tiles} "
+        f"tiles): {what}. Pass the Generated parameters of this stack, in plan order."
+    )
+
+
 def tile_buckets(genome: Genome, tile: tuple[int, int], window: tuple[int, ...]) -> int:
     """Buckets of a tile's hashed table: `genome.hashed`, at most one per position of the tile."""
     return min(genome.hashed, tile[0] * tile[1] * math.prod(window))

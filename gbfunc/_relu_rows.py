@@ -33,7 +33,7 @@ from torch import Tensor
 
 from . import _relu_loops
 from ._evaluate import code_tables
-from ._plan import Generated, Stack
+from ._plan import Generated, Stack, tile_places
 from ._tilemlp import plain_eager
 
 _SOURCE = r"""
@@ -202,12 +202,17 @@ MAX_OUTPUTS = 512
 
 class Placement(NamedTuple):
     """Where a stack's tiles land, in the loops' terms, as plain numbers (constants to a
-    compiled graph): per tile `(weight, offset, row stride, rows, columns)`, flattened;
-    each weight's matrix shape `(rows, columns)`, flattened; each weight's scale."""
+    compiled graph): per tile `(weight, offset in it, row stride, rows, columns)`, flattened;
+    each weight's matrix shape `(rows, columns)`, flattened; each tile's scale."""
 
     tiles: tuple[int, ...]
     shapes: tuple[int, ...]
     scales: tuple[float, ...]
+
+    @property
+    def numbers(self) -> tuple[list[int], list[int], list[float]]:
+        """The three as the ops take them (lists)."""
+        return list(self.tiles), list(self.shapes), list(self.scales)
 
 
 def suits(stack: Stack) -> bool:
@@ -227,30 +232,21 @@ def suits(stack: Stack) -> bool:
 
 
 def placement(stack: Stack, params: list[Generated]) -> Placement | None:
-    """Where `stack`'s tiles land on `params`, the parameters it generates, each whole; None
-    where a parameter is centred (its rows' means need the whole row first) or the tiles
-    are not exactly theirs."""
-    th, tw = stack.tile
-    rows: list[tuple[int, ...] | None] = [None] * stack.num_tiles
-    shapes: list[int] = []
-    for index, p in enumerate(params):
-        if p.center:
-            return None
-        width = p.numel // p.shape[0]
-        shapes += [p.shape[0], width]
-        offset = 0
-        for block in p.blocks:
-            top, left = (offset, 0) if p.split_dim == 0 else (0, offset)
-            offset += block.rows if p.split_dim == 0 else block.cols
-            for i in range(block.grid[0]):
-                for j in range(block.grid[1]):
-                    start = (top + i * th) * width + left + j * tw
-                    cut = (min(th, block.rows - i * th), min(tw, block.cols - j * tw))
-                    rows[block.first_tile + i * block.grid[1] + j] = (index, start, width, *cut)
-    if any(r is None for r in rows):
+    """Where `stack`'s tiles land on `params`, the parameters it generates, each whole
+    (`_plan.tile_places`, with each tile's offset taken from its weight's start); None where
+    a parameter is centred (its rows' means need the whole row first)."""
+    if any(p.center for p in params):
         return None
-    tiles = tuple(v for r in rows for v in r)  # type: ignore[union-attr]
-    return Placement(tiles, tuple(shapes), tuple(p.scale for p in params))
+    places, scales, _ = tile_places(stack, tuple(params))
+    starts = [0]  # of each weight in the stack's flat output (plain loops: traced by dynamo)
+    for p in params:
+        starts.append(starts[-1] + p.numel)
+    tiles = []
+    for base, stride, rows, cols in places:
+        weight = sum(base >= start for start in starts[1:-1])
+        tiles += [weight, base - starts[weight], stride, rows, cols]
+    shapes = tuple(n for p in params for n in (p.shape[0], p.numel // p.shape[0]))
+    return Placement(tuple(tiles), shapes, scales)
 
 
 @torch.compiler.assume_constant_result
@@ -291,15 +287,14 @@ class _Rows(torch.autograd.Function):
 
     @staticmethod
     def forward(row_code, col_code, w_in, b_in, w_out, b_out, where: Placement):
-        numbers = (list(where.tiles), list(where.shapes), list(where.scales))
         op = relu_rows if torch.compiler.is_compiling() else _forward
-        return tuple(op(row_code, col_code, w_in, b_in, w_out, b_out, *numbers))
+        return tuple(op(row_code, col_code, w_in, b_in, w_out, b_out, *where.numbers))
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
         row_code, col_code, w_in, b_in, w_out, _, where = inputs
         ctx.save_for_backward(row_code, col_code, w_in, b_in, w_out)
-        ctx.numbers = (list(where.tiles), list(where.shapes), list(where.scales))
+        ctx.numbers = where.numbers
 
     @staticmethod
     def backward(ctx, *grads):
@@ -315,7 +310,9 @@ class _Rows(torch.autograd.Function):
         each = [
             _Rows.apply(*args, where) for args in _batched(info.batch_size, in_dims[:6], tensors)
         ]
-        return tuple(torch.stack(w) for w in zip(*each, strict=True)), (0,) * len(where.scales)
+        return tuple(torch.stack(w) for w in zip(*each, strict=True)), (0,) * (
+            len(where.shapes) // 2
+        )
 
 
 def rows_reference(
@@ -334,14 +331,14 @@ def rows_reference(
     Shapes: row_code `(TH, R)`, col_code `(1, C)`, w_in `(T, R + C, H)`, b_in `(T, H)`,
     w_out `(T, H, P)`, b_out `(T, P)`; `tiles`, `shapes` and `scales` as in `Placement`.
     Tile `t` is `relu(row_code @ w_in[t, :R] + col_code @ w_in[t, R:] + b_in[t]) @ w_out[t]
-    + b_out[t]`, `(TH, P)`, cut to its rows and columns, placed at its offset in its weight
-    and scaled by the weight's scale. Returns each weight as its matrix.
+    + b_out[t]`, `(TH, P)`, scaled by its scale, cut to its rows and columns and placed at
+    its offset in its weight. Returns each weight as its matrix.
     """
     r = row_code.shape[-1]
     z = row_code @ w_in[:, :r] + col_code @ w_in[:, r:] + b_in[:, None]  # (T, TH, H)
-    out = torch.relu(z) @ w_out + b_out[:, None]  # (T, TH, P)
+    out = (torch.relu(z) @ w_out + b_out[:, None]) * w_out.new_tensor(scales)[:, None, None]
     weights = []
-    for index, scale in enumerate(scales):
+    for index in range(len(shapes) // 2):
         height, width = shapes[2 * index : 2 * index + 2]
         bands: dict[int, list[tuple[int, Tensor]]] = {}
         for t in range(len(tiles) // 5):
@@ -352,7 +349,7 @@ def rows_reference(
             torch.cat([x for _, x in sorted(b, key=lambda e: e[0])], 1)
             for _, b in sorted(bands.items(), key=lambda e: e[0])
         ]
-        weights.append((torch.cat(rows_of) * scale).reshape(height, width))
+        weights.append(torch.cat(rows_of).reshape(height, width))
     return weights
 
 
@@ -375,7 +372,7 @@ def relu_rows(
 def _forward(row_code, col_code, w_in, b_in, w_out, b_out, tiles, shapes, scales) -> list[Tensor]:
     inputs = [x.contiguous() for x in (row_code, col_code, w_in, b_in, w_out, b_out)]
     weights = _new_weights(w_in, shapes)
-    table, tile_scales = _tables(tuple(tiles), tuple(scales))
+    table, tile_scales = _table(tuple(tiles)), torch.tensor(scales, dtype=torch.float32)
     units, outputs = w_out.shape[-2:]
     _relu_loops.compiled_loop(_FORWARD, units, outputs)(
         *(x.data_ptr() for x in inputs),
@@ -403,7 +400,7 @@ def _(info, in_dims, row_code, col_code, w_in, b_in, w_out, b_out, tiles, shapes
         relu_rows(*args, tiles, shapes, scales)
         for args in _batched(info.batch_size, in_dims[:6], tensors)
     ]
-    return [torch.stack(w) for w in zip(*each, strict=True)], [0] * len(scales)
+    return [torch.stack(w) for w in zip(*each, strict=True)], [0] * (len(shapes) // 2)
 
 
 @torch.library.custom_op("gbfunc::relu_rows_backward", mutates_args=(), device_types="cpu")
@@ -426,7 +423,7 @@ def relu_rows_backward(
 def _backward(grads, row_code, col_code, w_in, b_in, w_out, tiles, shapes, scales) -> tuple:
     inputs = [x.contiguous() for x in (row_code, col_code, w_in, b_in, w_out)]
     grads = [None if g is None else g.contiguous() for g in grads]
-    table, tile_scales = _tables(tuple(tiles), tuple(scales))
+    table, tile_scales = _table(tuple(tiles)), torch.tensor(scales, dtype=torch.float32)
     num_tiles, width, units = w_in.shape
     outputs, tile_rows = w_out.shape[-1], row_code.shape[0]
     threads, splits = _relu_loops.threads_and_splits(num_tiles, tile_rows)
@@ -528,11 +525,9 @@ def _new_weights(like: Tensor, shapes: list[int]) -> list[Tensor]:
 
 
 @functools.lru_cache(maxsize=64)
-def _tables(tiles: tuple[int, ...], scales: tuple[float, ...]) -> tuple[Tensor, Tensor]:
-    """The placement as the loops read it, `(T, 5)` int64, and each tile's scale, cached per
-    placement (a plan's)."""
-    table = torch.tensor(tiles, dtype=torch.int64).reshape(-1, 5)
-    return table, torch.tensor(scales, dtype=torch.float32)[table[:, 0]]
+def _table(tiles: tuple[int, ...]) -> Tensor:
+    """The placement as the loops read it, `(T, 5)` int64, cached per placement (a plan's)."""
+    return torch.tensor(tiles, dtype=torch.int64).reshape(-1, 5)
 
 
 def _pointers(tensors: list[Tensor | None]) -> ctypes.Array:

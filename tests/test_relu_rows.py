@@ -79,7 +79,7 @@ def test_the_loops_equal_their_specification_on_any_shape(widths, tile, hidden, 
         leaves = [x.detach().clone().requires_grad_() for x in tensors[2:]]
         for leaf in leaves:
             leaf.data.normal_()
-        numbers = (list(where.tiles), list(where.shapes), list(where.scales))
+        numbers = where.numbers
         want = _relu_rows.rows_reference(*tensors[:2], *leaves, *numbers)
         got = on_threads(threads, _relu_rows.relu_rows, *tensors[:2], *leaves, *numbers)
         for w, g, p in zip(want, got, params, strict=True):
@@ -163,7 +163,7 @@ def test_the_backward_op_under_vmap_is_one_genome_at_a_time():
     torch.manual_seed(5)
     _, plan = row_plan([30, 20, 11], (8, 16), 4)
     tensors, where, params = stack_inputs(plan, gb.init(plan), 0)
-    numbers = (list(where.tiles), list(where.shapes), list(where.scales))
+    numbers = where.numbers
     codes, leaves = tensors[:2], [x.detach() for x in tensors[2:5]]
     grads = [torch.randn(3, p.shape[0], p.numel // p.shape[0]) for p in params]
     w_out = torch.stack([leaves[2] + k for k in range(3)])
