@@ -282,12 +282,15 @@ def generate(stack: Stack, leaves: dict[str, Tensor], where: Placement) -> tuple
 
 class _Rows(torch.autograd.Function):
     """`relu_rows` with `relu_rows_backward` as its backward; composes with `grad`, `vmap`
-    and `torch.compile`. Eager calls skip the custom ops' dispatch (tens of microseconds a
-    call, a tenth of the loops' time here); traced ones go through them, opaque to inductor."""
+    (through the ops' vmap rules) and `torch.compile`. Plainly eager calls skip the custom
+    ops' dispatch (tens of microseconds a call, a tenth of the loops' time here); traced or
+    transformed ones go through them, opaque to inductor."""
+
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(row_code, col_code, w_in, b_in, w_out, b_out, where: Placement):
-        op = relu_rows if torch.compiler.is_compiling() else _forward
+        op = _forward if plain_eager() else relu_rows
         return tuple(op(row_code, col_code, w_in, b_in, w_out, b_out, *where.numbers))
 
     @staticmethod
@@ -303,16 +306,6 @@ class _Rows(torch.autograd.Function):
         op = relu_rows_backward if needs_op else _backward
         gradients = op(list(grads), *ctx.saved_tensors, *ctx.numbers)
         return (None, None, *gradients, None)
-
-    @staticmethod
-    def vmap(info, in_dims, row_code, col_code, w_in, b_in, w_out, b_out, where):
-        tensors = (row_code, col_code, w_in, b_in, w_out, b_out)
-        each = [
-            _Rows.apply(*args, where) for args in _batched(info.batch_size, in_dims[:6], tensors)
-        ]
-        return tuple(torch.stack(w) for w in zip(*each, strict=True)), (0,) * (
-            len(where.shapes) // 2
-        )
 
 
 def rows_reference(

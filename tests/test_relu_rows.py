@@ -141,7 +141,8 @@ def test_double_backward_goes_through_the_specification():
 
 
 def test_vmap_over_genomes_equals_one_genome_at_a_time():
-    """The Function's vmap rule: a batch of genomes, each as if alone."""
+    """`_Rows` under vmap (its generated rule, through the forward op's): a batch of genomes,
+    each as if alone."""
     torch.manual_seed(2)
     _, plan = row_plan([30, 11], (8, 16), 4)
     tensors, where, _ = stack_inputs(plan, gb.init(plan), 0)
