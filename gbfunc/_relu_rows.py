@@ -365,7 +365,7 @@ def relu_rows(
 def _forward(row_code, col_code, w_in, b_in, w_out, b_out, tiles, shapes, scales) -> list[Tensor]:
     inputs = [x.contiguous() for x in (row_code, col_code, w_in, b_in, w_out, b_out)]
     weights = _new_weights(w_in, shapes)
-    table, tile_scales = _table(tuple(tiles)), torch.tensor(scales, dtype=torch.float32)
+    table, tile_scales = _tables(tuple(tiles), tuple(scales))
     units, outputs = w_out.shape[-2:]
     _relu_loops.compiled_loop(_FORWARD, units, outputs)(
         *(x.data_ptr() for x in inputs),
@@ -416,7 +416,7 @@ def relu_rows_backward(
 def _backward(grads, row_code, col_code, w_in, b_in, w_out, tiles, shapes, scales) -> tuple:
     inputs = [x.contiguous() for x in (row_code, col_code, w_in, b_in, w_out)]
     grads = [None if g is None else g.contiguous() for g in grads]
-    table, tile_scales = _table(tuple(tiles)), torch.tensor(scales, dtype=torch.float32)
+    table, tile_scales = _tables(tuple(tiles), tuple(scales))
     num_tiles, width, units = w_in.shape
     outputs, tile_rows = w_out.shape[-1], row_code.shape[0]
     threads, splits = _relu_loops.threads_and_splits(num_tiles, tile_rows)
@@ -518,9 +518,11 @@ def _new_weights(like: Tensor, shapes: list[int]) -> list[Tensor]:
 
 
 @functools.lru_cache(maxsize=64)
-def _table(tiles: tuple[int, ...]) -> Tensor:
-    """The placement as the loops read it, `(T, 5)` int64, cached per placement (a plan's)."""
-    return torch.tensor(tiles, dtype=torch.int64).reshape(-1, 5)
+def _tables(tiles: tuple[int, ...], scales: tuple[float, ...]) -> tuple[Tensor, Tensor]:
+    """The placement as the loops read it, `(T, 5)` int64, and the tiles' scales, float32,
+    cached per placement (a plan's)."""
+    table = torch.tensor(tiles, dtype=torch.int64).reshape(-1, 5)
+    return table, torch.tensor(scales, dtype=torch.float32)
 
 
 def _pointers(tensors: list[Tensor | None]) -> ctypes.Array:
