@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from ._genome import hash_buckets, stack_codes
+from ._hash_gradient import signed_gather
 from ._plan import TILE_LEAVES, Stack
 from ._tilemlp import Terms, reads_units_major_columns, reference, tile_mlp
 
@@ -121,18 +122,18 @@ def evaluate_tile_parts(
 def hashed_tiles(stack: Stack, table: Tensor) -> Tensor:
     """Each tile's hashed weights `(T, TH, TW * K)` from its table `(T, buckets)`."""
     positions = stack.tile[0] * stack.columns * stack.outputs
+    # torch.gather, not index_select: its backward is a scatter_add, which inductor's CPU code
+    # leaves to torch's kernel, where index_select's index_add becomes a scatter of atomic
+    # adds. The MLP's full-tile hashed genome, compiled whole: 16.84 -> 6.60 ms a step.
     if torch.compiler.is_compiling():
         packed = _packed_tile_hash_op(positions, stack.genome.hashed, table.device)
-        bucket, sign = (packed.abs() - 1).long(), packed.sign().to(table.dtype)
+        shared = signed_gather(table, packed) * HASH_GAIN  # backward: a C loop on CPU
     else:
         bucket, sign = _cached(
             _tile_hash, positions, stack.genome.hashed, table.dtype, table.device
         )
-    # torch.gather, not index_select: its backward is a scatter_add, which inductor's CPU code
-    # leaves to torch's kernel, where index_select's index_add becomes a scatter of atomic
-    # adds. The MLP's full-tile hashed genome, compiled whole: 16.84 -> 6.60 ms a step.
-    index = bucket.expand(*table.shape[:-1], -1)
-    shared = torch.gather(table, -1, index) * (sign * HASH_GAIN)
+        index = bucket.expand(*table.shape[:-1], -1)
+        shared = torch.gather(table, -1, index) * (sign * HASH_GAIN)
     return shared.reshape(table.shape[0], stack.tile[0], -1)
 
 

@@ -1,0 +1,160 @@
+"""The hashed tables' gradient on CPU as a C loop.
+
+A hashed stack adds to each tile position one bucket of its tile's table, signed
+(`_genome.hash_buckets`, packed as int32 `(bucket + 1) * sign`): forward a gather, backward a
+scatter-add of the weights' gradient into the buckets. Torch's CPU scatter-add runs on one
+thread, and inductor feeds it an int64 copy of the index and a float copy of the signed
+gradient, written each step. `table_gradient` reads the packed index and the gradient as they
+are, decodes a chunk of positions at a time (vectorised), then adds them into a table of
+partial sums per thread. The MLP's full-tile hashed genome (401,408 positions into 17,286
+buckets, 2 threads, AVX-512): 0.49 ms for torch's scatter-add alone, 0.19 ms for the loop;
+its eager step 1.80 -> 1.61x the plain one (one process, interleaved rounds).
+
+`signed_gather` is the forward, an `autograd.Function` whose backward is this loop. Traced
+by `torch.compile` under `torch.func.grad`, dynamo differentiates the gather itself and keeps
+torch's scatter-add (pytorch/pytorch#193279), with the same values.
+"""
+
+import torch
+from torch import Tensor
+
+from ._relu_loops import Loop, compiled_loop
+
+_SOURCE = r"""
+#include <string.h>
+#define CHUNK 256
+
+// table (T, splits, B): split k of tile t sums its range of positions p into their buckets,
+//   table[t, k, |packed[p]| - 1] += sign(packed[p]) * grad[t, p].
+extern "C" void hash_table_gradient(const float* grad, const int* packed, float* table,
+                                    long tiles, long positions, long buckets, long splits,
+                                    int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (long job = 0; job < tiles * splits; ++job) {
+    const long t = job / splits, split = job % splits;
+    const long first = split * positions / splits, last = (split + 1) * positions / splits;
+    const float* g = grad + t * positions;
+    float* sums = table + job * buckets;
+    memset(sums, 0, sizeof(float) * buckets);
+    int bucket[CHUNK];
+    float value[CHUNK];
+    for (long start = first; start < last; start += CHUNK) {
+      const long n = last - start < CHUNK ? last - start : CHUNK;
+#pragma omp simd
+      for (long k = 0; k < n; ++k) {
+        const int code = packed[start + k];
+        const int negative = code >> 31;  // 0 or -1
+        bucket[k] = (code ^ negative) - negative - 1;
+        value[k] = code < 0 ? -g[start + k] : g[start + k];
+      }
+      for (long k = 0; k < n; ++k) sums[bucket[k]] += value[k];
+    }
+  }
+}
+"""
+
+_LOOP = Loop("hash_table_gradient", _SOURCE, pointers=3, sizes=4)
+
+
+@torch.compiler.assume_constant_result
+def usable(dtype: torch.dtype, device_type: str) -> bool:
+    """Whether `table_gradient` runs its C loop: CPU float32, a vector ISA inductor knows (its
+    compile flags are the loop's), and the loop compiled."""
+    if device_type != "cpu" or dtype != torch.float32:
+        return False
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return bool(pick_vec_isa()) and compiled_loop(_LOOP, 1) is not None
+
+
+def gather_reference(table: Tensor, packed: Tensor) -> Tensor:
+    """Each tile's signed buckets, `(T, P)`: `sign(packed) * table[:, |packed| - 1]`.
+
+    Shapes: table `(T, B)`, packed `(P,)` int32, no zero.
+    """
+    bucket, sign = (packed.abs() - 1).long(), packed.sign().to(table.dtype)
+    return torch.gather(table, -1, bucket.expand(*table.shape[:-1], -1)) * sign
+
+
+def gradient_reference(grad: Tensor, packed: Tensor, buckets: int) -> Tensor:
+    """`table_gradient` in plain torch, the specification: `gather_reference`'s gradient with
+    respect to its table `(T, buckets)`, given `grad` `(T, ...)` with `P` values a tile."""
+    grad = grad.reshape(grad.shape[0], -1)
+    bucket, sign = (packed.abs() - 1).long(), packed.sign().to(grad.dtype)
+    table = grad.new_zeros(grad.shape[0], buckets)
+    return table.scatter_add(-1, bucket.expand(grad.shape[0], -1), grad * sign)
+
+
+@torch.library.custom_op("gbfunc::hash_table_gradient", mutates_args=(), device_types="cpu")
+def table_gradient(grad: Tensor, packed: Tensor, buckets: int) -> Tensor:
+    """`gradient_reference(grad, packed, buckets)` by the C loop (`usable` must hold)."""
+    tiles = grad.shape[0]
+    grad, packed = grad.reshape(tiles, -1).contiguous(), packed.contiguous()
+    positions = grad.shape[1]
+    threads = torch.get_num_threads()
+    splits = max(1, min(positions, -(-threads // tiles)))  # fewer tiles than threads: split
+    partial = grad.new_empty(tiles, splits, buckets)
+    pointers = (grad.data_ptr(), packed.data_ptr(), partial.data_ptr())
+    compiled_loop(_LOOP, 1)(*pointers, tiles, positions, buckets, splits, threads)
+    return partial[:, 0] if splits == 1 else partial.sum(1)
+
+
+@table_gradient.register_fake
+def _(grad: Tensor, packed: Tensor, buckets: int) -> Tensor:
+    return grad.new_empty(grad.shape[0], buckets)
+
+
+@table_gradient.register_vmap
+def _(info, in_dims: tuple, grad: Tensor, packed: Tensor, buckets: int) -> tuple:
+    if in_dims[1] is not None:
+        raise NotImplementedError("gbfunc: a hash is fixed by the plan; it cannot be batched.")
+    if in_dims[0] is None:
+        grad = grad.expand(info.batch_size, *grad.shape)
+    else:
+        grad = grad.movedim(in_dims[0], 0)
+    folded = table_gradient(grad.flatten(0, 1), packed, buckets)  # genomes are more tiles
+    return folded.unflatten(0, (info.batch_size, -1)), 0
+
+
+def _save_hash(ctx, inputs: tuple, output) -> None:
+    ctx.save_for_backward(inputs[1])
+    ctx.shape = inputs[0].shape
+
+
+def _table_gradient_backward(ctx, outer: Tensor) -> tuple:
+    """Double backward: the gradient is linear in `grad`, its adjoint the signed gather."""
+    (packed,) = ctx.saved_tensors
+    return gather_reference(outer, packed).reshape(ctx.shape), None, None
+
+
+table_gradient.register_autograd(_table_gradient_backward, setup_context=_save_hash)
+
+
+class _SignedGather(torch.autograd.Function):
+    """`gather_reference` with `table_gradient` as its backward; composes with `grad`, `vmap`
+    (through the op's vmap rule) and `torch.compile` (the forward traced, fused by inductor
+    with what reads it; the backward opaque)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(table: Tensor, packed: Tensor) -> Tensor:
+        return gather_reference(table, packed)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: Tensor) -> None:
+        table, packed = inputs
+        ctx.save_for_backward(packed)
+        ctx.buckets = table.shape[-1]
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple:
+        (packed,) = ctx.saved_tensors
+        return table_gradient(grad, packed, ctx.buckets), None
+
+
+def signed_gather(table: Tensor, packed: Tensor) -> Tensor:
+    """`gather_reference(table, packed)`, its backward the C loop where `usable`."""
+    if usable(table.dtype, table.device.type):
+        return _SignedGather.apply(table, packed)
+    return gather_reference(table, packed)
