@@ -75,18 +75,28 @@ def test_the_gradient_composes_with_vmap_over_genomes():
         vmap(table_gradient, in_dims=(0, 0, None))(upstream, packed.expand(3, -1), 11)
 
 
-def test_eager_apply_sums_a_hashed_stacks_gradient_in_the_loop():
-    """`gb.apply(compile=True)` eagerly: the tables' gradient comes from the loop, not torch's
-    scatter-add, and equals plain torch's (`compile=False`)."""
+@pytest.mark.parametrize("where", ["gb.apply's graph", "the user's torch.compile"])
+def test_compiled_generation_sums_a_hashed_stacks_gradient_in_the_loop(where):
+    """Eager `gb.apply(compile=True)`, or a compiled loss differentiated by `backward()`: the
+    tables' gradient comes from the loop, not torch's scatter-add, and equals plain torch's
+    (`compile=False`, eager)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(30, 20), nn.ReLU(), nn.Linear(20, 5))
     plan = gb.plan(model, tile=(8, 8), hashed=7)
     gparams = gb.init(plan)
     x = torch.randn(4, 30)
 
-    def table_grads(compile):
+    def loss_of(gparams, compile):
         params = gb.apply(gparams, plan, compile=compile)
-        loss = torch.func.functional_call(model, params, (x,)).square().sum()
+        return torch.func.functional_call(model, params, (x,)).square().sum()
+
+    compiled_loss = torch.compile(loss_of, fullgraph=True)
+
+    def table_grads(compile):
+        if compile and where == "the user's torch.compile":
+            loss = compiled_loss(gparams, None)
+        else:
+            loss = loss_of(gparams, compile)
         with torch.profiler.profile() as prof:
             loss.backward()
         names = {e.name for e in prof.events()}
