@@ -67,7 +67,7 @@ def usable(dtype: torch.dtype, device_type: str) -> bool:
     return bool(pick_vec_isa()) and compiled_loop(_LOOP, 1) is not None
 
 
-def gather_reference(table: Tensor, packed: Tensor) -> Tensor:
+def signed_buckets(table: Tensor, packed: Tensor) -> Tensor:
     """Each tile's signed buckets, `(T, P)`: `sign(packed) * table[:, |packed| - 1]`.
 
     Shapes: table `(T, B)`, packed `(P,)` int32, no zero.
@@ -77,7 +77,7 @@ def gather_reference(table: Tensor, packed: Tensor) -> Tensor:
 
 
 def gradient_reference(grad: Tensor, packed: Tensor, buckets: int) -> Tensor:
-    """`table_gradient` in plain torch, the specification: `gather_reference`'s gradient with
+    """`table_gradient` in plain torch, the specification: `signed_buckets`'s gradient with
     respect to its table `(T, buckets)`, given `grad` `(T, ...)` with `P` values a tile."""
     grad = grad.reshape(grad.shape[0], -1)
     bucket, sign = (packed.abs() - 1).long(), packed.sign().to(grad.dtype)
@@ -124,14 +124,14 @@ def _save_hash(ctx, inputs: tuple, output) -> None:
 def _table_gradient_backward(ctx, outer: Tensor) -> tuple:
     """Double backward: the gradient is linear in `grad`, its adjoint the signed gather."""
     (packed,) = ctx.saved_tensors
-    return gather_reference(outer, packed).reshape(ctx.shape), None, None
+    return signed_buckets(outer, packed).reshape(ctx.shape), None, None
 
 
 table_gradient.register_autograd(_table_gradient_backward, setup_context=_save_hash)
 
 
 class _SignedGather(torch.autograd.Function):
-    """`gather_reference` with `table_gradient` as its backward; composes with `grad`, `vmap`
+    """`signed_buckets` with `table_gradient` as its backward; composes with `grad`, `vmap`
     (through the op's vmap rule) and `torch.compile` (the forward traced, fused by inductor
     with what reads it; the backward opaque)."""
 
@@ -139,7 +139,7 @@ class _SignedGather(torch.autograd.Function):
 
     @staticmethod
     def forward(table: Tensor, packed: Tensor) -> Tensor:
-        return gather_reference(table, packed)
+        return signed_buckets(table, packed)
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: Tensor) -> None:
@@ -154,7 +154,7 @@ class _SignedGather(torch.autograd.Function):
 
 
 def signed_gather(table: Tensor, packed: Tensor) -> Tensor:
-    """`gather_reference(table, packed)`, its backward the C loop where `usable`."""
+    """`signed_buckets(table, packed)`, its backward the C loop where `usable`."""
     if usable(table.dtype, table.device.type):
         return _SignedGather.apply(table, packed)
-    return gather_reference(table, packed)
+    return signed_buckets(table, packed)
