@@ -62,7 +62,8 @@ def test_the_c_loop_equals_its_specification_on_any_shape(
     tiles, rows, cols, units, threads, integers, seed
 ):
     """Units that fill vector registers or leave a ragged end, tiles fewer than the threads
-    (split by rows, then the splits' column sums added), ties that must count as inactive."""
+    (split by rows, then the splits' column sums added), rows four at a time and the rest
+    one by one, ties that must count as inactive."""
     g, threshold, b = sums_inputs(tiles, rows, cols, units, seed, integers)
     got = on_threads(threads, relu_unit_sums, g, threshold, b)
     want = sums_reference(g, threshold, b)
