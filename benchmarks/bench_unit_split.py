@@ -56,7 +56,7 @@ def _never(units: int, dtype: torch.dtype, device_type: str) -> bool:
 
 @torch.compiler.assume_constant_result
 def _always(units: int, dtype: torch.dtype, device_type: str) -> bool:
-    return _relu_loops._function(_relu_loops._SUMS, units) is not None
+    return _relu_loops.compiled_loop(_relu_loops._SUMS, units) is not None
 
 
 def backward_ms(shape: tuple[int, int, int, int], rounds: int, inner: int) -> dict[str, float]:

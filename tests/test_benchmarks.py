@@ -9,6 +9,7 @@ import torch
 import gbfunc as gb
 from benchmarks import peers, scaling
 from benchmarks._meta import recorded
+from gbfunc._relu_loops import sums_usable
 
 
 def test_recorded_writes_what_was_printed_under_the_provenance(tmp_path, capsys):
@@ -337,6 +338,16 @@ def test_bench_unit_split_compares_gbfuncs_rule_with_the_two_it_chooses_between(
         assert choice in (every_unit(row_terms), whole_registers(row_terms))
         seen.add(choice == every_unit(row_terms) != whole_registers(row_terms))
     assert seen == {True, False}  # both alternatives occur
+
+
+def test_bench_unit_split_switches_the_c_loop_on_and_off_where_gbfunc_would_run_it():
+    """Its stand-ins for `sums_usable` call the library's loop helpers by name: a rename there
+    broke the benchmark (`_relu_loops._function`, gone since bad0050) without a test noticing."""
+    from benchmarks.bench_unit_split import _always, _never
+
+    for units in (4, 32):
+        assert _always(units, torch.float32, "cpu") == sums_usable(units, torch.float32, "cpu")
+        assert not _never(units, torch.float32, "cpu")
 
 
 def test_bench_step_ratios_are_per_round_so_that_the_machines_drift_cancels():
