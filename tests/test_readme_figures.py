@@ -113,13 +113,13 @@ FIGURES = [
     Figure("matrix 1.96x as fast as", "1.96", lambda: gpu("67108864 fwd ")),
     Figure("1.66x forward and backward", "1.66", lambda: gpu("67108864 fwd+bwd")),
     Figure("at 0.79x its speed", "0.79", lambda: gpu("1048576 fwd+bwd")),
-    Figure("at 11.4x, takes 1.13x", "11.4", lambda: cell(STEP, ROW_GNETS, 1)),
-    Figure("at 11.4x, takes 1.13x", "1.13", lambda: cell(STEP, ROW_GNETS, 5)),
-    Figure("and 1.22x eagerly, where", "1.22", lambda: cell(STEP, ROW_GNETS, 3)),
+    Figure("at 11.4x, takes 1.06x", "11.4", lambda: cell(STEP, ROW_GNETS, 1)),
+    Figure("at 11.4x, takes 1.06x", "1.06", lambda: cell(STEP, ROW_GNETS, 5)),
+    Figure("and 1.16x eagerly, where", "1.16", lambda: cell(STEP, ROW_GNETS, 3)),
     Figure("genome at 27.6x takes", "27.6", lambda: cell(STEP, TORCHGB, 1)),
-    Figure("takes 1.57x compiled", "1.57", lambda: cell(STEP, TORCHGB, 5)),
-    Figure("and 1.76x eagerly", "1.76", lambda: cell(STEP, TORCHGB, 3)),
-    Figure("(12.55x without compiling)", "12.55", lambda: cell(STEP, TORCHGB, 7, last=True)),
+    Figure("takes 1.43x compiled", "1.43", lambda: cell(STEP, TORCHGB, 5)),
+    Figure("and 1.65x eagerly", "1.65", lambda: cell(STEP, TORCHGB, 3)),
+    Figure("(12.46x without compiling)", "12.46", lambda: cell(STEP, TORCHGB, 7, last=True)),
     Figure(
         "0.31-0.99x the plain model's on the MLP eagerly",
         "0.31",
@@ -192,16 +192,16 @@ FIGURES = [
     Figure("receives 46 MiB per rank", "46", lambda: comm_mib("replicated")),
     Figure("receives 1246 MiB", "1246", lambda: comm_mib("torchgb")),
     # Limits
-    Figure("takes 1.76x the plain MLP step", "1.76", lambda: cell(STEP, TORCHGB, 3)),
-    Figure("12.55x with `compile=False`", "12.55", lambda: cell(STEP, TORCHGB, 7, last=True)),
-    Figure("1.22x with row g-nets", "1.22", lambda: cell(STEP, ROW_GNETS, 3)),
+    Figure("takes 1.65x the plain MLP step", "1.65", lambda: cell(STEP, TORCHGB, 3)),
+    Figure("12.46x with `compile=False`", "12.46", lambda: cell(STEP, TORCHGB, 7, last=True)),
+    Figure("1.16x with row g-nets", "1.16", lambda: cell(STEP, ROW_GNETS, 3)),
     Figure(
-        "hashed transformer 1.02x",
-        "1.02",
+        "hashed transformer 1.03x",
+        "1.03",
         lambda: cell(STEP, ("main job's plan (hashed genome)",), 3),
     ),
-    Figure("1.72x eagerly and 1.65x compiled", "1.72", lambda: cell(STEP, HASHED, 3)),
-    Figure("1.72x eagerly and 1.65x compiled", "1.65", lambda: cell(STEP, HASHED, 5)),
+    Figure("1.61x eagerly and 1.56x compiled", "1.61", lambda: cell(STEP, HASHED, 3)),
+    Figure("1.61x eagerly and 1.56x compiled", "1.56", lambda: cell(STEP, HASHED, 5)),
 ]
 
 # Settings, labels and statements of method: digits in the section that are not results.
