@@ -8,7 +8,8 @@ gradient, written each step. `table_gradient` reads the packed index and the gra
 are, decodes a chunk of positions at a time (vectorised), then adds them into a table of
 partial sums per thread. The MLP's full-tile hashed genome (401,408 positions into 17,286
 buckets, 2 threads, AVX-512): 0.49 ms for torch's scatter-add alone, 0.19 ms for the loop;
-its eager step 1.80 -> 1.61x the plain one (one process, interleaved rounds).
+its eager step 1.89 -> 1.64x the plain one (one process, interleaved rounds; 1.80 -> 1.61x
+for a prototype of the loop).
 
 `signed_gather` is the forward, an `autograd.Function` whose backward is this loop. Traced
 by `torch.compile` under `torch.func.grad`, dynamo differentiates the gather itself and keeps
