@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ._genome import hash_buckets, stack_codes
-from ._hash_gradient import signed_gather
+from ._hash_gradient import gathered, signed_gather
 from ._plan import TILE_LEAVES, Stack
 from ._tilemlp import Terms, reads_units_major_columns, reference, tile_mlp
 
@@ -132,8 +132,7 @@ def hashed_tiles(stack: Stack, table: Tensor) -> Tensor:
         bucket, sign = _cached(
             _tile_hash, positions, stack.genome.hashed, table.dtype, table.device
         )
-        index = bucket.expand(*table.shape[:-1], -1)
-        shared = torch.gather(table, -1, index) * (sign * HASH_GAIN)
+        shared = gathered(table, bucket, sign * HASH_GAIN)
     return shared.reshape(table.shape[0], stack.tile[0], -1)
 
 

@@ -19,7 +19,15 @@ torch's scatter-add (pytorch/pytorch#193279), with the same values.
 import torch
 from torch import Tensor
 
-from ._relu_loops import Loop, compiled_loop
+from ._relu_loops import (
+    Loop,
+    compiled_loop,
+    splits_added,
+    threads_and_splits,
+    tiles_folded,
+    tiles_unfolded,
+    vectorised_cpu,
+)
 
 _SOURCE = r"""
 #include <string.h>
@@ -59,13 +67,19 @@ _LOOP = Loop("hash_table_gradient", _SOURCE, pointers=3, sizes=4)
 
 @torch.compiler.assume_constant_result
 def usable(dtype: torch.dtype, device_type: str) -> bool:
-    """Whether `table_gradient` runs its C loop: CPU float32, a vector ISA inductor knows (its
-    compile flags are the loop's), and the loop compiled."""
-    if device_type != "cpu" or dtype != torch.float32:
-        return False
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    """Whether `table_gradient` runs its C loop: where `_relu_loops.vectorised_cpu` holds and
+    the loop compiled."""
+    return vectorised_cpu(dtype, device_type) and compiled_loop(_LOOP, 1) is not None
 
-    return bool(pick_vec_isa()) and compiled_loop(_LOOP, 1) is not None
+
+def unpacked(packed: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The bucket (int64) and the sign (in `dtype`) of each position of a packed hash."""
+    return (packed.abs() - 1).long(), packed.sign().to(dtype)
+
+
+def gathered(table: Tensor, bucket: Tensor, sign: Tensor) -> Tensor:
+    """`sign * table[:, bucket]`, `(T, P)`: each tile's buckets at its positions, signed."""
+    return torch.gather(table, -1, bucket.expand(*table.shape[:-1], -1)) * sign
 
 
 def signed_buckets(table: Tensor, packed: Tensor) -> Tensor:
@@ -73,15 +87,14 @@ def signed_buckets(table: Tensor, packed: Tensor) -> Tensor:
 
     Shapes: table `(T, B)`, packed `(P,)` int32, no zero.
     """
-    bucket, sign = (packed.abs() - 1).long(), packed.sign().to(table.dtype)
-    return torch.gather(table, -1, bucket.expand(*table.shape[:-1], -1)) * sign
+    return gathered(table, *unpacked(packed, table.dtype))
 
 
 def gradient_reference(grad: Tensor, packed: Tensor, buckets: int) -> Tensor:
     """`table_gradient` in plain torch, the specification: `signed_buckets`'s gradient with
     respect to its table `(T, buckets)`, given `grad` `(T, ...)` with `P` values a tile."""
     grad = grad.reshape(grad.shape[0], -1)
-    bucket, sign = (packed.abs() - 1).long(), packed.sign().to(grad.dtype)
+    bucket, sign = unpacked(packed, grad.dtype)
     table = grad.new_zeros(grad.shape[0], buckets)
     return table.scatter_add(-1, bucket.expand(grad.shape[0], -1), grad * sign)
 
@@ -92,12 +105,11 @@ def table_gradient(grad: Tensor, packed: Tensor, buckets: int) -> Tensor:
     tiles = grad.shape[0]
     grad, packed = grad.reshape(tiles, -1).contiguous(), packed.contiguous()
     positions = grad.shape[1]
-    threads = torch.get_num_threads()
-    splits = max(1, min(positions, -(-threads // tiles)))  # fewer tiles than threads: split
+    threads, splits = threads_and_splits(tiles, positions)  # a tile's positions are its rows
     partial = grad.new_empty(tiles, splits, buckets)
     pointers = (grad.data_ptr(), packed.data_ptr(), partial.data_ptr())
     compiled_loop(_LOOP, 1)(*pointers, tiles, positions, buckets, splits, threads)
-    return partial[:, 0] if splits == 1 else partial.sum(1)
+    return splits_added(partial)
 
 
 @table_gradient.register_fake
@@ -109,12 +121,8 @@ def _(grad: Tensor, packed: Tensor, buckets: int) -> Tensor:
 def _(info, in_dims: tuple, grad: Tensor, packed: Tensor, buckets: int) -> tuple:
     if in_dims[1] is not None:
         raise NotImplementedError("gbfunc: a hash is fixed by the plan; it cannot be batched.")
-    if in_dims[0] is None:
-        grad = grad.expand(info.batch_size, *grad.shape)
-    else:
-        grad = grad.movedim(in_dims[0], 0)
-    folded = table_gradient(grad.flatten(0, 1), packed, buckets)  # genomes are more tiles
-    return folded.unflatten(0, (info.batch_size, -1)), 0
+    (grad,) = tiles_folded(info.batch_size, in_dims[:1], (grad,))
+    return tiles_unfolded(info.batch_size, table_gradient(grad, packed, buckets)), 0
 
 
 def _save_hash(ctx, inputs: tuple, output) -> None:

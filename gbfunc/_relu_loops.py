@@ -334,8 +334,8 @@ def _(g: Tensor, threshold: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
 
 @relu_unit_sums.register_vmap
 def _(info, in_dims: tuple, g: Tensor, threshold: Tensor, b: Tensor) -> tuple:
-    rows, cols = relu_unit_sums(*_tiles_folded(info.batch_size, in_dims, (g, threshold, b)))
-    return (_tiles_unfolded(info.batch_size, rows), _tiles_unfolded(info.batch_size, cols)), (0, 0)
+    rows, cols = relu_unit_sums(*tiles_folded(info.batch_size, in_dims, (g, threshold, b)))
+    return (tiles_unfolded(info.batch_size, rows), tiles_unfolded(info.batch_size, cols)), (0, 0)
 
 
 _differentiated_as(relu_unit_sums, sums_reference)
@@ -368,8 +368,8 @@ def _(row_terms: Tensor, b: Tensor, w_out: Tensor, b_out: Tensor) -> Tensor:
 
 @relu_layer_forward.register_vmap
 def _(info, in_dims: tuple, row_terms: Tensor, b: Tensor, w_out: Tensor, b_out: Tensor):
-    folded = _tiles_folded(info.batch_size, in_dims, (row_terms, b, w_out, b_out))
-    return _tiles_unfolded(info.batch_size, relu_layer_forward(*folded)), 0
+    folded = tiles_folded(info.batch_size, in_dims, (row_terms, b, w_out, b_out))
+    return tiles_unfolded(info.batch_size, relu_layer_forward(*folded)), 0
 
 
 _differentiated_as(relu_layer_forward, forward_reference)
@@ -401,9 +401,9 @@ def _(grad: Tensor, row_terms: Tensor, b: Tensor, w_out: Tensor) -> tuple:
 
 @relu_layer_backward.register_vmap
 def _(info, in_dims: tuple, grad: Tensor, row_terms: Tensor, b: Tensor, w_out: Tensor):
-    folded = _tiles_folded(info.batch_size, in_dims, (grad, row_terms, b, w_out))
+    folded = tiles_folded(info.batch_size, in_dims, (grad, row_terms, b, w_out))
     out = relu_layer_backward(*folded)
-    return tuple(_tiles_unfolded(info.batch_size, x) for x in out), (0, 0, 0)
+    return tuple(tiles_unfolded(info.batch_size, x) for x in out), (0, 0, 0)
 
 
 _differentiated_as(relu_layer_backward, backward_reference)
@@ -422,7 +422,7 @@ def splits_added(partials: Tensor) -> Tensor:
     return partials[:, 0] if partials.shape[1] == 1 else partials.sum(1)
 
 
-def _tiles_folded(size: int, in_dims: tuple, args: tuple) -> list[Tensor]:
+def tiles_folded(size: int, in_dims: tuple, args: tuple) -> list[Tensor]:
     """Genomes batched by `vmap` are more tiles: the batch axis folded into the tile axis."""
     return [
         (x.movedim(d, 0) if d is not None else x.expand(size, *x.shape)).flatten(0, 1)
@@ -430,14 +430,21 @@ def _tiles_folded(size: int, in_dims: tuple, args: tuple) -> list[Tensor]:
     ]
 
 
-def _tiles_unfolded(size: int, x: Tensor) -> Tensor:
+def tiles_unfolded(size: int, x: Tensor) -> Tensor:
+    """`tiles_folded`'s inverse on a result: `(size * T, ...) -> (size, T, ...)`."""
     return x.unflatten(0, (size, -1))
 
 
 def supported(units: int, dtype: torch.dtype, device_type: str) -> bool:
-    """Whether loops for `units` hidden units can run here: CPU float32, `MIN_UNITS` to
-    `MAX_UNITS` units, and a vector ISA inductor knows (its compile flags are the loops')."""
-    if device_type != "cpu" or dtype != torch.float32 or not MIN_UNITS <= units <= MAX_UNITS:
+    """Whether loops for `units` hidden units can run here: `MIN_UNITS` to `MAX_UNITS` units,
+    where `vectorised_cpu` holds."""
+    return MIN_UNITS <= units <= MAX_UNITS and vectorised_cpu(dtype, device_type)
+
+
+def vectorised_cpu(dtype: torch.dtype, device_type: str) -> bool:
+    """Whether C loops can run here at all: CPU float32, and a vector ISA inductor knows (its
+    compile flags are the loops')."""
+    if device_type != "cpu" or dtype != torch.float32:
         return False
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
