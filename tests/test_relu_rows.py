@@ -55,10 +55,13 @@ def counting(monkeypatch):
 
 
 # Few (units, outputs) pairs: each compiles its own loops (a g++ run each, on a cold cache).
+# They cover the backward's blocks: units in one block (at most 8, padded to a vector of 8) or
+# in blocks of 4 and a remainder (10); outputs less than a block (5) or blocks of 32 and a
+# remainder (37). Tiles of up to 40 rows take several 32-row chunks, 8-row blocks and a rest.
 SHAPES = {
-    "widths": st.tuples(st.integers(16, 40), st.integers(16, 40), st.integers(1, 40)),
-    "tile": st.tuples(st.integers(1, 12), st.sampled_from([5, 16])),
-    "hidden": st.sampled_from([MIN_UNITS, 7]),
+    "widths": st.tuples(st.integers(37, 80), st.integers(37, 80), st.integers(1, 40)),
+    "tile": st.tuples(st.integers(1, 40), st.sampled_from([5, 37])),
+    "hidden": st.sampled_from([MIN_UNITS, 10]),
     "threads": st.sampled_from([1, 2, 3]),
     "seed": st.integers(0, 2**16),
 }
