@@ -307,8 +307,9 @@ def test_traced_one_output_forwards_of_wide_tiles_read_the_units_major_column_te
     monkeypatch,
 ):
     """What `torch.compile` traces: `evaluate_stack` hands `units_major_columns` to the tile
-    MLP, whose forward sums from them (`_one_output_by_columns`); the weights are unchanged."""
-    from gbfunc import _tilemlp
+    MLP, whose forward sums from them (`_one_output_by_columns`, or for ReLU on CPU the C loop
+    `relu_one_output`); the weights are unchanged."""
+    from gbfunc import _relu_loops, _tilemlp
     from gbfunc._evaluate import evaluate_stack, units_major_columns
 
     lanes = _tilemlp._vector_lanes(torch.float32, "cpu")
@@ -317,13 +318,14 @@ def test_traced_one_output_forwards_of_wide_tiles_read_the_units_major_column_te
     leaves = gb.init(plan, seed=4)["stacks"][stack.key]
     want = evaluate_stack(stack, leaves)
     read = []
-    by_columns = _tilemlp._one_output_by_columns
+    by_columns, in_c = _tilemlp._one_output_by_columns, _relu_loops.relu_one_output
 
-    def spy(row_terms, b_t, w, activation):
+    def spy(row_terms, b_t, *args):
         read.append(b_t)
-        return by_columns(row_terms, b_t, w, activation)
+        return by_columns(row_terms, b_t, *args) if args[1:] else in_c(row_terms, b_t, *args)
 
     monkeypatch.setattr(_tilemlp, "_one_output_by_columns", spy)
+    monkeypatch.setattr(_relu_loops, "relu_one_output", spy)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     got = evaluate_stack(stack, leaves)
     assert len(read) == 1

@@ -258,11 +258,15 @@ def test_compiled_graphs_compute_every_generated_parameter_into_a_buffer_of_its_
     assert realised(weight) is weight
 
 
-def test_exported_generation_holds_only_standard_ops():
+@pytest.mark.parametrize(
+    ("tile", "outputs"), [((4, 4), 1), ((4, 24), 1), ((4, 24), 4), ((4, 8), 8)]
+)
+def test_exported_generation_holds_only_standard_ops(tile, outputs):
     """`torch.export` traces `gb.apply` as compiling, but an exported graph is for other
-    runtimes: inductor's prim that realises generated parameters stays out of it."""
+    runtimes: inductor's prim that realises generated parameters stays out of it, and so do
+    gbfunc's C loops (one output over 24 columns, a few outputs, row g-nets)."""
     model = nn.Sequential(nn.Embedding(11, 8), nn.Flatten(), nn.Linear(24, 5))
-    plan = gb.plan(model, tile=(4, 4), embeddings=True)
+    plan = gb.plan(model, tile=tile, outputs=outputs, hidden=8, embeddings=True)
 
     class Generated(nn.Module):
         def forward(self, idx, gparams):
@@ -272,7 +276,7 @@ def test_exported_generation_holds_only_standard_ops():
     exported = torch.export.export(Generated(), (idx, gparams))
     targets = [str(node.target) for node in exported.graph.nodes]
     assert targets
-    assert not any("prims." in t for t in targets)
+    assert not any("prims." in t or "gbfunc" in t for t in targets)
     torch.testing.assert_close(
         exported.module()(idx, gparams), Generated()(idx, gparams), rtol=1e-6, atol=1e-6
     )

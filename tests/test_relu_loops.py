@@ -13,13 +13,21 @@ from gbfunc._relu_loops import (
     backward_reference,
     forward_reference,
     layer_usable,
+    one_output_reference,
     relu_layer_backward,
     relu_layer_forward,
+    relu_one_output,
     relu_unit_sums,
     sums_reference,
     sums_usable,
 )
-from gbfunc._tilemlp import Terms, _backward_recompute, _fused_reductions, tile_mlp
+from gbfunc._tilemlp import (
+    Terms,
+    _backward_recompute,
+    _fused_reductions,
+    reads_units_major_columns,
+    tile_mlp,
+)
 
 pytestmark = pytest.mark.skipif(
     not sums_usable(MIN_UNITS, torch.float32, "cpu"), reason="no C++ compiler for the C loops"
@@ -142,22 +150,26 @@ def test_without_a_compiler_the_reductions_run_in_torch(monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("outputs", "loops"),
-    [(1, {"relu_unit_sums"}), (5, {"relu_layer_forward", "relu_layer_backward"})],
-)
-def test_a_compiled_step_through_relu_gnets_runs_the_c_loops(outputs, loops):
+@pytest.mark.parametrize(("outputs", "columns"), [(1, 5), (1, 40), (5, 11)])
+def test_a_compiled_step_through_relu_gnets_runs_the_c_loops(outputs, columns):
     """`torch.compile` of a step through the tile MLP (one layer, ReLU, float32): one output
-    takes the backward's sums, a few outputs the forward and backward loops, and the
-    gradients are the eager ones."""
+    takes the backward's sums, and the forward's loop where the columns fill a vector register
+    (and `_evaluate` passes them units-major); a few outputs take the forward and backward
+    loops. The gradients are the eager ones."""
+    by_columns = reads_units_major_columns(columns, torch.float32, torch.device("cpu"))
+    if outputs > 1:
+        loops = {"relu_layer_forward", "relu_layer_backward"}
+    else:
+        loops = {"relu_unit_sums", "relu_one_output"} if by_columns else {"relu_unit_sums"}
     gen = torch.Generator().manual_seed(5)
     leaves = [
         torch.randn(shape, generator=gen, requires_grad=True)
-        for shape in ((3, 9, 8), (3, 11, 8), (3, 8), (3, 8, outputs), (3, outputs))
+        for shape in ((3, 9, 8), (3, columns, 8), (3, 8), (3, 8, outputs), (3, outputs))
     ]
 
     def loss(a, b, c, w_out, b_out):
-        out = tile_mlp(Terms(a, b, c, None, None, w_out, b_out), "relu")
+        b_t = b.transpose(1, 2).contiguous() if by_columns else None  # as `_evaluate` has it
+        out = tile_mlp(Terms(a, b, c, None, None, w_out, b_out), "relu", b_t=b_t)
         return (out * out).sum()
 
     want = torch.autograd.grad(loss(*leaves), leaves)
@@ -179,6 +191,49 @@ def test_a_compiled_step_through_relu_gnets_runs_the_c_loops(outputs, loops):
     for x, y in zip(got, want, strict=True):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
     assert set(calls) == loops
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    tiles=st.integers(1, 4),
+    rows=st.integers(1, 9),
+    cols=st.integers(1, 70),
+    units=st.integers(MIN_UNITS, 37),
+    threads=st.sampled_from([1, 2, 3]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_one_output_loop_equals_its_specification_on_any_shape(
+    tiles, rows, cols, units, threads, seed
+):
+    """Rows not a multiple of the loop's four-row blocks, columns in blocks of 32 and a
+    ragged rest (or fewer than 32), units that fill vector registers or leave a ragged end."""
+    gen = torch.Generator().manual_seed(seed)
+    args = [
+        torch.randn(shape, generator=gen)
+        for shape in ((tiles, rows, units), (tiles, units, cols), (tiles, units))
+    ]
+    torch.testing.assert_close(
+        on_threads(threads, relu_one_output, *args), one_output_reference(*args)
+    )
+
+
+def test_the_one_output_loop_under_vmap_and_autograd():
+    """Genomes under `vmap` (one argument shared), strided inputs, and the gradient of every
+    argument: the reference's."""
+    gen = torch.Generator().manual_seed(6)
+    row_terms, b_t = torch.randn(2, 3, 5, 6, generator=gen), torch.randn(3, 6, 35, generator=gen)
+    w = torch.randn(3, 2, generator=gen).T.reshape(2, 3, 1).expand(2, 3, 6)
+    got = torch.vmap(relu_one_output, in_dims=(0, None, 0))(row_terms, b_t, w)
+    for genome in range(2):
+        want = one_output_reference(row_terms[genome], b_t, w[genome])
+        torch.testing.assert_close(got[genome], want)
+    args = [x[0].clone().requires_grad_() for x in (row_terms, w)]
+    args.insert(1, b_t.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_())
+    grad = torch.randn(3, 5, 35, generator=gen)
+    got = torch.autograd.grad(relu_one_output(*args), args, grad)
+    want = torch.autograd.grad(one_output_reference(*args), args, grad)
+    for name, x, y in zip(("row_terms", "b_t", "w"), got, want, strict=True):
+        torch.testing.assert_close(x, y, msg=name)
 
 
 @settings(max_examples=40, deadline=None)
