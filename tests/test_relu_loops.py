@@ -56,16 +56,18 @@ LAYER_SHAPES = {
 }
 
 
+# Shapes of one-output g-nets' tiles, for the sums' loop and the one-output forward's.
+ONE_OUTPUT_SHAPES = {
+    "tiles": st.integers(1, 4),
+    "rows": st.integers(1, 9),
+    "units": st.integers(MIN_UNITS, 37),
+    "threads": st.sampled_from([1, 2, 3]),
+    "seed": st.integers(0, 2**16),
+}
+
+
 @settings(max_examples=40, deadline=None)
-@given(
-    tiles=st.integers(1, 4),
-    rows=st.integers(1, 9),
-    cols=st.integers(1, 40),
-    units=st.integers(MIN_UNITS, 37),
-    threads=st.sampled_from([1, 2, 3]),
-    integers=st.booleans(),
-    seed=st.integers(0, 2**16),
-)
+@given(**ONE_OUTPUT_SHAPES, cols=st.integers(1, 40), integers=st.booleans())
 def test_the_c_loop_equals_its_specification_on_any_shape(
     tiles, rows, cols, units, threads, integers, seed
 ):
@@ -194,14 +196,7 @@ def test_a_compiled_step_through_relu_gnets_runs_the_c_loops(outputs, columns):
 
 
 @settings(max_examples=40, deadline=None)
-@given(
-    tiles=st.integers(1, 4),
-    rows=st.integers(1, 9),
-    cols=st.integers(1, 70),
-    units=st.integers(MIN_UNITS, 37),
-    threads=st.sampled_from([1, 2, 3]),
-    seed=st.integers(0, 2**16),
-)
+@given(**ONE_OUTPUT_SHAPES, cols=st.integers(1, 70))
 def test_the_one_output_loop_equals_its_specification_on_any_shape(
     tiles, rows, cols, units, threads, seed
 ):
