@@ -48,7 +48,7 @@ def sums_inputs(tiles, rows, cols, units, seed, integers=False):
 LAYER_SHAPES = {
     "tiles": st.integers(1, 4),
     "rows": st.integers(1, 6),
-    "cols": st.integers(1, 11),
+    "cols": st.integers(1, 15),
     "units": st.integers(MIN_UNITS, 37),
     "outputs": st.integers(1, 19),
     "threads": st.sampled_from([1, 2, 3]),
