@@ -318,14 +318,16 @@ def test_traced_one_output_forwards_of_wide_tiles_read_the_units_major_column_te
     leaves = gb.init(plan, seed=4)["stacks"][stack.key]
     want = evaluate_stack(stack, leaves)
     read = []
-    by_columns, in_c = _tilemlp._one_output_by_columns, _relu_loops.relu_one_output
 
-    def spy(row_terms, b_t, *args):
-        read.append(b_t)
-        return by_columns(row_terms, b_t, *args) if args[1:] else in_c(row_terms, b_t, *args)
+    def spy(forward):
+        def reading(row_terms, b_t, *args):
+            read.append(b_t)
+            return forward(row_terms, b_t, *args)
 
-    monkeypatch.setattr(_tilemlp, "_one_output_by_columns", spy)
-    monkeypatch.setattr(_relu_loops, "relu_one_output", spy)
+        return reading
+
+    monkeypatch.setattr(_tilemlp, "_one_output_by_columns", spy(_tilemlp._one_output_by_columns))
+    monkeypatch.setattr(_relu_loops, "relu_one_output", spy(_relu_loops.relu_one_output))
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     got = evaluate_stack(stack, leaves)
     assert len(read) == 1
