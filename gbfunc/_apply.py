@@ -36,9 +36,9 @@ def apply(
             `torch.func` transform), generate through compiled code, cached: one graph per
             plan (g-nets and layout, forward and backward), or, where a stack's hidden
             activations are too large to hold whole, each stack's g-net evaluation compiled
-            per signature and run in chunks; a plan of row g-nets with one ReLU layer, on CPU
-            in float32, runs two C loops per stack instead, leaves to weights and back
-            (`gbfunc._relu_rows`). The first call compiles (seconds). `None`: only
+            per signature and run in chunks; a plan of row g-nets or one-output g-nets with
+            one ReLU layer, on CPU in float32, runs two C loops per stack instead, leaves to
+            weights and back (`gbfunc._relu_rows`). The first call compiles (seconds). `None`: only
             where it pays (plans of `AUTO_GRAPH_WEIGHTS` generated weights, with gradients
             enabled; stacks of `AUTO_COMPILE_ELEMENTS` hidden activations). `False`: never
             (for debugging, and for double backward, which the compiled graph does not

@@ -8,9 +8,10 @@ inside runs as it does under an outer `torch.compile`. Measured on the MLP 784-5
 (2 threads, AVX2): row g-nets 1.5-1.7x the plain eager step -> 1.2-1.3x; torchGB's genome at
 `compression=10` 2.4-2.7x -> 2.1-2.3x.
 
-Plans whose stacks are all row g-nets of one ReLU layer (on CPU, in float32) skip the graph:
-C loops take their leaves to the weights and back (`gbfunc._relu_rows`), without the
-wrappers AOTAutograd puts around a graph.
+Plans whose stacks are all row g-nets or one-output g-nets of one ReLU layer (on CPU, in
+float32) skip the graph: C loops take their leaves to the weights and back
+(`gbfunc._relu_rows`, `gbfunc._relu_tiles`), without the wrappers AOTAutograd puts around a
+graph.
 
 A graph holds a stack's hidden activations (`T * TH * Q * H` elements) whole. Where they are
 matmul operands (several outputs or hidden layers: the backward, and the forward of more than

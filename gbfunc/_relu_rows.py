@@ -1,4 +1,5 @@
-"""Row g-nets with one ReLU layer on CPU: from their leaves straight to the weights, in C.
+"""Row g-nets and one-output g-nets with one ReLU layer on CPU: from their leaves straight to
+the weights, in C.
 
 A row g-net (`Stack.columns == 1`) emits a whole tile row per evaluation. Through the tile
 MLP that is a `(TH, H) @ (H, P)` matmul per tile with 8-16 hidden units, too short a
@@ -24,6 +25,9 @@ them, not reloaded per row): backward alone, 12 (256, 256) tiles of 16 units, 2 
 units: 1.13 -> 0.60); the eager training step with `hidden=16` 1.198x -> 1.160x the plain
 step, with `hidden=8` 1.143x -> 1.100x, compiled with `hidden=16` 1.154x -> 1.107x.
 
+One-output g-nets (several evaluation columns, `Q > 1`) run the loops of `_relu_tiles`
+through the same ops, placement and glue; `rows_reference` specifies both kinds.
+
 `relu_rows` and `relu_rows_backward` are custom ops (`gbfunc::...`), opaque to inductor;
 `_Rows` pairs them as forward and backward for autograd, `vmap` and `torch.compile`.
 `rows_reference` is the specification in plain torch, and double backward goes through it.
@@ -39,7 +43,7 @@ import torch
 from torch import Tensor
 from torch._functorch.utils import unwrap_dead_wrappers
 
-from . import _relu_loops
+from . import _relu_loops, _relu_tiles
 from ._evaluate import code_tables
 from ._plan import Generated, Stack, tile_places
 from ._tilemlp import plain_eager
@@ -300,19 +304,15 @@ class Placement(NamedTuple):
 
 
 def suits(stack: Stack) -> bool:
-    """Whether a stack's g-nets are what the loops compute: row g-nets (one evaluation
-    column, a tile row's worth of outputs) of one ReLU layer, one g-net per tile (not shared),
-    without a hashed table, on matrices (no kernel window)."""
+    """Whether a stack's g-nets are what the loops compute: g-nets of one ReLU layer, one per
+    tile (not shared), without a hashed table, that are either row g-nets (one evaluation
+    column, a tile row's worth of outputs, on matrices: no kernel window) or one-output
+    g-nets evaluated on several columns (`_relu_tiles`, any kernel window)."""
     genome = stack.genome
-    return (
-        stack.columns == 1
-        and stack.window == ()
-        and genome.depth == 1
-        and genome.activation == "relu"
-        and not genome.share
-        and not genome.hashed
-        and stack.tile[1] == stack.outputs
-    )
+    one_layer = genome.depth == 1 and genome.activation == "relu"
+    rows = stack.columns == 1 and stack.window == () and stack.tile[1] == stack.outputs
+    one_output = stack.columns > 1 and stack.outputs == 1
+    return one_layer and not genome.share and not genome.hashed and (rows or one_output)
 
 
 def placement(stack: Stack, params: list[Generated]) -> Placement | None:
@@ -334,20 +334,25 @@ def placement(stack: Stack, params: list[Generated]) -> Placement | None:
 
 
 @torch.compiler.assume_constant_result
-def usable(units: int, outputs: int, dtype: torch.dtype, device_type: str) -> bool:
-    """Whether the loops run for `units` hidden units and `outputs` outputs: on CPU, in
+def usable(
+    units: int, outputs: int, dtype: torch.dtype, device_type: str, columns: int = 1
+) -> bool:
+    """Whether the loops run for `units` hidden units, `outputs` outputs and `columns`
+    evaluation columns (`Stack.columns`; more than one: the one-output loops): on CPU, in
     float32, from `_relu_loops.MIN_UNITS` to `MAX_UNITS` units, at most `MAX_OUTPUTS`
     outputs, with both loops compiled."""
-    return _usable(units, outputs, dtype, device_type)
+    return _usable(units, outputs, dtype, device_type, columns > 1)
 
 
 @functools.cache
-def _usable(units: int, outputs: int, dtype: torch.dtype, device_type: str) -> bool:
+def _usable(
+    units: int, outputs: int, dtype: torch.dtype, device_type: str, one_output: bool
+) -> bool:
     if units > MAX_UNITS or not 1 <= outputs <= MAX_OUTPUTS:
         return False
     if not _relu_loops.supported(units, dtype, device_type):
         return False
-    loops = (_FORWARD, _BACKWARD)
+    loops = (_relu_tiles.FORWARD, _relu_tiles.BACKWARD) if one_output else (_FORWARD, _BACKWARD)
     return all(_relu_loops.compiled_loop(loop, units, outputs) is not None for loop in loops)
 
 
@@ -418,15 +423,19 @@ def rows_reference(
 ) -> list[Tensor]:
     """`relu_rows` in plain torch: the specification.
 
-    Shapes: row_code `(TH, R)`, col_code `(1, C)`, w_in `(T, R + C, H)`, b_in `(T, H)`,
-    w_out `(T, H, P)`, b_out `(T, P)`; `tiles`, `shapes` and `scales` as in `Placement`.
-    Tile `t` is `relu(row_code @ w_in[t, :R] + col_code @ w_in[t, R:] + b_in[t]) @ w_out[t]
-    + b_out[t]`, `(TH, P)`, scaled by its scale, cut to its rows and columns and placed at
-    its offset in its weight. Returns each weight as its matrix.
+    Shapes: row_code `(TH, R)`, col_code `(Q, C)`, w_in `(T, R + C, H)`, b_in `(T, H)`,
+    w_out `(T, H, P)`, b_out `(T, P)`, with `Q == 1` (row g-nets) or `P == 1` (one-output
+    g-nets, `_relu_tiles`); `tiles`, `shapes` and `scales` as in `Placement`. Position
+    `(i, q)` of tile `t` is `relu(row_code[i] @ w_in[t, :R] + col_code[q] @ w_in[t, R:] +
+    b_in[t]) @ w_out[t] + b_out[t]`, its `P` values side by side: tile `t` is `(TH, Q * P)`,
+    scaled by its scale, cut to its rows and columns and placed at its offset in its weight.
+    Returns each weight as its matrix.
     """
     r = row_code.shape[-1]
-    z = row_code @ w_in[:, :r] + col_code @ w_in[:, r:] + b_in[:, None]  # (T, TH, H)
-    out = (torch.relu(z) @ w_out + b_out[:, None]) * w_out.new_tensor(scales)[:, None, None]
+    a = row_code @ w_in[:, :r] + b_in[:, None]  # (T, TH, H)
+    z = a[:, :, None] + (col_code @ w_in[:, r:])[:, None]  # (T, TH, Q, H)
+    out = torch.relu(z) @ w_out[:, None] + b_out[:, None, None]  # (T, TH, Q, P)
+    out = out.flatten(2) * w_out.new_tensor(scales)[:, None, None]
     weights = []
     for index in range(len(shapes) // 2):
         height, width = shapes[2 * index : 2 * index + 2]
@@ -464,16 +473,27 @@ def _forward(row_code, col_code, w_in, b_in, w_out, b_out, tiles, shapes, scales
     weights = _new_weights(w_in, shapes)
     table, tile_scales = _tables(tuple(tiles), tuple(scales))
     units, outputs = w_out.shape[-2:]
-    _relu_loops.compiled_loop(_FORWARD, units, outputs)(
-        *(x.data_ptr() for x in inputs),
-        tile_scales.data_ptr(),
-        table.data_ptr(),
+    columns = col_code.shape[0]
+    tables = (*(x.data_ptr() for x in inputs), tile_scales.data_ptr(), table.data_ptr())
+    widths = (row_code.shape[0], row_code.shape[1], col_code.shape[1])
+    if columns == 1:
+        loop = _relu_loops.compiled_loop(_FORWARD, units, outputs)
+        loop(*tables, _pointers(weights), w_in.shape[0], *widths, torch.get_num_threads())
+        return weights
+    loop = _relu_loops.compiled_loop(_relu_tiles.FORWARD, units)
+    tile_rows, row_width, col_width = widths
+    blocks = -(-tile_rows // _relu_tiles.BLOCK_ROWS)
+    threads, splits = _relu_loops.threads_and_splits(w_in.shape[0], blocks)
+    loop(
+        *tables,
         _pointers(weights),
         w_in.shape[0],
-        row_code.shape[0],
-        row_code.shape[1],
-        col_code.shape[1],
-        torch.get_num_threads(),
+        tile_rows,
+        columns,
+        row_width,
+        col_width,
+        splits,
+        threads,
     )
     return weights
 
@@ -523,14 +543,18 @@ def _backward(grads, row_code, col_code, w_in, b_in, w_out, tiles, shapes, scale
         w_in.new_empty(num_tiles, splits, units, outputs),
         w_in.new_empty(num_tiles, splits, outputs),
     )
-    _relu_loops.compiled_loop(_BACKWARD, units, outputs)(
+    columns = col_code.shape[0]
+    sizes = (num_tiles, tile_rows) + ((columns,) if columns > 1 else ())
+    loop = _relu_loops.compiled_loop(
+        _relu_tiles.BACKWARD if columns > 1 else _BACKWARD, units, outputs
+    )
+    loop(
         _pointers(grads),
         *(x.data_ptr() for x in inputs),
         tile_scales.data_ptr(),
         table.data_ptr(),
         *(x.data_ptr() for x in partials),
-        num_tiles,
-        tile_rows,
+        *sizes,
         row_code.shape[1],
         col_code.shape[1],
         splits,

@@ -354,7 +354,8 @@ def runs_direct(stack: Stack, leaves: Mapping[str, Tensor], compile: bool | None
     if not (torch.compiler.is_compiling() or (compile is True and plain_eager())):
         return False
     w_out = leaves["w_out"]
-    return _relu_rows.usable(stack.genome.hidden, stack.outputs, w_out.dtype, w_out.device.type)
+    units, device_type = stack.genome.hidden, w_out.device.type
+    return _relu_rows.usable(units, stack.outputs, w_out.dtype, device_type, stack.columns)
 
 
 def _parts_from_tile_mlp(stack: Stack) -> bool:

@@ -429,7 +429,8 @@ def test_eager_graph_checks_only_its_tensors_and_torchs_global_state(monkeypatch
     monkeypatch.setattr(_compiled, "_tensor_and_global_state_guards", recording)
     monkeypatch.setattr(_graph, "_GRAPHS", CompiledCache("gb.apply's graph"))
     model = nn.Sequential(nn.Linear(24, 20), nn.ReLU(), nn.Linear(20, 6))
-    plan = gb.plan(model, tile=(8, 8), hidden=4)
+    # tanh: eagerly, one-layer ReLU g-nets run C loops, not a graph
+    plan = gb.plan(model, tile=(8, 8), hidden=4, activation="tanh")
     gparams = gb.init(plan, seed=2)
     expected = gb.apply(gparams, plan, compile=False)
     first = gb.apply(gparams, plan, compile=True)
@@ -516,7 +517,8 @@ def test_a_plan_that_fails_to_compile_warns_once_and_runs_op_by_op(monkeypatch):
     monkeypatch.setattr(_compiled_module, "dynamo_disabled", lambda: False)
     monkeypatch.setattr(_graph, "_GRAPHS", CompiledCache("gb.apply's graph"))
     model = nn.Linear(24, 20)
-    plan = gb.plan(model, tile=(8, 8), hidden=4)
+    # tanh: eagerly, one-layer ReLU g-nets run C loops, not a graph
+    plan = gb.plan(model, tile=(8, 8), hidden=4, activation="tanh")
     gparams = gb.init(plan, seed=1)
     expected = gb.apply(gparams, plan, compile=False)
     with pytest.warns(RuntimeWarning) as warned:

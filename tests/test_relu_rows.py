@@ -1,4 +1,5 @@
-"""Row g-nets' C loops (`gbfunc._relu_rows`): leaves to weights and back, against plain torch."""
+"""The C loops from leaves to weights and back (`gbfunc._relu_rows`, for row g-nets, and
+`gbfunc._relu_tiles`, for one-output g-nets), against plain torch."""
 
 import itertools
 from unittest import mock
@@ -27,6 +28,16 @@ def row_plan(widths, tile, hidden, **genome):
     model = nn.Sequential(*layers)
     outputs = min(tile[1], *widths[:-1])
     return model, gb.plan(model, tile=tile, hidden=hidden, outputs=outputs, **genome)
+
+
+def one_output_plan(widths, tile, hidden, **genome):
+    """A plan of one-output g-nets (`_relu_tiles`' loops) over an MLP of `widths`."""
+    layers = [nn.Linear(a, b) for a, b in itertools.pairwise(widths)]
+    model = nn.Sequential(*layers)
+    return model, gb.plan(model, tile=tile, hidden=hidden, **genome)
+
+
+PLANS = {"rows": row_plan, "one output": one_output_plan}
 
 
 def stack_inputs(plan, gparams, s):
@@ -70,10 +81,38 @@ SHAPES = {
 @settings(max_examples=30, deadline=None)
 @given(**SHAPES)
 def test_the_loops_equal_their_specification_on_any_shape(widths, tile, hidden, threads, seed):
-    """Ragged tiles at every edge, fewer tiles than threads (row splits), random leaves:
-    weights and every leaf's gradient as `rows_reference` and autograd give them."""
+    """Row g-nets: ragged tiles at every edge, fewer tiles than threads (row splits), random
+    leaves: weights and every leaf's gradient as `rows_reference` and autograd give them."""
     torch.manual_seed(seed)
     _, plan = row_plan(widths, tile, hidden)
+    assert_loops_equal_reference(plan, threads)
+
+
+# One-output tiles: rows in blocks of 4 and a rest; columns in blocks of 32, a cut block
+# computed whole (a ragged tile whose stack has 32 more columns), blocks of 8 and single
+# columns (5: singles only; 12: a block of 8 and 4 singles; 37 and 70: blocks of 32 and cut
+# blocks at a ragged edge).
+ONE_OUTPUT_SHAPES = {
+    **SHAPES,
+    "tile": st.tuples(st.integers(1, 13), st.sampled_from([5, 12, 37, 70])),
+}
+
+
+@settings(max_examples=30, deadline=None)
+@given(**ONE_OUTPUT_SHAPES)
+def test_the_one_output_loops_equal_their_specification_on_any_shape(
+    widths, tile, hidden, threads, seed
+):
+    """One-output g-nets (`_relu_tiles`): the same, on tiles cut at every edge."""
+    torch.manual_seed(seed)
+    _, plan = one_output_plan(widths, tile, hidden)
+    assert all(stack.columns > 1 for stack in plan.stacks)
+    assert_loops_equal_reference(plan, threads)
+
+
+def assert_loops_equal_reference(plan, threads):
+    """The loops' weights and gradients, on `threads` threads with random leaves, for every
+    stack of `plan` that suits them (at least one), against `rows_reference` and autograd."""
     gparams = gb.init(plan)
     row_stacks = [s for s, stack in enumerate(plan.stacks) if _relu_rows.suits(stack)]
     assert row_stacks  # the narrowest weight's tiles, at least
@@ -100,11 +139,12 @@ def test_the_loops_equal_their_specification_on_any_shape(widths, tile, hidden, 
             torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
 
 
-def test_eager_apply_runs_the_loops_with_the_gradients_of_plain_torch(monkeypatch):
-    """`gb.apply(compile=True)`, eager, on row g-nets: both loops run, no graph compiles, and
-    weights and gradients match `compile=False` (plain torch)."""
+@pytest.mark.parametrize("kind", PLANS)
+def test_eager_apply_runs_the_loops_with_the_gradients_of_plain_torch(monkeypatch, kind):
+    """`gb.apply(compile=True)`, eager, on row or one-output g-nets: both loops run, no graph
+    compiles, and weights and gradients match `compile=False` (plain torch)."""
     torch.manual_seed(0)
-    model, plan = row_plan([50, 37, 9], (16, 16), 6)
+    model, plan = PLANS[kind]([50, 37, 9], (16, 16), 6)
     gparams = gb.init(plan)
     x, y = torch.randn(5, 50), torch.randint(0, 9, (5,))
 
@@ -143,11 +183,12 @@ def test_double_backward_goes_through_the_specification():
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
-def test_vmap_over_genomes_equals_one_genome_at_a_time():
+@pytest.mark.parametrize("kind", PLANS)
+def test_vmap_over_genomes_equals_one_genome_at_a_time(kind):
     """`_Rows` under vmap (its generated rule, through the forward op's): a batch of genomes,
     each as if alone."""
     torch.manual_seed(2)
-    _, plan = row_plan([30, 11], (8, 16), 4)
+    _, plan = PLANS[kind]([30, 11], (8, 16), 4)
     tensors, where, _ = stack_inputs(plan, gb.init(plan), 0)
     batch = [torch.stack([x.detach() + k for k in range(3)]) for x in tensors[2:]]
 
@@ -161,11 +202,12 @@ def test_vmap_over_genomes_equals_one_genome_at_a_time():
             torch.testing.assert_close(g[k], w)
 
 
-def test_the_backward_op_under_vmap_is_one_genome_at_a_time():
+@pytest.mark.parametrize("kind", PLANS)
+def test_the_backward_op_under_vmap_is_one_genome_at_a_time(kind):
     """`relu_rows_backward`'s vmap rule (a batch of genomes' gradients, under a compiled
     `vmap(grad)`), with an unbatched argument and a missing gradient, as a loop over them."""
     torch.manual_seed(5)
-    _, plan = row_plan([30, 20, 11], (8, 16), 4)
+    _, plan = PLANS[kind]([30, 20, 11], (8, 16), 4)
     tensors, where, params = stack_inputs(plan, gb.init(plan), 0)
     numbers = where.numbers
     codes, leaves = tensors[:2], [x.detach() for x in tensors[2:5]]
@@ -201,6 +243,33 @@ def test_a_weight_of_several_blocks_lands_block_by_block():
     torch.testing.assert_close(got["0.weight"], want["0.weight"], rtol=1e-5, atol=1e-6)
 
 
+def test_conv_kernels_of_one_output_g_nets_land_tap_by_tap(monkeypatch):
+    """One-output g-nets over conv kernels (a kernel window in the code): each tile row's
+    columns are (column, tap) pairs, cut and placed by the loops as `gb.apply` lays them out
+    op by op, with the same gradients."""
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Conv2d(3, 20, 3), nn.Conv2d(20, 7, 3))
+    plan = gb.plan(model, tile=(8, 8), hidden=5)
+    assert all(_relu_rows.suits(s) and s.window == (3, 3) for s in plan.stacks)
+    gparams = gb.init(plan)
+    leaves = torch.utils._pytree.tree_leaves(gparams)
+    x = torch.randn(2, 3, 9, 9)
+
+    def generated(compile):
+        params = gb.apply(gparams, plan, compile=compile)
+        value = functional_call(model, params, (x,)).square().sum()
+        return params, torch.autograd.grad(value, leaves)
+
+    want, want_grads = generated(False)
+    calls = counting(monkeypatch)
+    got, got_grads = generated(True)
+    assert calls == ["_forward"] * 2 + ["_backward"] * 2
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
 def test_only_suitable_stacks_and_whole_parameters_take_the_loops():
     """Shared, hashed, deeper or many-column g-nets keep the tile MLP; so do centred
     weights and selections that cut a weight (tensor parallelism)."""
@@ -210,6 +279,9 @@ def test_only_suitable_stacks_and_whole_parameters_take_the_loops():
         assert not _relu_rows.suits(row_plan([30, 11], (8, 16), 4, **genome)[1].stacks[0])
     model = nn.Sequential(nn.Linear(30, 11))
     assert not _relu_rows.suits(gb.plan(model, tile=(8, 16), hidden=4, outputs=8).stacks[0])
+    assert _relu_rows.suits(gb.plan(model, tile=(8, 16), hidden=4).stacks[0])  # one output
+    deep = gb.plan(model, tile=(8, 16), hidden=4, depth=2)
+    assert not _relu_rows.suits(deep.stacks[0])
     whole = _select.Selection.whole(plan)
     assert whole._placements[0] is not None
     half = _select.Selection(plan, {"0.weight": ((0, 5), (0, 30))})
@@ -243,11 +315,12 @@ def test_without_a_compiler_apply_falls_back_to_torch(monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_compiled_step_under_grad_runs_the_loops(monkeypatch):
+@pytest.mark.parametrize("kind", PLANS)
+def test_a_compiled_step_under_grad_runs_the_loops(monkeypatch, kind):
     """`torch.compile(fullgraph=True)` of `grad_and_value` through `gb.apply`: the loops run
     as custom ops inside the graph, and loss and gradients are the eager ones."""
     torch.manual_seed(4)
-    model, plan = row_plan([50, 40, 7], (16, 16), 4)
+    model, plan = PLANS[kind]([50, 40, 7], (16, 16), 4)
     tree = gb.init(plan, requires_grad=False)
     x, y = torch.randn(8, 50), torch.randint(0, 7, (8,))
 
