@@ -127,7 +127,12 @@ def hashed_tiles(stack: Stack, table: Tensor) -> Tensor:
     # adds. The MLP's full-tile hashed genome, compiled whole: 16.84 -> 6.60 ms a step.
     if torch.compiler.is_compiling():
         packed = _packed_tile_hash_op(positions, stack.genome.hashed, table.device)
-        shared = signed_gather(table, packed) * HASH_GAIN  # backward: a C loop on CPU
+        # A view: under `torch.func.grad`, dynamo drops the backward of a Function applied to
+        # the transformed function's own argument and differentiates its forward instead
+        # (pytorch/pytorch#193279, torch 2.13), which kept torch's scatter-add and the int64
+        # index inductor writes for it. The MLP's full-tile hashed genome, compiled step, one
+        # process, 11 interleaved rounds: 1.966x -> 1.658x the plain step.
+        shared = signed_gather(table.view_as(table), packed) * HASH_GAIN  # backward: in C
     else:
         bucket, sign = _cached(
             _tile_hash, positions, stack.genome.hashed, table.dtype, table.device

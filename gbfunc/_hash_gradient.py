@@ -12,8 +12,9 @@ its eager step 1.89 -> 1.64x the plain one (one process, interleaved rounds; 1.8
 for a prototype of the loop).
 
 `signed_gather` is the forward, an `autograd.Function` whose backward is this loop. Traced
-by `torch.compile` under `torch.func.grad`, dynamo differentiates the gather itself and keeps
-torch's scatter-add (pytorch/pytorch#193279), with the same values.
+by `torch.compile` under `torch.func.grad`, dynamo drops that backward and differentiates the
+gather itself (torch's scatter-add) where the Function is applied to the transformed
+function's own argument (pytorch/pytorch#193279): callers pass a view of the table leaf.
 """
 
 import torch

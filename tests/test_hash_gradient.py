@@ -75,10 +75,15 @@ def test_the_gradient_composes_with_vmap_over_genomes():
         vmap(table_gradient, in_dims=(0, 0, None))(upstream, packed.expand(3, -1), 11)
 
 
-@pytest.mark.parametrize("where", ["gb.apply's graph", "the user's torch.compile"])
+WHERE = ["gb.apply's graph", "the user's torch.compile", "the user's compiled grad"]
+
+
+@pytest.mark.parametrize("where", WHERE)
 def test_compiled_generation_sums_a_hashed_stacks_gradient_in_the_loop(where):
-    """Eager `gb.apply(compile=True)`, or a compiled loss differentiated by `backward()`: the
-    tables' gradient comes from the loop, not torch's scatter-add, and equals plain torch's
+    """Eager `gb.apply(compile=True)`, a compiled loss differentiated by `backward()`, or a
+    compiled `torch.func.grad` of it (where dynamo would drop the gather's backward if the
+    Function were applied to the table leaf itself, pytorch/pytorch#193279): the tables'
+    gradient comes from the loop, not torch's scatter-add, and equals plain torch's
     (`compile=False`, eager)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(30, 20), nn.ReLU(), nn.Linear(20, 5))
@@ -91,8 +96,14 @@ def test_compiled_generation_sums_a_hashed_stacks_gradient_in_the_loop(where):
         return torch.func.functional_call(model, params, (x,)).square().sum()
 
     compiled_loss = torch.compile(loss_of, fullgraph=True)
+    compiled_grad = torch.compile(torch.func.grad(loss_of), fullgraph=True)
 
     def table_grads(compile):
+        if compile and where == "the user's compiled grad":
+            with torch.profiler.profile() as prof:
+                grads = compiled_grad(gparams, None)
+            names = {e.name for e in prof.events()}
+            return {k: v["tile_hash"] for k, v in grads["stacks"].items()}, names
         if compile and where == "the user's torch.compile":
             loss = compiled_loss(gparams, None)
         else:
