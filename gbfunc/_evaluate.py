@@ -141,6 +141,12 @@ def hashed_tiles(stack: Stack, table: Tensor) -> Tensor:
     return shared.reshape(table.shape[0], stack.tile[0], -1)
 
 
+def cached_tile_hash(positions: int, buckets: int, device: torch.device) -> Tensor:
+    """`_packed_tile_hash`, cached: for code that reads it outside any traced graph (the C
+    loops of `_hash_weights`), where no copy is needed (`_packed_tile_hash_op`'s)."""
+    return _cached(_packed_tile_hash, positions, buckets, device)
+
+
 def stack_terms(stack: Stack, leaves: Mapping[str, Tensor]) -> Terms:
     """A stack's g-nets as per-tile `Terms`, from its leaves in `gparams["stacks"]`.
 

@@ -305,14 +305,14 @@ class Placement(NamedTuple):
 
 def suits(stack: Stack) -> bool:
     """Whether a stack's g-nets are what the loops compute: g-nets of one ReLU layer, one per
-    tile (not shared), without a hashed table, that are either row g-nets (one evaluation
-    column, a tile row's worth of outputs, on matrices: no kernel window) or one-output
-    g-nets evaluated on several columns (`_relu_tiles`, any kernel window)."""
+    tile (not shared), that are either row g-nets (one evaluation column, a tile row's worth
+    of outputs, on matrices: no kernel window) or one-output g-nets evaluated on several
+    columns (`_relu_tiles`, any kernel window). A hashed table is added by `_hash_weights`."""
     genome = stack.genome
     one_layer = genome.depth == 1 and genome.activation == "relu"
     rows = stack.columns == 1 and stack.window == () and stack.tile[1] == stack.outputs
     one_output = stack.columns > 1 and stack.outputs == 1
-    return one_layer and not genome.share and not genome.hashed and (rows or one_output)
+    return one_layer and not genome.share and (rows or one_output)
 
 
 def placement(stack: Stack, params: list[Generated]) -> Placement | None:
@@ -435,7 +435,16 @@ def rows_reference(
     a = row_code @ w_in[:, :r] + b_in[:, None]  # (T, TH, H)
     z = a[:, :, None] + (col_code @ w_in[:, r:])[:, None]  # (T, TH, Q, H)
     out = torch.relu(z) @ w_out[:, None] + b_out[:, None, None]  # (T, TH, Q, P)
-    out = out.flatten(2) * w_out.new_tensor(scales)[:, None, None]
+    return placed(out.flatten(2), tiles, shapes, scales)
+
+
+def placed(
+    tiles_out: Tensor, tiles: list[int], shapes: list[int], scales: list[float]
+) -> list[Tensor]:
+    """Tiles `(T, TH, Q * P)`, each scaled by its scale, cut to its rows and columns and
+    placed at its offset in its weight, as `Placement` says (plain torch: the specification of
+    the loops' writes). Returns each weight as its matrix."""
+    out = tiles_out * tiles_out.new_tensor(scales)[:, None, None]
     weights = []
     for index in range(len(shapes) // 2):
         height, width = shapes[2 * index : 2 * index + 2]
@@ -471,14 +480,14 @@ def relu_rows(
 def _forward(row_code, col_code, w_in, b_in, w_out, b_out, tiles, shapes, scales) -> list[Tensor]:
     inputs = [x.contiguous() for x in (row_code, col_code, w_in, b_in, w_out, b_out)]
     weights = _new_weights(w_in, shapes)
-    table, tile_scales = _tables(tuple(tiles), tuple(scales))
+    table, tile_scales = placement_tables(tuple(tiles), tuple(scales))
     units, outputs = w_out.shape[-2:]
     columns = col_code.shape[0]
     tables = (*(x.data_ptr() for x in inputs), tile_scales.data_ptr(), table.data_ptr())
     widths = (row_code.shape[0], row_code.shape[1], col_code.shape[1])
     if columns == 1:
         loop = _relu_loops.compiled_loop(_FORWARD, units, outputs)
-        loop(*tables, _pointers(weights), w_in.shape[0], *widths, torch.get_num_threads())
+        loop(*tables, pointers(weights), w_in.shape[0], *widths, torch.get_num_threads())
         return weights
     loop = _relu_loops.compiled_loop(_relu_tiles.FORWARD, units)
     tile_rows, row_width, col_width = widths
@@ -486,7 +495,7 @@ def _forward(row_code, col_code, w_in, b_in, w_out, b_out, tiles, shapes, scales
     threads, splits = _relu_loops.threads_and_splits(w_in.shape[0], blocks)
     loop(
         *tables,
-        _pointers(weights),
+        pointers(weights),
         w_in.shape[0],
         tile_rows,
         columns,
@@ -533,7 +542,7 @@ def relu_rows_backward(
 def _backward(grads, row_code, col_code, w_in, b_in, w_out, tiles, shapes, scales) -> tuple:
     inputs = [x.contiguous() for x in (row_code, col_code, w_in, b_in, w_out)]
     grads = [None if g is None else g.contiguous() for g in grads]
-    table, tile_scales = _tables(tuple(tiles), tuple(scales))
+    table, tile_scales = placement_tables(tuple(tiles), tuple(scales))
     num_tiles, width, units = w_in.shape
     outputs, tile_rows = w_out.shape[-1], row_code.shape[0]
     threads, splits = _relu_loops.threads_and_splits(num_tiles, tile_rows)
@@ -549,7 +558,7 @@ def _backward(grads, row_code, col_code, w_in, b_in, w_out, tiles, shapes, scale
         _relu_tiles.BACKWARD if columns > 1 else _BACKWARD, units, outputs
     )
     loop(
-        _pointers(grads),
+        pointers(grads),
         *(x.data_ptr() for x in inputs),
         tile_scales.data_ptr(),
         table.data_ptr(),
@@ -639,14 +648,14 @@ def _new_weights(like: Tensor, shapes: list[int]) -> list[Tensor]:
 
 
 @functools.lru_cache(maxsize=64)
-def _tables(tiles: tuple[int, ...], scales: tuple[float, ...]) -> tuple[Tensor, Tensor]:
+def placement_tables(tiles: tuple[int, ...], scales: tuple[float, ...]) -> tuple[Tensor, Tensor]:
     """The placement as the loops read it, `(T, 5)` int64, and the tiles' scales, float32,
     cached per placement (a plan's)."""
     table = torch.tensor(tiles, dtype=torch.int64).reshape(-1, 5)
     return table, torch.tensor(scales, dtype=torch.float32)
 
 
-def _pointers(tensors: list[Tensor | None]) -> ctypes.Array:
+def pointers(tensors: list[Tensor | None]) -> ctypes.Array:
     """An array of the tensors' data pointers (NULL for None) for the loops."""
     return (ctypes.c_void_p * len(tensors))(*(None if x is None else x.data_ptr() for x in tensors))
 

@@ -14,9 +14,14 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import _relu_rows
+from . import _hash_weights, _relu_rows
 from ._compiled import dynamo_disabled
-from ._evaluate import compiles_eagerly, evaluate_tile_parts, evaluate_tiles
+from ._evaluate import (
+    HASH_GAIN,
+    compiles_eagerly,
+    evaluate_tile_parts,
+    evaluate_tiles,
+)
 from ._plan import Free, Generated, Plan, Stack
 from ._realised import realised
 from ._tilemlp import plain_eager
@@ -224,7 +229,10 @@ class Selection:
             leaves = gparams["stacks"][stack.key]
             if self._placements[s] is not None and runs_direct(stack, leaves, compile):
                 names, where = self._placements[s]
-                direct.update(zip(names, _relu_rows.generate(stack, leaves, where), strict=True))
+                weights = _relu_rows.generate(stack, leaves, where)
+                if stack.genome.hashed:
+                    weights = _with_hashed(stack, leaves["tile_hash"], where, weights)
+                direct.update(zip(names, weights, strict=True))
                 continue
             compiled = compiles_eagerly(stack, compile)
             spans = self._splits[s]
@@ -355,7 +363,19 @@ def runs_direct(stack: Stack, leaves: Mapping[str, Tensor], compile: bool | None
         return False
     w_out = leaves["w_out"]
     units, device_type = stack.genome.hidden, w_out.device.type
+    if stack.genome.hashed and not _hash_weights.usable(w_out.dtype, device_type):
+        return False
     return _relu_rows.usable(units, stack.outputs, w_out.dtype, device_type, stack.columns)
+
+
+def _with_hashed(
+    stack: Stack, table: Tensor, where: "_relu_rows.Placement", weights: Sequence[Tensor]
+) -> list[Tensor]:
+    """A hashed stack's weights: its g-nets' (from `_relu_rows`) plus its table's, also
+    written where they land (`_hash_weights`)."""
+    positions = stack.tile[0] * stack.columns * stack.outputs
+    hashed = _hash_weights.generate(weights, table, positions, stack.tile[0], where, HASH_GAIN)
+    return list(hashed)
 
 
 def _parts_from_tile_mlp(stack: Stack) -> bool:

@@ -37,7 +37,8 @@ def test_the_loop_equals_its_specification_on_any_shape(tiles, positions, bucket
     packed = packed_hash(positions, buckets)
     g = torch.randn(tiles, positions)
     out = on_threads(threads, table_gradient, g, packed, buckets)
-    torch.testing.assert_close(out, gradient_reference(g, packed, buckets), rtol=1e-5, atol=1e-5)
+    # Up to 700 terms a bucket, summed in another order (one bucket, 689 positions: 1.6e-5)
+    torch.testing.assert_close(out, gradient_reference(g, packed, buckets), rtol=1e-4, atol=1e-4)
 
 
 def test_the_gather_differentiates_as_plain_torch_once_and_twice():
@@ -87,7 +88,8 @@ def test_compiled_generation_sums_a_hashed_stacks_gradient_in_the_loop(where):
     (`compile=False`, eager)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(30, 20), nn.ReLU(), nn.Linear(20, 5))
-    plan = gb.plan(model, tile=(8, 8), hashed=7)
+    # tanh: one-layer ReLU g-nets write their hashed tables in C (`gbfunc._hash_weights`)
+    plan = gb.plan(model, tile=(8, 8), hashed=7, activation="tanh")
     gparams = gb.init(plan)
     x = torch.randn(4, 30)
 

@@ -271,11 +271,13 @@ def test_conv_kernels_of_one_output_g_nets_land_tap_by_tap(monkeypatch):
 
 
 def test_only_suitable_stacks_and_whole_parameters_take_the_loops():
-    """Shared, hashed, deeper or many-column g-nets keep the tile MLP; so do centred
-    weights and selections that cut a weight (tensor parallelism)."""
+    """Shared, deeper, non-ReLU or many-column g-nets of several outputs keep the tile MLP;
+    so do centred weights and selections that cut a weight (tensor parallelism). Hashed ones
+    take the loops (their tables through `_hash_weights`)."""
     _, plan = row_plan([30, 11], (8, 16), 4)
     assert _relu_rows.suits(plan.stacks[0])
-    for genome in ({"share": True}, {"hashed": 64}, {"depth": 2}):
+    assert _relu_rows.suits(row_plan([30, 11], (8, 16), 4, hashed=64)[1].stacks[0])
+    for genome in ({"share": True}, {"depth": 2}, {"activation": "tanh"}):
         assert not _relu_rows.suits(row_plan([30, 11], (8, 16), 4, **genome)[1].stacks[0])
     model = nn.Sequential(nn.Linear(30, 11))
     assert not _relu_rows.suits(gb.plan(model, tile=(8, 16), hidden=4, outputs=8).stacks[0])
