@@ -29,10 +29,10 @@ from . import _relu_loops
 from ._evaluate import cached_tile_hash
 from ._relu_rows import Placement, placed, placement_tables, pointers
 
-_SOURCE = r"""
+_SOURCE = (
+    _relu_loops.PLACEMENT_SOURCE
+    + r"""
 #include <string.h>
-
-enum { WEIGHT, OFFSET, STRIDE, ROWS, COLS, PLACEMENT };
 
 static inline int bucket_of(int code) {
   const int negative = code >> 31;  // 0 or -1
@@ -77,9 +77,8 @@ extern "C" void hash_weights_backward(const float* const* grads, const int* pack
     const long t = job / splits, split = job % splits;
     const long* at = placement + PLACEMENT * t;
     const float* grad = grads[at[WEIGHT]];
-    const long first = split * tile_rows / splits;
-    const long stop = (split + 1) * tile_rows / splits;
-    const long last = grad == 0 ? first : (stop < at[ROWS] ? stop : at[ROWS]);
+    const long first = split_first(split, splits, tile_rows);
+    const long last = split_last(at, grad, split, splits, tile_rows);
     float* sums = g_table + job * buckets;
     memset(sums, 0, sizeof(float) * buckets);
     for (long i = first; i < last; ++i) {
@@ -93,6 +92,7 @@ extern "C" void hash_weights_backward(const float* const* grads, const int* pack
   }
 }
 """
+)
 
 _FORWARD = _relu_loops.Loop("hash_weights", _SOURCE, pointers=6, sizes=4)
 _BACKWARD = _relu_loops.Loop("hash_weights_backward", _SOURCE, pointers=5, sizes=5)

@@ -259,23 +259,47 @@ extern "C" void relu_layer_backward(const float* grad, const float* row_terms, c
 }
 """
 
-_ONE_OUTPUT_SOURCE = r"""
-enum { ROWS = 4, COLUMN_BLOCK = 32 };
+# C shared by the loops that write tiles where they land and read gradients in place
+# (`_relu_rows`, `_relu_tiles`, `_hash_weights`): the placement's layout and a tile's row
+# ranges.
+PLACEMENT_SOURCE = r"""
+// A tile's placement: [weight, offset of its first element, the weight's row stride,
+// rows, columns] (rows and columns inside the weight: fewer than the tile's at a ragged edge).
+enum { WEIGHT, OFFSET, STRIDE, ROWS, COLS, PLACEMENT };
 
-// Rows i .. i + n - 1 (n <= ROWS) of a tile, columns q .. q + W - 1: out[k][j] = sum_h w[h]
-// relu(a[k][h] + b_t[h][j]), the ROWS x W sums in registers, one load of each unit's column
-// terms serving every row.
+// The rows [split_first, split_last) of row split `split` of `splits` of a tile of
+// `tile_rows` rows placed at `at`: cut at the weight's last row, none where the weight's
+// gradient `grad` is NULL.
+static inline long split_first(long split, long splits, long tile_rows) {
+  return split * tile_rows / splits;
+}
+
+static inline long split_last(const long* at, const float* grad, long split, long splits,
+                              long tile_rows) {
+  const long stop = (split + 1) * tile_rows / splits;
+  if (grad == 0) return split_first(split, splits, tile_rows);
+  return stop < at[ROWS] ? stop : at[ROWS];
+}
+"""
+
+# The one-output forward's block, shared by `relu_one_output` and `_relu_tiles`.
+ONE_OUTPUT_BLOCK_SOURCE = r"""
+enum { BLOCK_ROWS = 4, COLUMN_BLOCK = 32 };
+
+// Rows k < n (n <= BLOCK_ROWS) of a block, columns j < W: dst[k * stride + j] = scale (bias
+// + sum_h w[h] relu(a[k][h] + b_t[h][j])), b_t's rows `columns` apart; the BLOCK_ROWS x W
+// sums in registers, one load of each unit's column terms serving every row.
 template <int W>
-static inline void block(const float* a, long n, const float* b_t, const float* w,
-                         long columns, float* out) {
-  float acc[ROWS][W];
-  for (int k = 0; k < ROWS; ++k)
+static inline void block(const float* a, long n, const float* b_t, long columns, const float* w,
+                         float bias, float scale, float* dst, long stride) {
+  float acc[BLOCK_ROWS][W];
+  for (int k = 0; k < BLOCK_ROWS; ++k)
 #pragma omp simd
     for (int j = 0; j < W; ++j) acc[k][j] = 0.0f;
   for (int h = 0; h < HIDDEN; ++h) {
     const float w_h = w[h];
     const float* col = b_t + h * columns;
-    for (int k = 0; k < ROWS; ++k) {
+    for (int k = 0; k < BLOCK_ROWS; ++k) {
       const float a_h = a[k * HIDDEN + h];
 #pragma omp simd
       for (int j = 0; j < W; ++j) {
@@ -286,32 +310,38 @@ static inline void block(const float* a, long n, const float* b_t, const float* 
   }
   for (long k = 0; k < n; ++k)
 #pragma omp simd
-    for (int j = 0; j < W; ++j) out[k * columns + j] = acc[k][j];
+    for (int j = 0; j < W; ++j) dst[k * stride + j] = scale * (acc[k][j] + bias);
 }
+"""
 
+_ONE_OUTPUT_SOURCE = (
+    ONE_OUTPUT_BLOCK_SOURCE
+    + r"""
 // out (T, TH, Q) from row_terms (T, TH, H), b_t (T, H, Q) and w (T, H).
 extern "C" void relu_one_output(const float* row_terms, const float* b_t, const float* w,
                                 float* out, long tiles, long tile_rows, long columns,
                                 int threads) {
-  const long blocks = (tile_rows + ROWS - 1) / ROWS;
+  const long blocks = (tile_rows + BLOCK_ROWS - 1) / BLOCK_ROWS;
 #pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
   for (long t = 0; t < tiles; ++t) {
     for (long row_block = 0; row_block < blocks; ++row_block) {
-      const long i = row_block * ROWS;
-      const long n = tile_rows - i < ROWS ? tile_rows - i : ROWS;
-      float a[ROWS * HIDDEN];  // rows past the tile's last are zeros, computed and dropped
+      const long i = row_block * BLOCK_ROWS;
+      const long n = tile_rows - i < BLOCK_ROWS ? tile_rows - i : BLOCK_ROWS;
+      float a[BLOCK_ROWS * HIDDEN];  // rows past the tile's last are zeros, computed and dropped
       const float* rows = row_terms + (t * tile_rows + i) * HIDDEN;
-      for (long e = 0; e < ROWS * HIDDEN; ++e) a[e] = e < n * HIDDEN ? rows[e] : 0.0f;
+      for (long e = 0; e < BLOCK_ROWS * HIDDEN; ++e) a[e] = e < n * HIDDEN ? rows[e] : 0.0f;
       const float* b = b_t + t * HIDDEN * columns;
+      const float* w_t = w + t * HIDDEN;
       float* o = out + (t * tile_rows + i) * columns;
       long q = 0;
       for (; q + COLUMN_BLOCK <= columns; q += COLUMN_BLOCK)
-        block<COLUMN_BLOCK>(a, n, b + q, w + t * HIDDEN, columns, o + q);
-      for (; q < columns; ++q) block<1>(a, n, b + q, w + t * HIDDEN, columns, o + q);
+        block<COLUMN_BLOCK>(a, n, b + q, columns, w_t, 0.0f, 1.0f, o + q, columns);
+      for (; q < columns; ++q) block<1>(a, n, b + q, columns, w_t, 0.0f, 1.0f, o + q, columns);
     }
   }
 }
 """
+)
 
 # Units per compiled loop. Fewer than 4 do not fill the narrowest vector (SSE's 4 floats):
 # inductor's reductions along the positions are faster there (the backward's sums on 44

@@ -48,12 +48,10 @@ from ._evaluate import code_tables
 from ._plan import Generated, Stack, tile_places
 from ._tilemlp import plain_eager
 
-_SOURCE = r"""
+_SOURCE = (
+    _relu_loops.PLACEMENT_SOURCE
+    + r"""
 #include <string.h>
-
-// A tile's placement: [weight, offset of its first element, the weight's row stride,
-// rows, columns] (rows and columns inside the weight: fewer than TH and P at a ragged edge).
-enum { WEIGHT, OFFSET, STRIDE, ROWS, COLS, PLACEMENT };
 
 static inline float dot(const float* __restrict x, const float* __restrict y) {
   float sum = 0.0f;
@@ -201,9 +199,8 @@ extern "C" void relu_rows_backward(const float* const* grads, const float* row_c
     const long t = job / splits, split = job % splits;
     const long* at = placement + PLACEMENT * t;
     const float* grad = grads[at[WEIGHT]];
-    const long first = split * tile_rows / splits;
-    const long stop = (split + 1) * tile_rows / splits;
-    const long last = grad == 0 ? first : (stop < at[ROWS] ? stop : at[ROWS]);
+    const long first = split_first(split, splits, tile_rows);
+    const long last = split_last(at, grad, split, splits, tile_rows);
     const float* w_in_t = w_in + t * width * HIDDEN;
     const float* w = w_out + t * HIDDEN * OUTPUTS;
     const float scale = scales[t];
@@ -278,6 +275,7 @@ extern "C" void relu_rows_backward(const float* const* grads, const float* row_c
   }
 }
 """
+)
 
 _FORWARD = _relu_loops.Loop("relu_rows_forward", _SOURCE, pointers=9, sizes=4)
 _BACKWARD = _relu_loops.Loop("relu_rows_backward", _SOURCE, pointers=12, sizes=5)

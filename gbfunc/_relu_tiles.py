@@ -36,14 +36,12 @@ sums, `sum_i rows[i] * a[i] + sum_q cols[q] * b[q]`, without a third pass.
 
 from . import _relu_loops
 
-_SOURCE = r"""
+_SOURCE = (
+    _relu_loops.PLACEMENT_SOURCE
+    + _relu_loops.ONE_OUTPUT_BLOCK_SOURCE
+    + r"""
 #include <stdlib.h>
 #include <string.h>
-
-// A tile's placement: [weight, offset of its first element, the weight's row stride,
-// rows, columns] (rows and columns inside the weight: fewer than TH and Q at a ragged edge).
-enum { WEIGHT, OFFSET, STRIDE, ROWS, COLS, PLACEMENT };
-enum { BLOCK_ROWS = 4, COLUMN_BLOCK = 32 };
 
 // z[h] += sum_r code[r] w[r, h]
 static inline void add_terms(const float* code, const float* w, long width, float* z) {
@@ -63,33 +61,6 @@ static inline void add_outer(const float* code, const float* g, long width, floa
 #pragma omp simd
     for (int h = 0; h < HIDDEN; ++h) g_r[h] += x * g[h];
   }
-}
-
-// Rows k < n of a block, columns j < W: dst[k * stride + j] = scale (bias + sum_h w[h]
-// relu(a[k][h] + b_t[h][j])), the BLOCK_ROWS x W sums in registers, one load of each unit's
-// column terms serving every row.
-template <int W>
-static inline void block(const float* a, long n, const float* b_t, long columns, const float* w,
-                         float bias, float scale, float* dst, long stride) {
-  float acc[BLOCK_ROWS][W];
-  for (int k = 0; k < BLOCK_ROWS; ++k)
-#pragma omp simd
-    for (int j = 0; j < W; ++j) acc[k][j] = 0.0f;
-  for (int h = 0; h < HIDDEN; ++h) {
-    const float w_h = w[h];
-    const float* col = b_t + h * columns;
-    for (int k = 0; k < BLOCK_ROWS; ++k) {
-      const float a_h = a[k * HIDDEN + h];
-#pragma omp simd
-      for (int j = 0; j < W; ++j) {
-        const float z = a_h + col[j];
-        acc[k][j] += (z > 0.0f ? z : 0.0f) * w_h;
-      }
-    }
-  }
-  for (long k = 0; k < n; ++k)
-#pragma omp simd
-    for (int j = 0; j < W; ++j) dst[k * stride + j] = scale * (acc[k][j] + bias);
 }
 
 // b_t (H, Q) = (col_code @ w_col)^T, vectorised over the columns (code_t: col_code
@@ -221,9 +192,8 @@ extern "C" void relu_tiles_backward(const float* const* grads, const float* row_
       const long t = job / splits, split = job % splits;
       const long* at = placement + PLACEMENT * t;
       const float* grad = grads[at[WEIGHT]];
-      const long first = split * tile_rows / splits;
-      const long stop = (split + 1) * tile_rows / splits;
-      const long last = grad == 0 ? first : (stop < at[ROWS] ? stop : at[ROWS]);
+      const long first = split_first(split, splits, tile_rows);
+      const long last = split_last(at, grad, split, splits, tile_rows);
       const long cols = at[COLS], stride = at[STRIDE];
       const float* w_in_t = w_in + t * width * HIDDEN;
       const float* w = w_out + t * HIDDEN;
@@ -293,6 +263,7 @@ extern "C" void relu_tiles_backward(const float* const* grads, const float* row_
   }
 }
 """
+)
 
 # Rows per block of the forward (its `BLOCK_ROWS`): tiles split into row ranges by blocks.
 BLOCK_ROWS = 4
