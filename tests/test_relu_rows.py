@@ -6,7 +6,7 @@ from unittest import mock
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import assume, given, settings, strategies as st
 from threads import on_threads
 from torch import nn
 from torch.func import functional_call, grad_and_value
@@ -121,6 +121,12 @@ def assert_loops_equal_reference(plan, threads):
         leaves = [x.detach().clone().requires_grad_() for x in tensors[2:]]
         for leaf in leaves:
             leaf.data.normal_()
+        # A pre-activation within rounding of 0 is a tie whose ReLU derivative depends on the
+        # order of the sums (seed 15098 drew 1.2e-7, 0.0 in the reference's): not drawn.
+        codes, (w_in, b_in) = tensors[:2], (x.detach() for x in leaves[:2])
+        r = codes[0].shape[1]
+        z = (codes[0] @ w_in[:, :r] + b_in[:, None])[:, :, None] + (codes[1] @ w_in[:, r:])[:, None]
+        assume(z.abs().min() > 1e-5)
         numbers = where.numbers
         want = _relu_rows.rows_reference(*tensors[:2], *leaves, *numbers)
         got = on_threads(threads, _relu_rows.relu_rows, *tensors[:2], *leaves, *numbers)
