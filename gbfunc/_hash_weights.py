@@ -28,7 +28,7 @@ from torch import Tensor
 
 from . import _relu_loops
 from ._evaluate import cached_tile_hash
-from ._relu_rows import Placement, placed, placement_tables, pointers
+from ._relu_rows import Placement, decoded, placed, placement_tables, pointers
 
 _SOURCE = (
     _relu_loops.PLACEMENT_SOURCE
@@ -125,9 +125,7 @@ def generate(
     in `tile_rows` rows."""
     if torch.compiler.is_compiling():
         table = table.view_as(table)  # see `_relu_rows.generate` (pytorch/pytorch#193279)
-    tiles, shapes, scales = where.numbers
-    scales = [s * gain for s in scales]
-    return _HashWeights.apply(table, positions, tile_rows, tiles, shapes, scales, *base)
+    return _HashWeights.apply(table, positions, tile_rows, where.encoded, gain, *base)
 
 
 class _HashWeights(torch.autograd.Function):
@@ -137,19 +135,18 @@ class _HashWeights(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(table, positions, tile_rows, tiles, shapes, scales, *base):
-        numbers = (positions, tile_rows, tiles, shapes, scales)
-        return tuple(hash_weights(list(base), table, *numbers))
+    def forward(table, positions, tile_rows, placement, gain, *base):
+        return tuple(hash_weights(list(base), table, positions, tile_rows, placement, gain))
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
-        table, *numbers = inputs[:6]
+        table, *numbers = inputs[:5]
         ctx.buckets, ctx.numbers = table.shape[-1], numbers
 
     @staticmethod
     def backward(ctx, *grads):
         g_table = hash_weights_backward(list(grads), ctx.buckets, *ctx.numbers)
-        return (g_table, None, None, None, None, None, *grads)
+        return (g_table, None, None, None, None, *grads)
 
 
 def hash_weights_reference(
@@ -175,24 +172,31 @@ def _new_weights(like: Tensor, shapes: list[int]) -> list[Tensor]:
     return [like.new_empty(shapes[i], shapes[i + 1]) for i in range(0, len(shapes), 2)]
 
 
+def _scaled_tables(placement: str, gain: float) -> tuple[Placement, Tensor, Tensor]:
+    """The placement `encoded` in `placement`, and its tables (`placement_tables`), each
+    tile's scale times `gain`."""
+    where = decoded(placement)
+    return where, *placement_tables(where.tiles, tuple(s * gain for s in where.scales))
+
+
 @torch.library.custom_op("gbfunc::hash_weights", mutates_args=(), device_types="cpu")
 def hash_weights(
     base: list[Tensor],
     table: Tensor,
     positions: int,
     tile_rows: int,
-    tiles: list[int],
-    shapes: list[int],
-    scales: list[float],
+    placement: str,
+    gain: float,
 ) -> list[Tensor]:
-    """`hash_weights_reference(...)` by the C loop (`usable` must hold). The tile hash comes
-    from the cache, not through the graph: passed as an op's output, it is copied each step
-    so that compiled code may reuse its memory (0.25 ms for the MLP's 401,408 positions)."""
-    weights = _new_weights(table, shapes)
+    """`hash_weights_reference(...)` by the C loop (`usable` must hold), with the placement
+    `encoded` and each value times `gain`. The tile hash comes from the cache, not through the
+    graph: passed as an op's output, it is copied each step so that compiled code may reuse
+    its memory (0.25 ms for the MLP's 401,408 positions)."""
+    where, table_of, tile_scales = _scaled_tables(placement, gain)
+    weights = _new_weights(table, list(where.shapes))
     base = [x.contiguous() for x in base]
     table = table.contiguous()
     packed = cached_tile_hash(positions, table.shape[-1], table.device)
-    table_of, tile_scales = placement_tables(tuple(tiles), tuple(scales))
     _relu_loops.compiled_loop(_FORWARD, 1)(
         pointers(base),
         table.data_ptr(),
@@ -210,21 +214,21 @@ def hash_weights(
 
 
 @hash_weights.register_fake
-def _(base, table, positions, tile_rows, tiles, shapes, scales) -> list[Tensor]:
-    return _new_weights(table, shapes)
+def _(base, table, positions, tile_rows, placement, gain) -> list[Tensor]:
+    return _new_weights(table, list(decoded(placement).shapes))
 
 
 @hash_weights.register_vmap
-def _(info, in_dims, base, table, positions, tile_rows, tiles, shapes, scales):
+def _(info, in_dims, base, table, positions, tile_rows, placement, gain):
     base_dims, table_dim = in_dims[0], in_dims[1]
     base = [x if d is None else x.movedim(d, 0) for x, d in zip(base, base_dims, strict=True)]
     table = table if table_dim is None else table.movedim(table_dim, 0)
-    numbers = (positions, tile_rows, tiles, shapes, scales)
+    numbers = (positions, tile_rows, placement, gain)
     each = []
     for k in range(info.batch_size):
         base_k = [x if d is None else x[k] for x, d in zip(base, base_dims, strict=True)]
         each.append(hash_weights(base_k, table if table_dim is None else table[k], *numbers))
-    return [torch.stack(w) for w in zip(*each, strict=True)], [0] * (len(shapes) // 2)
+    return [torch.stack(w) for w in zip(*each, strict=True)], [0] * len(each[0])
 
 
 @torch.library.custom_op("gbfunc::hash_weights_backward", mutates_args=(), device_types="cpu")
@@ -233,17 +237,16 @@ def hash_weights_backward(
     buckets: int,
     positions: int,
     tile_rows: int,
-    tiles: list[int],
-    shapes: list[int],
-    scales: list[float],
+    placement: str,
+    gain: float,
 ) -> Tensor:
     """The gradient of `hash_weights` w.r.t. the table `(T, buckets)`, given each weight's
     gradient (None: zero), by the C loop, which reads them in place."""
     present = [g for g in grads if g is not None]
     grads = [None if g is None else g.contiguous() for g in grads]
     packed = cached_tile_hash(positions, buckets, present[0].device)
-    table_of, tile_scales = placement_tables(tuple(tiles), tuple(scales))
-    num_tiles = len(tiles) // 5
+    _, table_of, tile_scales = _scaled_tables(placement, gain)
+    num_tiles = table_of.shape[0]
     threads, splits = _relu_loops.threads_and_splits(num_tiles, tile_rows)
     partials = present[0].new_empty(num_tiles, splits, buckets)
     _relu_loops.compiled_loop(_BACKWARD, 1)(
@@ -263,18 +266,18 @@ def hash_weights_backward(
 
 
 @hash_weights_backward.register_fake
-def _(grads, buckets, positions, tile_rows, tiles, shapes, scales) -> Tensor:
+def _(grads, buckets, positions, tile_rows, placement, gain) -> Tensor:
     present = [g for g in grads if g is not None]
-    return present[0].new_empty(len(tiles) // 5, buckets)
+    return present[0].new_empty(len(decoded(placement).tiles) // 5, buckets)
 
 
 @hash_weights_backward.register_vmap
-def _(info, in_dims, grads, buckets, positions, tile_rows, tiles, shapes, scales):
+def _(info, in_dims, grads, buckets, positions, tile_rows, placement, gain):
     moved = [
         None if g is None or d is None else g.movedim(d, 0)
         for g, d in zip(grads, in_dims[0], strict=True)
     ]
-    numbers = (buckets, positions, tile_rows, tiles, shapes, scales)
+    numbers = (buckets, positions, tile_rows, placement, gain)
     each = []
     for k in range(info.batch_size):
         per_weight = [g if m is None else m[k] for g, m in zip(grads, moved, strict=True)]
@@ -289,11 +292,12 @@ def _save_backward(ctx, inputs: tuple, output) -> None:
 def _backward_backward(ctx, outer: Tensor) -> tuple:
     """The backward is linear in the weights' gradients: its own backward is the forward's
     table part (plain torch; double backward is rare)."""
-    positions, tile_rows, tiles, shapes, scales = ctx.numbers
+    positions, tile_rows, placement, gain = ctx.numbers
+    tiles, shapes, scales = decoded(placement).numbers
     zeros = [outer.new_zeros(shapes[i], shapes[i + 1]) for i in range(0, len(shapes), 2)]
-    numbers = (positions, tile_rows, tiles, shapes, scales)
-    grads = hash_weights_reference(zeros, outer, *numbers)
-    return (grads, None, None, None, None, None, None)
+    scales = [s * gain for s in scales]
+    grads = hash_weights_reference(zeros, outer, positions, tile_rows, tiles, shapes, scales)
+    return (grads, None, None, None, None, None)
 
 
 hash_weights_backward.register_autograd(_backward_backward, setup_context=_save_backward)

@@ -29,12 +29,14 @@ def hashed_plan(widths, tile, buckets, outputs=1, hidden=MIN_UNITS):
 
 
 def stack_numbers(plan, s):
-    """`hash_weights`' numbers for stack `s`: positions, tile rows and the placement."""
+    """For stack `s`: `hash_weights_reference`'s numbers (positions, tile rows, the
+    placement's lists), the ops' (the placement encoded, a gain of 1) and its parameters."""
     stack = plan.stacks[s]
     params = [p for p in plan.generated if p.stack_index == s]
     where = _relu_rows.placement(stack, params)
     positions = stack.tile[0] * stack.columns * stack.outputs
-    return (positions, stack.tile[0], *where.numbers), params
+    ops = (positions, stack.tile[0], where.encoded, 1.0)
+    return (positions, stack.tile[0], *where.numbers), ops, params
 
 
 @settings(max_examples=30, deadline=None)
@@ -56,18 +58,18 @@ def test_the_loops_equal_their_specification_on_any_shape(
     width = min(tile[1], *widths[:-1])
     _, plan = hashed_plan(widths, tile, buckets, outputs=width if rows_kind else 1)
     for s, stack in enumerate(plan.stacks):
-        numbers, params = stack_numbers(plan, s)
+        numbers, ops, params = stack_numbers(plan, s)
         table = torch.randn(stack.num_tiles, stack.genome.hashed, requires_grad=True)
         base = [torch.randn(p.shape[0], p.numel // p.shape[0]) for p in params]
         want = _hash_weights.hash_weights_reference(base, table, *numbers)
-        got = on_threads(threads, _hash_weights.hash_weights, base, table.detach(), *numbers)
+        got = on_threads(threads, _hash_weights.hash_weights, base, table.detach(), *ops)
         for w, g in zip(want, got, strict=True):
             torch.testing.assert_close(g, w)
         grads = [torch.randn(w.shape) for w in want]
         grads[0] = None if len(grads) > 1 else grads[0]
         pairs = [(w, g) for w, g in zip(want, grads, strict=True) if g is not None]
         (expected,) = torch.autograd.grad([w for w, _ in pairs], table, [g for _, g in pairs])
-        args = (grads, table.shape[-1], *numbers)
+        args = (grads, table.shape[-1], *ops)
         got = on_threads(threads, _hash_weights.hash_weights_backward, *args)
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
@@ -121,7 +123,7 @@ def test_vmap_over_genomes_equals_one_genome_at_a_time():
     tables and base weights, an unbatched base, batched gradients with one missing, each
     genome as if alone."""
     _, plan = hashed_plan([30, 20, 16], (8, 8), 7)
-    numbers, params = stack_numbers(plan, 0)
+    numbers, ops, params = stack_numbers(plan, 0)
     assert len(params) == 2
     where = _relu_rows.placement(plan.stacks[0], params)
     tables = torch.randn(3, plan.stacks[0].num_tiles, 7)
@@ -133,7 +135,7 @@ def test_vmap_over_genomes_equals_one_genome_at_a_time():
     def table_gradient(*grads):
         given = iter(grads)
         per_weight = [next(given) if k else None for k in range(len(params))]
-        return _hash_weights.hash_weights_backward(per_weight, 7, *numbers)
+        return _hash_weights.hash_weights_backward(per_weight, 7, *ops)
 
     batched = torch.func.vmap(weights)(tables, *base)
     unbatched_base = torch.func.vmap(weights, in_dims=(0, *[None] * len(base)))(

@@ -129,7 +129,8 @@ def assert_loops_equal_reference(plan, threads):
         assume(z.abs().min() > 1e-5)
         numbers = where.numbers
         want = _relu_rows.rows_reference(*tensors[:2], *leaves, *numbers)
-        got = on_threads(threads, _relu_rows.relu_rows, *tensors[:2], *leaves, *numbers)
+        placement = where.encoded
+        got = on_threads(threads, _relu_rows.relu_rows, *tensors[:2], *leaves, placement)
         for w, g, p in zip(want, got, params, strict=True):
             assert g.shape == w.shape == (p.shape[0], p.numel // p.shape[0])
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
@@ -139,7 +140,7 @@ def assert_loops_equal_reference(plan, threads):
         expected = torch.autograd.grad(
             [w for w, _ in pairs], leaves, [g for _, g in pairs], materialize_grads=True
         )
-        args = (grads, *tensors[:2], *(x.detach() for x in leaves[:3]), *numbers)
+        args = (grads, *tensors[:2], *(x.detach() for x in leaves[:3]), placement)
         got = on_threads(threads, _relu_rows.relu_rows_backward, *args)
         for g, e in zip(got, expected, strict=True):
             torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
@@ -215,13 +216,13 @@ def test_the_backward_op_under_vmap_is_one_genome_at_a_time(kind):
     torch.manual_seed(5)
     _, plan = PLANS[kind]([30, 20, 11], (8, 16), 4)
     tensors, where, params = stack_inputs(plan, gb.init(plan), 0)
-    numbers = where.numbers
+    placement = where.encoded
     codes, leaves = tensors[:2], [x.detach() for x in tensors[2:5]]
     grads = [torch.randn(3, p.shape[0], p.numel // p.shape[0]) for p in params]
     w_out = torch.stack([leaves[2] + k for k in range(3)])
 
     def backward(grad, w_out):
-        return _relu_rows.relu_rows_backward([grad, None], *codes, *leaves[:2], w_out, *numbers)
+        return _relu_rows.relu_rows_backward([grad, None], *codes, *leaves[:2], w_out, placement)
 
     got = torch.func.vmap(backward, in_dims=(0, 0))(grads[0], w_out)
     for k in range(3):
