@@ -58,26 +58,29 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-_SUMS_SOURCE = r"""
-#include <string.h>
-
-// Rows i .. i + R - 1 of a tile (g, threshold and rows from row i): each row's sums over the
-// columns, and the same selected g added into col_sums (Q, H). R rows at a time read b and
-// update col_sums once for all R: fewer loads and stores per position. The column's sum is
-// loaded first and added to in turn: adding the rows' total to it at the end made GCC's code
-// for units that do not fill whole vectors 1.4-5x slower (44 (128, 128) tiles, 5-28 units).
+# The backward's masked sums of one-output g-nets, shared by `relu_unit_sums` and
+# `_relu_tiles`.
+UNIT_SUMS_BLOCK_SOURCE = r"""
+// Rows r < R of a tile (g's rows `stride` apart; bound[r] their thresholds, -(a + c)): each
+// row's sums of g over the columns q < cols where a unit is active (b[q, h] > bound[r][h]),
+// into sums[r], and the same selected g added into col_sums (cols, H); g's total added into
+// *total. R rows at a time read b and update col_sums once for all R: fewer loads and stores
+// per position. The column's sum is loaded first and added to in turn: adding the rows' total
+// to it at the end made GCC's code for units that do not fill whole vectors 1.4-5x slower
+// (44 (128, 128) tiles, 5-28 units).
 template <int R>
-static inline void row_block(const float* g, const float* threshold, const float* b,
-                             float* rows, float* col_sums, long columns) {
-  float bound[R][HIDDEN], sums[R][HIDDEN];
+static inline void unit_sums_block(const float* g, long stride, const float (*bound)[HIDDEN],
+                                   const float* b, float (*sums)[HIDDEN], float* col_sums,
+                                   long cols, float* total) {
   for (int r = 0; r < R; ++r)
-    for (int h = 0; h < HIDDEN; ++h) {
-      bound[r][h] = threshold[r * HIDDEN + h];
-      sums[r][h] = 0.0f;
-    }
-  for (long q = 0; q < columns; ++q) {
+    for (int h = 0; h < HIDDEN; ++h) sums[r][h] = 0.0f;
+  float g_total = 0.0f;
+  for (long q = 0; q < cols; ++q) {
     float g_q[R];
-    for (int r = 0; r < R; ++r) g_q[r] = g[r * columns + q];
+    for (int r = 0; r < R; ++r) {
+      g_q[r] = g[r * stride + q];
+      g_total += g_q[r];
+    }
     const float* b_q = b + q * HIDDEN;
     float* col_q = col_sums + q * HIDDEN;
 #pragma omp simd
@@ -92,6 +95,23 @@ static inline void row_block(const float* g, const float* threshold, const float
       col_q[h] = col;
     }
   }
+  *total += g_total;
+}
+"""
+
+_SUMS_SOURCE = (
+    UNIT_SUMS_BLOCK_SOURCE
+    + r"""
+#include <string.h>
+
+// Rows i .. i + R - 1 of a tile (g, threshold and rows from row i), by `unit_sums_block`.
+template <int R>
+static inline void row_block(const float* g, const float* threshold, const float* b,
+                             float* rows, float* col_sums, long columns) {
+  float bound[R][HIDDEN], sums[R][HIDDEN], total = 0.0f;
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < HIDDEN; ++h) bound[r][h] = threshold[r * HIDDEN + h];
+  unit_sums_block<R>(g, columns, bound, b, sums, col_sums, columns, &total);
   memcpy(rows, sums, sizeof(float) * R * HIDDEN);
 }
 
@@ -122,6 +142,7 @@ extern "C" void relu_unit_sums(const float* g, const float* threshold, const flo
   }
 }
 """
+)
 
 _FORWARD_SOURCE = r"""
 // out (T, TH, Q, P): out[t, i, q] = b_out[t] + sum_h relu(row[t, i, h] + b[t, q, h]) w_out[t, h].

@@ -39,6 +39,7 @@ from . import _relu_loops
 _SOURCE = (
     _relu_loops.PLACEMENT_SOURCE
     + _relu_loops.ONE_OUTPUT_BLOCK_SOURCE
+    + _relu_loops.UNIT_SUMS_BLOCK_SOURCE
     + r"""
 #include <stdlib.h>
 #include <string.h>
@@ -138,40 +139,6 @@ extern "C" void relu_tiles_forward(const float* row_code, const float* col_code,
   }
 }
 
-// Rows k < R of a tile, from row i (g's rows `stride` apart; bound = -(a + b_in)): each row's
-// sums of g over the columns where a unit is active, into sums[k], and the same selected g
-// added into col_sums (cols, H); g's total added into *total. R rows at a time read b and
-// update col_sums once for all R.
-template <int R>
-static inline void row_block(const float* g, long stride, const float (*bound)[HIDDEN],
-                             const float* b, float (*sums)[HIDDEN], float* col_sums, long cols,
-                             float* total) {
-  for (int r = 0; r < R; ++r)
-    for (int h = 0; h < HIDDEN; ++h) sums[r][h] = 0.0f;
-  float g_total = 0.0f;
-  for (long q = 0; q < cols; ++q) {
-    float g_q[R];
-    for (int r = 0; r < R; ++r) {
-      g_q[r] = g[r * stride + q];
-      g_total += g_q[r];
-    }
-    const float* b_q = b + q * HIDDEN;
-    float* col_q = col_sums + q * HIDDEN;
-#pragma omp simd
-    for (int h = 0; h < HIDDEN; ++h) {
-      const float b_h = b_q[h];
-      float col = col_q[h];
-      for (int r = 0; r < R; ++r) {
-        const float selected = b_h > bound[r][h] ? g_q[r] : 0.0f;
-        sums[r][h] += selected;
-        col += selected;
-      }
-      col_q[h] = col;
-    }
-  }
-  *total += g_total;
-}
-
 // The leaves' gradients given each weight's gradient (NULL: zero), per row split k of each
 // tile: g_w_in (T, splits, R + C, H), g_b_in (T, splits, H), g_w_out (T, splits, H),
 // g_b_out (T, splits).
@@ -226,9 +193,9 @@ extern "C" void relu_tiles_backward(const float* const* grads, const float* row_
         }
         const float* g = grad + at[OFFSET] + i * stride;
         if (n == BLOCK_ROWS)
-          row_block<BLOCK_ROWS>(g, stride, bound, b, sums, col_sums, cols, &total);
+          unit_sums_block<BLOCK_ROWS>(g, stride, bound, b, sums, col_sums, cols, &total);
         else
-          row_block<1>(g, stride, bound, b, sums, col_sums, cols, &total);
+          unit_sums_block<1>(g, stride, bound, b, sums, col_sums, cols, &total);
         for (long k = 0; k < n; ++k) {
           float g_a[HIDDEN];
 #pragma omp simd
