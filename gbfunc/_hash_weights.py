@@ -28,7 +28,7 @@ from torch import Tensor
 
 from . import _relu_loops
 from ._evaluate import cached_tile_hash
-from ._relu_rows import Placement, decoded, placed, placement_tables, pointers
+from ._relu_rows import Placement, decoded, new_weights, placed, placement_tables, pointers
 
 _SOURCE = (
     _relu_loops.PLACEMENT_SOURCE
@@ -168,17 +168,6 @@ def hash_weights_reference(
     return [b + h for b, h in zip(base, hashed, strict=True)]
 
 
-def _new_weights(like: Tensor, shapes: list[int]) -> list[Tensor]:
-    return [like.new_empty(shapes[i], shapes[i + 1]) for i in range(0, len(shapes), 2)]
-
-
-def _scaled_tables(placement: str, gain: float) -> tuple[Placement, Tensor, Tensor]:
-    """The placement `encoded` in `placement`, and its tables (`placement_tables`), each
-    tile's scale times `gain`."""
-    where = decoded(placement)
-    return where, *placement_tables(where.tiles, tuple(s * gain for s in where.scales))
-
-
 @torch.library.custom_op("gbfunc::hash_weights", mutates_args=(), device_types="cpu")
 def hash_weights(
     base: list[Tensor],
@@ -192,8 +181,8 @@ def hash_weights(
     `encoded` and each value times `gain`. The tile hash comes from the cache, not through the
     graph: passed as an op's output, it is copied each step so that compiled code may reuse
     its memory (0.25 ms for the MLP's 401,408 positions)."""
-    where, table_of, tile_scales = _scaled_tables(placement, gain)
-    weights = _new_weights(table, list(where.shapes))
+    table_of, tile_scales = placement_tables(placement, gain)
+    weights = new_weights(table, decoded(placement).shapes)
     base = [x.contiguous() for x in base]
     table = table.contiguous()
     packed = cached_tile_hash(positions, table.shape[-1], table.device)
@@ -215,7 +204,7 @@ def hash_weights(
 
 @hash_weights.register_fake
 def _(base, table, positions, tile_rows, placement, gain) -> list[Tensor]:
-    return _new_weights(table, list(decoded(placement).shapes))
+    return new_weights(table, decoded(placement).shapes)
 
 
 @hash_weights.register_vmap
@@ -245,7 +234,7 @@ def hash_weights_backward(
     present = [g for g in grads if g is not None]
     grads = [None if g is None else g.contiguous() for g in grads]
     packed = cached_tile_hash(positions, buckets, present[0].device)
-    _, table_of, tile_scales = _scaled_tables(placement, gain)
+    table_of, tile_scales = placement_tables(placement, gain)
     num_tiles = table_of.shape[0]
     threads, splits = _relu_loops.threads_and_splits(num_tiles, tile_rows)
     partials = present[0].new_empty(num_tiles, splits, buckets)

@@ -37,6 +37,7 @@ through the same ops, placement and glue; `rows_reference` specifies both kinds.
 
 import ctypes
 import functools
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -401,7 +402,7 @@ class _Rows(torch.autograd.Function):
     def forward(row_code, col_code, w_in, b_in, w_out, b_out, where: Placement):
         tensors = (row_code, col_code, w_in, b_in, w_out, b_out)
         if plain_eager():
-            return tuple(_forward(*tensors, *where.numbers))
+            return tuple(_forward(*tensors, where))
         return tuple(relu_rows(*tensors, where.encoded))
 
     @staticmethod
@@ -416,7 +417,7 @@ class _Rows(torch.autograd.Function):
         if not plain_eager() or torch.is_grad_enabled():
             gradients = relu_rows_backward(list(grads), *ctx.saved_tensors, ctx.where.encoded)
         else:
-            gradients = _backward(list(grads), *ctx.saved_tensors, *ctx.where.numbers)
+            gradients = _backward(list(grads), *ctx.saved_tensors, ctx.where)
         return (None, None, *gradients, None)
 
 
@@ -493,14 +494,13 @@ def relu_rows(
     placement: str,
 ) -> list[Tensor]:
     """`rows_reference(...)` by the C loop (`usable` must hold), the placement `encoded`."""
-    numbers = decoded(placement).numbers
-    return _forward(row_code, col_code, w_in, b_in, w_out, b_out, *numbers)
+    return _forward(row_code, col_code, w_in, b_in, w_out, b_out, decoded(placement))
 
 
-def _forward(row_code, col_code, w_in, b_in, w_out, b_out, tiles, shapes, scales) -> list[Tensor]:
+def _forward(row_code, col_code, w_in, b_in, w_out, b_out, where: Placement) -> list[Tensor]:
     inputs = [x.contiguous() for x in (row_code, col_code, w_in, b_in, w_out, b_out)]
-    weights = _new_weights(w_in, shapes)
-    table, tile_scales = placement_tables(tuple(tiles), tuple(scales))
+    weights = new_weights(w_in, where.shapes)
+    table, tile_scales = placement_tables(where.encoded)
     units, outputs = w_out.shape[-2:]
     columns = col_code.shape[0]
     tables = (*(x.data_ptr() for x in inputs), tile_scales.data_ptr(), table.data_ptr())
@@ -529,7 +529,7 @@ def _forward(row_code, col_code, w_in, b_in, w_out, b_out, tiles, shapes, scales
 
 @relu_rows.register_fake
 def _(row_code, col_code, w_in, b_in, w_out, b_out, placement) -> list[Tensor]:
-    return _new_weights(w_in, list(decoded(placement).shapes))
+    return new_weights(w_in, decoded(placement).shapes)
 
 
 @relu_rows.register_vmap
@@ -551,14 +551,13 @@ def relu_rows_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The gradients of `relu_rows` w.r.t. `w_in`, `b_in`, `w_out` and `b_out`, given each
     weight's gradient (None: zero), by the C loop, which reads them in place."""
-    numbers = decoded(placement).numbers
-    return _backward(grads, row_code, col_code, w_in, b_in, w_out, *numbers)
+    return _backward(grads, row_code, col_code, w_in, b_in, w_out, decoded(placement))
 
 
-def _backward(grads, row_code, col_code, w_in, b_in, w_out, tiles, shapes, scales) -> tuple:
+def _backward(grads, row_code, col_code, w_in, b_in, w_out, where: Placement) -> tuple:
     inputs = [x.contiguous() for x in (row_code, col_code, w_in, b_in, w_out)]
     grads = [None if g is None else g.contiguous() for g in grads]
-    table, tile_scales = placement_tables(tuple(tiles), tuple(scales))
+    table, tile_scales = placement_tables(where.encoded)
     num_tiles, width, units = w_in.shape
     outputs, tile_rows = w_out.shape[-1], row_code.shape[0]
     threads, splits = _relu_loops.threads_and_splits(num_tiles, tile_rows)
@@ -659,16 +658,19 @@ def _backward_backward(ctx, *outer: Tensor | None) -> tuple:
 relu_rows_backward.register_autograd(_backward_backward, setup_context=_save_backward)
 
 
-def _new_weights(like: Tensor, shapes: list[int]) -> list[Tensor]:
+def new_weights(like: Tensor, shapes: Sequence[int]) -> list[Tensor]:
+    """Empty weight matrices like `like`, of `shapes` (`Placement.shapes`: rows, columns...)."""
     return [like.new_empty(shapes[i], shapes[i + 1]) for i in range(0, len(shapes), 2)]
 
 
 @functools.lru_cache(maxsize=64)
-def placement_tables(tiles: tuple[int, ...], scales: tuple[float, ...]) -> tuple[Tensor, Tensor]:
-    """The placement as the loops read it, `(T, 5)` int64, and the tiles' scales, float32,
-    cached per placement (a plan's)."""
-    table = torch.tensor(tiles, dtype=torch.int64).reshape(-1, 5)
-    return table, torch.tensor(scales, dtype=torch.float32)
+def placement_tables(placement: str, gain: float = 1.0) -> tuple[Tensor, Tensor]:
+    """The placement whose string is `placement` as the loops read it, `(T, 5)` int64, and
+    the tiles' scales times `gain`, float32; cached by the string, whose hash Python keeps
+    (keyed by the numbers, every call hashed them again)."""
+    where = decoded(placement)
+    table = torch.tensor(where.tiles, dtype=torch.int64).reshape(-1, 5)
+    return table, torch.tensor([s * gain for s in where.scales], dtype=torch.float32)
 
 
 def pointers(tensors: list[Tensor | None]) -> ctypes.Array:
