@@ -28,6 +28,7 @@ from torch import Tensor
 
 from . import _relu_loops
 from ._evaluate import cached_tile_hash
+from ._hash_gradient import signed_buckets
 from ._relu_rows import Placement, decoded, new_weights, placed, placement_tables, pointers
 
 _SOURCE = (
@@ -163,7 +164,7 @@ def hash_weights_reference(
     tile hash (`_genome.hash_buckets(positions, B)`), scaled, to its element of `base`; tiles
     are cut and placed by `_relu_rows.placed`."""
     packed = cached_tile_hash(positions, table.shape[-1], table.device)
-    values = table[:, packed.abs().long() - 1] * packed.sign().to(table.dtype)  # (T, positions)
+    values = signed_buckets(table, packed)  # (T, positions)
     hashed = placed(values.reshape(table.shape[0], tile_rows, -1), tiles, shapes, scales)
     return [b + h for b, h in zip(base, hashed, strict=True)]
 

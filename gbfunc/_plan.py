@@ -133,6 +133,11 @@ class Stack:
         return one_reduction(self.genome, self.outputs)
 
     @property
+    def tile_positions(self) -> int:
+        """Values a tile's g-net emits, `TH * Q * P` (a hashed table's positions)."""
+        return self.tile[0] * self.columns * self.outputs
+
+    @property
     def hidden_elements(self) -> int:
         """Elements of the stack's hidden activations, `T * TH * Q * H`: the tile MLP's
         transient wherever it is materialised."""

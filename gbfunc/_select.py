@@ -373,8 +373,8 @@ def _with_hashed(
 ) -> list[Tensor]:
     """A hashed stack's weights: its g-nets' (from `_relu_rows`) plus its table's, also
     written where they land (`_hash_weights`)."""
-    positions = stack.tile[0] * stack.columns * stack.outputs
-    hashed = _hash_weights.generate(weights, table, positions, stack.tile[0], where, HASH_GAIN)
+    positions, rows = stack.tile_positions, stack.tile[0]
+    hashed = _hash_weights.generate(weights, table, positions, rows, where, HASH_GAIN)
     return list(hashed)
 
 

@@ -34,7 +34,7 @@ def stack_numbers(plan, s):
     stack = plan.stacks[s]
     params = [p for p in plan.generated if p.stack_index == s]
     where = _relu_rows.placement(stack, params)
-    positions = stack.tile[0] * stack.columns * stack.outputs
+    positions = stack.tile_positions
     ops = (positions, stack.tile[0], where.encoded, 1.0)
     return (positions, stack.tile[0], *where.numbers), ops, params
 
