@@ -65,21 +65,63 @@ UNIT_SUMS_BLOCK_SOURCE = r"""
 // row's sums of g over the columns q < cols where a unit is active (b[q, h] > bound[r][h]),
 // into sums[r], and the same selected g added into col_sums (cols, H); g's total added into
 // *total. R rows at a time read b and update col_sums once for all R: fewer loads and stores
-// per position. The column's sum is loaded first and added to in turn: adding the rows' total
-// to it at the end made GCC's code for units that do not fill whole vectors 1.4-5x slower
-// (44 (128, 128) tiles, 5-28 units).
+// per position.
+#if defined(__AVX512F__) && HIDDEN % 16 == 0
+#include <immintrin.h>
+// With AVX-512, a compare into a mask and two masked adds per row and 16 units: GCC writes the
+// portable loop below as a compare, a masked broadcast and two adds, and the compares and
+// broadcasts all wait for the one port that runs both. 16 units at a time, so that the rows'
+// sums and thresholds stay in registers.
 template <int R>
 static inline void unit_sums_block(const float* g, long stride, const float (*bound)[HIDDEN],
                                    const float* b, float (*sums)[HIDDEN], float* col_sums,
                                    long cols, float* total) {
-  for (int r = 0; r < R; ++r)
+  for (int v = 0; v < HIDDEN; v += 16) {
+    __m512 sum[R], threshold[R];
+    for (int r = 0; r < R; ++r) {
+      sum[r] = _mm512_setzero_ps();
+      threshold[r] = _mm512_loadu_ps(bound[r] + v);
+    }
+    for (long q = 0; q < cols; ++q) {
+      const __m512 b_q = _mm512_loadu_ps(b + q * HIDDEN + v);
+      float* col_q = col_sums + q * HIDDEN + v;
+      __m512 col = _mm512_loadu_ps(col_q);
+      for (int r = 0; r < R; ++r) {
+        const __m512 g_q = _mm512_set1_ps(g[r * stride + q]);
+        const __mmask16 active = _mm512_cmp_ps_mask(b_q, threshold[r], _CMP_GT_OQ);
+        sum[r] = _mm512_mask_add_ps(sum[r], active, sum[r], g_q);
+        col = _mm512_mask_add_ps(col, active, col, g_q);
+      }
+      _mm512_storeu_ps(col_q, col);
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(sums[r] + v, sum[r]);
+  }
+  for (int r = 0; r < R; ++r) {
+    float row_total = 0.0f;
+#pragma omp simd reduction(+ : row_total)
+    for (long q = 0; q < cols; ++q) row_total += g[r * stride + q];
+    *total += row_total;
+  }
+}
+#else
+// The column's sum is loaded first and added to in turn: adding the rows' total to it at the
+// end made GCC's code for units that do not fill whole vectors 1.4-5x slower (44 (128, 128)
+// tiles, 5-28 units). Each row keeps its own total: one total for all took R dependent adds
+// per column.
+template <int R>
+static inline void unit_sums_block(const float* g, long stride, const float (*bound)[HIDDEN],
+                                   const float* b, float (*sums)[HIDDEN], float* col_sums,
+                                   long cols, float* total) {
+  float row_totals[R];
+  for (int r = 0; r < R; ++r) {
+    row_totals[r] = 0.0f;
     for (int h = 0; h < HIDDEN; ++h) sums[r][h] = 0.0f;
-  float g_total = 0.0f;
+  }
   for (long q = 0; q < cols; ++q) {
     float g_q[R];
     for (int r = 0; r < R; ++r) {
       g_q[r] = g[r * stride + q];
-      g_total += g_q[r];
+      row_totals[r] += g_q[r];
     }
     const float* b_q = b + q * HIDDEN;
     float* col_q = col_sums + q * HIDDEN;
@@ -95,8 +137,9 @@ static inline void unit_sums_block(const float* g, long stride, const float (*bo
       col_q[h] = col;
     }
   }
-  *total += g_total;
+  for (int r = 0; r < R; ++r) *total += row_totals[r];
 }
+#endif
 """
 
 _SUMS_SOURCE = (
@@ -307,31 +350,36 @@ static inline long split_last(const long* at, const float* grad, long split, lon
 ONE_OUTPUT_BLOCK_SOURCE = r"""
 enum { BLOCK_ROWS = 4, COLUMN_BLOCK = 32 };
 
-// Rows k < n (n <= BLOCK_ROWS) of a block, columns j < W: dst[k * stride + j] = scale (bias
-// + sum_h w[h] relu(a[k][h] + b_t[h][j])), b_t's rows `columns` apart; the BLOCK_ROWS x W
-// sums in registers, one load of each unit's column terms serving every row.
+// Rows k < n (n <= BLOCK_ROWS) of a block, columns j < W: dst[k * stride + j] = scale
+// (row_bias[k] + sum_h w[h] max(b_t[h][j], floor[k][h])), b_t's rows `columns` apart. With
+// floor = -a and row_bias[k] = bias + sum_h w[h] a[k][h] that is scale (bias + sum_h w[h]
+// relu(a[k][h] + b_t[h][j])), as relu(a + b) = max(b, -a) + a: a max and a multiply-add per
+// unit and position, where relu(a + b) w takes an add, a max and a multiply-add (and GCC
+// writes `z > 0 ? z : 0` as a compare and a masked move). The BLOCK_ROWS x W sums stay in
+// registers, one load of each unit's column terms serving every row; they start at row_bias,
+// not at zero (which GCC makes a memset).
 template <int W>
-static inline void block(const float* a, long n, const float* b_t, long columns, const float* w,
-                         float bias, float scale, float* dst, long stride) {
+static inline void block(const float* floor, const float* row_bias, long n, const float* b_t,
+                         long columns, const float* w, float scale, float* dst, long stride) {
   float acc[BLOCK_ROWS][W];
   for (int k = 0; k < BLOCK_ROWS; ++k)
 #pragma omp simd
-    for (int j = 0; j < W; ++j) acc[k][j] = 0.0f;
+    for (int j = 0; j < W; ++j) acc[k][j] = row_bias[k];
   for (int h = 0; h < HIDDEN; ++h) {
     const float w_h = w[h];
     const float* col = b_t + h * columns;
     for (int k = 0; k < BLOCK_ROWS; ++k) {
-      const float a_h = a[k * HIDDEN + h];
+      const float f = floor[k * HIDDEN + h];
 #pragma omp simd
       for (int j = 0; j < W; ++j) {
-        const float z = a_h + col[j];
-        acc[k][j] += (z > 0.0f ? z : 0.0f) * w_h;
+        const float c = col[j];
+        acc[k][j] += (c > f ? c : f) * w_h;
       }
     }
   }
   for (long k = 0; k < n; ++k)
 #pragma omp simd
-    for (int j = 0; j < W; ++j) dst[k * stride + j] = scale * (acc[k][j] + bias);
+    for (int j = 0; j < W; ++j) dst[k * stride + j] = scale * acc[k][j];
 }
 """
 
@@ -348,16 +396,25 @@ extern "C" void relu_one_output(const float* row_terms, const float* b_t, const 
     for (long row_block = 0; row_block < blocks; ++row_block) {
       const long i = row_block * BLOCK_ROWS;
       const long n = tile_rows - i < BLOCK_ROWS ? tile_rows - i : BLOCK_ROWS;
-      float a[BLOCK_ROWS * HIDDEN];  // rows past the tile's last are zeros, computed and dropped
       const float* rows = row_terms + (t * tile_rows + i) * HIDDEN;
-      for (long e = 0; e < BLOCK_ROWS * HIDDEN; ++e) a[e] = e < n * HIDDEN ? rows[e] : 0.0f;
       const float* b = b_t + t * HIDDEN * columns;
       const float* w_t = w + t * HIDDEN;
+      float floor[BLOCK_ROWS * HIDDEN], row_bias[BLOCK_ROWS];  // rows past the tile's last:
+      for (int k = 0; k < BLOCK_ROWS; ++k) {                   // zeros, computed and dropped
+        float s = 0.0f;
+        for (int h = 0; h < HIDDEN; ++h) {
+          const float a = k < n ? rows[k * HIDDEN + h] : 0.0f;
+          floor[k * HIDDEN + h] = -a;
+          s += w_t[h] * a;
+        }
+        row_bias[k] = s;
+      }
       float* o = out + (t * tile_rows + i) * columns;
       long q = 0;
       for (; q + COLUMN_BLOCK <= columns; q += COLUMN_BLOCK)
-        block<COLUMN_BLOCK>(a, n, b + q, columns, w_t, 0.0f, 1.0f, o + q, columns);
-      for (; q < columns; ++q) block<1>(a, n, b + q, columns, w_t, 0.0f, 1.0f, o + q, columns);
+        block<COLUMN_BLOCK>(floor, row_bias, n, b + q, columns, w_t, 1.0f, o + q, columns);
+      for (; q < columns; ++q)
+        block<1>(floor, row_bias, n, b + q, columns, w_t, 1.0f, o + q, columns);
     }
   }
 }
