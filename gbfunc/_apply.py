@@ -5,7 +5,7 @@ from torch import Tensor
 from ._backend import fused_weights, use_triton
 from ._check_gparams import check_gparams
 from ._evaluate import hashed_tiles, stack_terms
-from ._graph import generate, runs_as_graph
+from ._graph import generate, runs_as_graph, runs_loops
 from ._plan import Plan
 from ._select import Selection, assemble, center_rows, parameters
 from ._tilemlp import plain_eager
@@ -40,7 +40,8 @@ def apply(
             one ReLU layer, on CPU in float32, runs two C loops per stack instead, leaves to
             weights and back (`gbfunc._relu_rows`). The first call compiles (seconds). `None`: only
             where it pays (plans of `AUTO_GRAPH_WEIGHTS` generated weights, with gradients
-            enabled; stacks of `AUTO_COMPILE_ELEMENTS` hidden activations). `False`: never
+            enabled; stacks of `AUTO_COMPILE_ELEMENTS` hidden activations); with gradients off
+            (evaluation), such plans take the C loops where they suit, never a graph. `False`: never
             (for debugging, and for double backward, which the compiled graph does not
             support). With dynamo switched off (`torch._dynamo.config.disable`), nothing
             compiles. The result is the same either way, to rounding.
@@ -61,11 +62,11 @@ def apply(
         raise TypeError(f"gb.apply: compile must be True, False or None, got {compile!r}.")
     stacks = gparams["stacks"]
     if not use_triton(backend, plan, stacks):
-        if plain_eager() and runs_as_graph(plan, compile):
+        if plain_eager() and runs_loops(plan, compile):
             selection = Selection.whole(plan)
             if selection.runs_direct(gparams):  # row g-nets in C: no graph needed
                 return selection.apply(gparams, compile=True)
-            graph = generate(plan, stacks)
+            graph = generate(plan, stacks) if runs_as_graph(plan, compile) else None
             if graph is not None:
                 return parameters(plan.params, gparams, lambda p: graph[p.name])
         return Selection.whole(plan).apply(gparams, compile=compile)

@@ -14,6 +14,7 @@ from torch.func import functional_call, grad_and_value
 import gbfunc as gb
 from gbfunc import _relu_loops, _relu_rows, _select
 from gbfunc._evaluate import code_tables
+from gbfunc._graph import AUTO_GRAPH_WEIGHTS
 from gbfunc._relu_loops import MIN_UNITS
 
 pytestmark = pytest.mark.skipif(
@@ -173,6 +174,28 @@ def test_eager_apply_runs_the_loops_with_the_gradients_of_plain_torch(monkeypatc
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
     for g, w in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+
+
+def test_evaluation_of_a_large_plan_runs_the_forward_loop_and_no_graph(monkeypatch):
+    """`gb.apply` (compile=None) with gradients off, on a plan of `AUTO_GRAPH_WEIGHTS` weights:
+    the forward loop, no graph, plain torch's weights; one row fewer: op by op."""
+    torch.manual_seed(3)
+    _, plan = one_output_plan([512, 512], (64, 64), MIN_UNITS)
+    _, under = one_output_plan([512, 511], (64, 64), MIN_UNITS)
+    assert sum(p.numel for p in plan.generated) == AUTO_GRAPH_WEIGHTS
+    calls = counting(monkeypatch)
+    for each, loops in ((plan, ["_forward"]), (under, [])):
+        gparams = gb.init(each)
+        want = gb.apply(gparams, each, compile=False)
+        calls.clear()
+        with (
+            torch.no_grad(),
+            mock.patch("gbfunc._apply.generate", side_effect=AssertionError("compiled a graph")),
+        ):
+            got = gb.apply(gparams, each)
+        assert calls == loops
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
 
 
 def test_double_backward_goes_through_the_specification():
