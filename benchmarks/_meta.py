@@ -39,15 +39,19 @@ def provenance() -> dict[str, Any]:
 
 
 def code_version() -> str:
-    """The repository's commit, marked when tracked files differ from it; a copy of the tree
-    without `.git` (a device machine's) says so."""
+    """The repository's commit, marked when tracked files other than the benchmarks' results
+    differ from it (a rerun rewrites its results file); a copy of the tree without `.git` (a
+    device machine's) says so."""
     root = Path(__file__).resolve().parents[1]
     try:
         head, changes = (
             subprocess.run(
                 ["git", "-C", str(root), *args], capture_output=True, text=True, check=True
             ).stdout.strip()
-            for args in (["rev-parse", "--short", "HEAD"], ["status", "--porcelain", "-uno"])
+            for args in (
+                ["rev-parse", "--short", "HEAD"],
+                ["status", "--porcelain", "-uno", "--", ".", ":(exclude)benchmarks/results"],
+            )
         )
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)"
