@@ -13,7 +13,9 @@ positions). The sign is a multiply, not a branch: random, a branch on it mispred
 the time (the forward on a (512, 784) tile, one thread: 1.49 -> 0.22 ms). The MLP's
 full-tile hashed genome (`hidden=4, compression=20`), one process, 21 interleaved rounds, x
 the plain step, tile MLP and layout -> these loops and `_relu_tiles`': eager 1.941 ->
-1.717, compiled 1.705 -> 1.649.
+1.717, compiled 1.705 -> 1.649. With AVX-512 both loops take 16 positions at a time (a
+gather; a gather and a scatter where no two positions share a bucket): 15 rounds, eager
+1.705 -> 1.628, compiled 1.599 -> 1.476.
 
 `hash_weights` and `hash_weights_backward` are custom ops (`gbfunc::...`), opaque to
 inductor, paired by `_HashWeights` for autograd, `vmap` and `torch.compile`;
@@ -45,6 +47,27 @@ static inline int bucket_of(int code) {
 // the time (the forward on a (512, 784) tile, one thread: 1.49 -> 0.22 ms).
 static inline float sign_of(int code) { return (float)((code >> 31) | 1); }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+// 16 positions at a time with AVX-512: the table's buckets gathered (forward) and scattered
+// back with the gradients added (backward), where GCC left the loops scalar. A (512, 784)
+// tile, 20,070 buckets, one thread: forward 0.35 -> 0.19 ms, backward 0.33 -> 0.27 ms.
+static inline __m512i buckets_of(__m512i codes) {
+  return _mm512_sub_epi32(_mm512_abs_epi32(codes), _mm512_set1_epi32(1));
+}
+
+static inline __m512 signs_of(__m512i codes) {
+  return _mm512_cvtepi32_ps(_mm512_or_si512(_mm512_srai_epi32(codes, 31), _mm512_set1_epi32(1)));
+}
+
+// Whether two of the 16 buckets are the same (a scatter would drop one's sum). Conflict
+// detection (AVX512CD) is in every CPU with AVX-512 but not in inductor's flags: enabled here.
+__attribute__((target("avx512cd"))) static inline bool repeats(__m512i bucket) {
+  const __m512i earlier_equal = _mm512_conflict_epi32(bucket);
+  return _mm512_test_epi32_mask(earlier_equal, earlier_equal) != 0;
+}
+#endif
+
 // Cut position (i, q) of tile t, its code packed[i * columns + q]: out[offset + i * stride + q]
 // = base[...] (the same element) + scale[t] * sign * table[t, bucket].
 extern "C" void hash_weights(const float* const* base, const float* table, const int* packed,
@@ -62,7 +85,17 @@ extern "C" void hash_weights(const float* const* base, const float* table, const
       const long start = at[OFFSET] + i * at[STRIDE];
       const float* in = base[at[WEIGHT]] + start;
       float* out = weights[at[WEIGHT]] + start;
-      for (long q = 0; q < at[COLS]; ++q)
+      const long cols = at[COLS];
+      long q = 0;
+#if defined(__AVX512F__)
+      for (; q + 16 <= cols; q += 16) {
+        const __m512i codes = _mm512_loadu_si512(code + q);
+        const __m512 value = _mm512_i32gather_ps(buckets_of(codes), sums, 4);
+        const __m512 signed_scale = _mm512_mul_ps(signs_of(codes), _mm512_set1_ps(scale));
+        _mm512_storeu_ps(out + q, _mm512_fmadd_ps(signed_scale, value, _mm512_loadu_ps(in + q)));
+      }
+#endif
+      for (; q < cols; ++q)
         out[q] = in[q] + sign_of(code[q]) * scale * sums[bucket_of(code[q])];
     }
   }
@@ -86,7 +119,22 @@ extern "C" void hash_weights_backward(const float* const* grads, const int* pack
     for (long i = first; i < last; ++i) {
       const float* g = grad + at[OFFSET] + i * at[STRIDE];
       const int* code = packed + i * columns;
-      for (long q = 0; q < at[COLS]; ++q) sums[bucket_of(code[q])] += sign_of(code[q]) * g[q];
+      const long cols = at[COLS];
+      long q = 0;
+#if defined(__AVX512F__)
+      for (; q + 16 <= cols; q += 16) {
+        const __m512i codes = _mm512_loadu_si512(code + q);
+        const __m512i bucket = buckets_of(codes);
+        if (repeats(bucket)) {  // two positions in one bucket: one at a time
+          for (long k = q; k < q + 16; ++k) sums[bucket_of(code[k])] += sign_of(code[k]) * g[k];
+          continue;
+        }
+        const __m512 value = _mm512_i32gather_ps(bucket, sums, 4);
+        const __m512 added = _mm512_fmadd_ps(signs_of(codes), _mm512_loadu_ps(g + q), value);
+        _mm512_i32scatter_ps(sums, bucket, added, 4);
+      }
+#endif
+      for (; q < cols; ++q) sums[bucket_of(code[q])] += sign_of(code[q]) * g[q];
     }
     const float scale = scales[t];
 #pragma omp simd
