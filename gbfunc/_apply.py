@@ -5,7 +5,7 @@ from torch import Tensor
 from ._backend import fused_weights, use_triton
 from ._check_gparams import check_gparams
 from ._evaluate import hashed_tiles, stack_terms
-from ._graph import generate, runs_as_graph, runs_loops
+from ._graph import evaluates_through_loops, generate, runs_as_graph
 from ._plan import Plan
 from ._select import Selection, assemble, center_rows, parameters
 from ._tilemlp import plain_eager
@@ -62,11 +62,13 @@ def apply(
         raise TypeError(f"gb.apply: compile must be True, False or None, got {compile!r}.")
     stacks = gparams["stacks"]
     if not use_triton(backend, plan, stacks):
-        if plain_eager() and runs_loops(plan, compile):
+        eager = plain_eager()
+        as_graph = eager and runs_as_graph(plan, compile)
+        if as_graph or (eager and evaluates_through_loops(plan, compile)):
             selection = Selection.whole(plan)
             if selection.runs_direct(gparams):  # row g-nets in C: no graph needed
                 return selection.apply(gparams, compile=True)
-            graph = generate(plan, stacks) if runs_as_graph(plan, compile) else None
+            graph = generate(plan, stacks) if as_graph else None
             if graph is not None:
                 return parameters(plan.params, gparams, lambda p: graph[p.name])
         return Selection.whole(plan).apply(gparams, compile=compile)

@@ -57,21 +57,21 @@ def runs_as_graph(plan: Plan, compile: bool | None) -> bool:
         return True
     if not torch.is_grad_enabled():
         return False  # evaluation, export: one generation per use, not worth a compile
-    weights = sum(p.numel for p in plan.generated)
-    return weights >= AUTO_GRAPH_WEIGHTS or any(compiles_eagerly(s, None) for s in plan.stacks)
+    return _large(plan) or any(compiles_eagerly(s, None) for s in plan.stacks)
 
 
-def runs_loops(plan: Plan, compile: bool | None) -> bool:
-    """Whether eager `gb.apply(compile=compile)` takes `plan` through the C loops where all its
-    stacks suit them (`Selection.runs_direct`): wherever it would compile the plan's graph, and
-    for evaluation (`None`, gradients off) of plans of `AUTO_GRAPH_WEIGHTS` weights or more,
-    which compiles no graph: the loops build in seconds once per machine (cached on disk) and
-    generate faster than op by op (1M weights of one-output g-nets, one thread: 1.2 ms
-    against 3.1)."""
-    if runs_as_graph(plan, compile):
-        return True
-    weights = sum(p.numel for p in plan.generated)
-    return compile is None and not torch.is_grad_enabled() and weights >= AUTO_GRAPH_WEIGHTS
+def evaluates_through_loops(plan: Plan, compile: bool | None) -> bool:
+    """Whether eager `gb.apply(compile=compile)`, compiling no graph for evaluation (`None`,
+    gradients off), still takes a plan of `AUTO_GRAPH_WEIGHTS` weights or more through the C
+    loops where all its stacks suit them (`Selection.runs_direct`): the loops build in seconds
+    once per machine (cached on disk) and generate faster than op by op (1M weights of
+    one-output g-nets, one thread: 1.2 ms against 3.1)."""
+    return compile is None and not torch.is_grad_enabled() and _large(plan)
+
+
+def _large(plan: Plan) -> bool:
+    """Whether `plan` generates `AUTO_GRAPH_WEIGHTS` weights or more."""
+    return sum(p.numel for p in plan.generated) >= AUTO_GRAPH_WEIGHTS
 
 
 def eager_compiles(plan: Plan, compile: bool | None) -> bool:
