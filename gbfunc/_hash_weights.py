@@ -109,11 +109,7 @@ extern "C" void hash_weights_backward(const float* const* grads, const int* pack
                                       long columns, long buckets, long splits, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (long job = 0; job < tiles * splits; ++job) {
-    const long t = job / splits, split = job % splits;
-    const long* at = placement + PLACEMENT * t;
-    const float* grad = grads[at[WEIGHT]];
-    const long first = split_first(split, splits, tile_rows);
-    const long last = split_last(at, grad, split, splits, tile_rows);
+    const auto [t, at, grad, first, last] = backward_job(job, splits, tile_rows, placement, grads);
     float* sums = g_table + job * buckets;
     memset(sums, 0, sizeof(float) * buckets);
     for (long i = first; i < last; ++i) {

@@ -324,25 +324,31 @@ extern "C" void relu_layer_backward(const float* grad, const float* row_terms, c
 """
 
 # C shared by the loops that write tiles where they land and read gradients in place
-# (`_relu_rows`, `_relu_tiles`, `_hash_weights`): the placement's layout and a tile's row
-# ranges.
+# (`_relu_rows`, `_relu_tiles`, `_hash_weights`): the placement's layout and what each of
+# their backward jobs reads.
 PLACEMENT_SOURCE = r"""
 // A tile's placement: [weight, offset of its first element, the weight's row stride,
 // rows, columns] (rows and columns inside the weight: fewer than the tile's at a ragged edge).
 enum { WEIGHT, OFFSET, STRIDE, ROWS, COLS, PLACEMENT };
 
-// The rows [split_first, split_last) of row split `split` of `splits` of a tile of
-// `tile_rows` rows placed at `at`: cut at the weight's last row, none where the weight's
-// gradient `grad` is NULL.
-static inline long split_first(long split, long splits, long tile_rows) {
-  return split * tile_rows / splits;
-}
+// A backward job: row split `job % splits` of tile `job / splits` (of `tile_rows` rows),
+// its placement `at`, its weight's gradient `grad` (NULL: zero) and the rows [first, last)
+// it reads: cut at the weight's last row, none where `grad` is NULL.
+struct BackwardJob {
+  long tile;
+  const long* at;
+  const float* grad;
+  long first, last;
+};
 
-static inline long split_last(const long* at, const float* grad, long split, long splits,
-                              long tile_rows) {
-  const long stop = (split + 1) * tile_rows / splits;
-  if (grad == 0) return split_first(split, splits, tile_rows);
-  return stop < at[ROWS] ? stop : at[ROWS];
+static inline BackwardJob backward_job(long job, long splits, long tile_rows,
+                                       const long* placement, const float* const* grads) {
+  const long tile = job / splits, split = job % splits;
+  const long* at = placement + PLACEMENT * tile;
+  const float* grad = grads[at[WEIGHT]];
+  const long first = split * tile_rows / splits, stop = (split + 1) * tile_rows / splits;
+  const long last = grad == 0 ? first : (stop < at[ROWS] ? stop : at[ROWS]);
+  return {tile, at, grad, first, last};
 }
 """
 

@@ -197,11 +197,7 @@ extern "C" void relu_rows_backward(const float* const* grads, const float* row_c
   static const float zeros[OUTPUTS] = {};
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (long job = 0; job < tiles * splits; ++job) {
-    const long t = job / splits, split = job % splits;
-    const long* at = placement + PLACEMENT * t;
-    const float* grad = grads[at[WEIGHT]];
-    const long first = split_first(split, splits, tile_rows);
-    const long last = split_last(at, grad, split, splits, tile_rows);
+    const auto [t, at, grad, first, last] = backward_job(job, splits, tile_rows, placement, grads);
     const float* w_in_t = w_in + t * width * HIDDEN;
     const float* w = w_out + t * HIDDEN * OUTPUTS;
     const float scale = scales[t];

@@ -198,11 +198,8 @@ extern "C" void relu_tiles_backward(const float* const* grads, const float* row_
     float* col_sums = (float*)malloc(sizeof(float) * columns * HIDDEN);
 #pragma omp for schedule(static)
     for (long job = 0; job < tiles * splits; ++job) {
-      const long t = job / splits, split = job % splits;
-      const long* at = placement + PLACEMENT * t;
-      const float* grad = grads[at[WEIGHT]];
-      const long first = split_first(split, splits, tile_rows);
-      const long last = split_last(at, grad, split, splits, tile_rows);
+      const auto [t, at, grad, first, last] =
+          backward_job(job, splits, tile_rows, placement, grads);
       const long cols = at[COLS], stride = at[STRIDE];
       const float* w_in_t = w_in + t * width * HIDDEN;
       const float* w = w_out + t * HIDDEN;
