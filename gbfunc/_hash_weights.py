@@ -31,7 +31,17 @@ from torch import Tensor
 from . import _relu_loops
 from ._evaluate import cached_tile_hash
 from ._hash_gradient import signed_buckets
-from ._relu_rows import Placement, decoded, new_weights, placed, placement_tables, pointers
+from ._relu_rows import (
+    Placement,
+    batched,
+    batched_gradients,
+    decoded,
+    new_weights,
+    placed,
+    placement_tables,
+    pointers,
+    stacked,
+)
 
 _SOURCE = (
     _relu_loops.PLACEMENT_SOURCE
@@ -254,15 +264,12 @@ def _(base, table, positions, tile_rows, placement, gain) -> list[Tensor]:
 
 @hash_weights.register_vmap
 def _(info, in_dims, base, table, positions, tile_rows, placement, gain):
-    base_dims, table_dim = in_dims[0], in_dims[1]
-    base = [x if d is None else x.movedim(d, 0) for x, d in zip(base, base_dims, strict=True)]
-    table = table if table_dim is None else table.movedim(table_dim, 0)
-    numbers = (positions, tile_rows, placement, gain)
-    each = []
-    for k in range(info.batch_size):
-        base_k = [x if d is None else x[k] for x, d in zip(base, base_dims, strict=True)]
-        each.append(hash_weights(base_k, table if table_dim is None else table[k], *numbers))
-    return [torch.stack(w) for w in zip(*each, strict=True)], [0] * len(each[0])
+    count, numbers = len(base), (positions, tile_rows, placement, gain)
+    each = [
+        hash_weights(list(args[:count]), args[count], *numbers)
+        for args in batched(info.batch_size, (*in_dims[0], in_dims[1]), (*base, table))
+    ]
+    return stacked(each)
 
 
 @torch.library.custom_op("gbfunc::hash_weights_backward", mutates_args=(), device_types="cpu")
@@ -307,15 +314,11 @@ def _(grads, buckets, positions, tile_rows, placement, gain) -> Tensor:
 
 @hash_weights_backward.register_vmap
 def _(info, in_dims, grads, buckets, positions, tile_rows, placement, gain):
-    moved = [
-        None if g is None or d is None else g.movedim(d, 0)
-        for g, d in zip(grads, in_dims[0], strict=True)
-    ]
     numbers = (buckets, positions, tile_rows, placement, gain)
-    each = []
-    for k in range(info.batch_size):
-        per_weight = [g if m is None else m[k] for g, m in zip(grads, moved, strict=True)]
-        each.append(hash_weights_backward(per_weight, *numbers))
+    each = [
+        hash_weights_backward(per_weight, *numbers)
+        for per_weight, _ in batched_gradients(info.batch_size, grads, in_dims[0], (), ())
+    ]
     return torch.stack(each), 0
 
 

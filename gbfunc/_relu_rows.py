@@ -531,8 +531,8 @@ def _(row_code, col_code, w_in, b_in, w_out, b_out, placement) -> list[Tensor]:
 @relu_rows.register_vmap
 def _(info, in_dims, row_code, col_code, w_in, b_in, w_out, b_out, placement):
     tensors = (row_code, col_code, w_in, b_in, w_out, b_out)
-    each = [relu_rows(*args, placement) for args in _batched(info.batch_size, in_dims[:6], tensors)]
-    return [torch.stack(w) for w in zip(*each, strict=True)], [0] * len(each[0])
+    each = [relu_rows(*args, placement) for args in batched(info.batch_size, in_dims[:6], tensors)]
+    return stacked(each)
 
 
 @torch.library.custom_op("gbfunc::relu_rows_backward", mutates_args=(), device_types="cpu")
@@ -596,16 +596,13 @@ def _(grads, row_code, col_code, w_in, b_in, w_out, placement) -> tuple:
 
 @relu_rows_backward.register_vmap
 def _(info, in_dims, grads, row_code, col_code, w_in, b_in, w_out, placement):
-    size = info.batch_size
-    present = [g for g in grads if g is not None]
-    dims = [d for g, d in zip(grads, in_dims[0], strict=True) if g is not None]
     others = (row_code, col_code, w_in, b_in, w_out)
-    batched = _batched(size, (*dims, *in_dims[1:6]), (*present, *others))
-    each = []
-    for args in batched:
-        given = iter(args[: len(present)])
-        per_weight = [None if g is None else next(given) for g in grads]
-        each.append(relu_rows_backward(per_weight, *args[len(present) :], placement))
+    each = [
+        relu_rows_backward(per_weight, *rest, placement)
+        for per_weight, rest in batched_gradients(
+            info.batch_size, grads, in_dims[0], in_dims[1:6], others
+        )
+    ]
     return tuple(torch.stack(x) for x in zip(*each, strict=True)), (0, 0, 0, 0)
 
 
@@ -674,10 +671,29 @@ def pointers(tensors: list[Tensor | None]) -> ctypes.Array:
     return (ctypes.c_void_p * len(tensors))(*(None if x is None else x.data_ptr() for x in tensors))
 
 
-def _batched(size: int, in_dims: tuple, tensors: tuple) -> list[tuple[Tensor, ...]]:
+def batched(size: int, in_dims: tuple, tensors: tuple) -> list[tuple[Tensor, ...]]:
     """Per vmapped genome, the tensors' slices (unbatched ones repeated)."""
     moved = [x if d is None else x.movedim(d, 0) for x, d in zip(tensors, in_dims, strict=True)]
     return [
         tuple(x if d is None else x[k] for x, d in zip(moved, in_dims, strict=True))
         for k in range(size)
     ]
+
+
+def batched_gradients(
+    size: int, grads: list[Tensor | None], grad_dims: list, in_dims: tuple, tensors: tuple
+) -> list[tuple[list[Tensor | None], tuple[Tensor, ...]]]:
+    """Per vmapped genome, each weight's gradient (None stays None) and the other tensors'
+    slices, for the backward ops' vmap rules."""
+    present = [g for g in grads if g is not None]
+    dims = [d for g, d in zip(grads, grad_dims, strict=True) if g is not None]
+    each = []
+    for args in batched(size, (*dims, *in_dims), (*present, *tensors)):
+        given = iter(args[: len(present)])
+        each.append(([None if g is None else next(given) for g in grads], args[len(present) :]))
+    return each
+
+
+def stacked(each: list[list[Tensor]]) -> tuple[list[Tensor], list[int]]:
+    """The per-genome weight lists of a forward op's vmap rule, stacked along a new dim 0."""
+    return [torch.stack(w) for w in zip(*each, strict=True)], [0] * len(each[0])
