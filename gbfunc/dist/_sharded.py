@@ -39,8 +39,8 @@ from .._checkpoint import (
 from .._plan import TILE_LEAVES, Plan
 from .._serial import plan_from_json, plan_to_json
 from .._tree import GParams
-from . import _optim_state as optim_state
 from ._checksum import checksum
+from ._optim_state import OPTIM, leaves as optim_leaves, restore, state_entries, templates
 from ._owned import RankOwned
 
 MANIFEST = "gbfunc.json"
@@ -151,13 +151,11 @@ def save_sharded(
     state = _value_entries(plan, local, rows, where)
     described = None
     if optimizer is not None:
-        entries, described = optim_state.state_entries(
-            optimizer, optim_state.leaves(plan, local, rows), where
-        )
+        entries, described = state_entries(optimizer, optim_leaves(plan, local, rows), where)
         state.update(entries)
     digests = {k: _digest(k, v) for k, v in state.items() if not isinstance(v, DTensor)}
     # g-net rows (and their optimizer state) are held whole by one rank: a SHA-256 suffices.
-    whole = ("stacks/", f"{optim_state.OPTIM}stacks/")
+    whole = ("stacks/", f"{OPTIM}stacks/")
     checksums = {k: checksum(v) for k, v in state.items() if not k.startswith(whole)}
     dcp.save(state, checkpoint_id=os.fspath(path), process_group=group, no_dist=group is None)
     every: list[Any] = [digests]
@@ -252,10 +250,10 @@ def load_sharded(
     if into is not None:
         _check_into(plan, rows, into, where)
     state = _templates(plan, rows, dtypes, into, where)
-    known = optim_state.leaves(plan, into, rows) if optimizer is not None else {}
+    known = optim_leaves(plan, into, rows) if optimizer is not None else {}
     if optimizer is not None:
         try:
-            state.update(optim_state.templates(manifest["optimizer"], optimizer, known, where))
+            state.update(templates(manifest["optimizer"], optimizer, known, where))
         except (KeyError, TypeError, AttributeError) as e:
             raise CheckpointCorruptError(
                 f"{where}: unreadable optimizer state ({e!r:.200})."
@@ -263,7 +261,7 @@ def load_sharded(
     _read(path, state, group, where)
     _verify(Path(path), state, digests, checksums, group, where)
     if optimizer is not None:
-        optim_state.restore(manifest["optimizer"], optimizer, known, state)
+        restore(manifest["optimizer"], optimizer, known, state)
     gparams = _assemble(plan, rows, state, dtypes, device)
     if into is not None:
         _fill(into, gparams)
