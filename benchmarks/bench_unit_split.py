@@ -7,7 +7,7 @@ register (`_one_output_by_units`; wider tiles sum with the columns as the vector
 This times the backward four ways, interleaved: three written for inductor (every unit
 vectorised, where inductor pads a short axis into one masked vector; whole registers
 vectorised and the rest one at a time; gbfunc's rule, the rest as a masked vector where it
-fills more than half a register) and the one pass in C (`gbfunc._relu_loops`), which gbfunc
+fills more than half a register) and the one pass in C (`gbfunc.cpu._relu_loops`), which gbfunc
 takes for ReLU in float32 where `_relu_loops.sums_usable` says so (marked `*`).
 
     python -m benchmarks.bench_unit_split
@@ -25,7 +25,8 @@ from unittest import mock
 import torch
 
 from benchmarks._meta import RESULTS, compile_static, recorded
-from gbfunc import _relu_loops, _tilemlp
+from gbfunc import _tilemlp
+from gbfunc.cpu import _relu_loops
 
 SHAPES = [(1, 512, 784, 4), (1, 512, 784, 16), (135, 57, 96, 32)] + [
     (44, 128, 128, h) for h in (4, 6, 8, 10, 12, 14, 20, 32)

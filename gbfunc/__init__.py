@@ -9,7 +9,7 @@ g-nets are trained and stored.
     out = torch.func.functional_call(model, params, (x,))
 """
 
-from . import compat as compat, memory as memory, optim as optim
+from . import compat as compat, cpu as cpu, memory as memory, optim as optim
 from ._apply import apply as apply
 from ._calibrate import calibrate as calibrate
 from ._checkpoint import (
@@ -22,6 +22,7 @@ from ._checkpoint import (
     load as load,
     save as save,
 )
+from ._dispatch import Explanation as Explanation, explain as explain
 from ._export import export as export, save_dense as save_dense
 from ._fit import Fitted as Fitted, fit as fit, train_alternating as train_alternating
 from ._genome import Genome as Genome

@@ -2,13 +2,13 @@
 
 from torch import Tensor
 
-from ._backend import fused_weights, use_triton
+from ._backend import fused_weights
 from ._check_gparams import check_gparams
+from ._dispatch import Context, route
 from ._evaluate import hashed_tiles, stack_terms
-from ._graph import evaluates_through_loops, generate, runs_as_graph
+from ._graph import generate
 from ._plan import Plan
 from ._select import Selection, assemble, center_rows, parameters
-from ._tilemlp import plain_eager
 from ._tree import GParams
 
 
@@ -32,19 +32,14 @@ def apply(
         check: Also reject NaN or inf in `gparams` (reads values: not for compiled code).
         backend: `"torch"`, `"triton"` (fused kernels, `gbfunc.kernels`; through Triton's
             interpreter on CPU) or `"auto"`: Triton for CUDA tensors, torch otherwise.
-        compile: On the torch backend, called eagerly (not under `torch.compile` or a
-            `torch.func` transform), generate through compiled code, cached: one graph per
-            plan (g-nets and layout, forward and backward), or, where a stack's hidden
-            activations are too large to hold whole, each stack's g-net evaluation compiled
-            per signature and run in chunks; a plan of row g-nets or one-output g-nets with
-            one ReLU layer, on CPU in float32, runs two C loops per stack instead, leaves to
-            weights and back (`gbfunc._relu_rows`). The first call compiles (seconds). `None`: only
-            where it pays (plans of `AUTO_GRAPH_WEIGHTS` generated weights, with gradients
-            enabled; stacks of `AUTO_COMPILE_ELEMENTS` hidden activations); with gradients off
-            (evaluation), such plans take the C loops where they suit, never a graph. `False`: never
-            (for debugging, and for double backward, which the compiled graph does not
-            support). With dynamo switched off (`torch._dynamo.config.disable`), nothing
-            compiles. The result is the same either way, to rounding.
+        compile: Whether an eager call may generate through compiled code of gbfunc's own
+            (the plan compiled as one graph, a stack's tile MLP compiled, or the CPU's C
+            loops; `gbfunc._dispatch` has the rules and `gb.explain` shows them). `None`:
+            where it pays (plans of `AUTO_GRAPH_WEIGHTS` weights or more; stacks of
+            `AUTO_COMPILE_ELEMENTS` hidden activations); with gradients off, only the C
+            loops, never a graph. `False`: never (for debugging, and for double backward,
+            which the compiled graph does not support). The first compiling call takes
+            seconds; the result is the same either way, to rounding.
 
     Returns:
         `{name: tensor}` for every parameter, ready for
@@ -61,17 +56,19 @@ def apply(
     if compile is not None and not isinstance(compile, bool):
         raise TypeError(f"gb.apply: compile must be True, False or None, got {compile!r}.")
     stacks = gparams["stacks"]
-    if not use_triton(backend, plan, stacks):
-        eager = plain_eager()
-        as_graph = eager and runs_as_graph(plan, compile)
-        if as_graph or (eager and evaluates_through_loops(plan, compile)):
-            selection = Selection.whole(plan)
-            if selection.runs_direct(gparams):  # row g-nets in C: no graph needed
-                return selection.apply(gparams, compile=True)
-            graph = generate(plan, stacks) if as_graph else None
-            if graph is not None:
-                return parameters(plan.params, gparams, lambda p: graph[p.name])
-        return Selection.whole(plan).apply(gparams, compile=compile)
+    path = route(plan, stacks, Context.now(stacks, backend=backend, compile=compile))
+    if path.plan == "triton":
+        return _through_kernels(gparams, plan)
+    if path.plan == "graph":
+        graph = generate(plan, stacks)
+        if graph is not None:  # None: the compile failed (warned), so op by op
+            return parameters(plan.params, gparams, lambda p: graph[p.name])
+    return Selection.whole(plan).apply(gparams, paths=path.stacks)
+
+
+def _through_kernels(gparams: GParams, plan: Plan) -> dict[str, Tensor]:
+    """Every parameter, the generated ones by the fused Triton kernels."""
+    stacks = gparams["stacks"]
     generated = fused_weights(plan, [stack_terms(s, stacks[s.key]) for s in plan.stacks])
     hashed = {  # linear in the tiles, so laid out on its own and added to the kernels'
         s.key: hashed_tiles(s, stacks[s.key]["tile_hash"]) for s in plan.stacks if s.genome.hashed

@@ -1,10 +1,11 @@
-"""Which implementation generates the weights in `gb.apply`: pure torch, or fused Triton kernels.
+"""The Triton path of `gb.apply`: whether its kernels can run here, and running them.
 
-Triton is optional: `gbfunc.kernels` (and with it `triton`) is imported only when the Triton
-backend is actually used.
+`gbfunc._dispatch` decides when it is taken. Triton is optional: `gbfunc.kernels` (and with
+it `triton`) is imported only when the kernels run.
 """
 
 import importlib.util
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor
@@ -13,57 +14,40 @@ from ._plan import Plan
 from ._tilemlp import Terms
 
 BACKENDS = ("auto", "torch", "triton")
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
-def use_triton(backend: object, plan: Plan, stacks: dict[str, dict[str, Tensor]]) -> bool:
-    """Resolve `backend` for these g-net stacks: True for the fused kernels.
-
-    `"auto"` picks Triton for CUDA tensors (when Triton is installed) and torch otherwise.
-    `"triton"` on CPU runs the kernels through Triton's interpreter, eagerly only: the
-    interpreter cannot run on `torch.compile`'s fake tensors, so compiled CPU code uses torch.
+def check_triton(key: str, leaves: Mapping[str, Tensor], backend: str) -> None:
+    """Raise where the kernels cannot generate the stack `key` from its `leaves` (the
+    dispatcher has chosen them: CUDA tensors with `backend="auto"`, or `backend="triton"`).
 
     Raises:
-        ValueError: Unknown backend, or `"triton"` on CPU inside `torch.compile`.
-        TypeError: A stack in a dtype the kernels lack.
         ModuleNotFoundError: `"triton"` without the `triton` package.
+        ValueError: `"triton"` on CPU inside `torch.compile` (the interpreter cannot trace).
+        TypeError: A stack in a dtype the kernels lack.
         RuntimeError: `"triton"` on CPU in a process that did not enable Triton's
             interpreter (`TRITON_INTERPRET=1` before triton is imported).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"gb.apply: backend must be one of {BACKENDS}, got {backend!r}.")
-    if backend == "torch":
-        return False
-    on_cuda = any(leaf.is_cuda for leaves in stacks.values() for leaf in leaves.values())
-    if backend == "auto" and not (on_cuda and _HAS_TRITON):
-        return False
-    if not _HAS_TRITON:
+    if not HAS_TRITON:
         raise ModuleNotFoundError(
             "gb.apply: backend='triton' needs the triton package: pip install 'gbfunc[triton]'."
         )
-    if not on_cuda and torch.compiler.is_compiling():
+    w_in = leaves["w_in"]  # `check_gparams` made a stack's leaves share dtype and device
+    if not w_in.is_cuda and torch.compiler.is_compiling():
         raise ValueError(
             "gb.apply: backend='triton' on CPU runs Triton's interpreter, which torch.compile "
             "cannot trace; compile with backend='auto' or 'torch' (the pure-torch path), or call "
             "it eagerly."
         )
-    _check_runnable(plan, stacks)
-    return True
-
-
-def _check_runnable(plan: Plan, stacks: dict[str, dict[str, Tensor]]) -> None:
-    # `check_gparams` already made each stack's leaves share one dtype and device.
     from . import kernels  # triton is optional: import it only when used
 
-    for stack in plan.stacks:
-        kernels.check_runnable("gb.apply", stacks[stack.key]["w_in"].device)
-        dtype = stacks[stack.key]["w_in"].dtype
-        if dtype not in kernels.DTYPES:
-            names = ", ".join(str(d).removeprefix("torch.") for d in kernels.DTYPES)
-            raise TypeError(
-                f"gb.apply: gparams['stacks'][{stack.key!r}] has dtype {dtype}; backend='triton' "
-                f"takes {names} here. Use backend='torch'."
-            )
+    kernels.check_runnable("gb.apply", w_in.device)
+    if w_in.dtype not in kernels.DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in kernels.DTYPES)
+        raise TypeError(
+            f"gb.apply: gparams['stacks'][{key!r}] has dtype {w_in.dtype}; backend='triton' "
+            f"takes {names} here. Use backend='torch'."
+        )
 
 
 def fused_weights(plan: Plan, inputs: list[Terms]) -> dict[str, Tensor]:

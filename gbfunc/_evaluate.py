@@ -14,9 +14,9 @@ import torch
 from torch import Tensor
 
 from ._genome import hash_buckets, stack_codes
-from ._hash_gradient import gathered, signed_gather
 from ._plan import TILE_LEAVES, Stack
 from ._tilemlp import Terms, reads_units_major_columns, reference, tile_mlp
+from .cpu._hash_gradient import gathered, signed_gather
 
 Tensors = tuple[Tensor, Tensor]
 Made = TypeVar("Made", Tensor, Tensors)
@@ -24,18 +24,6 @@ Made = TypeVar("Made", Tensor, Tensors)
 # measured on the digits CNN at ~23x, a table at the g-net's Adam rate reached 93.98%, at 10x
 # that rate 97.68% (3 seeds, the variance split evenly between table and g-nets at init).
 HASH_GAIN = 10.0
-# `gb.apply(compile=None)` compiles a stack's tile MLP in eager mode from this many elements of
-# its transient `(T, TH, Q, H)` on (about 1M): a stack that large costs milliseconds per step
-# eagerly, and its compile (a few seconds) pays back within a few thousand steps. Measured on
-# the MLP's full-tile hashed genome (stacks of 1.0-1.6M): 34-37 ms eager, 11-15 ms compiled.
-AUTO_COMPILE_ELEMENTS = 1 << 20
-
-
-def compiles_eagerly(stack: Stack, compile: bool | None) -> bool:
-    """Whether `gb.apply(compile=compile)` runs this stack's tile MLP compiled when eager."""
-    if compile is not None:
-        return compile
-    return stack.hidden_elements >= AUTO_COMPILE_ELEMENTS
 
 
 def evaluate_stack(

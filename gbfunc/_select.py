@@ -14,18 +14,12 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import _hash_weights, _relu_rows
-from ._compiled import dynamo_disabled
-from ._evaluate import (
-    HASH_GAIN,
-    compiles_eagerly,
-    evaluate_tile_parts,
-    evaluate_tiles,
-)
+from ._dispatch import Context, stack_path
+from ._evaluate import HASH_GAIN, evaluate_tile_parts, evaluate_tiles
 from ._plan import Free, Generated, Plan, Stack
 from ._realised import realised
-from ._tilemlp import plain_eager
 from ._tree import GParams
+from .cpu import _hash_weights, _relu_rows
 
 Region = tuple[tuple[int, int], ...]  # [start, stop) along every dim of a parameter
 
@@ -218,23 +212,39 @@ class Selection:
         """Tiles evaluated per call."""
         return sum(len(t) for t in self.tiles.values())
 
-    def apply(self, gparams: GParams, *, compile: bool | None = False) -> dict[str, Tensor]:
+    def apply(
+        self,
+        gparams: GParams,
+        *,
+        compile: bool | None = False,
+        paths: Sequence[str] | None = None,
+    ) -> dict[str, Tensor]:
         """`{name: tensor of the region's shape}` for every selected parameter (differentiable).
 
-        `compile` is `gb.apply`'s: run big stacks' tile MLPs through compiled code when eager.
+        Each stack takes its path from `paths` (per stack of the plan, `gbfunc._dispatch`'s
+        `route`; `graph` there means its compile failed: op by op), else from the dispatcher
+        with `compile` as `gb.apply`'s.
         """
         tiles, direct = {}, {}
+        context = None
         for s, indices in self.tiles.items():
             stack = self.plan.stacks[s]
             leaves = gparams["stacks"][stack.key]
-            if self._placements[s] is not None and runs_direct(stack, leaves, compile):
+            if paths is not None:
+                path = paths[s]
+            else:
+                if context is None:
+                    context = Context.now(gparams["stacks"], backend="torch", compile=compile)
+                placed = self._placements[s] is not None
+                path = stack_path(stack, leaves, context, placed=placed)
+            if path == "cpu-loops":
                 names, where = self._placements[s]
                 weights = _relu_rows.generate(stack, leaves, where)
                 if stack.genome.hashed:
                     weights = _with_hashed(stack, leaves["tile_hash"], where, weights)
                 direct.update(zip(names, weights, strict=True))
                 continue
-            compiled = compiles_eagerly(stack, compile)
+            compiled = path == "compiled-mlp"
             spans = self._splits[s]
             if spans is not None and _parts_from_tile_mlp(stack) and torch.compiler.is_compiling():
                 # Traced, the parts come apart out of the tile MLP: the backward then never
@@ -252,16 +262,6 @@ class Selection:
                 else realised(self._join(p, lambda k, region: self._lay_out(p, k, region, tiles)))
             ),
             self._cut if self._views else None,
-        )
-
-    def runs_direct(self, gparams: GParams) -> bool:
-        """Whether `apply(gparams, compile=True)`, called eagerly, runs every stack through
-        `_relu_rows`' loops: nothing left for a compiled graph to fuse."""
-        stacks = gparams["stacks"]
-        return all(
-            self._placements[s] is not None
-            and runs_direct(self.plan.stacks[s], stacks[self.plan.stacks[s].key], True)
-            for s in self.tiles
         )
 
     def _join(self, p: Generated | Free, part: Callable[[int, Region], Tensor]) -> Tensor:
@@ -351,21 +351,6 @@ class Selection:
                 for rows in self._rows[name, k]
             ]
         return self._index[key]
-
-
-def runs_direct(stack: Stack, leaves: Mapping[str, Tensor], compile: bool | None) -> bool:
-    """Whether a stack that suits `_relu_rows` runs its loops: traced by `torch.compile`, or
-    called eagerly with `compile=True` outside `torch.func` transforms (`gb.apply` passes that
-    where it would otherwise compile a graph), on CPU in float32."""
-    if torch.compiler.is_exporting() or dynamo_disabled():
-        return False  # exported graphs keep standard ops; dynamo off: nothing compiles
-    if not (torch.compiler.is_compiling() or (compile is True and plain_eager())):
-        return False
-    w_out = leaves["w_out"]
-    units, device_type = stack.genome.hidden, w_out.device.type
-    if stack.genome.hashed and not _hash_weights.usable(w_out.dtype, device_type):
-        return False
-    return _relu_rows.usable(units, stack.outputs, w_out.dtype, device_type, stack.columns)
 
 
 def _with_hashed(

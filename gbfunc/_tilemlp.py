@@ -21,15 +21,18 @@ and the tile MLP's terms are always computed from the leaves first.
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _relu_loops
 from ._compiled import CompiledCache
 from ._realised import contiguous_buffer
+
+if TYPE_CHECKING:
+    from ._plan import Stack
+from .cpu import _relu_loops
 
 # Eager evaluation is chunked over tiles so that the transient (chunk, TH, Q, H) tensor stays
 # cache-sized; graphs traced by an outer compile are left whole for inductor to fuse.
@@ -473,14 +476,25 @@ def _vectorised_units(row_terms: Tensor) -> int:
 
 @torch.compiler.assume_constant_result
 def _vector_lanes(dtype: torch.dtype, device_type: str) -> int:
-    """Elements of `dtype` in one vector register of inductor's code for `device_type`: its
-    CPU vector ISA's width (8 floats on AVX2, 16 on AVX-512); 1 elsewhere (GPUs, no ISA)."""
+    """Elements of `dtype` in one vector register of inductor's code for `device_type`: the
+    width of the CPU's vector ISA as torch reports it (8 floats on AVX2, 16 on AVX-512); 1
+    elsewhere (GPUs, CPUs torch runs without vectors). Asked of torch's public capability,
+    not of inductor, whose probe compiles a program and raises without a C++ compiler."""
     if device_type != "cpu":
         return 1
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    bits = _VECTOR_BITS.get(torch.backends.cpu.get_cpu_capability(), 0)
+    return max(1, bits // (8 * dtype.itemsize))
 
-    isa = pick_vec_isa()
-    return max(1, isa.bit_width() // (8 * dtype.itemsize)) if isa else 1
+
+# Vector width per `torch.backends.cpu.get_cpu_capability()`; other capabilities: none.
+_VECTOR_BITS = {"AVX512": 512, "AVX2": 256, "SVE256": 256, "SVE128": 128}
+
+
+def fits_graph(stack: "Stack") -> bool:
+    """Whether one compiled graph may hold a stack's tile MLP whole: inductor fuses it into
+    reductions (one hidden layer, one output), or its transient `(T, TH, Q, H)` is no larger
+    than one compiled chunk (`COMPILED_CHUNK_ELEMENTS`)."""
+    return stack.one_reduction or stack.hidden_elements <= COMPILED_CHUNK_ELEMENTS
 
 
 def _chunks(num_tiles: int, per_tile: int, budget: int = CHUNK_ELEMENTS) -> list[tuple[int, int]]:

@@ -76,3 +76,28 @@ def process_group(tmp_path, monkeypatch):
     )
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture
+def failing_loops(monkeypatch, tmp_path) -> None:
+    """The CPU loops as in a process whose builds fail (`CXX` is a program that fails),
+    building into a cache of the test's own; the process's own state comes back after."""
+    from gbfunc.cpu import _build
+
+    monkeypatch.setattr(_build, "_libraries", {})
+    monkeypatch.setattr(_build, "_functions", {})
+    monkeypatch.setattr(_build, "_failure", None)
+    monkeypatch.setenv("GBFUNC_CACHE_DIR", str(tmp_path / "cache"))
+    failing = tmp_path / "failing-compiler"
+    failing.write_text("#!/bin/sh\necho 'failing-compiler: cannot build' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    monkeypatch.setenv("CXX", str(failing))
+
+
+@pytest.fixture
+def loops_off(monkeypatch) -> pytest.MonkeyPatch:
+    """The CPU loops switched off for the test, as `GBFUNC_CPU_LOOPS=off` does."""
+    from gbfunc.cpu import _build
+
+    monkeypatch.setattr(_build, "_mode", "off")
+    return monkeypatch

@@ -309,8 +309,9 @@ def test_traced_one_output_forwards_of_wide_tiles_read_the_units_major_column_te
     """What `torch.compile` traces: `evaluate_stack` hands `units_major_columns` to the tile
     MLP, whose forward sums from them (`_one_output_by_columns`, or for ReLU on CPU the C loop
     `relu_one_output`); the weights are unchanged."""
-    from gbfunc import _relu_loops, _tilemlp
+    from gbfunc import _tilemlp
     from gbfunc._evaluate import evaluate_stack, units_major_columns
+    from gbfunc.cpu import _relu_loops
 
     lanes = _tilemlp._vector_lanes(torch.float32, "cpu")
     plan = gb.plan(nn.Linear(2 * lanes, 3 * lanes), tile=(lanes, lanes), hidden=5)
@@ -340,7 +341,7 @@ def test_traced_one_output_forwards_of_wide_tiles_read_the_units_major_column_te
     [(1, 32, 1, True), (4, 8, 1, True), (1, 4, 2, True), (1, 4, 1, False), (8, 8, 1, False)],
 )
 def test_traced_tile_mlps_return_each_weights_tiles_apart_and_take_their_gradients_apart(
-    monkeypatch, outputs, hidden, depth, per_weight
+    monkeypatch, loops_off, outputs, hidden, depth, per_weight
 ):
     """Traced, a stack's tile MLP returns its weights' tiles as separate outputs and its
     backward runs once per weight, on that weight's gradient: the stack's gradient is never
@@ -350,10 +351,9 @@ def test_traced_tile_mlps_return_each_weights_tiles_apart_and_take_their_gradien
     exist. Row g-nets (8 outputs: one evaluation per tile row) split the MLP's output instead
     and run it once on the whole stack's gradient. Op by op it runs once. The weights and the
     gradients are the same either way. (Traced ReLU row g-nets on CPU take the C loops of
-    `gbfunc._relu_rows` instead, switched off here; `tests/test_relu_rows.py` covers them.)"""
-    from gbfunc import _select, _tilemlp
+    `gbfunc.cpu._relu_rows` instead, switched off here; `tests/test_relu_rows.py` covers them.)"""
+    from gbfunc import _tilemlp
 
-    monkeypatch.setattr(_select, "runs_direct", lambda stack, leaves, compile: False)
     model = nn.Sequential(nn.Linear(24, 16), nn.ReLU(), nn.Linear(16, 16))
     plan = gb.plan(model, tile=(8, 8), outputs=outputs, hidden=hidden, depth=depth)
     assert len(plan.stacks) == 1

@@ -9,7 +9,7 @@ import torch
 import gbfunc as gb
 from benchmarks import peers, scaling
 from benchmarks._meta import recorded
-from gbfunc._relu_loops import sums_usable
+from gbfunc.cpu._relu_loops import sums_usable
 
 
 def test_recorded_writes_what_was_printed_under_the_provenance(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""The hashed tables' gradient as a C loop (`gbfunc._hash_gradient`), against plain torch."""
+"""The hashed tables' gradient as a C loop (`gbfunc.cpu._hash_gradient`), against plain torch."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ from torch.func import grad, vmap
 
 import gbfunc as gb
 from gbfunc._evaluate import _packed_tile_hash
-from gbfunc._hash_gradient import (
+from gbfunc.cpu._hash_gradient import (
     gradient_reference,
     signed_buckets,
     signed_gather,
@@ -88,7 +88,7 @@ def test_compiled_generation_sums_a_hashed_stacks_gradient_in_the_loop(where):
     (`compile=False`, eager)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(30, 20), nn.ReLU(), nn.Linear(20, 5))
-    # tanh: one-layer ReLU g-nets write their hashed tables in C (`gbfunc._hash_weights`)
+    # tanh: one-layer ReLU g-nets write their hashed tables in C (`gbfunc.cpu._hash_weights`)
     plan = gb.plan(model, tile=(8, 8), hashed=7, activation="tanh")
     gparams = gb.init(plan)
     x = torch.randn(4, 30)

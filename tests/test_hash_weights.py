@@ -1,4 +1,4 @@
-"""Hashed tables straight onto the weights and back (`gbfunc._hash_weights`), against plain
+"""Hashed tables straight onto the weights and back (`gbfunc.cpu._hash_weights`), against plain
 torch."""
 
 import itertools
@@ -12,8 +12,8 @@ from torch import nn
 from torch.func import functional_call, grad
 
 import gbfunc as gb
-from gbfunc import _hash_weights, _relu_rows, _select
-from gbfunc._relu_loops import MIN_UNITS
+from gbfunc.cpu import _hash_weights, _relu_rows
+from gbfunc.cpu._relu_loops import MIN_UNITS
 
 pytestmark = pytest.mark.skipif(
     not _hash_weights.usable(torch.float32, "cpu"), reason="no C++ compiler"
@@ -181,6 +181,6 @@ def test_without_the_loops_hashed_stacks_keep_the_tile_mlp(monkeypatch):
     loops either (its table would have nowhere to go)."""
     _, plan = hashed_plan([30, 20, 5], (8, 8), 7)
     gparams = gb.init(plan)
-    assert _select.Selection.whole(plan).runs_direct(gparams)
+    assert set(gb.explain(gparams, plan, compile=True).route.stacks) == {"cpu-loops"}
     monkeypatch.setattr(_hash_weights, "usable", lambda dtype, device_type: False)
-    assert not _select.Selection.whole(plan).runs_direct(gparams)
+    assert "cpu-loops" not in gb.explain(gparams, plan, compile=True).route.stacks

@@ -4,6 +4,7 @@ Each check runs in a fresh interpreter started from a temporary directory, so ne
 repository root nor pytest's own `sys.path` entries can hide a packaging mistake.
 """
 
+import ast
 import json
 import os
 import shutil
@@ -177,3 +178,63 @@ def test_the_wheel_holds_gbfunc_only(tmp_path):
     assert {n.split("/")[0] for n in names} == {"gbfunc", wheel.name.split("-py")[0] + ".dist-info"}
     assert "gbfunc/kernels/generate/kernel.py" in names
     assert "gbfunc/kernels/generate_backward/kernel.py" in names
+    sources = {p.name for p in (ROOT / "gbfunc" / "cpu" / "csrc").iterdir()}
+    assert sources
+    assert {f"gbfunc/cpu/csrc/{name}" for name in sources} <= set(names)
+
+
+def module_imports(root: Path, package: str) -> dict[str, set[str]]:
+    """Per module of `package` (in folder `root`), the modules of it that its top-level code
+    imports: `import a.b` imports `a.b`; `from a import b` imports `a`, and `a.b` where that
+    is a module (so `from . import x` in a package's module imports the package itself)."""
+    modules = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root).with_suffix("").parts
+        name = (
+            ".".join((package, *parts[:-1]))
+            if parts[-1] == "__init__"
+            else ".".join((package, *parts))
+        )
+        modules[name] = path
+    graph = {}
+    for name, path in modules.items():
+        is_package = path.name == "__init__.py"
+        here = name if is_package else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Import):
+                edges |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = here
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                source = ".".join(filter(None, (base if node.level else "", node.module or "")))
+                edges.add(source)
+                edges |= {f"{source}.{alias.name}" for alias in node.names}
+        graph[name] = {e for e in edges if e in modules and e != name}
+    return graph
+
+
+def test_gbfunc_has_no_import_cycle():
+    """No module of gbfunc imports, through its top-level imports, a module that imports it
+    back: `gbfunc.dist._sharded` did, through `from . import _optim_state`, which imports the
+    package `gbfunc.dist` whose `__init__` imports `_sharded`."""
+    graph = module_imports(ROOT / "gbfunc", "gbfunc")
+    assert "gbfunc.dist._sharded" in graph["gbfunc.dist"]  # the walk sees imports
+    on_stack, done, cycles = [], set(), []
+
+    def visit(module: str) -> None:
+        if module in on_stack:
+            cycles.append([*on_stack[on_stack.index(module) :], module])
+            return
+        if module in done:
+            return
+        on_stack.append(module)
+        for target in sorted(graph[module]):
+            visit(target)
+        on_stack.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module)
+    assert cycles == []

@@ -7,8 +7,15 @@ import torch
 from hypothesis import example, given, settings, strategies as st
 from threads import on_threads
 
-from gbfunc import _relu_loops
-from gbfunc._relu_loops import (
+from gbfunc._tilemlp import (
+    Terms,
+    _backward_recompute,
+    _fused_reductions,
+    reads_units_major_columns,
+    tile_mlp,
+)
+from gbfunc.cpu import _relu_loops
+from gbfunc.cpu._relu_loops import (
     MIN_UNITS,
     backward_reference,
     forward_reference,
@@ -20,13 +27,6 @@ from gbfunc._relu_loops import (
     relu_unit_sums,
     sums_reference,
     sums_usable,
-)
-from gbfunc._tilemlp import (
-    Terms,
-    _backward_recompute,
-    _fused_reductions,
-    reads_units_major_columns,
-    tile_mlp,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -136,12 +136,12 @@ def test_only_cpu_float32_with_enough_units_takes_the_c_loops():
     assert not layer_usable(MIN_UNITS, 8, torch.bfloat16, "cpu")
 
 
-def test_without_a_compiler_the_reductions_run_in_torch(monkeypatch, tmp_path):
-    """A compiler that fails: `usable` says no, and the backward still comes out right."""
-    units = 23  # a count no other test compiles
-    monkeypatch.setattr(_relu_loops, "_LIBRARIES", {})
-    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    assert not sums_usable(units, torch.float32, "cpu")
+def test_without_a_compiler_the_reductions_run_in_torch(failing_loops):
+    """A compiler that fails: one warning, `usable` says no, and the backward still comes
+    out right."""
+    units = 23
+    with pytest.warns(RuntimeWarning, match="CPU loops are off"):
+        assert not sums_usable(units, torch.float32, "cpu")
     assert not layer_usable(units, 3, torch.float32, "cpu")
     gen = torch.Generator().manual_seed(4)
     a, b = torch.randn(2, 3, units, generator=gen), torch.randn(2, 5, units, generator=gen)
@@ -195,7 +195,7 @@ def test_a_compiled_step_through_relu_gnets_runs_the_c_loops(outputs, columns):
     with mock.patch.object(_relu_loops, "compiled_loop", counted):
         got = torch.autograd.grad(compiled(*leaves), leaves)
     for x, y in zip(got, want, strict=True):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
     assert set(calls) == loops
 
 

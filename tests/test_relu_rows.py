@@ -1,5 +1,5 @@
-"""The C loops from leaves to weights and back (`gbfunc._relu_rows`, for row g-nets, and
-`gbfunc._relu_tiles`, for one-output g-nets), against plain torch."""
+"""The C loops from leaves to weights and back (`gbfunc.cpu._relu_rows`, for row g-nets, and
+`gbfunc.cpu._relu_tiles`, for one-output g-nets), against plain torch."""
 
 import itertools
 from unittest import mock
@@ -12,10 +12,11 @@ from torch import nn
 from torch.func import functional_call, grad_and_value
 
 import gbfunc as gb
-from gbfunc import _relu_loops, _relu_rows, _select
+from gbfunc import _select
+from gbfunc._dispatch import AUTO_GRAPH_WEIGHTS
 from gbfunc._evaluate import code_tables
-from gbfunc._graph import AUTO_GRAPH_WEIGHTS
-from gbfunc._relu_loops import MIN_UNITS
+from gbfunc.cpu import _relu_rows
+from gbfunc.cpu._relu_loops import MIN_UNITS
 
 pytestmark = pytest.mark.skipif(
     not _relu_rows.usable(MIN_UNITS, 8, torch.float32, "cpu"), reason="no C++ compiler"
@@ -328,18 +329,16 @@ def test_only_suitable_stacks_and_whole_parameters_take_the_loops():
     assert not _relu_rows.usable(_relu_rows.MAX_UNITS + 1, 8, torch.float32, "cpu")
 
 
-def test_without_a_compiler_apply_falls_back_to_torch(monkeypatch, tmp_path):
-    """A compiler that fails: `usable` says no and `gb.apply(compile=True)` runs without the
-    loops, with the same weights."""
-    hidden = 29  # a count no other test compiles
-    monkeypatch.setattr(_relu_loops, "_LIBRARIES", {})
-    monkeypatch.setattr(_relu_rows, "_usable", _relu_rows._usable.__wrapped__)
-    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    assert not _relu_rows.usable(hidden, 8, torch.float32, "cpu")
+def test_without_a_compiler_apply_falls_back_to_torch(monkeypatch, failing_loops):
+    """A compiler that fails: one warning, `usable` says no and `gb.apply(compile=True)` runs
+    without the loops, with the same weights."""
+    hidden = 29
+    with pytest.warns(RuntimeWarning, match="CPU loops are off"):
+        assert not _relu_rows.usable(hidden, 8, torch.float32, "cpu")
     torch.manual_seed(3)
     _, plan = row_plan([20, 13], (8, 8), hidden)
     gparams = gb.init(plan)
-    assert not _select.Selection.whole(plan).runs_direct(gparams)
+    assert "cpu-loops" not in gb.explain(gparams, plan, compile=True).route.stacks
     calls = counting(monkeypatch)
     got = gb.apply(gparams, plan, compile=True)
     want = gb.apply(gparams, plan, compile=False)

@@ -1,64 +1,14 @@
-"""One-output g-nets with one ReLU layer on CPU: from their leaves straight to the weights, in C.
-
-A one-output g-net (`Stack.outputs == 1`) is evaluated at every position of its tile:
-`w[i, q] = b_out + sum_h w_out[h] relu(a[i, h] + b[q, h])`, with row terms
-`a = row_code @ w_in[:R] + b_in` and column terms `b = col_code @ w_in[R:]`. Through the
-tile MLP that is five batched matmuls for the terms (three forward, two backward, each
-contracting ten-odd code bits, where MKL's calls cost more than their arithmetic), a loop
-writing `(T, TH, Q)` tiles, a copy laying them out on the weights, and in the backward a copy
-of the weights' gradients back into tiles. Here the forward computes each tile's terms and
-writes its cut rows, scaled, where they land in the weight; the backward reads each weight's
-gradient in place and returns the leaves' gradients. `_relu_rows` holds the glue the two
-kinds share (placement, custom ops, autograd, `vmap`) and calls these two loops for
-one-output stacks.
-
-Measured on the MLP 784-512-512-10, batch 128, 2 threads (Intel Xeon, AVX-512), one
-process, 15 interleaved rounds, x the plain step, tile MLP and layout -> these loops:
-
-| Genome | Eager | Compiled |
-|---|---|---|
-| default (torchGB's), `compression=10`: (57, 96) tiles | 1.952 -> 1.455 | 1.793 -> 1.554 |
-| default (torchGB's), tile 128 | 1.789 -> 1.364 | 1.668 -> 1.414 |
-| hidden 8, tile 64 | 1.757 -> 1.152 | 1.578 -> 1.346 |
-
-Eagerly the plan also skips its compiled graph (`gb.apply`), as row g-nets do. In the
-compiled `compression=10` step, timed around the calls, the forward loops take 0.76 ms and
-the backward's 0.73 ms. Before, the profiler put `relu_one_output` and `relu_unit_sums` at
-0.77 ms each, and around them 0.35 ms of the terms' batched matmuls and about 0.47 ms of
-inductor kernels laying tiles out and their gradients back.
-
-The sums are those of `_relu_loops`' `relu_one_output` (four rows' sums in registers per 32
-columns) and `relu_unit_sums` (a row's masked sums in registers while the same selected
-gradient is added into the columns' sums), with the terms' products and the leaves'
-gradients folded in: ReLU is homogeneous, so `w_out`'s gradient follows from the two masked
-sums, `sum_i rows[i] * a[i] + sum_q cols[q] * b[q]`, without a third pass.
-
-Two instructions per unit and position forward, three backward (AVX-512): the forward sums
-`w[h] max(b[q, h], -a[i, h])` and adds each row's `sum_h w[h] a[i, h]` once (`relu(a + b) =
-max(b, -a) + a`), where `w[h] relu(a + b)` took four (GCC compiles the ReLU to a compare and a
-masked move); the backward's masked sums compare into a mask and add under it twice, written
-with intrinsics (GCC's code also broadcast under the mask, on the compare's port). With the
-row sums from per-tile dot products and the column terms summed in registers, one thread,
-`Linear(1024, 1024)` by 256 (64, 64) tiles of 32 units (`benchmarks/bench_generation.py`'s
-default), the loops alone, medians of 500 calls: forward 1.53 -> 1.05 ms, backward 2.10 ->
-1.77 ms; the generation's forward and backward through `gb.apply` 3.98 -> 3.13 ms. The MLP's
-eager step, 2 threads, 15 interleaved rounds, x the plain step: `compression=10` 1.399 ->
-1.286, tile 128 1.324 -> 1.265.
-"""
-
-from . import _relu_loops
-
-_SOURCE = (
-    _relu_loops.PLACEMENT_SOURCE
-    + _relu_loops.ONE_OUTPUT_BLOCK_SOURCE
-    + _relu_loops.UNIT_SUMS_BLOCK_SOURCE
-    + r"""
+// Part of gbfunc's CPU loops (gbfunc/cpu): see the Python module that runs it.
+#include <cstdint>
+#include "placement.h"
+#include "one_output_block.h"
+#include "unit_sums_block.h"
 #include <stdlib.h>
 #include <string.h>
 
 // z[h] += sum_r code[r] w[r, h]
-static inline void add_terms(const float* code, const float* w, long width, float* z) {
-  for (long r = 0; r < width; ++r) {
+static inline void add_terms(const float* code, const float* w, int64_t width, float* z) {
+  for (int64_t r = 0; r < width; ++r) {
     const float x = code[r];
     const float* w_r = w + r * HIDDEN;
 #pragma omp simd
@@ -67,8 +17,8 @@ static inline void add_terms(const float* code, const float* w, long width, floa
 }
 
 // g_w[r, h] += code[r] g[h] for every r < width
-static inline void add_outer(const float* code, const float* g, long width, float* g_w) {
-  for (long r = 0; r < width; ++r) {
+static inline void add_outer(const float* code, const float* g, int64_t width, float* g_w) {
+  for (int64_t r = 0; r < width; ++r) {
     const float x = code[r];
     float* g_r = g_w + r * HIDDEN;
 #pragma omp simd
@@ -82,14 +32,14 @@ enum { TERM_LANES = 16 };
 // (code_t: col_code transposed and zero-padded, (C, padded), padded a multiple of
 // TERM_LANES): stored to every unit's row once, where adding each code bit's product in
 // memory took a quarter of the loop and then a tenth.
-static inline void column_terms(const float* code_t, const float* w_col, long padded,
-                                long col_width, float* b_t) {
+static inline void column_terms(const float* code_t, const float* w_col, int64_t padded,
+                                int64_t col_width, float* b_t) {
   for (int h = 0; h < HIDDEN; ++h) {
-    for (long q = 0; q < padded; q += TERM_LANES) {
+    for (int64_t q = 0; q < padded; q += TERM_LANES) {
       float sums[TERM_LANES];
 #pragma omp simd
       for (int j = 0; j < TERM_LANES; ++j) sums[j] = 0.0f;
-      for (long c = 0; c < col_width; ++c) {
+      for (int64_t c = 0; c < col_width; ++c) {
         const float x = w_col[c * HIDDEN + h];
         const float* code = code_t + c * padded + q;
 #pragma omp simd
@@ -109,43 +59,43 @@ static inline void column_terms(const float* code_t, const float* w_col, long pa
 extern "C" void relu_tiles_forward(const float* row_code, const float* col_code,
                                    const float* w_in, const float* b_in, const float* w_out,
                                    const float* b_out, const float* scales,
-                                   const long* placement, float* const* weights, long tiles,
-                                   long tile_rows, long columns, long row_width, long col_width,
-                                   long splits, int threads) {
-  const long width = row_width + col_width;
-  const long blocks = (tile_rows + BLOCK_ROWS - 1) / BLOCK_ROWS;
-  const long padded = (columns + TERM_LANES - 1) / TERM_LANES * TERM_LANES;
+                                   const int64_t* placement, float* const* weights, int64_t tiles,
+                                   int64_t tile_rows, int64_t columns, int64_t row_width, int64_t col_width,
+                                   int64_t splits, int threads) {
+  const int64_t width = row_width + col_width;
+  const int64_t blocks = (tile_rows + BLOCK_ROWS - 1) / BLOCK_ROWS;
+  const int64_t padded = (columns + TERM_LANES - 1) / TERM_LANES * TERM_LANES;
 #pragma omp parallel num_threads(threads)
   {
     float* code_t = (float*)calloc(col_width * padded, sizeof(float));
     float* b_t = (float*)malloc(sizeof(float) * HIDDEN * padded);
     float* row_dot = (float*)malloc(sizeof(float) * row_width);
-    for (long q = 0; q < columns; ++q)
-      for (long c = 0; c < col_width; ++c) code_t[c * padded + q] = col_code[q * col_width + c];
+    for (int64_t q = 0; q < columns; ++q)
+      for (int64_t c = 0; c < col_width; ++c) code_t[c * padded + q] = col_code[q * col_width + c];
 #pragma omp for schedule(static)
-    for (long job = 0; job < tiles * splits; ++job) {
-      const long t = job / splits, split = job % splits;
-      const long* at = placement + PLACEMENT * t;
-      const long first = split * blocks / splits, stop = (split + 1) * blocks / splits;
+    for (int64_t job = 0; job < tiles * splits; ++job) {
+      const int64_t t = job / splits, split = job % splits;
+      const int64_t* at = placement + PLACEMENT * t;
+      const int64_t first = split * blocks / splits, stop = (split + 1) * blocks / splits;
       const float* w_in_t = w_in + t * width * HIDDEN;
       const float* b_in_t = b_in + t * HIDDEN;
       column_terms(code_t, w_in_t + row_width * HIDDEN, padded, col_width, b_t);
       const float* w = w_out + t * HIDDEN;
       const float scale = scales[t];
-      const long stride = at[STRIDE], cols = at[COLS];
+      const int64_t stride = at[STRIDE], cols = at[COLS];
       float row_base = b_out[t];
       for (int h = 0; h < HIDDEN; ++h) row_base += w[h] * b_in_t[h];
-      for (long r = 0; r < row_width; ++r) {
+      for (int64_t r = 0; r < row_width; ++r) {
         float dot = 0.0f;
         for (int h = 0; h < HIDDEN; ++h) dot += w[h] * w_in_t[r * HIDDEN + h];
         row_dot[r] = dot;
       }
-      for (long row_block = first; row_block < stop; ++row_block) {
-        const long i = row_block * BLOCK_ROWS;
+      for (int64_t row_block = first; row_block < stop; ++row_block) {
+        const int64_t i = row_block * BLOCK_ROWS;
         if (i >= at[ROWS]) break;
-        const long n = at[ROWS] - i < BLOCK_ROWS ? at[ROWS] - i : BLOCK_ROWS;
+        const int64_t n = at[ROWS] - i < BLOCK_ROWS ? at[ROWS] - i : BLOCK_ROWS;
         float floor[BLOCK_ROWS * HIDDEN], row_bias[BLOCK_ROWS];  // rows past the cut: zeros,
-        for (long k = 0; k < BLOCK_ROWS; ++k) {                   // computed and dropped
+        for (int64_t k = 0; k < BLOCK_ROWS; ++k) {                   // computed and dropped
           float* f = floor + k * HIDDEN;
           for (int h = 0; h < HIDDEN; ++h) f[h] = k < n ? b_in_t[h] : 0.0f;
           row_bias[k] = 0.0f;
@@ -155,17 +105,17 @@ extern "C" void relu_tiles_forward(const float* row_code, const float* col_code,
 #pragma omp simd
           for (int h = 0; h < HIDDEN; ++h) f[h] = -f[h];
           row_bias[k] = row_base;
-          for (long r = 0; r < row_width; ++r) row_bias[k] += code[r] * row_dot[r];
+          for (int64_t r = 0; r < row_width; ++r) row_bias[k] += code[r] * row_dot[r];
         }
         float* dst = weights[at[WEIGHT]] + at[OFFSET] + i * stride;
-        long q = 0;
+        int64_t q = 0;
         for (; q + COLUMN_BLOCK <= cols; q += COLUMN_BLOCK)
           block<COLUMN_BLOCK>(floor, row_bias, n, b_t + q, padded, w, scale, dst + q, stride);
         if (q < cols && q + COLUMN_BLOCK <= padded) {  // a cut block: computed whole, copied
           float part[BLOCK_ROWS * COLUMN_BLOCK];
           block<COLUMN_BLOCK>(floor, row_bias, n, b_t + q, padded, w, scale, part,
                               COLUMN_BLOCK);
-          for (long k = 0; k < n; ++k)
+          for (int64_t k = 0; k < n; ++k)
             memcpy(dst + k * stride + q, part + k * COLUMN_BLOCK, sizeof(float) * (cols - q));
           q = cols;
         }
@@ -187,20 +137,20 @@ extern "C" void relu_tiles_forward(const float* row_code, const float* col_code,
 extern "C" void relu_tiles_backward(const float* const* grads, const float* row_code,
                                     const float* col_code, const float* w_in, const float* b_in,
                                     const float* w_out, const float* scales,
-                                    const long* placement, float* g_w_in, float* g_b_in,
-                                    float* g_w_out, float* g_b_out, long tiles, long tile_rows,
-                                    long columns, long row_width, long col_width, long splits,
+                                    const int64_t* placement, float* g_w_in, float* g_b_in,
+                                    float* g_w_out, float* g_b_out, int64_t tiles, int64_t tile_rows,
+                                    int64_t columns, int64_t row_width, int64_t col_width, int64_t splits,
                                     int threads) {
-  const long width = row_width + col_width;
+  const int64_t width = row_width + col_width;
 #pragma omp parallel num_threads(threads)
   {
     float* b = (float*)malloc(sizeof(float) * columns * HIDDEN);       // column terms
     float* col_sums = (float*)malloc(sizeof(float) * columns * HIDDEN);
 #pragma omp for schedule(static)
-    for (long job = 0; job < tiles * splits; ++job) {
+    for (int64_t job = 0; job < tiles * splits; ++job) {
       const auto [t, at, grad, first, last] =
           backward_job(job, splits, tile_rows, placement, grads);
-      const long cols = at[COLS], stride = at[STRIDE];
+      const int64_t cols = at[COLS], stride = at[STRIDE];
       const float* w_in_t = w_in + t * width * HIDDEN;
       const float* w = w_out + t * HIDDEN;
       const float scale = scales[t];
@@ -212,7 +162,7 @@ extern "C" void relu_tiles_backward(const float* const* grads, const float* row_
       memset(g_b_in_job, 0, sizeof(float) * HIDDEN);
       memset(g_w_out_job, 0, sizeof(float) * HIDDEN);
       if (first < last) {
-        for (long q = 0; q < cols; ++q) {
+        for (int64_t q = 0; q < cols; ++q) {
           float* b_q = b + q * HIDDEN;
           for (int h = 0; h < HIDDEN; ++h) b_q[h] = 0.0f;
           add_terms(col_code + q * col_width, w_in_t + row_width * HIDDEN, col_width, b_q);
@@ -221,10 +171,10 @@ extern "C" void relu_tiles_backward(const float* const* grads, const float* row_
       }
       float w_scaled[HIDDEN];
       for (int h = 0; h < HIDDEN; ++h) w_scaled[h] = scale * w[h];
-      for (long i = first; i < last;) {
-        const long n = last - i >= BLOCK_ROWS ? BLOCK_ROWS : 1;
+      for (int64_t i = first; i < last;) {
+        const int64_t n = last - i >= BLOCK_ROWS ? BLOCK_ROWS : 1;
         float a[BLOCK_ROWS][HIDDEN], bound[BLOCK_ROWS][HIDDEN], sums[BLOCK_ROWS][HIDDEN];
-        for (long k = 0; k < n; ++k) {
+        for (int64_t k = 0; k < n; ++k) {
           for (int h = 0; h < HIDDEN; ++h) a[k][h] = b_in[t * HIDDEN + h];
           add_terms(row_code + (i + k) * row_width, w_in_t, row_width, a[k]);
 #pragma omp simd
@@ -235,7 +185,7 @@ extern "C" void relu_tiles_backward(const float* const* grads, const float* row_
           unit_sums_block<BLOCK_ROWS>(g, stride, bound, b, sums, col_sums, cols, &total);
         else
           unit_sums_block<1>(g, stride, bound, b, sums, col_sums, cols, &total);
-        for (long k = 0; k < n; ++k) {
+        for (int64_t k = 0; k < n; ++k) {
           float g_a[HIDDEN];
 #pragma omp simd
           for (int h = 0; h < HIDDEN; ++h) {
@@ -248,7 +198,7 @@ extern "C" void relu_tiles_backward(const float* const* grads, const float* row_
         i += n;
       }
       if (first < last) {
-        for (long q = 0; q < cols; ++q) {
+        for (int64_t q = 0; q < cols; ++q) {
           const float* col_q = col_sums + q * HIDDEN;
           const float* b_q = b + q * HIDDEN;
           float g_b[HIDDEN];
@@ -268,10 +218,3 @@ extern "C" void relu_tiles_backward(const float* const* grads, const float* row_
     free(col_sums);
   }
 }
-"""
-)
-
-# Rows per block of the forward (its `BLOCK_ROWS`): tiles split into row ranges by blocks.
-BLOCK_ROWS = 4
-FORWARD = _relu_loops.Loop("relu_tiles_forward", _SOURCE, pointers=9, sizes=6)
-BACKWARD = _relu_loops.Loop("relu_tiles_backward", _SOURCE, pointers=12, sizes=6)

@@ -20,50 +20,10 @@ function's own argument (pytorch/pytorch#193279): callers pass a view of the tab
 import torch
 from torch import Tensor
 
-from ._relu_loops import (
-    Loop,
-    compiled_loop,
-    splits_added,
-    threads_and_splits,
-    tiles_folded,
-    tiles_unfolded,
-    vectorised_cpu,
-)
+from ._build import Loop, compiled_loop, vectorised_cpu
+from ._relu_loops import splits_added, threads_and_splits, tiles_folded, tiles_unfolded
 
-_SOURCE = r"""
-#include <string.h>
-#define CHUNK 256
-
-// table (T, splits, B): split k of tile t sums its range of positions p into their buckets,
-//   table[t, k, |packed[p]| - 1] += sign(packed[p]) * grad[t, p].
-extern "C" void hash_table_gradient(const float* grad, const int* packed, float* table,
-                                    long tiles, long positions, long buckets, long splits,
-                                    int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (long job = 0; job < tiles * splits; ++job) {
-    const long t = job / splits, split = job % splits;
-    const long first = split * positions / splits, last = (split + 1) * positions / splits;
-    const float* g = grad + t * positions;
-    float* sums = table + job * buckets;
-    memset(sums, 0, sizeof(float) * buckets);
-    int bucket[CHUNK];
-    float value[CHUNK];
-    for (long start = first; start < last; start += CHUNK) {
-      const long n = last - start < CHUNK ? last - start : CHUNK;
-#pragma omp simd
-      for (long k = 0; k < n; ++k) {
-        const int code = packed[start + k];
-        const int negative = code >> 31;  // 0 or -1
-        bucket[k] = (code ^ negative) - negative - 1;
-        value[k] = code < 0 ? -g[start + k] : g[start + k];
-      }
-      for (long k = 0; k < n; ++k) sums[bucket[k]] += value[k];
-    }
-  }
-}
-"""
-
-_LOOP = Loop("hash_table_gradient", _SOURCE, pointers=3, sizes=4)
+_LOOP = Loop("hash_table_gradient", "hash_table_gradient.cpp", pointers=3, sizes=4)
 
 
 @torch.compiler.assume_constant_result

@@ -22,14 +22,14 @@ inductor, paired by `_HashWeights` for autograd, `vmap` and `torch.compile`;
 `hash_weights_reference` is the specification in plain torch.
 """
 
-import functools
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
+from .._evaluate import cached_tile_hash
 from . import _relu_loops
-from ._evaluate import cached_tile_hash
+from ._build import Loop, compiled_loop, vectorised_cpu
 from ._hash_gradient import signed_buckets
 from ._relu_rows import (
     Placement,
@@ -43,128 +43,16 @@ from ._relu_rows import (
     stacked,
 )
 
-_SOURCE = (
-    _relu_loops.PLACEMENT_SOURCE
-    + r"""
-#include <string.h>
-
-static inline int bucket_of(int code) {
-  const int negative = code >> 31;  // 0 or -1
-  return (code ^ negative) - negative - 1;
-}
-
-// -1 or 1, without a branch: the signs are random, and a branch on them mispredicted half
-// the time (the forward on a (512, 784) tile, one thread: 1.49 -> 0.22 ms).
-static inline float sign_of(int code) { return (float)((code >> 31) | 1); }
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-// 16 positions at a time with AVX-512: the table's buckets gathered (forward) and scattered
-// back with the gradients added (backward), where GCC left the loops scalar. A (512, 784)
-// tile, 20,070 buckets, one thread: forward 0.35 -> 0.19 ms, backward 0.33 -> 0.27 ms.
-static inline __m512i buckets_of(__m512i codes) {
-  return _mm512_sub_epi32(_mm512_abs_epi32(codes), _mm512_set1_epi32(1));
-}
-
-static inline __m512 signs_of(__m512i codes) {
-  return _mm512_cvtepi32_ps(_mm512_or_si512(_mm512_srai_epi32(codes, 31), _mm512_set1_epi32(1)));
-}
-
-// Whether two of the 16 buckets are the same (a scatter would drop one's sum). Conflict
-// detection (AVX512CD) is in every CPU with AVX-512 but not in inductor's flags: enabled here.
-__attribute__((target("avx512cd"))) static inline bool repeats(__m512i bucket) {
-  const __m512i earlier_equal = _mm512_conflict_epi32(bucket);
-  return _mm512_test_epi32_mask(earlier_equal, earlier_equal) != 0;
-}
-#endif
-
-// Cut position (i, q) of tile t, its code packed[i * columns + q]: out[offset + i * stride + q]
-// = base[...] (the same element) + scale[t] * sign * table[t, bucket].
-extern "C" void hash_weights(const float* const* base, const float* table, const int* packed,
-                             const float* scales, const long* placement, float* const* weights,
-                             long tiles, long tile_rows, long columns, long buckets,
-                             int threads) {
-#pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
-  for (long t = 0; t < tiles; ++t) {
-    for (long i = 0; i < tile_rows; ++i) {
-      const long* at = placement + PLACEMENT * t;
-      if (i >= at[ROWS]) continue;
-      const float* sums = table + t * buckets;
-      const int* code = packed + i * columns;
-      const float scale = scales[t];
-      const long start = at[OFFSET] + i * at[STRIDE];
-      const float* in = base[at[WEIGHT]] + start;
-      float* out = weights[at[WEIGHT]] + start;
-      const long cols = at[COLS];
-      long q = 0;
-#if defined(__AVX512F__)
-      for (; q + 16 <= cols; q += 16) {
-        const __m512i codes = _mm512_loadu_si512(code + q);
-        const __m512 value = _mm512_i32gather_ps(buckets_of(codes), sums, 4);
-        const __m512 signed_scale = _mm512_mul_ps(signs_of(codes), _mm512_set1_ps(scale));
-        _mm512_storeu_ps(out + q, _mm512_fmadd_ps(signed_scale, value, _mm512_loadu_ps(in + q)));
-      }
-#endif
-      for (; q < cols; ++q)
-        out[q] = in[q] + sign_of(code[q]) * scale * sums[bucket_of(code[q])];
-    }
-  }
-}
-
-// g_table (T, splits, B): split k of tile t adds its rows' gradients (NULL: zero), read in
-// place, into their buckets, signed and scaled.
-extern "C" void hash_weights_backward(const float* const* grads, const int* packed,
-                                      const float* scales, const long* placement,
-                                      float* g_table, long tiles, long tile_rows,
-                                      long columns, long buckets, long splits, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (long job = 0; job < tiles * splits; ++job) {
-    const auto [t, at, grad, first, last] = backward_job(job, splits, tile_rows, placement, grads);
-    float* sums = g_table + job * buckets;
-    memset(sums, 0, sizeof(float) * buckets);
-    for (long i = first; i < last; ++i) {
-      const float* g = grad + at[OFFSET] + i * at[STRIDE];
-      const int* code = packed + i * columns;
-      const long cols = at[COLS];
-      long q = 0;
-#if defined(__AVX512F__)
-      for (; q + 16 <= cols; q += 16) {
-        const __m512i codes = _mm512_loadu_si512(code + q);
-        const __m512i bucket = buckets_of(codes);
-        if (repeats(bucket)) {  // two positions in one bucket: one at a time
-          for (long k = q; k < q + 16; ++k) sums[bucket_of(code[k])] += sign_of(code[k]) * g[k];
-          continue;
-        }
-        const __m512 value = _mm512_i32gather_ps(bucket, sums, 4);
-        const __m512 added = _mm512_fmadd_ps(signs_of(codes), _mm512_loadu_ps(g + q), value);
-        _mm512_i32scatter_ps(sums, bucket, added, 4);
-      }
-#endif
-      for (; q < cols; ++q) sums[bucket_of(code[q])] += sign_of(code[q]) * g[q];
-    }
-    const float scale = scales[t];
-#pragma omp simd
-    for (long b = 0; b < buckets; ++b) sums[b] *= scale;
-  }
-}
-"""
-)
-
-_FORWARD = _relu_loops.Loop("hash_weights", _SOURCE, pointers=6, sizes=4)
-_BACKWARD = _relu_loops.Loop("hash_weights_backward", _SOURCE, pointers=5, sizes=5)
+_FORWARD = Loop("hash_weights", "hash_weights.cpp", pointers=6, sizes=4)
+_BACKWARD = Loop("hash_weights_backward", "hash_weights.cpp", pointers=5, sizes=5)
 
 
 @torch.compiler.assume_constant_result
 def usable(dtype: torch.dtype, device_type: str) -> bool:
     """Whether the loops run: where `_relu_loops.vectorised_cpu` holds and both compile."""
-    return _usable(dtype, device_type)
-
-
-@functools.cache
-def _usable(dtype: torch.dtype, device_type: str) -> bool:
-    if not _relu_loops.vectorised_cpu(dtype, device_type):
+    if not vectorised_cpu(dtype, device_type):
         return False
-    return all(_relu_loops.compiled_loop(loop, 1) is not None for loop in (_FORWARD, _BACKWARD))
+    return all(compiled_loop(loop, 1) is not None for loop in (_FORWARD, _BACKWARD))
 
 
 def generate(
@@ -241,7 +129,7 @@ def hash_weights(
     base = [x.contiguous() for x in base]
     table = table.contiguous()
     packed = cached_tile_hash(positions, table.shape[-1], table.device)
-    _relu_loops.compiled_loop(_FORWARD, 1)(
+    compiled_loop(_FORWARD, 1)(
         pointers(base),
         table.data_ptr(),
         packed.data_ptr(),
@@ -290,7 +178,7 @@ def hash_weights_backward(
     num_tiles = table_of.shape[0]
     threads, splits = _relu_loops.threads_and_splits(num_tiles, tile_rows)
     partials = present[0].new_empty(num_tiles, splits, buckets)
-    _relu_loops.compiled_loop(_BACKWARD, 1)(
+    compiled_loop(_BACKWARD, 1)(
         pointers(grads),
         packed.data_ptr(),
         tile_scales.data_ptr(),

@@ -1,0 +1,35 @@
+"""The CPU fast path: C++ loops for one-layer ReLU g-nets and hashed tables, optional.
+
+Each loop (`csrc/*.cpp`) sits beside its pure-torch specification (`_relu_loops`,
+`_relu_rows`, `_relu_tiles`, `_hash_weights`, `_hash_gradient`), runs as a custom op with
+fake, vmap and autograd rules, and is built on first use into a private per-user cache
+(`_build`, `_cache`). Which stacks take them is decided in one place, `gbfunc._dispatch`;
+`gb.explain` shows it.
+
+`GBFUNC_CPU_LOOPS=off|portable|auto` (or `set_mode`) chooses whether and how they are built;
+without a C++ compiler, on other platforms, or with `off`, every call runs through pure torch
+with the same results, to rounding.
+"""
+
+from ._build import (
+    MODE_VARIABLE,
+    MODES,
+    compiler,
+    missing_compiler,
+    mode,
+    set_mode,
+    unavailable_reason,
+)
+from ._cache import CACHE_VARIABLE, cache_root
+
+__all__ = [
+    "CACHE_VARIABLE",
+    "MODES",
+    "MODE_VARIABLE",
+    "cache_root",
+    "compiler",
+    "missing_compiler",
+    "mode",
+    "set_mode",
+    "unavailable_reason",
+]

@@ -1,0 +1,227 @@
+"""Building and loading the CPU loops: which flags, where, and what happens when it fails.
+
+Each loop is a C++ file in `gbfunc/cpu/csrc/`, specialised by `-DHIDDEN=` and `-DOUTPUTS=`
+(sums over units and outputs unroll and vectorise with their counts fixed), built on first
+use by PyTorch's extension machinery (`torch.utils.cpp_extension.load`: ninja, a file lock
+for concurrent processes, the compiler's output in the error) into a private cache folder
+(`_cache`). The ISA flags come from torch's public `torch.backends.cpu.get_cpu_capability()`
+and name the build, so a home folder shared by nodes of different CPUs keeps one build each.
+
+The loops are optional. `GBFUNC_CPU_LOOPS` (or `gbfunc.cpu.set_mode`) chooses:
+- `auto` (default): on Linux x86-64 with AVX2 or AVX-512, built for that ISA; elsewhere off.
+- `portable`: built without ISA flags (the loops' portable branches), on any CPU.
+- `off`: never built or loaded; every stack runs through pure torch.
+A build or load that fails (no C++ compiler, no ninja, an unsafe cache folder) turns the
+loops off for the process, with one warning that says why; results are the same either way,
+to rounding.
+"""
+
+import ctypes
+import functools
+import os
+import platform
+import shutil
+import sys
+import warnings
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from ._cache import cache_root, private_folder, unsafe_reason
+
+MODES = ("off", "portable", "auto")
+MODE_VARIABLE = "GBFUNC_CPU_LOOPS"
+SOURCES = Path(__file__).parent / "csrc"
+
+# Flags per ISA, those of the vector ISAs that inductor's own CPU code is built for.
+_ISA_FLAGS = {
+    "AVX512": ("-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma"),
+    "AVX2": ("-mavx2", "-mfma"),
+}
+_COMMON_FLAGS = ("-O3", "-std=c++17", "-fopenmp", "-ffp-contract=fast")
+
+
+class Loop(NamedTuple):
+    """An `extern "C"` function of a source in `csrc/`: its name, its file, and how many tensor
+    pointers and sizes (int64) it takes, then the thread count (int)."""
+
+    name: str
+    source: str
+    pointers: int
+    sizes: int
+
+
+_mode: str | None = None  # set_mode's; None: the environment's
+_libraries: dict[tuple, ctypes.CDLL] = {}  # per source, units, outputs and build
+_functions: dict[tuple, ctypes._CFuncPtr] = {}  # per loop, units, outputs and build
+_failure: str | None = None  # why the loops are off for this process, once one failed
+_warned_compiler = False  # `missing_compiler` has warned
+
+
+def mode() -> str:
+    """The loops' mode in force: `set_mode`'s, else `$GBFUNC_CPU_LOOPS`, else `auto`."""
+    if _mode is not None:
+        return _mode
+    value = os.environ.get(MODE_VARIABLE, "auto").strip().lower() or "auto"
+    if value not in MODES:
+        raise ValueError(f"gbfunc: {MODE_VARIABLE}={value!r}; expected one of {MODES}.")
+    return value
+
+
+def set_mode(value: str | None) -> None:
+    """Force the loops' mode for this process (`None`: back to `$GBFUNC_CPU_LOOPS`). Code that
+    `torch.compile` traced earlier keeps the choice it baked in (`torch._dynamo.reset()`)."""
+    global _mode, _failure
+    if value is not None and value not in MODES:
+        raise ValueError(f"gbfunc.cpu.set_mode: mode must be one of {MODES}, got {value!r}.")
+    _mode = value
+    _failure = None
+
+
+def flavour() -> str | None:
+    """The build the mode in force asks for here: an ISA name, `portable`, or None (off)."""
+    chosen = mode()
+    if chosen == "off":
+        return None
+    if chosen == "portable":
+        return "portable"
+    return _native_flavour()
+
+
+@functools.cache
+def _native_flavour() -> str | None:
+    """`auto`'s build: the CPU's ISA on Linux x86-64 where it has AVX2 or AVX-512, else None."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    on_linux_x86 = sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64")
+    return capability if on_linux_x86 and capability in _ISA_FLAGS else None
+
+
+def compiler() -> str | None:
+    """The C++ compiler builds would use (`$CXX`, else `c++`), where it is found, else None."""
+    return _found(os.environ.get("CXX") or "c++", os.environ.get("PATH"))
+
+
+@functools.lru_cache(maxsize=8)
+def _found(name: str, path: str | None) -> str | None:
+    return shutil.which(name, path=path)
+
+
+def missing_compiler(*, warn: bool) -> str | None:
+    """Why nothing compiled runs on CPU here (no C++ compiler for the loops nor for inductor),
+    or None; with `warn`, the first time also says so in a warning (once per process)."""
+    if compiler() is not None:
+        return None
+    reason = f"no C++ compiler: {os.environ.get('CXX') or 'c++'} is not on PATH (set CXX)"
+    global _warned_compiler
+    if warn and not _warned_compiler:
+        _warned_compiler = True
+        warnings.warn(
+            f"gbfunc: {reason}; the CPU loops and compiled generation are off, and every stack "
+            "runs through pure torch (same results, slower on CPU).",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return reason
+
+
+def unavailable_reason() -> str | None:
+    """Why no loop runs in this process, or None where they may (each still built on use)."""
+    if _failure is not None:
+        return _failure
+    if mode() != "off" and compiler() is None:
+        return missing_compiler(warn=False)
+    if flavour() is None:
+        if mode() == "off":
+            return f"{MODE_VARIABLE} (or gbfunc.cpu.set_mode) is 'off'"
+        return (
+            f"mode 'auto' builds the loops on Linux x86-64 with AVX2 or AVX-512 only (this is "
+            f"{sys.platform} {platform.machine()}, {torch.backends.cpu.get_cpu_capability()}); "
+            "'portable' builds them anywhere"
+        )
+    return None
+
+
+def vectorised_cpu(dtype: torch.dtype, device_type: str) -> bool:
+    """Whether loops may run for tensors of `dtype` on `device_type`: CPU float32, with the
+    loops on (`unavailable_reason` is None)."""
+    return device_type == "cpu" and dtype == torch.float32 and unavailable_reason() is None
+
+
+def compiled_loop(loop: Loop, units: int, outputs: int = 1) -> ctypes._CFuncPtr | None:
+    """`loop` built for `units` units and `outputs` outputs, loaded; None where the loops are
+    off, or the build or load failed (then off for the process, with one warning)."""
+    build = flavour()
+    if build is None or _failure is not None:
+        return None
+    key = (loop, units, outputs, build)
+    function = _functions.get(key)
+    if function is None:
+        library = (loop.source, units, outputs, build)
+        try:
+            if library not in _libraries:
+                _libraries[library] = _load(loop.source, units, outputs, build)
+            function = getattr(_libraries[library], loop.name)
+        except Exception as error:  # an optional path: whatever broke, torch runs instead
+            _fail(f"{type(error).__name__}: {error}")
+            return None
+        function.argtypes = (
+            [ctypes.c_void_p] * loop.pointers + [ctypes.c_int64] * loop.sizes + [ctypes.c_int]
+        )
+        function.restype = None
+        _functions[key] = function
+    return function
+
+
+def build_folders(source: str, units: int, outputs: int, build: str) -> tuple[str, ...]:
+    """The folders under `cache_root()` that a build lives in; the last names the library."""
+    name = f"gbfunc_{Path(source).stem}_{units}_{outputs}_{build.lower()}"
+    return ("cpu-loops", f"torch-{torch.__version__}", name)
+
+
+def _load(source: str, units: int, outputs: int, build: str) -> ctypes.CDLL:
+    """Build `source` for `units` and `outputs` (or reuse the cached build) and load it, from
+    a folder that only the current user can write to, after checking the library too."""
+    from torch.utils import cpp_extension
+
+    parts = build_folders(source, units, outputs, build)
+    name = parts[-1]
+    folder = private_folder(cache_root(), *parts)
+    library = folder / f"{name}.so"
+    if library.exists():
+        _check_file(library)
+    flags = [*_COMMON_FLAGS, *_ISA_FLAGS.get(build, ()), f"-DHIDDEN={units}"]
+    flags.append(f"-DOUTPUTS={outputs}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # cpp_extension's notes on the compiler's version
+        path = cpp_extension.load(
+            name,
+            [str(SOURCES / source)],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(folder),
+            is_python_module=False,
+        )
+    _check_file(Path(path))
+    return ctypes.CDLL(path)
+
+
+def _check_file(path: Path) -> None:
+    reason = unsafe_reason(path, directory=False)
+    if reason:
+        raise PermissionError(reason)
+
+
+def _fail(reason: str) -> None:
+    """Turn the loops off for this process, warning once with `reason`."""
+    global _failure
+    _failure = f"building or loading them failed: {reason}"
+    if len(_failure) > 2000:
+        _failure = _failure[:2000] + " ..."
+    warnings.warn(
+        f"gbfunc: the CPU loops are off for this process; every stack runs through pure torch "
+        f"(same results, slower on CPU). {_failure}. Set {MODE_VARIABLE}=off to skip them "
+        "without this warning.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
