@@ -20,15 +20,14 @@ class CompiledCache:
 
     Each call checks only the guards on its tensors and on torch's global state (grad mode,
     default device...), not the hundreds on what the key fixes (a plan's tiles and layout) or
-    on gbfunc's and torch's module globals: checking those took 0.2 ms a call, a tenth of what
-    row g-nets add to the eager step of the MLP 784-512-512-10. So the key must name every
-    non-tensor argument that the compiled code depends on.
+    on gbfunc's and torch's module globals: checking those on every call would cost a
+    noticeable part of a small model's eager step. So the key must name every non-tensor
+    argument that the compiled code depends on.
 
     Inductor's C++ code is compiled with floating-point contraction (`a * b + c` as one fused
-    multiply-add, rounded once), which its global default leaves off: the one-output tile
-    MLP's forward (a sum of products) ran 13% faster in isolation, and the eager step of the
-    MLP with torchGB's genome at `compression=10` went 2.08x -> 2.01x the plain step. Only
-    these compiles get it; the process's inductor settings are not touched.
+    multiply-add, rounded once), which its global default leaves off: the tile MLP's sums of
+    products, such as the one-output forward, run faster fused. Only these compiles get it;
+    the process's inductor settings are not touched.
     """
 
     def __init__(self, what: str) -> None:

@@ -112,14 +112,13 @@ def hashed_tiles(stack: Stack, table: Tensor) -> Tensor:
     positions = stack.tile_positions
     # torch.gather, not index_select: its backward is a scatter_add, which inductor's CPU code
     # leaves to torch's kernel, where index_select's index_add becomes a scatter of atomic
-    # adds. The MLP's full-tile hashed genome, compiled whole: 16.84 -> 6.60 ms a step.
+    # adds.
     if torch.compiler.is_compiling():
         packed = _packed_tile_hash_op(positions, stack.genome.hashed, table.device)
         # A view: under `torch.func.grad`, dynamo drops the backward of a Function applied to
         # the transformed function's own argument and differentiates its forward instead
         # (pytorch/pytorch#193279, torch 2.13), which kept torch's scatter-add and the int64
-        # index inductor writes for it. The MLP's full-tile hashed genome, compiled step, one
-        # process, 11 interleaved rounds: 1.966x -> 1.658x the plain step.
+        # index inductor writes for it.
         shared = signed_gather(table.view_as(table), packed) * HASH_GAIN  # backward: in C
     else:
         bucket, sign = _cached(
@@ -216,12 +215,11 @@ def _packed_tile_hash(positions: int, buckets: int, device: torch.device) -> Ten
 @torch.library.custom_op("gbfunc::tile_hash", mutates_args=())
 def _packed_tile_hash_op(positions: int, buckets: int, device: torch.device) -> Tensor:
     """The cached `_packed_tile_hash` as one opaque operation for `torch.compile`: traced, the
-    hash's argsort and integer arithmetic ran in every compiled step (the MLP's hashed genome:
-    40 ms a step, 11 ms this way). Returns a copy, so that the compiled code may reuse its
-    memory without touching the cache. Packed, bucket and sign copy 4 bytes a position, not
-    12 (int64 and float32), and unpack inside the gather's kernel: the MLP's full-tile hashed
-    genome compiled whole peaks at 7.6 MiB instead of 11.1 (its step time moved within the
-    benchmark's noise)."""
+    hash's argsort and integer arithmetic would run in every compiled step. Returns a copy,
+    so that the compiled code may reuse its memory without touching the cache. Packed,
+    bucket and sign copy 4 bytes a position, not 12 (int64 and float32), and unpack inside
+    the gather's kernel: the MLP's full-tile hashed genome compiled whole peaks at 7.6 MiB
+    instead of 11.1 (its step time moved within the benchmark's noise)."""
     return _cached(_packed_tile_hash, positions, buckets, device).clone()
 
 

@@ -310,8 +310,8 @@ class Selection:
         """Stack `s`'s tiles (key None) and, where `_partition` found one, its split parts.
 
         A split's backward is one concatenation; slicing the stack once per parameter makes a
-        zero-filled stack-sized gradient per slice and adds them up (row g-nets' eager
-        generation: 9.1 -> 8.0 ms). Traced, `apply` takes the parts from the tile MLP instead.
+        zero-filled stack-sized gradient per slice and adds them up. Traced, `apply` takes the
+        parts from the tile MLP instead.
         """
         parts: dict[tuple[int, int] | None, Tensor] = {None: stack_tiles}
         spans = self._splits[s]
@@ -368,12 +368,9 @@ def _parts_from_tile_mlp(stack: Stack) -> bool:
     `spans`), rather than splitting the MLP's output: all but row g-nets (one evaluation per
     tile row, `Q == 1`). Their hidden activations are a tile row's `H` values, so there is
     little for the parts to free early, and per part their backward runs more, smaller batched
-    matmuls: taken apart, the MLP 784-512-512-10's compiled step with row g-nets went from
-    1.00x to 1.07x (hidden 8) and from 1.04x to 1.12x (hidden 16) the plain step, one process,
-    21 interleaved rounds, for 0.8 MiB less peak memory (5% of the plain step's). Only the
-    largest model measured favoured the parts: `benchmarks/scaling.py`'s transformer at width
-    1024 (25M weights), 1.09x against 1.13x the dense step and 237 against 283 MiB (dense:
-    679); at widths 256 and 512 within 0.02x."""
+    matmuls: taken apart, their compiled steps were slower for little memory saved. Only the
+    largest model measured favoured the parts (`benchmarks/scaling.py`'s transformer at width
+    1024)."""
     return stack.columns > 1
 
 

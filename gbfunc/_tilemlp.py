@@ -152,8 +152,8 @@ def _forward_no_save(terms: Terms, activation: str, b_t: Tensor | None = None) -
 def _forward_units_major(terms: Terms, activation: str) -> Tensor:
     """`reference` with the hidden activations laid out units-major, `(T, H, Q * TH)`, so that
     each layer is a `(T, K, H) @ (T, H, Q * TH)` matmul: the positions are its long output
-    axis instead of its contraction's partner, which is 4-5x faster for 8 hidden units and 8
-    outputs (MKL, 2 threads). Returns `(T, TH, Q, P)`, a transposed view."""
+    axis instead of its contraction's partner, which MKL runs much faster for few hidden
+    units and outputs. Returns `(T, TH, Q, P)`, a transposed view."""
     a, b, c, w_hidden, b_hidden, w_out, b_out = terms
     num_tiles, rows, hidden = a.shape
     if _in_c(terms, activation):
@@ -172,14 +172,10 @@ def _unrolls(hidden: int, outputs: int) -> bool:
     """Whether compiled code computes a one-layer g-net's outputs as a sum over its units
     written out (`_one_layer_unrolled`) rather than as a matmul: for at most 16 outputs, the
     matmul's rows, where MKL is slow; for at most 32 units, since each is a term of the code.
-    Compiled generation, forward and backward, the MLP's stacks: 8 units and 8 outputs
-    2.55 -> 2.09 ms, 32 units and 16 outputs 5.95 -> 3.48 ms; 8 and 16 units with 128 and 256
-    outputs (row g-nets) 1.00x and 1.09x, hence the matmul there. For ReLU in float32 on CPU
-    the sum runs as a C loop instead (`_relu_loops.relu_layer_forward`), which computes each
-    hidden activation once rather than once per output, and so does the backward (`_in_c`):
-    the MLP's compiled step with 32 units and 16 outputs 1.79x -> 1.53x the plain step with
-    the forward's loop, 1.46x -> 1.42x more with the backward's (eager: 2.61x -> 2.40x ->
-    2.21x); with 8 units and 8 outputs 1.43x -> 1.37x -> 1.32x."""
+    With more outputs (row g-nets' 128 and 256) the written-out sum is no faster, hence the
+    matmul there. For ReLU in float32 on CPU the sum runs as a C loop instead
+    (`_relu_loops.relu_layer_forward`), which computes each hidden activation once rather
+    than once per output, and so does the backward (`_in_c`)."""
     return outputs <= 16 and hidden <= 32
 
 
@@ -201,12 +197,8 @@ def _one_output_in_c(terms: Terms, activation: str) -> bool:
     """Whether traced code runs a one-output ReLU g-net's forward through the C loop
     `_relu_loops.relu_one_output` (CPU, float32: `one_output_usable`) rather than inductor's
     sum (`_one_output_by_columns`): the loop holds four rows' sums in registers and loads each
-    unit's column terms once for the four. The forward alone, 135 (57, 96) tiles of 32 units
-    (the MLP's genome at `compression=10`), 2 threads (Intel Xeon, AVX-512): 0.73 -> 0.47 ms;
-    inductor had fused the tiles' layout into its sum, which now reads the loop's output. The
-    MLP 784-512-512-10's step, one process, interleaved rounds, x the plain step: compiled
-    1.835x -> 1.801x (`compression=10`) and 1.654x -> 1.622x (torchGB's tile 128), eager
-    (the plan's compiled graph) 1.955x -> 1.929x."""
+    unit's column terms once for the four. Inductor fused the tiles' layout into its own
+    sum; the layout now reads the loop's output."""
     a = terms.a
     return (
         activation == "relu"
@@ -254,7 +246,7 @@ def _padded(x: Tensor, axis: int) -> Tensor:
 def _first_layer_units_major(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
     """`_first_layer` as `(T, H, Q, TH)`: rows innermost, so that the backward's sums over
     rows and over columns both keep or reduce a long axis (with the columns innermost,
-    inductor's sum over the rows of 8 columns ran ~10x slower)."""
+    inductor's sum over the rows of 8 columns ran many times slower)."""
     row_terms, col_terms = _units_major_terms(a, b, c)
     return row_terms[:, :, None, :] + col_terms[..., None]
 
@@ -282,7 +274,7 @@ def _units_major_terms(a: Tensor, b: Tensor, c: Tensor) -> tuple[Tensor, Tensor]
     """Row terms `a + c` `(T, H, TH)` and column terms `b` `(T, H, Q)`, in buffers of that
     layout: inductor picks a kernel's vector axis by its inputs' layouts, and with these
     read units-innermost it vectorised the backward's sums along the 8 hidden units and
-    split each 8-column sum over threads (12 ms a step where 1 ms was due)."""
+    split each 8-column sum over threads, many times slower than due."""
     return contiguous_buffer((a + c[:, None]).transpose(1, 2)), contiguous_buffer(b.transpose(1, 2))
 
 
@@ -291,11 +283,10 @@ def _one_output_by_columns(row_terms: Tensor, b_t: Tensor, w: Tensor, activation
     row terms `(T, TH, H)` (`a + c`), the column terms laid out units-major, `b_t` `(T, H, Q)`,
     and `w` `(T, H)`. The sum over the units runs with the columns as the vector axis, in
     registers, where with the units innermost each weight ends in a horizontal sum across a
-    register. Forward alone, 256 (64, 64) tiles of 32 units, compiled, one thread (AVX-512):
-    3.8 -> 1.9 ms. Only for at least a vector register of columns: narrower, inductor's code
-    forks threads inside a serial loop (512 (32, 8) tiles, 2 threads: 0.39 -> 14 ms). `b_t`
-    must be realised in that layout (a matmul's output): a transposed view of `b` is read
-    strided, element by element, and the gain is lost."""
+    register. Only for at least a vector register of columns: narrower, inductor's code
+    forks threads inside a serial loop. `b_t` must be realised in that layout (a matmul's
+    output): a transposed view of `b` is read strided, element by element, and the gain is
+    lost."""
     z = row_terms[:, :, :, None] + b_t[:, None, :, :]  # (T, TH, H, Q)
     return (activate(z, activation) * w[:, None, :, None]).sum(2)
 
@@ -379,12 +370,10 @@ def _fused_reductions(g: Tensor, a: Tensor, b: Tensor, c: Tensor, w: Tensor, act
 
     Each is written with its reduced axis innermost, so inductor emits one vectorised
     reduction loop per gradient that recomputes the pre-activation in registers instead of
-    materialising `(T, TH, Q, H)` (as it does for the shared-`z` form: ~10x slower here).
+    materialising `(T, TH, Q, H)` (as it does for the shared-`z` form, many times slower).
     Hidden units that fill half a vector register or less go one at a time
     (`_vectorised_units`). ReLU's on CPU, in float32, take one pass in C instead where
-    `_relu_loops.sums_usable` (the compiled steps of the MLP 784-512-512-10 with torchGB's
-    genome, 2 threads: 1.700x -> 1.533x the plain step at tile 128, 1.861x -> 1.674x at
-    `compression=10`).
+    `_relu_loops.sums_usable`.
     Shapes: g `(T, TH, Q)`, a `(T, TH, H)`, b `(T, Q, H)`, c and w `(T, H)`.
     """
     row_terms = a + c[:, None]  # (T, TH, H)
@@ -408,9 +397,8 @@ def _unit_axis_sums(g: Tensor, g_t: Tensor, row_terms: Tensor, b: Tensor, activa
 
     ReLU's derivative is a comparison, `(a + c) + b > 0` exactly when `b > -(a + c)` (a
     rounded sum keeps the exact sum's sign), so each position costs a compare and a select,
-    not two adds and a multiply by a mask: 7.0 -> 5.1 ms for the MLP's (128, 128) tiles
-    (2 threads, AVX2). ReLU is homogeneous (`relu(z) = z * [z > 0]`), so its dw follows from
-    the two masked sums without a third pass over the positions.
+    not two adds and a multiply by a mask. ReLU is homogeneous (`relu(z) = z * [z > 0]`), so
+    its dw follows from the two masked sums without a third pass over the positions.
     """
     b_t = b.transpose(1, 2).contiguous()  # (T, U, Q)
     if activation == "relu":
@@ -464,10 +452,7 @@ def _vectorised_units(row_terms: Tensor) -> int:
     largest multiple of `_vector_lanes`, and the units left over too where they fill more
     than half a register. Inductor vectorises a short innermost axis with one partial
     (masked) vector, about as costly as a full one; units that go one at a time, vectorised
-    along the positions, cost a pass each. Backward alone, 2 threads: the MLP's (512, 784)
-    tile with 4 units 5.5 -> 1.3 ms one at a time (AVX2); 44 (128, 128) tiles on AVX-512
-    (16 lanes), masked against one at a time: 6 units 1.48 against 1.07 ms, 8 units 1.37
-    against 1.64, 12 units 1.73 against 2.98."""
+    along the positions, cost a pass each."""
     hidden = row_terms.shape[-1]
     lanes = _vector_lanes(row_terms.dtype, row_terms.device.type)
     left_over = hidden % lanes
@@ -562,8 +547,7 @@ def _backward_per_range(terms: Terms) -> bool:
     """Whether traced code runs the backward once per tile range (`tile_mlp`'s `spans`)
     rather than once on their concatenation: except for one-layer, one-output g-nets whose
     hidden units are reduced one at a time (`_vectorised_units`), three reductions per unit,
-    which per range multiplied the compiled graph (the main job's transformer, `hidden=8,
-    compression=20`, compiled step: first call 34 -> 176 s)."""
+    which per range multiplied the compiled graph and its compile time."""
     return not terms.one_reduction or _vectorised_units(terms.a) == terms.a.shape[-1]
 
 

@@ -6,10 +6,8 @@ scatter-add of the weights' gradient into the buckets. Torch's CPU scatter-add r
 thread, and inductor feeds it an int64 copy of the index and a float copy of the signed
 gradient, written each step. `table_gradient` reads the packed index and the gradient as they
 are, decodes a chunk of positions at a time (vectorised), then adds them into a table of
-partial sums per thread. The MLP's full-tile hashed genome (401,408 positions into 17,286
-buckets, 2 threads, AVX-512): 0.49 ms for torch's scatter-add alone, 0.19 ms for the loop;
-its eager step 1.89 -> 1.64x the plain one (one process, interleaved rounds; 1.80 -> 1.61x
-for a prototype of the loop).
+partial sums per thread. The measurements behind it are in
+`benchmarks/results/design_measurements.md`.
 
 `signed_gather` is the forward, an `autograd.Function` whose backward is this loop. Traced
 by `torch.compile` under `torch.func.grad`, dynamo drops that backward and differentiates the
@@ -28,7 +26,7 @@ _LOOP = Loop("hash_table_gradient", "hash_table_gradient.cpp", pointers=3, sizes
 
 @torch.compiler.assume_constant_result
 def usable(dtype: torch.dtype, device_type: str) -> bool:
-    """Whether `table_gradient` runs its C loop: where `_relu_loops.vectorised_cpu` holds and
+    """Whether `table_gradient` runs its C loop: where `_build.vectorised_cpu` holds and
     the loop compiled."""
     return vectorised_cpu(dtype, device_type) and compiled_loop(_LOOP, 1) is not None
 

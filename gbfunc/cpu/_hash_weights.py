@@ -8,18 +8,15 @@ the tile layout. Here the forward adds each cut position's signed bucket to the 
 weights, into new tensors, in one pass (a separate `aten::add` cost as much as the gather),
 and the backward adds each weight's gradient, read in place, into the buckets: partial tables
 per row split of a tile, added after. The ops read the tile hash from its cache, not as a
-graph input: an op's output, it was copied every compiled step (0.25 ms for 401,408
-positions). The sign is a multiply, not a branch: random, a branch on it mispredicted half
-the time (the forward on a (512, 784) tile, one thread: 1.49 -> 0.22 ms). The MLP's
-full-tile hashed genome (`hidden=4, compression=20`), one process, 21 interleaved rounds, x
-the plain step, tile MLP and layout -> these loops and `_relu_tiles`': eager 1.941 ->
-1.717, compiled 1.705 -> 1.649. With AVX-512 both loops take 16 positions at a time (a
-gather; a gather and a scatter where no two positions share a bucket): 15 rounds, eager
-1.705 -> 1.628, compiled 1.599 -> 1.476.
+graph input: as an op's output it would be copied every compiled step. The sign is a
+multiply, not a branch: random, a branch on it mispredicts half the time. With AVX-512 both
+loops take 16 positions at a time (a gather; a gather and a scatter where no two positions
+share a bucket).
 
 `hash_weights` and `hash_weights_backward` are custom ops (`gbfunc::...`), opaque to
 inductor, paired by `_HashWeights` for autograd, `vmap` and `torch.compile`;
-`hash_weights_reference` is the specification in plain torch.
+`hash_weights_reference` is the specification in plain torch. The measurements behind
+these choices are in `benchmarks/results/design_measurements.md`.
 """
 
 from collections.abc import Sequence
@@ -49,7 +46,7 @@ _BACKWARD = Loop("hash_weights_backward", "hash_weights.cpp", pointers=5, sizes=
 
 @torch.compiler.assume_constant_result
 def usable(dtype: torch.dtype, device_type: str) -> bool:
-    """Whether the loops run: where `_relu_loops.vectorised_cpu` holds and both compile."""
+    """Whether the loops run: where `_build.vectorised_cpu` holds and both compile."""
     if not vectorised_cpu(dtype, device_type):
         return False
     return all(compiled_loop(loop, 1) is not None for loop in (_FORWARD, _BACKWARD))
@@ -123,7 +120,7 @@ def hash_weights(
     """`hash_weights_reference(...)` by the C loop (`usable` must hold), with the placement
     `encoded` and each value times `gain`. The tile hash comes from the cache, not through the
     graph: passed as an op's output, it is copied each step so that compiled code may reuse
-    its memory (0.25 ms for the MLP's 401,408 positions)."""
+    its memory."""
     table_of, tile_scales = placement_tables(placement, gain)
     weights = new_weights(table, decoded(placement).shapes)
     base = [x.contiguous() for x in base]

@@ -7,44 +7,30 @@
   are two reductions along different axes: two passes over the positions, each a compare, a
   select and an add per position and unit. The loop makes one: per row it keeps the row's
   sums in registers, vectorised over the units, and adds the same selected gradient into the
-  columns' sums, which stay in L1. Backward alone, 135 (57, 96) tiles of 32 units, 2
-  threads (AVX-512): 1.73 -> 0.90 ms (`benchmarks/bench_unit_split.py`). Four rows at a
-  time share each load of `b` and each update of the columns' sums: the loop alone on 44
-  (128, 128) tiles of 32 units 0.65 -> 0.57 ms, on a (512, 784) tile of 4 units 0.17 ->
-  0.10 ms.
+  columns' sums, which stay in L1. Four rows at a time share each load of `b` and each
+  update of the columns' sums.
 - `relu_one_output`, for the forward of one-output g-nets (`_tilemlp._one_output_in_c`):
   inductor's sum over the units, vectorised over the columns, reloads each unit's column
   terms for every row; the loop holds four rows' sums in registers, so one load serves the
-  four. Forward alone, 135 (57, 96) tiles of 32 units, 2 threads (AVX-512): 0.73 -> 0.47 ms.
+  four.
 - `relu_layer_forward`, for the forward of g-nets with a few outputs (`_tilemlp._unrolls`):
   inductor's unrolled sum recomputes every hidden activation once per output; the loop
   computes a position's activations once, vectorised over the units, then its outputs as a
   sum of rows of `w_out`, vectorised over the outputs, eight positions at a time (then
-  four, then one; eight independent chains of multiply-adds). Forward alone, 44 (128, 128)
-  tiles of 32 units and 16 outputs, 2 threads (AVX-512): 4.79 -> 0.32 ms; eight positions
-  rather than four, with the outputs' copies vectorised (Intel Xeon): 0.230 -> 0.205 ms
-  there, 168 (64, 64) tiles of 8 units and 8 outputs 0.301 -> 0.162 ms, and the MLP's step
-  with 8 units and 8 outputs 1.504x -> 1.440x the plain step compiled, 1.680x -> 1.622x
-  eagerly (`outputs=16` compiled 1.576x -> 1.537x).
+  four, then one; eight independent chains of multiply-adds).
 - `relu_layer_backward`, its backward: inductor's (from `_tilemlp._backward_units_major`)
   is two matmuls with 16 or fewer outputs as their short axis, where MKL is slow, and
   reductions around them; the loop recomputes a position's activations, their gradient, and
-  adds into every sum (over the columns, the rows, the positions) in one pass. The same
-  tiles: 1.69 -> 0.93 ms; 176 (64, 64) tiles of 8 units and 8 outputs: 1.42 -> 0.35 ms.
-  Four positions at a time share each pass over `w_out`'s gradient and each row of
-  `w_out` (Intel Xeon, AVX-512, 2 threads): 44 (128, 128) tiles of 32 units and 16 outputs
-  0.83 -> 0.55 ms, 168 (64, 64) tiles of 8 units and 8 outputs 0.35 -> 0.24 ms; the MLP's
-  training step, one process, interleaved rounds, x the plain step, with `outputs=16`
-  compiled 1.690 -> 1.511, eager 2.378 -> 2.188, with 8 units and 8 outputs compiled 1.545
-  -> 1.484, eager 1.703 -> 1.658. Units that do not fill 4-lane vectors go one position at
-  a time: 6 and 7 units still ran 8% and 22% slower than before (scratch A/B).
+  adds into every sum (over the columns, the rows, the positions) in one pass. Four
+  positions at a time share each pass over `w_out`'s gradient and each row of `w_out`;
+  units that do not fill 4-lane vectors go one position at a time.
 
-Each source compiles once per shape constant (units, outputs) with the C++ compiler and
-vector ISA flags that inductor uses, into a cache in the temp directory, and runs as a custom
-op (`gbfunc::...`), opaque to inductor, with fake, vmap and autograd rules (the latter by
-autograd through the torch specification). `sums_usable`, `one_output_usable` and
-`layer_usable` say where: CPU float32 and enough units; elsewhere, or where the compile
-fails (no compiler), inductor's code runs instead.
+Each loop is built once per shape constant (units, outputs) by `_build` (see its docstring)
+and runs as a custom op (`gbfunc::...`), opaque to inductor, with fake, vmap and autograd
+rules (the latter by autograd through the torch specification). `sums_usable`,
+`one_output_usable` and `layer_usable` say where: CPU float32 and enough units; elsewhere,
+or where the build fails, inductor's code runs instead. The measurements behind these
+choices are in `benchmarks/results/design_measurements.md`.
 """
 
 from collections.abc import Callable
@@ -55,10 +41,8 @@ from torch import Tensor
 from ._build import Loop, compiled_loop, vectorised_cpu
 
 # Units per compiled loop. Fewer than 4 do not fill the narrowest vector (SSE's 4 floats):
-# inductor's reductions along the positions are faster there (the backward's sums on 44
-# (128, 128) tiles, 2 threads, AVX-512: 3 units 0.80 ms in C against 0.44, scratch; 4 units
-# 0.46 against 0.61, `bench_unit_split.md`). At most 512: a position's or a row's values
-# live on the stack, in registers.
+# inductor's reductions along the positions are faster there. At most 512: a position's or
+# a row's values live on the stack, in registers.
 MIN_UNITS = 4
 MAX_UNITS = 512
 

@@ -10,20 +10,12 @@ included) and writes it, scaled, where it lands in its weight; the backward read
 weight's gradient in place, row by row, and returns the leaves' gradients.
 
 Eagerly, a plan whose stacks all suit runs these loops op by op instead of a compiled graph
-(`gb.apply`), which also skips AOTAutograd's wrappers. The MLP 784-512-512-10, 2 threads
-(AVX-512), one process, interleaved rounds, against the tile MLP's compiled graph: the
-generation with `tile=(128, 128), hidden=8, outputs=128`, forward and backward, 1.46 ->
-1.00 ms (1.82 -> 1.14 in a second run), with `tile=(256, 256), hidden=16` 1.45 -> 1.22 ms;
-the eager training step 1.336x -> 1.141x the plain step, and 1.389x -> 1.277x. Compiled
-steps moved within noise (1.124x -> 1.129x, 1.084x -> 1.090x): inductor had already fused
-the copies there.
+(`gb.apply`), which also skips AOTAutograd's wrappers. Compiled steps gain little from
+the loops: inductor already fuses the copies there.
 
 The backward's two products per tile, the hidden units' gradients `g @ w_out^T` and
 `w_out`'s `x^T @ g`, are register-blocked (sums held in registers across the loop feeding
-them, not reloaded per row): backward alone, 12 (256, 256) tiles of 16 units, 2 threads,
-0.40 -> 0.26 ms (44 (128, 128) tiles of 8 units: 0.22 -> 0.18; 168 (64, 64) tiles of 32
-units: 1.13 -> 0.60); the eager training step with `hidden=16` 1.198x -> 1.160x the plain
-step, with `hidden=8` 1.143x -> 1.100x, compiled with `hidden=16` 1.154x -> 1.107x.
+them, not reloaded per row).
 
 One-output g-nets (several evaluation columns, `Q > 1`) run the loops of `_relu_tiles`
 through the same ops, placement and glue; `rows_reference` specifies both kinds.
@@ -32,7 +24,8 @@ through the same ops, placement and glue; `rows_reference` specifies both kinds.
 `_Rows` pairs them as forward and backward for autograd, `vmap` and `torch.compile`.
 `rows_reference` is the specification in plain torch, and double backward goes through it.
 `suits`, `placement` and `usable` say where the loops run: CPU float32, 4-32 units, at most
-512 outputs, both loops compiled.
+512 outputs, both loops compiled. The measurements behind these choices are in
+`benchmarks/results/design_measurements.md`.
 """
 
 import ctypes
@@ -63,9 +56,8 @@ class Placement(NamedTuple):
     """Where a stack's tiles land, in the loops' terms, as plain numbers (constants to a
     compiled graph): per tile `(weight, offset in it, row stride, rows, columns)`, flattened;
     each weight's matrix shape `(rows, columns)`, flattened; each tile's scale; and the three
-    as the custom ops take them, one string (`placed_as`). As lists of ints and floats they
-    crossed torch's dispatcher element by element: the MLP's `compression=10` stack (135
-    tiles) cost 0.23 ms more per call through the op than through the loop's driver."""
+    as the custom ops take them, one string (`placed_as`): as lists of ints and floats they
+    would cross torch's dispatcher element by element on every call."""
 
     tiles: tuple[int, ...]
     shapes: tuple[int, ...]
@@ -191,9 +183,7 @@ def _apply_eagerly(*args: object) -> tuple[Tensor, ...]:
     """`_Rows.apply(*args)` outside `torch.compile` and `torch.func` transforms, through
     torch's C++ apply: `Function.apply`'s Python wrapper binds the arguments through
     `inspect.signature` on every call to a Function with `setup_context`, which is all it
-    adds there besides unwrapping dead functorch wrappers, done here too. The MLP's eager
-    generation with row g-nets (hidden 16, (256, 256) tiles, forward and backward): 1.235 ->
-    1.114 ms (one process, interleaved rounds)."""
+    adds there besides unwrapping dead functorch wrappers, done here too."""
     args = unwrap_dead_wrappers(args)
     return super(torch.autograd.Function, _Rows).apply(*args)
 

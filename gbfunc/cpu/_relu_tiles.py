@@ -10,22 +10,8 @@ of the weights' gradients back into tiles. Here the forward computes each tile's
 writes its cut rows, scaled, where they land in the weight; the backward reads each weight's
 gradient in place and returns the leaves' gradients. `_relu_rows` holds the glue the two
 kinds share (placement, custom ops, autograd, `vmap`) and calls these two loops for
-one-output stacks.
-
-Measured on the MLP 784-512-512-10, batch 128, 2 threads (Intel Xeon, AVX-512), one
-process, 15 interleaved rounds, x the plain step, tile MLP and layout -> these loops:
-
-| Genome | Eager | Compiled |
-|---|---|---|
-| default (torchGB's), `compression=10`: (57, 96) tiles | 1.952 -> 1.455 | 1.793 -> 1.554 |
-| default (torchGB's), tile 128 | 1.789 -> 1.364 | 1.668 -> 1.414 |
-| hidden 8, tile 64 | 1.757 -> 1.152 | 1.578 -> 1.346 |
-
-Eagerly the plan also skips its compiled graph (`gb.apply`), as row g-nets do. In the
-compiled `compression=10` step, timed around the calls, the forward loops take 0.76 ms and
-the backward's 0.73 ms. Before, the profiler put `relu_one_output` and `relu_unit_sums` at
-0.77 ms each, and around them 0.35 ms of the terms' batched matmuls and about 0.47 ms of
-inductor kernels laying tiles out and their gradients back.
+one-output stacks. Eagerly the plan also skips its compiled graph (`gb.apply`), as row
+g-nets do.
 
 The sums are those of `_relu_loops`' `relu_one_output` (four rows' sums in registers per 32
 columns) and `relu_unit_sums` (a row's masked sums in registers while the same selected
@@ -37,13 +23,10 @@ Two instructions per unit and position forward, three backward (AVX-512): the fo
 `w[h] max(b[q, h], -a[i, h])` and adds each row's `sum_h w[h] a[i, h]` once (`relu(a + b) =
 max(b, -a) + a`), where `w[h] relu(a + b)` took four (GCC compiles the ReLU to a compare and a
 masked move); the backward's masked sums compare into a mask and add under it twice, written
-with intrinsics (GCC's code also broadcast under the mask, on the compare's port). With the
-row sums from per-tile dot products and the column terms summed in registers, one thread,
-`Linear(1024, 1024)` by 256 (64, 64) tiles of 32 units (`benchmarks/bench_generation.py`'s
-default), the loops alone, medians of 500 calls: forward 1.53 -> 1.05 ms, backward 2.10 ->
-1.77 ms; the generation's forward and backward through `gb.apply` 3.98 -> 3.13 ms. The MLP's
-eager step, 2 threads, 15 interleaved rounds, x the plain step: `compression=10` 1.399 ->
-1.286, tile 128 1.324 -> 1.265.
+with intrinsics (GCC's code also broadcast under the mask, on the compare's port). The row
+sums come from per-tile dot products and the column terms are summed in registers.
+
+The measurements behind these choices are in `benchmarks/results/design_measurements.md`.
 """
 
 from ._build import Loop
