@@ -1,5 +1,6 @@
 """Shared by the benchmark scripts: provenance of results files, tables, compiling, memory."""
 
+import argparse
 import contextlib
 import csv
 import io
@@ -102,6 +103,17 @@ def markdown_table(columns: Sequence[tuple[str, str]], rows: Iterable[Sequence[s
         *("| " + " | ".join(cells) + " |" for cells in rows),
     ]
     return "\n".join(lines) + "\n"
+
+
+def cpu_benchmark_args(doc: str, out: str) -> argparse.Namespace:
+    """The command line of a one-machine CPU benchmark (`--threads`, `--out`, default
+    `RESULTS / out`), with torch set to those threads."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS / out)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    return args
 
 
 def compile_static(fn: Callable) -> Callable:

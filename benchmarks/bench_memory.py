@@ -14,14 +14,11 @@ Writes what it prints to `benchmarks/results/bench_memory.md` under the command,
 date. Memory does not depend on load, so one measurement per step suffices.
 """
 
-import argparse
-from pathlib import Path
-
 import torch
 from torch import nn
 
 import gbfunc as gb
-from benchmarks._meta import RESULTS, held_bytes, peak_bytes, recorded
+from benchmarks._meta import cpu_benchmark_args, held_bytes, peak_bytes, recorded
 from benchmarks.bench_step import TrainStep, cross_entropy, dense_steps, gb_steps, workloads
 
 MiB = 2**20
@@ -58,11 +55,7 @@ def _row(label: str, ratio: float, modes: tuple, plain: tuple) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=RESULTS / "bench_memory.md")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    args = cpu_benchmark_args(__doc__, "bench_memory.md")
     torch.manual_seed(0)
     with recorded(
         args.out, "Peak memory of one training step: gbfunc vs the model trained directly"

@@ -16,15 +16,13 @@ Writes what it prints to `benchmarks/results/bench_unit_split.md` under the comm
 and date.
 """
 
-import argparse
 import statistics
 import time
-from pathlib import Path
 from unittest import mock
 
 import torch
 
-from benchmarks._meta import RESULTS, compile_static, recorded
+from benchmarks._meta import compile_static, cpu_benchmark_args, recorded
 from gbfunc import _tilemlp
 from gbfunc.cpu import _relu_loops
 
@@ -94,11 +92,7 @@ def backward_ms(shape: tuple[int, int, int, int], rounds: int, inner: int) -> di
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=RESULTS / "bench_unit_split.md")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    args = cpu_benchmark_args(__doc__, "bench_unit_split.md")
     lanes = _tilemlp._vector_lanes(torch.float32, "cpu")
     with recorded(args.out, "Compiled one-output g-nets: reducing over the hidden units"):
         print(f"float32 lanes: {lanes}; ReLU backward, ms, medians of 7 rounds of 20 calls")

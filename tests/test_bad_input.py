@@ -106,6 +106,11 @@ class Case:
     match: str
 
 
+def corrupt_load(tmp: Path | None, name: str, match: str) -> Case:
+    """`gb.load` of the damaged or forged file `tmp / name`: a `gb.CheckpointCorruptError`."""
+    return Case(lambda: gb.load(tmp / name, mlp()), gb.CheckpointCorruptError, match)
+
+
 def cases(tmp) -> dict[str, Case]:
     """`tmp` is a folder with `ok.safetensors` (a checkpoint of `mlp()`) and `dense.safetensors`."""
     meta_g = gparams(device="meta")
@@ -374,91 +379,71 @@ def _save_load_cases_1(tmp: Path | None, meta_g: dict) -> dict[str, Case]:
         "load-directory": Case(
             lambda: gb.load(tmp, mlp()), gb.CheckpointNotFoundError, "is a directory"
         ),
-        "load-dense-file": Case(
-            lambda: gb.load(tmp / "dense.safetensors", mlp()),
-            gb.CheckpointCorruptError,
-            "dense.safetensors: not a gbfunc checkpoint",
+        "load-dense-file": corrupt_load(
+            tmp, "dense.safetensors", "dense.safetensors: not a gbfunc checkpoint"
         ),
-        "load-garbage": Case(
-            lambda: gb.load(tmp / "garbage.bin", mlp()),
-            gb.CheckpointCorruptError,
-            "garbage.bin: the file is truncated",
-        ),
+        "load-garbage": corrupt_load(tmp, "garbage.bin", "garbage.bin: the file is truncated"),
     }
 
 
 def _save_load_cases_2(tmp: Path | None) -> dict[str, Case]:
     return {
-        "load-text-file": Case(
-            lambda: gb.load(tmp / "notes.txt", mlp()),
-            gb.CheckpointCorruptError,
-            "notes.txt: not a gbfunc checkpoint",
+        "load-text-file": corrupt_load(tmp, "notes.txt", "notes.txt: not a gbfunc checkpoint"),
+        "load-torch-save-file": corrupt_load(tmp, "model.pt", "model.pt: not a gbfunc checkpoint"),
+        "load-nested-json": corrupt_load(
+            tmp, "nested.safetensors", "nested.safetensors: the header is damaged"
         ),
-        "load-torch-save-file": Case(
-            lambda: gb.load(tmp / "model.pt", mlp()),
-            gb.CheckpointCorruptError,
-            "model.pt: not a gbfunc checkpoint",
-        ),
-        "load-nested-json": Case(
-            lambda: gb.load(tmp / "nested.safetensors", mlp()),
-            gb.CheckpointCorruptError,
-            "nested.safetensors: the header is damaged",
-        ),
-        "load-1e400-offsets": Case(
-            lambda: gb.load(tmp / "offsets.safetensors", mlp()),
-            gb.CheckpointCorruptError,
+        "load-1e400-offsets": corrupt_load(
+            tmp,
+            "offsets.safetensors",
             r"offsets.safetensors: the header is damaged \(tensor 'w' has data_offsets \[0, inf\]",
         ),
-        "load-forged-tile": Case(
-            lambda: gb.load(tmp / "tile.safetensors", mlp()),
-            gb.CheckpointCorruptError,
+        "load-forged-tile": corrupt_load(
+            tmp,
+            "tile.safetensors",
             r"tile.safetensors: the plan is inconsistent: stacks\[0\].tile is \(65536, 65536\)",
         ),
-        "load-forged-nan-scale": Case(
-            lambda: gb.load(tmp / "nan-scale.safetensors", mlp()),
-            gb.CheckpointCorruptError,
+        "load-forged-nan-scale": corrupt_load(
+            tmp,
+            "nan-scale.safetensors",
             r"nan-scale.safetensors: the plan is malformed: params\[0\] \('0.weight'\).scale "
             "is nan",
         ),
-        "load-forged-shared-tiles": Case(
-            lambda: gb.load(tmp / "shared-tiles.safetensors", mlp()),
-            gb.CheckpointCorruptError,
+        "load-forged-shared-tiles": corrupt_load(
+            tmp,
+            "shared-tiles.safetensors",
             r"params\[2\] \('2.weight'\).blocks\[0\] and params\[0\] \('0.weight'\).blocks\[0\] "
             "both claim tiles of 's0_4x4'",
         ),
-        "load-forged-stack-index": Case(
-            lambda: gb.load(tmp / "stack-index.safetensors", mlp()),
-            gb.CheckpointCorruptError,
+        "load-forged-stack-index": corrupt_load(
+            tmp,
+            "stack-index.safetensors",
             r"params\[0\] \('0.weight'\) names stack 1; the plan has 1 stacks",
         ),
-        "load-forged-split-dim": Case(
-            lambda: gb.load(tmp / "split-dim.safetensors", mlp()),
-            gb.CheckpointCorruptError,
-            r"\('0.weight'\).split_dim is 2; expected 0 or 1",
+        "load-forged-split-dim": corrupt_load(
+            tmp, "split-dim.safetensors", r"\('0.weight'\).split_dim is 2; expected 0 or 1"
         ),
     }
 
 
 def _save_load_cases_3(tmp: Path | None) -> dict[str, Case]:
     return {
-        "load-forged-unused-stack": Case(
-            lambda: gb.load(tmp / "unused-stack.safetensors", mlp()),
-            gb.CheckpointCorruptError,
+        "load-forged-unused-stack": corrupt_load(
+            tmp,
+            "unused-stack.safetensors",
             r"stacks\[1\] is 'extra'; expected a stack that generates some block",
         ),
-        "load-forged-negative-count": Case(
-            lambda: gb.load(tmp / "negative-count.safetensors", mlp()),
-            gb.CheckpointCorruptError,
+        "load-forged-negative-count": corrupt_load(
+            tmp,
+            "negative-count.safetensors",
             r"stacks\[0\].tiles_per_gnet is \(-1, -1, -1, -1, -1, -1\)",
         ),
-        "load-forged-step": Case(
-            lambda: gb.load(tmp / "step.safetensors", mlp()),
-            gb.CheckpointCorruptError,
-            "step.safetensors: step must be an int >= 0 or null, got 'abc'",
+        "load-forged-step": corrupt_load(
+            tmp, "step.safetensors", "step.safetensors: step must be an int >= 0 or null, got 'abc'"
         ),
-        "load-forged-int64-tensor": Case(
-            lambda: gb.load(tmp / "int64.safetensors", mlp()),
-            gb.CheckpointCorruptError,
+        "load-forged-int64-tensor": corrupt_load(
+            tmp,
+            "int64.safetensors",
             r"int64.safetensors: inconsistent contents .*\['0.bias'\] has dtype torch.int64",
         ),
         "load-not-a-model": Case(

@@ -6,12 +6,12 @@ import signal
 import subprocess
 import sys
 import textwrap
-import types
 
 import pytest
 import safetensors
 import safetensors.torch
 import torch
+from conv1d import Conv1D
 from forged import forge, in_plan
 from torch import nn
 from torch.func import functional_call
@@ -499,16 +499,6 @@ def test_an_integer_frozen_parameter_round_trips_and_keeps_its_dtype(tmp_path):
 
 
 def test_plans_of_every_kind_pass_the_checks_of_gb_load(tmp_path):
-    hf = types.ModuleType("transformers.pytorch_utils")
-
-    class Conv1D(nn.Module):  # transformers' Conv1D: weight (in, out); c_attn split on columns
-        def __init__(self, nf: int, nx: int) -> None:
-            super().__init__()
-            self.nf = nf
-            self.weight = nn.Parameter(torch.randn(nx, nf) * 0.02)
-            self.bias = nn.Parameter(torch.zeros(nf))
-
-    Conv1D.__module__, Conv1D.__qualname__ = hf.__name__, "Conv1D"
     paper = {
         "tile": "full",
         "biases": True,

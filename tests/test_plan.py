@@ -1,11 +1,11 @@
 """gb.plan and gb.report: which parameters are generated, tiling, counts, options, errors."""
 
 import math
-import types
 import warnings
 
 import pytest
 import torch
+from conv1d import Conv1D
 from torch import nn
 
 import gbfunc as gb
@@ -89,16 +89,6 @@ def test_embeddings_only_when_asked():
 
 
 def test_huggingface_conv1d_is_generated_and_c_attn_split():
-    mod = types.ModuleType("transformers.pytorch_utils")
-
-    class Conv1D(nn.Module):  # the shape of transformers' Conv1D: weight (in, out), nf = out
-        def __init__(self, nf: int, nx: int) -> None:
-            super().__init__()
-            self.nf = nf
-            self.weight = nn.Parameter(torch.randn(nx, nf) * 0.02)
-            self.bias = nn.Parameter(torch.zeros(nf))
-
-    Conv1D.__module__, Conv1D.__qualname__ = mod.__name__, "Conv1D"
     model = nn.ModuleDict({"c_attn": Conv1D(3 * 48, 48), "c_proj": Conv1D(48, 48)})
     plan = gb.plan(model, tile=(16, 16))
     gen = {p.name: p for p in plan.generated}

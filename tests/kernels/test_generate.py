@@ -195,13 +195,17 @@ def test_forward_kernel_matches_reference(case):
     assert_close(out, expected, reductions(stack)[0], "out")
 
 
+def cotangent_of(case, params) -> torch.Tensor:
+    """A random gradient of the generated weights, flat, from the case's seed."""
+    generator = torch.Generator().manual_seed(case.seed)
+    return torch.randn(sum(p.numel for p in params), generator=generator).to(KERNEL_DEVICE)
+
+
 @given(cases())
 def test_backward_kernel_matches_reference(case):
     stack, params, _ = case.stack()
     terms = case.terms(torch.float32)
-    cotangent = torch.randn(
-        sum(p.numel for p in params), generator=torch.Generator().manual_seed(case.seed)
-    ).to(KERNEL_DEVICE)
+    cotangent = cotangent_of(case, params)
     grads = backward_kernel.generate_backward(cotangent, Terms(**terms), stack, params)
     expected = backward_reference.generate_backward(
         cotangent.double(), Terms(**as64(terms)), stack, params
@@ -238,9 +242,7 @@ def test_the_backward_kernel_starts_its_own_sums(monkeypatch):
 def test_grad_of_op_matches_grad_of_reference(case):
     stack, params, _ = case.stack()
     terms = case.terms(torch.float32)
-    cotangent = torch.randn(
-        sum(p.numel for p in params), generator=torch.Generator().manual_seed(case.seed)
-    ).to(KERNEL_DEVICE)
+    cotangent = cotangent_of(case, params)
     tensors, absent = split(terms)
 
     got = grad(weighted_sum(kernels.generate, stack, params, absent, cotangent))(tensors)
