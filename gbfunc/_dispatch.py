@@ -37,7 +37,15 @@ from ._compiled import dynamo_disabled
 from ._plan import Plan, Stack
 from ._tilemlp import fits_graph
 from ._tree import GParams
-from .cpu import _hash_weights, _relu_loops, _relu_rows, missing_compiler, mode, unavailable_reason
+from .cpu import (
+    _hash_weights,
+    _relu_loops,
+    _relu_rows,
+    loops_state,
+    missing_compiler,
+    mode,
+    unavailable_reason,
+)
 
 # `compile=None` compiles a plan's graph from this many generated weights on: the MLP
 # 784-512-512-10 (669k) pays back its compile (~10-15 s on 2 cores) in a few thousand steps;
@@ -117,7 +125,27 @@ class _Call(NamedTuple):
 
 
 def route(plan: Plan, stacks: Mapping[str, Mapping[str, Tensor]], context: Context) -> Route:
-    """The path of each stack of a whole-plan call (`gb.apply`) in `context`."""
+    """The path of each stack of a whole-plan call (`gb.apply`) in `context`; remembered per
+    plan, context, leaves' dtypes and devices and the loops' state for eager calls (traced
+    ones decide once, at trace time)."""
+    if context.compiling:
+        return _route(plan, stacks, context)
+    leaves = tuple(
+        (stacks[s.key]["w_out"].dtype, stacks[s.key]["w_out"].device) for s in plan.stacks
+    )
+    key = (plan, context, leaves, loops_state())
+    found = _ROUTES.get(key)
+    if found is None:
+        if len(_ROUTES) >= 256:
+            _ROUTES.clear()
+        found = _ROUTES[key] = _route(plan, stacks, context)
+    return found
+
+
+_ROUTES: dict[tuple, Route] = {}
+
+
+def _route(plan: Plan, stacks: Mapping[str, Mapping[str, Tensor]], context: Context) -> Route:
     verdicts = [
         _verdicts(_Call(plan, s, stacks, context, True, index=i)) for i, s in enumerate(plan.stacks)
     ]

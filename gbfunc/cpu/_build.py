@@ -79,6 +79,12 @@ def set_mode(value: str | None) -> None:
     _failure = None
 
 
+def loops_state() -> tuple:
+    """What decides whether loops run, as a key for remembered decisions: the mode, the
+    compiler asked for, and whether a build has failed."""
+    return (mode(), os.environ.get("CXX"), _failure is None)
+
+
 def flavour() -> str | None:
     """The build the mode in force asks for here: an ISA name, `portable`, or None (off)."""
     chosen = mode()
