@@ -46,6 +46,7 @@ def check_gparams(gparams: object, plan: Plan, where: str, *, values: bool = Fal
         if not getattr(torch, p.dtype).is_floating_point
     }
     stack_first: dict[str, tuple[tuple[str, ...], Tensor]] = {}
+    floating: dict[bool, list[tuple[tuple[str, ...], Tensor]]] = {}  # stack leaves or not
     for keys, shape in expected.items():
         node = _leaf(gparams, keys, lambda path: f"{where}: {path} is missing. {hint}")
         if not isinstance(node, Tensor):
@@ -70,13 +71,36 @@ def check_gparams(gparams: object, plan: Plan, where: str, *, values: bool = Fal
                     f"{_path(first_keys)} is {first.dtype} on {first.device}; the leaves of a "
                     "stack must share dtype and device."
                 )
+        if node.is_floating_point():
+            floating.setdefault(keys[0] == "stacks", []).append((keys, node))
         if values and node.is_meta:
             raise ValueError(f"{where}: {_path(keys)} is on the meta device: it has no values.")
         if values and not bool(torch.isfinite(node).all()):
             raise ValueError(f"{where}: {_path(keys)} contains NaN or inf.")
+    _check_free_dtypes(floating.get(False, []), floating.get(True, []), where)
     for keys in _paths(gparams):
         if keys not in expected:
             raise ValueError(f"{where}: {_path(keys)} is not in the plan. {hint}")
+
+
+def _check_free_dtypes(
+    free: list[tuple[tuple[str, ...], Tensor]],
+    stacks: list[tuple[tuple[str, ...], Tensor]],
+    where: str,
+) -> None:
+    """Free and frozen floating leaves share one dtype, that of the stacks where they all
+    share one (`gb.init`'s `dtype=`): the generated and the free weights meet in one forward.
+    Stacks may differ from each other (each is generated on its own)."""
+    reference = free[0] if free else None
+    if len({node.dtype for _, node in stacks}) == 1:
+        reference = stacks[0]
+    for keys, node in free:
+        if reference is not None and node.dtype != reference[1].dtype:
+            raise TypeError(
+                f"{where}: {_path(keys)} has dtype {node.dtype} but {_path(reference[0])} is "
+                f"{reference[1].dtype}; the free leaves share the g-nets' dtype (gb.init's "
+                "dtype=)."
+            )
 
 
 def _leaf(gparams: object, keys: tuple[str, ...], missing: Callable[[str], str]) -> object:

@@ -53,7 +53,7 @@ def _describe(name: str, shape: tuple[int, ...]) -> str:
 def check_matches(
     plan: Plan, model: nn.Module, where: str, source: str, error: type[ValueError] = ValueError
 ) -> None:
-    """Raise `error` naming the first parameter whose name or shape differs.
+    """Raise `error` naming the first parameter whose name, shape or dtype differs.
 
     Args:
         plan: The plan to compare.
@@ -65,6 +65,7 @@ def check_matches(
     check_module(model, where)
     theirs = [(p.name, p.shape) for p in plan.params]
     ours = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    dtypes = {name: str(p.dtype).removeprefix("torch.") for name, p in model.named_parameters()}
     for i, ((name, shape), (m_name, m_shape)) in enumerate(zip(theirs, ours, strict=False)):
         if name != m_name:
             raise error(
@@ -75,6 +76,11 @@ def check_matches(
             raise error(
                 f"{where}: parameter {name!r} has shape {shape} in {source} "
                 f"but {m_shape} in the model."
+            )
+        if plan.params[i].dtype != dtypes[m_name]:
+            raise error(
+                f"{where}: parameter {name!r} has dtype {plan.params[i].dtype!r:.40} in {source} "
+                f"but {dtypes[m_name]!r} in the model."
             )
     if len(theirs) > len(ours):
         name, shape = theirs[len(ours)]

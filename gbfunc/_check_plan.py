@@ -33,6 +33,11 @@ class _Bad(Exception):
     """A field of the plan is malformed or inconsistent; the message names it."""
 
 
+# A generated weight's scale is its layer's initial std: below 1 for PyTorch's layers (1 for
+# embeddings). A crafted plan with a huge one would generate inf; refused at load.
+MAX_SCALE = 1e4
+
+
 def check_plan(
     plan: Plan,
     model: nn.Module,
@@ -133,7 +138,8 @@ def _check_param_fields(plan: Plan, i: int, p: object) -> None:
             f"{at} names stack {p.stack_index!r:.100}; the plan has {len(plan.stacks)} stacks."
         )
     _need(_is_int(p.split_dim, 0) and p.split_dim <= 1, f"{at}.split_dim", p.split_dim, "0 or 1")
-    _need(_finite(p.scale) and p.scale > 0, f"{at}.scale", p.scale, "a finite number > 0")
+    ok = _finite(p.scale) and 0 < p.scale <= MAX_SCALE
+    _need(ok, f"{at}.scale", p.scale, f"a number in (0, {MAX_SCALE:g}]")
     _need(isinstance(p.center, bool), f"{at}.center", p.center, "a bool")
     _need(isinstance(p.blocks, tuple) and len(p.blocks) > 0, f"{at}.blocks", p.blocks, "blocks")
     for k, b in enumerate(p.blocks):

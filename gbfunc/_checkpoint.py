@@ -100,7 +100,7 @@ def save(
         >>> step, sorted(opt_state)
         (100, ['param_groups', 'state'])
     """
-    path = os.fspath(path)
+    path = checkpoint_path(path, "gb.save")
     check_gparams(gparams, plan, "gb.save")
     if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
         raise TypeError(f"gb.save: step must be an int >= 0 or None, got {step!r}.")
@@ -125,7 +125,28 @@ def save(
         "meta": meta_json,
     }
     metadata["sha256"] = content_hash(tensors, metadata)
-    write_atomic(path, lambda tmp: safetensors.torch.save_file(tensors, tmp, metadata))
+    try:
+        write_atomic(path, lambda tmp: safetensors.torch.save_file(tensors, tmp, metadata))
+    except (OSError, safetensors.SafetensorError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise CheckpointError(
+            f"gb.save: {path}: cannot be written ({reason}); any previous file there is unchanged."
+        ) from e
+
+
+def checkpoint_path(path: object, where: str) -> str:
+    """`path` as a string, or a `CheckpointError` naming it where no file can have it."""
+    try:
+        text = os.fspath(path)
+    except TypeError:
+        raise CheckpointError(
+            f"{where}: path must be a str or os.PathLike, got {type(path).__name__}."
+        ) from None
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    if "\0" in text:
+        raise CheckpointError(f"{where}: path {text!r} contains a NUL byte; no file has that name.")
+    return text
 
 
 def load(
@@ -155,7 +176,7 @@ def load(
         require grad, as from `gb.init`.
     """
     check_module(model, "gb.load")
-    path = os.fspath(path)
+    path = checkpoint_path(path, "gb.load")
     where = f"gb.load: {path}"
     tensors, metadata = _verified(path, where)
     plan, skeleton, step, meta = _header(metadata, where)

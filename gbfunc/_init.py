@@ -59,6 +59,8 @@ def init(
         raise TypeError(f"gb.init: dtype must be a floating torch.dtype, got {dtype!r}.")
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"gb.init: seed must be an int, got {seed!r}.")
+    if not -(2**63) <= seed < 2**64:  # torch.Generator's range
+        raise ValueError(f"gb.init: seed must be in [-2**63, 2**64 - 1], got {seed}.")
     source = _value_source(plan, values, model)
     gen = torch.Generator().manual_seed(seed)
     stacks = {s.key: _init_stack(s, gen) for s in plan.stacks}

@@ -10,6 +10,7 @@ encoding, reversed by `unescape`). `gparams["free"]["h.0.ln.bias"]` is the param
 `free["h%2E0%2Eln%2Ebias"]` and the `state_dict` key `"free.h%2E0%2Eln%2Ebias"`.
 """
 
+import difflib
 import inspect
 import os
 import re
@@ -98,6 +99,7 @@ class Bottleneck(nn.Module):
         if isinstance(model, Bottleneck):
             raise TypeError("gb.Bottleneck: model is already a gb.Bottleneck; pass its .pnet.")
         if plan is None:
+            _check_plan_options(plan_options)
             plan = make_plan(model, **plan_options)
         elif plan_options:
             raise TypeError(
@@ -274,3 +276,16 @@ def _parameter_dict(tensors: dict[str, Tensor]) -> nn.ParameterDict:
     for name, t in tensors.items():
         out[escape(name)] = nn.Parameter(t.detach(), requires_grad=True)
     return out
+
+
+def _check_plan_options(options: dict[str, Any]) -> None:
+    """Raise `TypeError` for an option `gb.plan` does not take, naming the nearest one."""
+    known = [n for n in inspect.signature(make_plan).parameters if n != "model"]
+    for name in options:
+        if name not in known:
+            near = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise TypeError(
+                f"gb.Bottleneck: unknown option {name!r}; {hint}gb.plan's options are "
+                f"{', '.join(known)}."
+            )

@@ -137,7 +137,30 @@ def plan(
             + _why_free(result)
             + " Register a rule with gb.register_rule, or pass embeddings=True for embeddings."
         )
+    _check_stored_size(result)
     return result
+
+
+# A plan whose g-nets outweigh the weights they generate is refused from this many stored
+# parameters on (64 MiB in float32): small expanding plans are common in tests and demos, a
+# large one is a typo (`hidden=10**9`) that `gb.init` would try to allocate.
+MAX_EXPANDING_PARAMS = 1 << 24
+
+
+def _check_stored_size(plan: Plan) -> None:
+    """Raise `ValueError` where the g-nets would hold more parameters than both the weights
+    they generate and `MAX_EXPANDING_PARAMS`: before `gb.init` allocates them."""
+    stored = sum(s.num_params for s in plan.stacks)
+    generated = sum(p.numel for p in plan.generated)
+    if stored > max(generated, MAX_EXPANDING_PARAMS):
+        largest = max(plan.stacks, key=lambda s: s.num_params)
+        genome = largest.genome
+        raise ValueError(
+            f"gb.plan: the g-nets would hold {stored:,} parameters to generate {generated:,} "
+            f"weights (stack {largest.key}: hidden={genome.hidden}, depth={genome.depth}, "
+            f"outputs={genome.outputs}, hashed={genome.hashed}, tile={largest.tile}); lower "
+            "hidden, depth, outputs or hashed, or use larger tiles."
+        )
 
 
 def _compress(

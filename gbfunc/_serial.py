@@ -9,6 +9,7 @@ import json
 from collections.abc import Callable
 from dataclasses import asdict
 
+import torch
 from torch import Tensor
 
 from ._genome import Genome
@@ -89,6 +90,11 @@ def flatten(tree: object, prefix: str, where: str) -> tuple[object, dict[str, Te
 
     def walk(node: object, path: str) -> object:
         if isinstance(node, Tensor):
+            if node.layout != torch.strided:
+                raise TypeError(
+                    f"{path} is a {str(node.layout).removeprefix('torch.')} tensor; only dense "
+                    "(strided) tensors can be saved: convert it with .to_dense()."
+                )
             key = f"{prefix}/{len(tensors)}"
             tensors[key] = node
             return {"$tensor": key}

@@ -4,6 +4,7 @@ Plus the inputs that look suspicious but are valid: tied and duplicated paramete
 generated once and stay tied; frozen parameters pass through untouched.
 """
 
+import errno
 import re
 import struct
 import warnings
@@ -90,6 +91,11 @@ FORGED: dict[str, Change] = {
     "unused-stack": in_plan(lambda d: d["stacks"].append({**d["stacks"][0], "key": "extra"})),
     "step": lambda tensors, metadata: metadata.update(step='"abc"'),
     "int64": int64_bias,
+    "huge-scale": in_plan(lambda d: d["params"][0].update(scale=1e308)),
+    "float64-dtype": in_plan(lambda d: d["params"][0].update(dtype="float64")),
+    "float16-free": lambda tensors, metadata: tensors.update(
+        {"free/0.bias": tensors["free/0.bias"].half()}
+    ),
 }
 
 
@@ -126,6 +132,78 @@ def cases(tmp) -> dict[str, Case]:
         **_save_load_cases_3(tmp),
         **_export_save_dense_cases(tmp, meta_g),
         **_compat_cases(tmp),
+        **_probe_cases(tmp),
+    }
+
+
+def _probe_cases(tmp: Path | None) -> dict[str, Case]:
+    """Issue 47's held-out probes, one row each."""
+    float64_free = gparams()
+    float64_free["free"]["0.bias"] = float64_free["free"]["0.bias"].double()
+    return {
+        "load-forged-huge-scale": corrupt_load(
+            tmp,
+            "huge-scale.safetensors",
+            r"params\[0\] \('0.weight'\).scale is 1e\+308; expected a number in \(0, 10000\]",
+        ),
+        "load-float16-free-tensor": corrupt_load(
+            tmp,
+            "float16-free.safetensors",
+            r"gparams\['free'\]\['0.bias'\] has dtype torch.float16 but .* is torch.float32",
+        ),
+        "apply-float64-free-tensor": Case(
+            lambda: gb.apply(float64_free, PLAN),
+            TypeError,
+            r"gb.apply: gparams\['free'\]\['0.bias'\] has dtype torch.float64 but",
+        ),
+        "load-forged-dtype": Case(
+            lambda: gb.load(tmp / "float64-dtype.safetensors", mlp()),
+            gb.CheckpointMismatchError,
+            r"parameter '0.weight' has dtype 'float64' in the checkpoint but 'float32' in the "
+            "model",
+        ),
+        "save-into-missing-folder": Case(
+            lambda: gb.save(tmp / "missing" / "x.safetensors", gparams(), PLAN),
+            gb.CheckpointError,
+            r"missing/x.safetensors: cannot be written \(No such file or directory\)",
+        ),
+        "save-onto-a-folder": Case(
+            lambda: gb.save(tmp, gparams(), PLAN),
+            gb.CheckpointError,
+            r"cannot be written \(Is a directory\)",
+        ),
+        "save-nul-in-path": Case(
+            lambda: gb.save(f"{tmp}/a\0b.safetensors", gparams(), PLAN),
+            gb.CheckpointError,
+            r"gb.save: path .* contains a NUL byte",
+        ),
+        "load-nul-in-path": Case(
+            lambda: gb.load(f"{tmp}/a\0b.safetensors", mlp()),
+            gb.CheckpointError,
+            r"gb.load: path .* contains a NUL byte",
+        ),
+        "save-sparse-opt-state": Case(
+            lambda: gb.save(
+                tmp / "x.safetensors", gparams(), PLAN, opt_state={"m": torch.eye(3).to_sparse()}
+            ),
+            TypeError,
+            r"gb.save: opt_state\['m'\] is a sparse_coo tensor; only dense",
+        ),
+        "init-seed-out-of-range": Case(
+            lambda: gb.init(PLAN, seed=2**70),
+            ValueError,
+            r"gb.init: seed must be in \[-2\*\*63, 2\*\*64 - 1\], got 1180591620717411303424",
+        ),
+        "plan-gnets-larger-than-the-model": Case(
+            lambda: gb.plan(mlp(), tile=(16, 16), hidden=10**9),
+            ValueError,
+            r"the g-nets would hold [\d,]+ parameters to generate 72 weights .*hidden=1000000000",
+        ),
+        "bottleneck-misspelt-option": Case(
+            lambda: gb.Bottleneck(mlp(), hiden=8),
+            TypeError,
+            r"gb.Bottleneck: unknown option 'hiden'; did you mean 'hidden'\?",
+        ),
     }
 
 
@@ -664,3 +742,32 @@ def test_frozen_parameters_pass_through_untouched():
     assert params["2.weight"] is gparams["frozen"]["2.weight"]
     functional_call(model, params, (torch.randn(3, 8),)).sum().backward()
     assert gparams["frozen"]["2.weight"].grad is None
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        safetensors.SafetensorError(
+            "Error while serializing: No space left on device (os error 28)"
+        ),
+        OSError(errno.EROFS, "Read-only file system"),
+    ],
+    ids=["full file system", "read-only file system"],
+)
+def test_a_failed_save_is_a_checkpoint_error_and_the_old_file_stays(fault, tmp_path, monkeypatch):
+    """`gb.save` onto a full or read-only file system: a `gb.CheckpointError` naming the
+    file, chained from the cause; the previous checkpoint is untouched and no temporary file
+    is left."""
+    path = tmp_path / "ckpt.safetensors"
+    gb.save(path, gparams(), PLAN, step=1)
+    before = path.read_bytes()
+
+    def failing(*args, **kwargs):
+        raise fault
+
+    monkeypatch.setattr(safetensors.torch, "save_file", failing)
+    with pytest.raises(gb.CheckpointError, match=r"ckpt.safetensors: cannot be written") as info:
+        gb.save(path, gparams(), PLAN, step=2)
+    assert info.value.__cause__ is fault
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.safetensors"]
