@@ -71,6 +71,7 @@ class Context(NamedTuple):
     transformed: bool  # inside a torch.func transform (grad, vmap...)
     grad: bool  # gradients enabled
     dynamo_off: bool  # torch._dynamo.config.disable: nothing compiles
+    dispatch_mode: bool  # inside a TorchDispatchMode (FlopCounterMode...): compiled code cannot run
 
     @staticmethod
     def now(
@@ -90,6 +91,8 @@ class Context(NamedTuple):
             transformed=torch._C._functorch.peek_interpreter_stack() is not None,
             grad=torch.is_grad_enabled(),
             dynamo_off=dynamo_disabled(),
+            dispatch_mode=not torch.compiler.is_compiling()
+            and torch._C._len_torch_dispatch_stack() > 0,
         )
 
     @property
@@ -282,6 +285,8 @@ def _graph(call: _Call) -> str | None:
         return "traced or transformed: the caller's graph holds it"
     if context.dynamo_off:
         return "dynamo is switched off (torch._dynamo.config.disable)"
+    if context.dispatch_mode:
+        return "a TorchDispatchMode is active: compiled code cannot run inside it"
     if context.compile is None and not context.grad:
         return "evaluation (gradients off, compile=None) compiles no graph"
     if not compiling_asked(plan, context):
@@ -308,6 +313,8 @@ def _compiled_mlp(call: _Call) -> str | None:
         return "traced or transformed: the caller's graph holds it"
     if context.dynamo_off:
         return "dynamo is switched off (torch._dynamo.config.disable)"
+    if context.dispatch_mode:
+        return "a TorchDispatchMode is active: compiled code cannot run inside it"
     if not compiles_eagerly(call.stack, context.compile):
         if context.compile is False:
             return "compile=False"
