@@ -7,6 +7,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -114,14 +115,7 @@ needs_loops = pytest.mark.skipif(
     reason="the loops are not built on this machine (mode, platform or compiler)",
 )
 
-PLANTED = r"""
-#include <stdio.h>
-__attribute__((constructor)) static void planted(void) {
-  FILE* f = fopen(MARKER, "w");
-  if (f) { fputs("ran", f); fclose(f); }
-}
-void relu_unit_sums(void) {}
-"""
+PLANTED = Path(__file__).parent / "fixtures" / "planted_library.c"
 
 
 @needs_loops
@@ -141,8 +135,7 @@ def test_a_library_planted_in_an_unsafe_cache_is_never_loaded(unsafe, fresh_loop
     for folder in [fresh_loops, *leaf.relative_to(fresh_loops).parents][::-1]:
         (fresh_loops / folder).chmod(0o700)
     marker = tmp_path / "constructor-ran"
-    source = tmp_path / "planted.c"
-    source.write_text(PLANTED)
+    source = PLANTED
     library = leaf / f"{parts[-1]}.so"
     cc = shutil.which("cc") or shutil.which("gcc")
     subprocess.run(
