@@ -381,7 +381,7 @@ def explain(
         s.key: _verdicts(_Call(plan, s, stacks, context, True, detail=True, index=i))
         for i, s in enumerate(plan.stacks)
     }
-    chosen = route(plan, stacks, context)
+    chosen = _route(plan, stacks, context)  # afresh: a report, not the hot path
     reasons = {
         key: {name: reason for name, reason in v.items() if reason is not None}
         for key, v in verdicts.items()
