@@ -12,15 +12,13 @@ it), `compiled-mlp` and `torch` (`compile=False`); then evaluation under `torch.
 over the fastest other path of the same genome.
 """
 
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
 import gbfunc as gb
 from benchmarks._meta import cpu_benchmark_args, recorded
-from benchmarks.bench_step import mlp
+from benchmarks.bench_step import median_ms, mlp
 from gbfunc import _graph
 from gbfunc._select import Selection
 from gbfunc._tilemlp import fits_graph
@@ -66,20 +64,6 @@ def generation(plan: gb.Plan, path: str, weights: dict) -> Callable[[], None] | 
     return run
 
 
-def median_ms(steps: dict[str, Callable[[], None]], rounds: int = 15, inner: int = 10) -> dict:
-    for fn in steps.values():
-        for _ in range(3):
-            fn()
-    samples: dict[str, list[float]] = {k: [] for k in steps}
-    for _ in range(rounds):
-        for name, fn in steps.items():
-            start = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            samples[name].append((time.perf_counter() - start) / inner * 1e3)
-    return {k: statistics.median(v) for k, v in samples.items()}
-
-
 def main() -> None:
     args = cpu_benchmark_args(__doc__, "bench_paths.md")
     torch.manual_seed(0)
@@ -95,7 +79,7 @@ def main() -> None:
                 step = generation(plan, path, weights)
                 if step is not None:
                     steps[path] = step
-            ms = median_ms(steps)
+            ms, _ = median_ms(steps, 15, 10)
             for path, value in ms.items():
                 others = [v for p, v in ms.items() if p != path]
                 ratio = f"{value / min(others):6.2f}" if others else "     -"
@@ -111,7 +95,8 @@ def main() -> None:
                 with torch.no_grad():
                     gb.apply(gparams, plan, compile=compile)
 
-            ms = median_ms({"default": evaluate, "torch": lambda e=evaluate: e(compile=False)})
+            evaluations = {"default": evaluate, "torch": lambda e=evaluate: e(compile=False)}
+            ms, _ = median_ms(evaluations, 15, 10)
             ratio = ms["default"] / ms["torch"]
             print(f"{name:37s} {'+'.join(taken):14s} {ms['default']:10.2f}  {ratio:6.2f} x torch")
 

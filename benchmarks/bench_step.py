@@ -69,11 +69,17 @@ def dense_steps(model: nn.Module, batch: tuple, loss_of) -> tuple[TrainStep, Tra
 
 
 def gb_steps(
-    model: nn.Module, plan: gb.Plan, batch: tuple, loss_of, *, eager_compile: bool | None = None
+    model: nn.Module,
+    plan: gb.Plan,
+    batch: tuple,
+    loss_of,
+    *,
+    eager_compile: bool | None = None,
+    device: torch.device | None = None,
 ) -> tuple[TrainStep, TrainStep]:
-    """(eager, compiled) steps of the same model with generated weights; `eager_compile` is
-    `gb.apply`'s `compile` in the eager step."""
-    gparams = gb.init(plan)
+    """(eager, compiled) steps of the same model with generated weights on `device`;
+    `eager_compile` is `gb.apply`'s `compile` in the eager step."""
+    gparams = gb.init(plan, device=device)
     opt = torch.optim.AdamW(torch.utils._pytree.tree_leaves(gparams), lr=1e-3, foreach=True)
 
     def eager() -> None:
@@ -82,7 +88,7 @@ def gb_steps(
         loss_of(out, batch[-1]).backward()
         opt.step()
 
-    fresh = gb.init(plan, requires_grad=False)
+    fresh = gb.init(plan, device=device, requires_grad=False)
     generate = lambda tree: gb.apply(tree, plan)
     compiled = _compiled_step(fresh, generate, model, batch, loss_of)
     leaves = torch.utils._pytree.tree_leaves(gparams)
@@ -119,17 +125,20 @@ def _compiled_step(
 
 
 def round_ms(
-    steps: dict[str, Step], rounds: int, inner: int
+    steps: dict[str, Step], rounds: int, inner: int, sync: Callable[[], None] = lambda: None
 ) -> tuple[dict[str, list[float]], dict[str, float]]:
     """Ms per call of every step in each of `rounds` interleaved, rotated rounds; and the
-    seconds of each step's first call (which compiles)."""
+    seconds of each step's first call (which compiles). `sync` waits for the device's queued
+    work (`torch.cuda.synchronize` on a GPU), inside each timed span."""
     first = {}
     for name, fn in steps.items():  # warm up (and compile)
         start = time.perf_counter()
         fn()
+        sync()
         first[name] = time.perf_counter() - start
         for _ in range(2):
             fn()
+        sync()
     # Compiling leaves many objects behind; a garbage collection inside a timed round would be
     # charged to whichever step triggered it (timeit turns gc off for the same reason).
     gc.collect()
@@ -142,15 +151,16 @@ def round_ms(
             start = time.perf_counter()
             for _ in range(inner):
                 fn()
+            sync()
             samples[name].append((time.perf_counter() - start) / inner * 1e3)
     return samples, first
 
 
 def median_ms(
-    steps: dict[str, Step], rounds: int, inner: int
+    steps: dict[str, Step], rounds: int, inner: int, sync: Callable[[], None] = lambda: None
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Median ms per call of every step over `round_ms`' rounds, and the first calls' seconds."""
-    samples, first = round_ms(steps, rounds, inner)
+    samples, first = round_ms(steps, rounds, inner, sync)
     return {k: statistics.median(v) for k, v in samples.items()}, first
 
 

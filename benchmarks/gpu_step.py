@@ -12,26 +12,16 @@ plain step of the same run.
 """
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
-from torch.func import functional_call, grad_and_value
 
 import gbfunc as gb
-from benchmarks._meta import RESULTS, compile_static, recorded
+from benchmarks._meta import RESULTS, recorded
+from benchmarks.bench_step import dense_steps, gb_steps, median_ms, mlp
 from examples.gpt import GPT, GPTConfig, loss_fn
-
-Step = Callable[[], None]
-
-
-def mlp() -> nn.Module:
-    return nn.Sequential(
-        nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
-    )
 
 
 def workloads(dry_run: bool, device: torch.device) -> list[tuple[str, nn.Module, tuple]]:
@@ -62,74 +52,6 @@ def loss_of(model: nn.Module) -> Callable:
     return loss_fn if isinstance(model, GPT) else nn.functional.cross_entropy
 
 
-def plain_steps(model: nn.Module, batch: tuple) -> tuple[Step, Step]:
-    """(eager, compiled) steps of the model trained directly."""
-    loss = loss_of(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-
-    def eager() -> None:
-        opt.zero_grad(set_to_none=True)
-        loss(model(batch[0]), batch[1]).backward()
-        opt.step()
-
-    tree = {"stacks": {}, "free": {k: v.detach().clone() for k, v in model.named_parameters()}}
-    tree["frozen"] = {}
-    return eager, _compiled_step(tree, lambda t: t["free"], model, batch)
-
-
-def gb_steps(model: nn.Module, plan: gb.Plan, batch: tuple, device: torch.device) -> tuple:
-    """(eager, compiled) steps of the model with generated weights."""
-    loss = loss_of(model)
-    gparams = gb.init(plan, device=device)
-    opt = torch.optim.AdamW(gb.trainable_leaves(gparams), lr=1e-4, foreach=True)
-
-    def eager() -> None:
-        opt.zero_grad(set_to_none=True)
-        loss(functional_call(model, gb.apply(gparams, plan), (batch[0],)), batch[1]).backward()
-        opt.step()
-
-    fresh = gb.init(plan, device=device, requires_grad=False)
-    return eager, _compiled_step(fresh, lambda t: gb.apply(t, plan), model, batch)
-
-
-def _compiled_step(tree: dict, params_of: Callable, model: nn.Module, batch: tuple) -> Step:
-    loss = loss_of(model)
-    state = [tree, gb.optim.adamw_init(tree)]
-
-    def objective(tree, inputs, targets):
-        return loss(functional_call(model, params_of(tree), (inputs,)), targets)
-
-    def step(tree, opt_state, inputs, targets):
-        grads, value = grad_and_value(objective)(tree, inputs, targets)
-        tree, opt_state = gb.optim.adamw_update(tree, grads, opt_state, lr=1e-4)
-        return tree, opt_state, value
-
-    compiled = compile_static(step)
-
-    def run() -> None:
-        state[0], state[1], _ = compiled(state[0], state[1], *batch)
-
-    return run
-
-
-def median_ms(steps: dict[str, Step], rounds: int, inner: int, device: torch.device) -> dict:
-    """Median ms per step of each step over `rounds` interleaved rounds of `inner` steps."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for fn in steps.values():  # compile and warm up
-        for _ in range(3):
-            fn()
-    sync()
-    samples: dict[str, list[float]] = {k: [] for k in steps}
-    for _ in range(rounds):
-        for name, fn in steps.items():
-            start = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            sync()
-            samples[name].append((time.perf_counter() - start) / inner * 1e3)
-    return {k: statistics.median(v) for k, v in samples.items()}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, one round")
@@ -146,18 +68,18 @@ def main() -> None:
         for name, model, batch in workloads(args.dry_run, device):
             model = model.to(device)
             batch = tuple(t.to(device) for t in batch)
-            steps = dict(
-                zip(("plain eager", "plain compiled"), plain_steps(model, batch), strict=True)
-            )
+            loss = loss_of(model)
+            plain_eager, plain_compiled = dense_steps(model, batch, loss)
+            steps = {"plain eager": plain_eager.run, "plain compiled": plain_compiled.run}
             for target in (2, 4) if args.dry_run else (10, 100):  # tiny models: low ratios
                 plan = plan_at(model, target)
                 label = f"gbfunc {gb.report(plan).compression:.0f}x"
-                steps[f"{label} eager"], steps[f"{label} compiled"] = gb_steps(
-                    model, plan, batch, device
-                )
+                eager, compiled = gb_steps(model, plan, batch, loss, device=device)
+                steps[f"{label} eager"], steps[f"{label} compiled"] = eager.run, compiled.run
                 paths = gb.explain(gb.init(plan, device=device), plan).route.stacks
                 print(f"{name}, {label}: stacks on {sorted(set(paths))}")
-            ms = median_ms(steps, rounds, inner, device)
+            sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+            ms, _ = median_ms(steps, rounds, inner, sync)
             print(f"\n## {name}\nstep                     ms     x plain (same mode)")
             for step, value in ms.items():
                 base = ms["plain compiled" if "compiled" in step else "plain eager"]
