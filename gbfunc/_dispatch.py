@@ -132,7 +132,7 @@ def route(plan: Plan, stacks: Mapping[str, Mapping[str, Tensor]], context: Conte
     plan, context, leaves' dtypes and devices and the loops' state for eager calls (traced
     ones decide once, at trace time)."""
     if context.compiling:
-        return _route(plan, stacks, context)
+        return _route(plan, stacks, context)[0]
     leaves = tuple(
         (stacks[s.key]["w_out"].dtype, stacks[s.key]["w_out"].device) for s in plan.stacks
     )
@@ -141,20 +141,28 @@ def route(plan: Plan, stacks: Mapping[str, Mapping[str, Tensor]], context: Conte
     if found is None:
         if len(_ROUTES) >= 256:
             _ROUTES.clear()
-        found = _ROUTES[key] = _route(plan, stacks, context)
+        found = _ROUTES[key] = _route(plan, stacks, context)[0]
     return found
 
 
 _ROUTES: dict[tuple, Route] = {}
 
 
-def _route(plan: Plan, stacks: Mapping[str, Mapping[str, Tensor]], context: Context) -> Route:
+def _route(
+    plan: Plan,
+    stacks: Mapping[str, Mapping[str, Tensor]],
+    context: Context,
+    *,
+    detail: bool = False,
+) -> tuple[Route, list[dict[str, str | None]]]:
+    """The route, and per stack the verdicts it was chosen from (`detail`: exact reasons)."""
     verdicts = [
-        _verdicts(_Call(plan, s, stacks, context, True, index=i)) for i, s in enumerate(plan.stacks)
+        _verdicts(_Call(plan, s, stacks, context, True, detail=detail, index=i))
+        for i, s in enumerate(plan.stacks)
     ]
     chosen = tuple(_first(v) for v in verdicts)
     whole = "triton" if "triton" in chosen else "graph" if "graph" in chosen else "stacks"
-    return Route(whole, chosen)
+    return Route(whole, chosen), verdicts
 
 
 def stack_path(
@@ -211,7 +219,7 @@ def compiling_asked(plan: Plan, context: Context) -> bool:
     large = sum(p.numel for p in plan.generated) >= AUTO_GRAPH_WEIGHTS
     if not context.grad:
         return large
-    return large or any(s.hidden_elements >= AUTO_COMPILE_ELEMENTS for s in plan.stacks)
+    return large or any(compiles_eagerly(s, None) for s in plan.stacks)
 
 
 def compiles_eagerly(stack: Stack, compile: bool | None) -> bool:
@@ -281,12 +289,8 @@ def _graph(call: _Call) -> str | None:
     context, plan = call.context, call.plan
     if plan is None:
         return "a selection of a plan is not compiled as one graph"
-    if not context.eager:
-        return "traced or transformed: the caller's graph holds it"
-    if context.dynamo_off:
-        return "dynamo is switched off (torch._dynamo.config.disable)"
-    if context.dispatch_mode:
-        return "a TorchDispatchMode is active: compiled code cannot run inside it"
+    if refused := _own_compile_refused(context):
+        return refused
     if context.compile is None and not context.grad:
         return "evaluation (gradients off, compile=None) compiles no graph"
     if not compiling_asked(plan, context):
@@ -309,12 +313,8 @@ def _graph(call: _Call) -> str | None:
 @_path("compiled-mlp")
 def _compiled_mlp(call: _Call) -> str | None:
     context = call.context
-    if not context.eager:
-        return "traced or transformed: the caller's graph holds it"
-    if context.dynamo_off:
-        return "dynamo is switched off (torch._dynamo.config.disable)"
-    if context.dispatch_mode:
-        return "a TorchDispatchMode is active: compiled code cannot run inside it"
+    if refused := _own_compile_refused(context):
+        return refused
     if not compiles_eagerly(call.stack, context.compile):
         if context.compile is False:
             return "compile=False"
@@ -326,6 +326,17 @@ def _compiled_mlp(call: _Call) -> str | None:
 
 @_path("torch")
 def _torch(call: _Call) -> str | None:
+    return None
+
+
+def _own_compile_refused(context: Context) -> str | None:
+    """Why gbfunc cannot run compiled code of its own for this call (None: it can)."""
+    if not context.eager:
+        return "traced or transformed: the caller's graph holds it"
+    if context.dynamo_off:
+        return "dynamo is switched off (torch._dynamo.config.disable)"
+    if context.dispatch_mode:
+        return "a TorchDispatchMode is active: compiled code cannot run inside it"
     return None
 
 
@@ -377,14 +388,10 @@ def explain(
     check_gparams(gparams, plan, "gb.explain")
     stacks = gparams["stacks"]
     context = Context.now(stacks, backend=backend, compile=compile)
-    verdicts = {
-        s.key: _verdicts(_Call(plan, s, stacks, context, True, detail=True, index=i))
-        for i, s in enumerate(plan.stacks)
-    }
-    chosen = _route(plan, stacks, context)  # afresh: a report, not the hot path
+    chosen, verdicts = _route(plan, stacks, context, detail=True)  # afresh, not the memo
     reasons = {
-        key: {name: reason for name, reason in v.items() if reason is not None}
-        for key, v in verdicts.items()
+        s.key: {name: reason for name, reason in v.items() if reason is not None}
+        for s, v in zip(plan.stacks, verdicts, strict=True)
     }
     lines = [
         f"gb.apply(backend={backend!r}, compile={compile!r}) on {context.device} "
