@@ -46,7 +46,8 @@ def check_gparams(gparams: object, plan: Plan, where: str, *, values: bool = Fal
         if not getattr(torch, p.dtype).is_floating_point
     }
     stack_first: dict[str, tuple[tuple[str, ...], Tensor]] = {}
-    floating: dict[bool, list[tuple[tuple[str, ...], Tensor]]] = {}  # stack leaves or not
+    stack_floats: list[tuple[tuple[str, ...], Tensor]] = []
+    free_floats: list[tuple[tuple[str, ...], Tensor]] = []  # free and frozen
     for keys, shape in expected.items():
         node = _leaf(gparams, keys, lambda path: f"{where}: {path} is missing. {hint}")
         if not isinstance(node, Tensor):
@@ -72,12 +73,12 @@ def check_gparams(gparams: object, plan: Plan, where: str, *, values: bool = Fal
                     "stack must share dtype and device."
                 )
         if node.is_floating_point():
-            floating.setdefault(keys[0] == "stacks", []).append((keys, node))
+            (stack_floats if keys[0] == "stacks" else free_floats).append((keys, node))
         if values and node.is_meta:
             raise ValueError(f"{where}: {_path(keys)} is on the meta device: it has no values.")
         if values and not bool(torch.isfinite(node).all()):
             raise ValueError(f"{where}: {_path(keys)} contains NaN or inf.")
-    _check_free_dtypes(floating.get(False, []), floating.get(True, []), where)
+    _check_free_dtypes(free_floats, stack_floats, where)
     for keys in _paths(gparams):
         if keys not in expected:
             raise ValueError(f"{where}: {_path(keys)} is not in the plan. {hint}")

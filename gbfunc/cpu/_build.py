@@ -43,7 +43,7 @@ _COMMON_FLAGS = ("-O3", "-std=c++17", "-fopenmp", "-ffp-contract=fast")
 
 
 class Loop(NamedTuple):
-    """An `extern "C"` function of a source in `csrc/`: its name, its file, and how many tensor
+    """A C-linkage function of a source in `csrc/`: its name, its file, and how many tensor
     pointers and sizes (int64) it takes, then the thread count (int)."""
 
     name: str
@@ -135,8 +135,8 @@ def unavailable_reason() -> str | None:
     """Why no loop runs in this process, or None where they may (each still built on use)."""
     if _failure is not None:
         return _failure
-    if mode() != "off" and compiler() is None:
-        return missing_compiler(warn=False)
+    if mode() != "off" and (missing := missing_compiler(warn=False)):
+        return missing
     if flavour() is None:
         if mode() == "off":
             return f"{MODE_VARIABLE} (or gbfunc.cpu.set_mode) is 'off'"
@@ -196,8 +196,12 @@ def _load(source: str, units: int, outputs: int, build: str) -> ctypes.CDLL:
     library = folder / f"{name}.so"
     if library.exists():
         _check_file(library)
-    flags = [*_COMMON_FLAGS, *_ISA_FLAGS.get(build, ()), f"-DHIDDEN={units}"]
-    flags.append(f"-DOUTPUTS={outputs}")
+    flags = [
+        *_COMMON_FLAGS,
+        *_ISA_FLAGS.get(build, ()),
+        f"-DHIDDEN={units}",
+        f"-DOUTPUTS={outputs}",
+    ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # cpp_extension's notes on the compiler's version
         path = cpp_extension.load(
