@@ -7,6 +7,7 @@ anything imports the kernels.
 
 import importlib.util
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -79,15 +80,23 @@ def process_group(tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def failing_loops(monkeypatch, tmp_path) -> None:
-    """The CPU loops as in a process whose builds fail (`CXX` is a program that fails),
-    building into a cache of the test's own; the process's own state comes back after."""
-    from gbfunc.cpu import _build
+def fresh_loops(monkeypatch, tmp_path) -> Path:
+    """The CPU loops' state of a new process, `auto` mode, building into a cache of the
+    test's own (returned); the process's own state comes back after the test."""
+    from gbfunc.cpu import _build, _cache
 
     monkeypatch.setattr(_build, "_libraries", {})
     monkeypatch.setattr(_build, "_functions", {})
     monkeypatch.setattr(_build, "_failure", None)
-    monkeypatch.setenv("GBFUNC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(_build, "_mode", None)
+    monkeypatch.delenv(_build.MODE_VARIABLE, raising=False)
+    monkeypatch.setenv(_cache.CACHE_VARIABLE, str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def failing_loops(fresh_loops, monkeypatch, tmp_path) -> None:
+    """`fresh_loops` in a process whose builds fail (`CXX` is a program that fails)."""
     failing = tmp_path / "failing-compiler"
     failing.write_text("#!/bin/sh\necho 'failing-compiler: cannot build' >&2\nexit 1\n")
     failing.chmod(0o755)

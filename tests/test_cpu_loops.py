@@ -98,18 +98,6 @@ def test_without_a_compiler_every_call_trains_with_one_warning_and_the_same_numb
             torch.testing.assert_close(g, h, rtol=1e-4, atol=1e-6)
 
 
-@pytest.fixture
-def fresh_loops(monkeypatch, tmp_path):
-    """The loops' state of a new process, building into `tmp_path / "cache"`."""
-    monkeypatch.setattr(_build, "_libraries", {})
-    monkeypatch.setattr(_build, "_functions", {})
-    monkeypatch.setattr(_build, "_failure", None)
-    monkeypatch.setattr(_build, "_mode", None)
-    monkeypatch.delenv(_build.MODE_VARIABLE, raising=False)
-    monkeypatch.setenv(_cache.CACHE_VARIABLE, str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
-
 needs_loops = pytest.mark.skipif(
     _build.flavour() is None or _build.compiler() is None,
     reason="the loops are not built on this machine (mode, platform or compiler)",
