@@ -1,11 +1,11 @@
 """`gb.save` / `gb.load`: compressed checkpoints in one safetensors file.
 
-The tensors (g-net stacks, free and frozen parameters, optimizer state) are safetensors
-entries; the plan, the optimizer state's structure, `step` and `meta` are JSON in the
-safetensors metadata header, next to a format version, the writing library versions and a
-SHA-256 over every tensor (name, dtype, shape, bytes) and every metadata entry. Loading
-reads the file once, checks it, and builds new tensors: nothing is executed, nothing is
-mutated, nothing is unpickled.
+The tensors (g-net stacks, free and frozen parameters, the p-net's buffers, optimizer state)
+are safetensors entries; the plan, the optimizer state's structure, `step` and `meta` are
+JSON in the safetensors metadata header, next to a format version, the writing library
+versions and a SHA-256 over every tensor (name, dtype, shape, bytes) and every metadata
+entry. Loading reads the file once, checks it, and builds new tensors: nothing is executed,
+nothing is unpickled, and nothing is mutated but the model's buffers, once all is checked.
 
 The SHA-256 detects accidental damage (a flipped bit, a truncated copy, a hand edit that
 forgot to update it); it is not a signature, and a crafted file can carry a matching one.
@@ -20,6 +20,7 @@ import json
 import os
 import stat
 import struct
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import safetensors.torch
@@ -36,8 +37,9 @@ from ._tree import GParams
 from ._version import __version__
 
 FORMAT = "gbfunc.checkpoint"
-FORMAT_VERSION = 2  # 2: plan fields renamed (`kernel` -> `window_in`/`window`, ...)
-READABLE_VERSIONS = (1, 2)  # version 1 files load through `plan_from_json`'s migration
+FORMAT_VERSION = 3  # 2: plan fields renamed (`kernel` -> `window_in`, ...); 3: p-net buffers
+READABLE_VERSIONS = (1, 2, 3)  # version 1 files load through `plan_from_json`'s migration
+BUFFERS = "buffers/"  # prefix of the p-net's buffers among the file's tensors
 
 
 class CheckpointError(ValueError):
@@ -75,6 +77,7 @@ def save(
     gparams: GParams,
     plan: Plan,
     *,
+    buffers: nn.Module | Mapping[str, Tensor] | None = None,
     opt_state: object = None,
     step: int | None = None,
     meta: dict[str, Any] | None = None,
@@ -85,6 +88,11 @@ def save(
         path: Target file, conventionally `*.safetensors`.
         gparams: From `gb.init(plan)` (or trained from it).
         plan: The plan that made `gparams`.
+        buffers: The p-net's buffers (BatchNorm running statistics and the like), which are
+            state but not parameters: a module (its persistent buffers, as in its
+            `state_dict`) or `{name: tensor}`. Default: those of the model the plan was
+            made from, while it is alive (`b.plan` of a `gb.Bottleneck` names its p-net);
+            `{}` stores none. `gb.load` restores them into the model it is given.
         opt_state: An optimizer's `state_dict()` or any pytree of tensors, numbers, strings,
             None, lists, tuples and dicts (str or int keys).
         step: Training step, an int >= 0.
@@ -110,10 +118,14 @@ def save(
         raise TypeError(f"gb.save: meta must be JSON-serialisable: {e}.") from None
     labelled = leaves(gparams, plan)
     check_no_meta(labelled, "gb.save")
+    kept = buffers_to_save(buffers, plan, "gb.save")
     skeleton, opt_tensors = flatten(opt_state, "opt_state", "gb.save: opt_state")
     check_no_meta({f"opt_state tensor {k!r}": t for k, t in opt_tensors.items()}, "gb.save")
     names = ["/".join(keys) for keys in expected_shapes(plan)]  # same order as `labelled`
-    tensors = standalone({**dict(zip(names, labelled.values(), strict=True)), **opt_tensors})
+    stored = {BUFFERS + name: t for name, t in kept.items()}
+    tensors = standalone(
+        {**dict(zip(names, labelled.values(), strict=True)), **stored, **opt_tensors}
+    )
     metadata = {
         "format": FORMAT,
         "format_version": str(FORMAT_VERSION),
@@ -132,6 +144,42 @@ def save(
         raise CheckpointError(
             f"gb.save: {path}: cannot be written ({reason}); any previous file there is unchanged."
         ) from e
+
+
+def persistent_buffers(model: nn.Module) -> dict[str, Tensor]:
+    """`model`'s buffers that its `state_dict` holds (tied ones once), by name."""
+    found = {}
+    for name, buf in model.named_buffers():
+        owner, _, local = name.rpartition(".")
+        if local not in model.get_submodule(owner)._non_persistent_buffers_set:
+            found[name] = buf
+    return found
+
+
+def buffers_to_save(
+    buffers: nn.Module | Mapping[str, Tensor] | None, plan: Plan, where: str
+) -> dict[str, Tensor]:
+    """The p-net buffers a save stores: `buffers`, or by default the plan's model's."""
+    if buffers is None:
+        model = plan.model()
+        buffers = {} if model is None else model
+    if isinstance(buffers, nn.Module):
+        found = persistent_buffers(buffers)
+    elif isinstance(buffers, Mapping):
+        found = dict(buffers)
+        for name, t in found.items():
+            if not isinstance(name, str) or not isinstance(t, Tensor):
+                raise TypeError(
+                    f"{where}: buffers must map names (str) to tensors; got {name!r}: "
+                    f"{type(t).__name__}."
+                )
+    else:
+        raise TypeError(
+            f"{where}: buffers must be an nn.Module, a {{name: tensor}} mapping or None, got "
+            f"{type(buffers).__name__}."
+        )
+    check_no_meta({f"buffer {n!r}": t for n, t in found.items()}, where)
+    return {n: t.detach() for n, t in found.items()}
 
 
 def checkpoint_path(path: object, where: str) -> str:
@@ -160,7 +208,9 @@ def load(
     `model` (every field, against the model's shapes, so that whatever it sizes is bounded
     by the model); its tensors are the ones that plan and the optimizer state need, with
     their dtypes. Each failure raises a `gb.CheckpointError` subclass naming the file; on
-    success, new tensors are returned and nothing else is touched.
+    success the p-net buffers stored with it (BatchNorm statistics and the like) are copied
+    into `model`'s, as `load_state_dict` would, and new tensors are returned for the rest;
+    on failure nothing is touched.
 
     The SHA-256 detects damage (a flipped bit, a truncated copy), not forgery: anyone can
     write a file with a matching hash. What makes a crafted file safe to load is the
@@ -168,21 +218,74 @@ def load(
 
     Args:
         path: File written by `gb.save`.
-        model: The p-net the checkpoint is for (only names and shapes are read).
+        model: The p-net the checkpoint is for: its names and shapes are checked, and its
+            buffers receive the stored ones.
         device: Where to put the tensors (default: CPU).
 
     Returns:
         `Checkpoint(gparams, plan, opt_state, step, meta)`; trainable leaves of `gparams`
         require grad, as from `gb.init`.
     """
-    check_module(model, "gb.load")
-    path = checkpoint_path(path, "gb.load")
-    where = f"gb.load: {path}"
+    ckpt, buffers = read(path, model, "gb.load", device=device)
+    restore_buffers(model, buffers)
+    return ckpt
+
+
+def read(
+    path: str | os.PathLike,
+    model: nn.Module,
+    where: str,
+    *,
+    device: torch.device | str | None = None,
+) -> tuple[Checkpoint, dict[str, Tensor]]:
+    """`gb.load` without its one side effect: the checkpoint and the p-net buffers it holds,
+    checked against `model`'s, for a caller that has more to check before restoring them."""
+    check_module(model, where)
+    path = checkpoint_path(path, where)
+    where = f"{where}: {path}"
     tensors, metadata = _verified(path, where)
     plan, skeleton, step, meta = _header(metadata, where)
     check_plan(plan, model, where, corrupt=CheckpointCorruptError, mismatch=CheckpointMismatchError)
+    stored = {k: tensors.pop(k) for k in [k for k in tensors if k.startswith(BUFFERS)]}
+    buffers = _check_buffers(stored, model, where)
     gparams, opt_state = _contents(tensors, plan, skeleton, where, device)
-    return Checkpoint(gparams, plan, opt_state, step, meta)
+    return Checkpoint(gparams, plan, opt_state, step, meta), buffers
+
+
+def restore_buffers(model: nn.Module, buffers: dict[str, Tensor]) -> None:
+    """Copy `buffers` (checked by `read`) into `model`'s, in place: aliases see them too."""
+    with torch.no_grad():
+        for name, value in buffers.items():
+            model.get_buffer(name).copy_(value)
+
+
+def _check_buffers(stored: dict[str, Tensor], model: nn.Module, where: str) -> dict[str, Tensor]:
+    """The file's buffers by p-net name, each checked by `check_buffer` (a file may hold
+    fewer than the model has: one written before version 3 holds none)."""
+    mine = persistent_buffers(model)
+    found = {}
+    for key, value in stored.items():
+        name = key.removeprefix(BUFFERS)
+        check_buffer(name, value.dtype, tuple(value.shape), mine, where)
+        found[name] = value
+    return found
+
+
+def check_buffer(
+    name: str, dtype: torch.dtype, shape: tuple[int, ...], mine: dict[str, Tensor], where: str
+) -> None:
+    """Raise `CheckpointMismatchError` unless a stored buffer fits the model's of that name."""
+    if name not in mine:
+        raise CheckpointMismatchError(
+            f"{where}: the checkpoint holds buffer {name!r}, which the model does not have "
+            "(or does not store in its state_dict). Was it made for a different model?"
+        )
+    have = mine[name]
+    if shape != tuple(have.shape) or dtype != have.dtype:
+        raise CheckpointMismatchError(
+            f"{where}: buffer {name!r} is {dtype} {shape} in the checkpoint but "
+            f"{have.dtype} {tuple(have.shape)} in the model."
+        )
 
 
 def _verified(path: str, where: str) -> tuple[dict[str, Tensor], dict[str, str]]:

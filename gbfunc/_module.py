@@ -14,6 +14,8 @@ import difflib
 import inspect
 import os
 import re
+import weakref
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -74,8 +76,9 @@ class Bottleneck(nn.Module):
     `eval()` reach the p-net. Its dense weights are never read: `forward` passes generated
     ones, so the p-net may even sit on the `meta` device (if it has no buffers), and then the
     dense weights are never allocated. `state_dict()` is the compressed model; `export()`
-    gives the dense one. `gb.save(path, b.gparams, b.plan)` stores `gparams` only: the
-    p-net's buffers are in `state_dict()`, not in that file.
+    gives the dense one. `gb.save(path, b.gparams, b.plan)` stores the g-nets and the
+    p-net's buffers (`b.plan` names `b.pnet` as its model), and `from_checkpoint` restores
+    both.
 
     Args:
         model: The p-net, a plain `nn.Module` (not wrapped in DDP or torch.compile).
@@ -113,7 +116,9 @@ class Bottleneck(nn.Module):
         else:
             check_matches(plan, model, "gb.Bottleneck", "the plan")
         object.__setattr__(self, "_pnet", model)  # a plain attribute: not a submodule
-        self.plan = plan
+        # The plan names this p-net as its model, so `gb.save(path, b.gparams, b.plan)` stores
+        # its buffers; `source` is not part of a plan's equality.
+        self.plan = plan if plan.model() is model else replace(plan, source=weakref.ref(model))
         first = model.get_parameter(plan.generated[0].name)
         # A p-net on the meta device is fine (its dense weights are never read); ours are real.
         device = None if first.is_meta else first.device
@@ -208,7 +213,8 @@ class Bottleneck(nn.Module):
     def from_checkpoint(
         cls, path: str | os.PathLike, model: nn.Module, *, device: torch.device | str | None = None
     ) -> "Bottleneck":
-        """A `Bottleneck` of `model` holding a `gb.save` checkpoint's plan and values.
+        """A `Bottleneck` of `model` holding a `gb.save` checkpoint's plan and values, with
+        the p-net buffers stored in it restored into `model`'s (which it shares).
 
         For the optimizer state, step and meta of the same file, read it with `gb.load`.
 

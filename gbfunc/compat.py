@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from ._apply import apply
 from ._check_model import unwrap
-from ._checkpoint import CheckpointMismatchError, load
+from ._checkpoint import CheckpointMismatchError, read, restore_buffers
 from ._init import init
 from ._options import check_tile
 from ._plan import Free, Generated, Plan
@@ -188,13 +188,15 @@ class GenomicBottleneck:
         )
 
     def load(self, fname: str | os.PathLike) -> None:
-        """Restore a file written by `save`: g-nets, optimizer state, free parameters.
+        """Restore a file written by `save`: g-nets, optimizer state, free parameters and the
+        model's buffers.
 
         Everything is read and checked first (file, hash, model, plan, optimizer state); only
         then is anything replaced, and the p-net's generated weights are re-predicted.
         """
         first = next(iter(self.gparams["stacks"].values()))["w_in"]
-        ckpt = load(fname, unwrap(self.model), device=first.device)
+        pnet = unwrap(self.model)
+        ckpt, buffers = read(fname, pnet, "GenomicBottleneck.load", device=first.device)
         if ckpt.plan != self.plan:
             raise CheckpointMismatchError(
                 f"GenomicBottleneck.load: {os.fspath(fname)}: {_difference(ckpt.plan, self.plan)}; "
@@ -214,6 +216,7 @@ class GenomicBottleneck:
             for group in ("free", "frozen"):
                 for name, value in ckpt.gparams[group].items():
                     self._params[name].copy_(value)
+            restore_buffers(pnet, buffers)
             self.gparams["stacks"] = stacks
             self.optimizer = optimizer
             self.predict_weights()

@@ -225,10 +225,10 @@ def _rewrite_metadata(path, **changes) -> None:
 
 
 def test_unknown_format_version(saved):
-    _rewrite_metadata(saved, format_version="3", gbfunc_version="9.0")
+    _rewrite_metadata(saved, format_version="4", gbfunc_version="9.0")
     with pytest.raises(
         gb.CheckpointVersionError,
-        match=rf"{saved}: format version 3 .*gbfunc 9.0.*reads versions \(1, 2\)",
+        match=rf"{saved}: format version 4 .*gbfunc 9.0.*reads versions \(1, 2, 3\)",
     ):
         gb.load(saved, mlp())
 

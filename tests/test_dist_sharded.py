@@ -242,6 +242,6 @@ def test_older_manifests_load_and_unknown_versions_are_refused(tmp_path):
         assert all(torch.equal(whole[k], gparams["free"][k]) for k in whole)
     finally:
         dist.destroy_process_group()
-    (tmp_path / "gbfunc.json").write_text(json.dumps({**manifest, "format_version": 4}))
-    with pytest.raises(gb.CheckpointVersionError, match=r"format version 4; .* \(1, 2, 3\)"):
+    (tmp_path / "gbfunc.json").write_text(json.dumps({**manifest, "format_version": 5}))
+    with pytest.raises(gb.CheckpointVersionError, match=r"format version 5; .* \(1, 2, 3, 4\)"):
         gbd.load_sharded(tmp_path, model)

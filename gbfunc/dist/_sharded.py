@@ -29,12 +29,17 @@ from torch.distributed.tensor import DTensor
 from .._check_model import check_module
 from .._check_plan import check_plan
 from .._checkpoint import (
+    BUFFERS,
     Checkpoint,
     CheckpointCorruptError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
     CheckpointVersionError,
+    buffers_to_save,
+    check_buffer,
     content_hash,
+    persistent_buffers,
+    restore_buffers,
 )
 from .._plan import TILE_LEAVES, Plan
 from .._serial import plan_from_json, plan_to_json
@@ -45,10 +50,11 @@ from ._owned import RankOwned
 
 MANIFEST = "gbfunc.json"
 FORMAT = "gbfunc.sharded"
-# 3: layout-free checksums of free and optimizer entries (DTensor shards), optimizer state
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
-PLAN_VERSION_OF = {1: 1, 2: 2, 3: 2}  # the plan JSON version inside, as in `gb.save`'s files
+# 3: layout-free checksums of free and optimizer entries (DTensor shards), optimizer state;
+# 4: the p-net's buffers
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
+PLAN_VERSION_OF = {1: 1, 2: 2, 3: 2, 4: 2}  # the plan JSON version inside, as in `gb.save`'s files
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float64, torch.bfloat16)}
 _DTYPES["float16"] = torch.float16
 
@@ -121,6 +127,7 @@ def save_sharded(
     *,
     plan: Plan | None = None,
     group: dist.ProcessGroup | None = None,
+    buffers: nn.Module | dict[str, Tensor] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     step: int | None = None,
     meta: Any = None,
@@ -138,6 +145,8 @@ def save_sharded(
         owned: The `RankOwned` that sharded the g-nets; or
         plan: the plan, for g-nets replicated on every rank of `group` (default: all ranks;
             no process group at all: one process writes everything).
+        buffers: The p-net's buffers, replicated on every rank, as in `gb.save` (default:
+            those of the model the plan was made from, while it is alive).
         optimizer: A `torch.optim` optimizer over `local`'s trainable leaves; its state is
             written sharded like its parameters and restored by `load_sharded(optimizer=)`.
         step: Training step, an int >= 0.
@@ -149,6 +158,8 @@ def save_sharded(
     plan, group = _context(owned, plan, group, where)
     rows = _rows(plan, owned)
     state = _value_entries(plan, local, rows, where)
+    kept = buffers_to_save(buffers, plan, where)
+    state.update({BUFFERS + name: t for name, t in kept.items()})
     described = None
     if optimizer is not None:
         entries, described = state_entries(optimizer, optim_leaves(plan, local, rows), where)
@@ -157,7 +168,9 @@ def save_sharded(
     # g-net rows (and their optimizer state) are held whole by one rank: a SHA-256 suffices.
     whole = ("stacks/", f"{OPTIM}stacks/")
     checksums = {k: checksum(v) for k, v in state.items() if not k.startswith(whole)}
-    dcp.save(state, checkpoint_id=os.fspath(path), process_group=group, no_dist=group is None)
+    with warnings.catch_warnings():  # one process writing on purpose: not worth a warning
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.save(state, checkpoint_id=os.fspath(path), process_group=group, no_dist=group is None)
     every: list[Any] = [digests]
     if group is not None:
         every = [None] * dist.get_world_size(group)
@@ -170,6 +183,9 @@ def save_sharded(
             "step": step,
             "meta": meta,
             "dtypes": _stack_dtypes(local),
+            "buffers": {
+                n: [str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in kept.items()
+            },
             "sha256": {k: v for d in every for k, v in d.items()},
             "checksums": checksums,
             "optimizer": described,
@@ -206,7 +222,8 @@ def load_sharded(
 
     Args:
         path: The checkpoint's directory.
-        model: The p-net it is for (only names and shapes are read).
+        model: The p-net it is for: its names and shapes are checked, and its buffers
+            receive the stored ones once everything is read and checked.
         owned: This rank's `RankOwned` (on every rank of its group: a collective); each rank
             reads only its g-nets. `None`: every g-net is read.
         into: gparams to fill in place, e.g. those of a restarted run, where free parameters
@@ -250,6 +267,7 @@ def load_sharded(
     if into is not None:
         _check_into(plan, rows, into, where)
     state = _templates(plan, rows, dtypes, into, where)
+    state.update(_buffer_templates(manifest, model, where))
     known = optim_leaves(plan, into, rows) if optimizer is not None else {}
     if optimizer is not None:
         try:
@@ -263,6 +281,9 @@ def load_sharded(
     if optimizer is not None:
         restore(manifest["optimizer"], optimizer, known, state)
     gparams = _assemble(plan, rows, state, dtypes, device)
+    restore_buffers(
+        model, {k.removeprefix(BUFFERS): v for k, v in state.items() if k.startswith(BUFFERS)}
+    )
     if into is not None:
         _fill(into, gparams)
         gparams = into
@@ -308,6 +329,25 @@ def _templates(
             state[f"{kind}/{p.name}"] = torch.empty_like(target.detach())
         else:
             state[f"{kind}/{p.name}"] = torch.empty(p.shape, dtype=getattr(torch, p.dtype))
+    return state
+
+
+def _buffer_templates(manifest: dict[str, Any], model: nn.Module, where: str) -> dict[str, Tensor]:
+    """Empty tensors for the p-net buffers the manifest lists, each checked against `model`'s
+    (manifests before version 4 list none)."""
+    mine = persistent_buffers(model)
+    state = {}
+    try:
+        for name, (dtype, shape) in (manifest.get("buffers") or {}).items():
+            dtype, shape = getattr(torch, dtype, None), tuple(shape)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"buffer {name!r} has no dtype")
+            check_buffer(name, dtype, shape, mine, where)
+            state[BUFFERS + name] = torch.empty(shape, dtype=dtype)
+    except (AttributeError, TypeError, ValueError) as e:
+        if isinstance(e, CheckpointMismatchError):
+            raise
+        raise CheckpointCorruptError(f"{where}: unreadable buffer list ({e!s:.200}).") from None
     return state
 
 
