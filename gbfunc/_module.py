@@ -15,6 +15,7 @@ import inspect
 import os
 import re
 import weakref
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -57,6 +58,43 @@ class _Buffers(nn.Module):
 
     def get(self, name: str) -> Tensor:
         return self._buffers[escape(name)]
+
+
+class _WithPnetSignature:
+    """A method whose bound form reports the p-net's signature (see `_BoundForward`)."""
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self.function = function
+        self.__doc__ = function.__doc__
+
+    def __get__(self, module: "Bottleneck | None", owner: type | None = None) -> Any:
+        return self.function if module is None else _BoundForward(self.function, module)
+
+
+class _BoundForward:
+    """`Bottleneck.forward` bound to a module, with `__signature__` read from its p-net.
+
+    A bound method's signature is its function's, `(*args, **kwargs)` here, and cannot be set
+    per instance; this callable can. It holds no state of its own, so the module still
+    deep-copies, pickles and compiles (`fullgraph=True`) as before.
+    """
+
+    __slots__ = ("__func__", "__self__")
+
+    def __init__(self, function: Callable[..., Any], module: "Bottleneck") -> None:
+        self.__func__ = function
+        self.__self__ = module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    @property
+    def __name__(self) -> str:
+        return self.__func__.__name__
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.__self__.pnet.forward)
 
 
 class Bottleneck(nn.Module):
@@ -116,9 +154,7 @@ class Bottleneck(nn.Module):
         else:
             check_matches(plan, model, "gb.Bottleneck", "the plan")
         object.__setattr__(self, "_pnet", model)  # a plain attribute: not a submodule
-        # The plan names this p-net as its model, so `gb.save(path, b.gparams, b.plan)` stores
-        # its buffers; `source` is not part of a plan's equality.
-        self.plan = plan if plan.model() is model else replace(plan, source=weakref.ref(model))
+        self._plan = plan
         first = model.get_parameter(plan.generated[0].name)
         # A p-net on the meta device is fine (its dense weights are never read); ours are real.
         device = None if first.is_meta else first.device
@@ -152,6 +188,14 @@ class Bottleneck(nn.Module):
         return self._pnet
 
     @property
+    def plan(self) -> Plan:
+        """The plan, naming this module's p-net as its model (also in a copy of the module),
+        so that `gb.save(path, b.gparams, b.plan)` stores the p-net's buffers."""
+        if self._plan.model() is not self._pnet:  # `source` is not part of a plan's equality
+            self._plan = replace(self._plan, source=weakref.ref(self._pnet))
+        return self._plan
+
+    @property
     def gparams(self) -> GParams:
         """The functional view, `{"stacks", "free", "frozen"}`, holding this module's tensors.
 
@@ -171,12 +215,17 @@ class Bottleneck(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Generate the p-net's weights and call it: `functional_call(pnet, weights, args)`.
 
-        Returns whatever the p-net returns (a transformers model: its `ModelOutput`).
+        Returns whatever the p-net returns (a transformers model: its `ModelOutput`). On an
+        instance, `inspect.signature(b.forward)` is the p-net's, so trainers that choose
+        their inputs by it (transformers' `Trainer` drops unnamed dataset columns) see the
+        wrapped model's arguments.
         """
-        tensors = apply(self.gparams, self.plan)
+        tensors = apply(self.gparams, self._plan)
         for name in self._buffer_aliases:
             tensors[name] = self.pnet_buffers.get(name)
         return functional_call(self._pnet, tensors, args, kwargs)
+
+    forward = _WithPnetSignature(forward)
 
     def export(self) -> dict[str, Tensor]:
         """The dense `state_dict` of the p-net, `gb.export(b.gparams, b.plan, model=b.pnet)`."""

@@ -36,7 +36,11 @@ def falls(losses: list[float], window: int = 4) -> bool:
 
 
 class Counting(torch.utils.data.Dataset):
-    """Token sequences that count up modulo 8 from a random start: next token is predictable."""
+    """Token sequences that count up modulo 8 from a random start: next token is predictable.
+
+    Each row also has a `source` column the model does not take: the Trainer has to drop it
+    by reading the model's signature through `gb.Bottleneck.forward` (GPT-2 would raise on it).
+    """
 
     def __init__(self, rows: int = 64) -> None:
         start = torch.randint(0, 8, (rows, 1), generator=torch.Generator().manual_seed(0))
@@ -46,11 +50,13 @@ class Counting(torch.utils.data.Dataset):
         return len(self.ids)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+        return {"input_ids": self.ids[i], "labels": self.ids[i], "source": "synthetic"}
 
 
 @pytest.mark.slow
 def test_transformers_trainer_trains_gpt2_and_saves_only_compressed_weights(tmp_path):
+    """Default `TrainingArguments`: the Trainer keeps the columns GPT-2's forward names (and
+    drops the others) because `gb.Bottleneck.forward` reports GPT-2's signature."""
     transformers = pytest.importorskip("transformers", reason="needs the integrations extra")
     config = transformers.GPT2Config(
         vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=2, n_head=4,
@@ -69,8 +75,7 @@ def test_transformers_trainer_trains_gpt2_and_saves_only_compressed_weights(tmp_
         report_to=[],
         use_cpu=True,
         disable_tqdm=True,
-        remove_unused_columns=False,  # forward(*args, **kwargs) names no columns
-    )
+    )  # remove_unused_columns keeps its default: only the columns forward names are passed
     trainer = transformers.Trainer(model=b, args=args, train_dataset=Counting())
     trainer.train()
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]

@@ -2,6 +2,7 @@
 compressed model's, while forward runs the p-net on generated weights."""
 
 import copy
+import inspect
 
 import hypothesis.strategies as st
 import pytest
@@ -338,3 +339,17 @@ def test_compiled_training_step_matches_eager():
     assert runs[1][-1] < runs[1][0]
     for p, q in zip(compiled_b.parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_forward_reports_the_pnets_signature_also_in_copies():
+    """Trainers pick their inputs from `inspect.signature(model.forward)`."""
+    b = gb.Bottleneck(bn_net(), tile=(8, 8)).eval()  # no dropout
+    assert inspect.signature(b.forward) == inspect.signature(b.pnet.forward)
+    assert "input" in inspect.signature(b.forward).parameters
+    assert gb.Bottleneck.forward.__doc__.startswith("Generate the p-net's weights")
+    c = copy.deepcopy(b)
+    assert c.forward.__self__ is c
+    assert c.plan.model() is c.pnet  # a copy's plan names the copy's p-net: saves its buffers
+    assert c.plan == b.plan
+    x = torch.randn(4, 6)
+    torch.testing.assert_close(c.forward(x), b(x), rtol=0, atol=0)
