@@ -25,7 +25,7 @@ from gbfunc._tilemlp import fits_graph
 
 GENOMES = {
     "default genome (torchGB), tile 128": {"tile": (128, 128)},
-    "default genome, compression=10": {"compression": 10},
+    "default genome, compression=10": {"compression": 10, "compression_of": "generated"},
     "hidden 8, outputs 8, tile 64": {"tile": (64, 64), "hidden": 8, "outputs": 8},
     "shared + embeddings, tile 64": {"tile": (64, 64), "hidden": 8, "share": True},
     "row g-nets, hidden 8, tile 128": {"tile": (128, 128), "hidden": 8, "outputs": 128},
@@ -34,6 +34,7 @@ GENOMES = {
         "hidden": 4,
         "hashed": "auto",
         "compression": 20,
+        "compression_of": "generated",
     },
 }
 

@@ -239,7 +239,7 @@ def run(
 
 MLP_GENOMES = {
     "default genome (torchGB), tile 128": {"tile": (128, 128)},
-    "default genome, compression=10": {"compression": 10},
+    "default genome, compression=10": {"compression": 10, "compression_of": "generated"},
     "hidden 8, tile 64": {"tile": (64, 64), "hidden": 8},
     "outputs 16, tile 128": {"tile": (128, 128), "outputs": 16},
     "hidden 8, outputs 8, tile 64": {"tile": (64, 64), "hidden": 8, "outputs": 8},
@@ -251,14 +251,15 @@ MLP_GENOMES = {
         "hidden": 4,
         "hashed": "auto",
         "compression": 20,
+        "compression_of": "generated",
     },
 }
 # "row g-nets": `outputs` = the tile width, so one evaluation emits a whole tile row and the
 # output layer is one (TH, H) @ (H, TW) matmul per tile: the fastest genome on CPU.
 
 TRANSFORMER_GENOMES = {
-    "default genome, compression=20": {"compression": 20},
-    "hidden 8, compression=20": {"compression": 20, "hidden": 8},
+    "default genome, compression=20": {"compression": 20, "compression_of": "generated"},
+    "hidden 8, compression=20": {"compression": 20, "compression_of": "generated", "hidden": 8},
 }
 # The main job's transformer genome until it became the hashed one (the committed results
 # call it "main job's plan"): (64, 64) tiles, 8 hidden units, 8 outputs, the head free.

@@ -60,7 +60,7 @@ from benchmarks.bench_step import (
 
 MODES = ("eager", "compiled")
 GB_GENOMES = {
-    "gbfunc, torchGB genome, compression=10": {"compression": 10},
+    "gbfunc, torchGB genome, compression=10": {"compression": 10, "compression_of": "generated"},
     "gbfunc, row g-nets, hidden 8, tile 128": {"tile": (128, 128), "hidden": 8, "outputs": 128},
     "gbfunc, row g-nets, hidden 16, tile 256": {"tile": (256, 256), "hidden": 16, "outputs": 256},
 }

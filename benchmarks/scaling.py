@@ -41,7 +41,7 @@ VOCAB, CONTEXT, BATCH, DEPTH, HEADS = 96, 64, 8, 2, 4
 WIDTHS = (128, 256, 512, 1024)
 VARIANTS: dict[str, dict[str, Any] | None] = {
     "dense": None,
-    "gbfunc 20x, torchGB genome": {"compression": 20},
+    "gbfunc 20x, torchGB genome": {"compression": 20, "compression_of": "generated"},
     "gbfunc 13x, row g-nets": {"tile": (128, 128), "hidden": 8, "outputs": 128},
 }
 

@@ -88,7 +88,7 @@ def choosing(choice: str) -> contextlib.AbstractContextManager:
 def planned(model: nn.Module, choice: str, options: dict) -> gb.Plan:
     """`gb.plan(model, **options)` under the tile choice `choice`."""
     with choosing(choice):
-        return gb.plan(model, **options)
+        return gb.plan(model, compression_of="generated", **options)  # the ratio it was tuned on
 
 
 def tiles(plan: gb.Plan) -> str:

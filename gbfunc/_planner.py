@@ -31,7 +31,7 @@ from ._plan import (
     tile_grid,
 )
 from ._rules import free_init
-from ._search import search_tile, size_tables
+from ._search import SCOPES, UnreachableError, search_tile, size_tables
 
 
 def plan(
@@ -54,6 +54,7 @@ def plan(
     biases: bool = False,
     center: bool = False,
     compression: float | None = None,
+    compression_of: str = "model",
     overrides: Mapping[str, Mapping[str, object] | str] | None = None,
     free: Sequence[str] = (),
 ) -> Plan:
@@ -82,13 +83,18 @@ def plan(
             layer's output-neuron labels (at high ratios free biases dominate the count).
         center: Remove each generated weight row's mean over its inputs (see `Generated`);
             with neuron labels it makes image-input genomes train stably.
-        compression: Generated weights / g-net parameters to reach, within 10%. With
-            `hashed="auto"` somewhere, by sizing those tables (each tile's buckets in
-            proportion to the square root of its positions); otherwise by choosing the
-            `(TH, TW)` tile of every weight whose tile is not given (the squarest within 2%,
-            or one about as square whose g-nets evaluate 5% fewer vectors; a weight whose
-            g-nets would cost more than itself stays free), and then it is
-            exclusive with `tile`.
+        compression: The ratio to reach, within 10%: by default the whole model's, its
+            parameters / the parameters stored and trained (g-nets, free and frozen ones;
+            `gb.report(plan).compression`). With `hashed="auto"` somewhere, by sizing those
+            tables (each tile's buckets in proportion to the square root of its positions),
+            with the tile given, or else the first of (64, 64), (128, 128), ... and "full"
+            that can reach it; otherwise by choosing the `(TH, TW)` tile of every weight
+            whose tile is not given (the squarest within 2%, or one about as square whose
+            g-nets evaluate 5% fewer vectors; a weight whose g-nets would cost more than
+            itself stays free), and then it is exclusive with `tile`.
+        compression_of: `"model"` (default) for the whole model's ratio, or `"generated"`
+            for generated weights / g-net parameters (`gb.report(plan).generated_compression`,
+            the count of the genomic bottleneck papers and torchGB).
         overrides: `{name_pattern: {option: value}}` (fnmatch on parameter names, applied in
             order) with options `tile`, `generate`, `center` and any `gb.Genome` field, or
             `{name_pattern: "free"}`.
@@ -129,7 +135,12 @@ def plan(
         if not isinstance(value, bool):
             raise TypeError(f"gb.plan: {flag} must be a bool, got {value!r}.")
     flags = {"embeddings": embeddings, "biases": biases}
-    options = _compress(entries, options, flags, compression, tile_given=tile is not None)
+    if compression_of not in SCOPES:
+        raise ValueError(
+            f"gb.plan: compression_of must be one of {', '.join(map(repr, SCOPES))}, got "
+            f"{compression_of!r}."
+        )
+    options = _compress(entries, options, flags, compression, compression_of, tile is not None)
     result = replace(_build(entries, options, flags), source=weakref.ref(model))
     if not result.generated:
         raise ValueError(
@@ -144,6 +155,9 @@ def plan(
 # A plan whose g-nets outweigh the weights they generate is refused from this many stored
 # parameters on (64 MiB in float32): small expanding plans are common in tests and demos, a
 # large one is a typo (`hidden=10**9`) that `gb.init` would try to allocate.
+# `hashed="auto"` without `tile=`: the tiles tried in turn until the tables can reach the
+# target (a tile's g-net costs parameters however few buckets it has, so small tiles cap it).
+TABLE_TILES = (DEFAULT_TILE, (128, 128), (256, 256), (512, 512), (1024, 1024), "full")
 MAX_EXPANDING_PARAMS = 1 << 24
 
 
@@ -168,7 +182,7 @@ def _compress(
     options: list[dict[str, object]],
     flags: dict[str, bool],
     compression: float | None,
-    *,
+    scope: str,
     tile_given: bool,
 ) -> list[dict[str, object]]:
     """`options` with the hashed tables sized, or the tiles chosen, to reach `compression`."""
@@ -178,12 +192,20 @@ def _compress(
                 "gb.plan: hashed='auto' sizes the tables to reach compression=; pass "
                 "compression=, or give hashed= a number of buckets."
             )
-        return size_tables(entries, options, compression, flags)
+        if tile_given:
+            return size_tables(entries, options, compression, flags, scope)
+        for tile in TABLE_TILES:  # the first tile whose tables can reach the target
+            tiled = [o if o.get("explicit_tile") else {**o, "tile": tile} for o in options]
+            try:
+                return size_tables(entries, tiled, compression, flags, scope)
+            except UnreachableError as e:
+                unreachable = e
+        raise unreachable
     if compression is None:
         return options
     if tile_given:
         raise ValueError("gb.plan: pass either tile or compression, not both.")
-    return search_tile(entries, options, compression, flags)
+    return search_tile(entries, options, compression, flags, scope)
 
 
 def _build(entries: list[Entry], options: list[dict[str, object]], flags: dict[str, bool]) -> Plan:

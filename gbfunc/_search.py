@@ -1,4 +1,10 @@
-"""`gb.plan(compression=...)`: the tile, or the hashed tables' sizes, that reach the target."""
+"""`gb.plan(compression=...)`: the tile, or the hashed tables' sizes, that reach the target.
+
+The target is the whole model's ratio by default, dense parameters / stored ones as
+`gb.report(plan).compression` counts them (free and frozen parameters stored whole), or,
+with `compression_of="generated"`, generated weights / g-net parameters (the genomic
+bottleneck papers' and torchGB's count, `gb.report(plan).generated_compression`).
+"""
 
 import math
 
@@ -14,15 +20,57 @@ from ._entries import (
 from ._genome import AUTO, Genome
 from ._plan import block_shapes, one_reduction, stack_geometry, tile_grid
 
+SCOPES = ("model", "generated")  # what `compression=` counts, see the module docstring
+
+
+class UnreachableError(ValueError):
+    """No tile or table size reaches `compression=` within 10%."""
+
+
+class _Ratio:
+    """The ratio `compression=` targets: `generated` weights / `spent` g-net parameters, plus
+    (whole model) the `kept` parameters stored whole on both sides."""
+
+    def __init__(self, whole: bool, kept: int) -> None:
+        self.whole, self.kept = whole, kept
+
+    def __call__(self, generated: int, spent: int, left_free: int = 0) -> float:
+        if not self.whole:
+            return generated / spent
+        kept = self.kept + left_free
+        return (generated + kept) / (spent + kept)
+
+    def hint(self) -> str:
+        if not self.whole:
+            return ""
+        return (
+            f" The {self.kept:,} parameters stored whole (free and frozen) count in the whole "
+            "model's ratio: biases=True generates biases, compression_of='generated' counts "
+            "the generated weights only."
+        )
+
+
+def target_ratio(
+    entries: list[Entry], options: list[dict[str, object]], flags: dict[str, bool], scope: str
+) -> _Ratio:
+    """The ratio of `scope`, knowing which parameters stay free whatever the tile."""
+    kept = sum(
+        math.prod(e.shape)
+        for e, o in zip(entries, options, strict=True)
+        if free_reason(e, o, flags) is not None
+    )
+    return _Ratio(scope == "model", kept)
+
 
 def search_tile(
     entries: list[Entry],
     options: list[dict[str, object]],
     target: float,
     flags: dict[str, bool],
+    scope: str = "model",
 ) -> list[dict[str, object]]:
-    """Pick a `(TH, TW)` whose generated-weights / g-net-params ratio is within 2% of
-    `target` (else the closest): the squarest, unless one about as square has its g-nets
+    """Pick a `(TH, TW)` whose ratio (of `scope`) is within 2% of `target` (else the
+    closest): the squarest, unless one about as square has its g-nets
     evaluate at least 5% fewer vectors (`vector_work`); then the one that evaluates fewest.
 
     Costs are counted per distinct block shape, so the search over a few thousand candidate
@@ -30,6 +78,7 @@ def search_tile(
     `VECTOR_LANES`) takes well under a second even for GPT-2-sized plans.
     """
     check_target(target)
+    measure = target_ratio(entries, options, flags, scope)
     fixed_weights, fixed = 0, 0  # weights and g-net parameters of tiles the caller fixed
     searched: dict[tuple, int] = {}  # (genome, window, block shapes) -> parameters like it
     for entry, opts in zip(entries, options, strict=True):
@@ -64,18 +113,20 @@ def search_tile(
     lo, hi = math.inf, 0.0
     for th in sizes:
         for tw in widths:
-            weights, cost = fixed_weights, fixed
+            weights, cost, left_free = fixed_weights, fixed, 0
             generated = []  # (key, count) of the searched parameters this tile generates
             for key, count in searched.items():
                 genome, window, blocks = key
                 spent = param_cost(genome, window, blocks, (th, tw))
                 size = sum(r * c for r, c in blocks) * math.prod(window)
-                if spent < size:  # otherwise it stays free (as the plan builder decides)
+                if spent < size:
                     weights, cost = weights + count * size, cost + count * spent
                     generated.append((key, count))
+                else:  # it stays free (as the plan builder decides)
+                    left_free += count * size
             if cost == 0:
                 continue
-            ratio = weights / cost
+            ratio = measure(weights, cost, left_free)
             lo, hi = min(lo, ratio), max(hi, ratio)
             err = abs(ratio / target - 1)
             if err <= 0.02:
@@ -84,10 +135,10 @@ def search_tile(
             if nearest is None or err < nearest[0]:
                 nearest = (err, (th, tw))
     if nearest is None or nearest[0] > 0.10:
-        raise ValueError(
+        raise UnreachableError(
             f"gb.plan: compression={target} cannot be reached within 10% with these g-nets: tiles "
             f"give {lo:.2f}x to {hi:.2f}x. Change hidden/depth, use share=True for higher "
-            "ratios, or pass tile= directly."
+            f"ratios, or pass tile= directly.{measure.hint()}"
         )
     tile = nearest[1]
     if close:
@@ -147,8 +198,10 @@ def size_tables(
     options: list[dict[str, object]],
     target: float,
     flags: dict[str, bool],
+    scope: str = "model",
 ) -> list[dict[str, object]]:
-    """Buckets for every `hashed="auto"` parameter, so that the plan's ratio is near `target`.
+    """Buckets for every `hashed="auto"` parameter, so that the plan's ratio (of `scope`) is
+    near `target`.
 
     A tile's table gets `round(k * positions ** TABLE_EXPONENT)` buckets (the square root;
     at least one, at most one per position), one factor `k` for the whole plan, found by
@@ -157,6 +210,7 @@ def size_tables(
     equal tables.
     """
     check_target(target)
+    measure = target_ratio(entries, options, flags, scope)
     weights, spent = 0, 0  # generated weights, and g-net parameters other than auto tables
     auto: list[tuple[int, int, int]] = []  # (entry index, tiles, positions per tile)
     for index, (entry, opts) in enumerate(zip(entries, options, strict=True)):
@@ -177,14 +231,15 @@ def size_tables(
         return min(positions, max(1, round(k * positions**TABLE_EXPONENT)))
 
     def ratio(k: float) -> float:
-        return weights / (spent + sum(tiles * buckets(k, p) for _, tiles, p in auto))
+        return measure(weights, spent + sum(tiles * buckets(k, p) for _, tiles, p in auto))
 
     lo, hi = 0.0, max(p ** (1 - TABLE_EXPONENT) for _, _, p in auto)  # 1 bucket; 1 per position
     if not ratio(hi) <= target * 1.1 or not ratio(lo) >= target / 1.1:
-        raise ValueError(
+        raise UnreachableError(
             f"gb.plan: compression={target} cannot be reached within 10% by sizing the hashed "
             f"tables: they give {ratio(hi):.2f}x (a bucket per position) to {ratio(lo):.2f}x "
-            "(one per tile). Change hidden/tile, or give hashed= a number of buckets."
+            f"(one per tile). Change hidden/tile, or give hashed= a number of buckets."
+            + measure.hint()
         )
     for _ in range(60):  # the largest k whose ratio stays at or above the target
         mid = (lo + hi) / 2

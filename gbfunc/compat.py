@@ -56,7 +56,8 @@ class GenomicBottleneck:
             it for a scheduler that they no longer build); unused.
         hidden_dim: Hidden width of every g-net.
         lr: Learning rate of the default g-net optimizer.
-        compression: Choose tiles for this ratio (see `gb.plan`); exclusive with `tile`.
+        compression: Choose tiles for this ratio of generated weights per g-net parameter
+            (torchGB's count; `gb.plan(compression_of="generated")`); exclusive with `tile`.
         ignore_layers: Parameters whose dotted name contains any of these substrings stay
             free (torchGB's rule; substrings that match nothing are ignored, as in torchGB).
         tile: `(TH, TW)` or `"full"` (see `gb.plan`); default `gb.plan`'s.
@@ -101,7 +102,12 @@ class GenomicBottleneck:
         self._params = dict(pnet.named_parameters())
         free = [f"*{s}*" for s in ignore_layers if any(s in name for name in self._params)]
         self.plan: Plan = plan(
-            pnet, tile=tile, hidden=hidden_dim, compression=compression, free=free
+            pnet,
+            tile=tile,
+            hidden=hidden_dim,
+            compression=compression,
+            compression_of="generated",  # torchGB's count: weights per g-net parameter
+            free=free,
         )
         first = self._params[self.plan.generated[0].name]
         stacks = init(self.plan, seed, dtype=first.dtype, device=first.device)["stacks"]

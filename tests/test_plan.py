@@ -156,13 +156,13 @@ def test_register_rule_for_a_new_module_type():
 @pytest.mark.parametrize("target", [5, 20, 60])
 def test_compression_is_reached_within_ten_percent(target):
     model = nn.Sequential(nn.Linear(784, 512), nn.Linear(512, 512), nn.Linear(512, 10))
-    rep = gb.report(gb.plan(model, compression=target))
+    rep = gb.report(gb.plan(model, compression=target, compression_of="generated"))
     assert rep.generated_compression == pytest.approx(target, rel=0.10)
 
 
 def test_compression_with_shared_gnets_reaches_hundreds():
     model = nn.Sequential(nn.Linear(784, 512), nn.Linear(512, 512))
-    rep = gb.report(gb.plan(model, compression=300, share=True))
+    rep = gb.report(gb.plan(model, compression=300, compression_of="generated", share=True))
     assert rep.generated_compression == pytest.approx(300, rel=0.10)
 
 
@@ -243,7 +243,9 @@ def test_pnas_genome_is_one_gnet_per_layer_on_gray_codes():
 
 def test_compression_leaves_weights_free_whose_gnets_would_cost_more():
     model = nn.Sequential(nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 4))
-    plan = gb.plan(model, compression=20)  # torchGB's genome: 32 hidden units
+    plan = gb.plan(
+        model, compression=20, compression_of="generated"
+    )  # torchGB's genome: 32 hidden units
     free = {p.name: p.reason for p in plan.free}
     assert "would cost" in free["2.weight"]  # 1,024 weights
     assert [p.name for p in plan.generated] == ["0.weight"]
@@ -296,7 +298,7 @@ def test_compression_frees_a_costly_stem_and_keeps_tiles_the_caller_chose():
     model = nn.Sequential(
         nn.Conv2d(3, 16, 3), nn.Conv2d(16, 128, 3), nn.Flatten(), nn.Linear(128, 10)
     )
-    plan = gb.plan(model, compression=20)
+    plan = gb.plan(model, compression=20, compression_of="generated")
     stem = next(p for p in plan.params if p.name == "0.weight")  # 432 weights
     assert isinstance(stem, gb.Free)
     assert stem.trainable
@@ -315,7 +317,7 @@ def test_compression_counts_a_shared_gnet_once_per_block():
     # With share=True the 10x256 weight costs one g-net plus its tile embeddings, far below
     # its 2,560 weights, though one g-net per tile would cost more than the weight.
     model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 10))
-    plan = gb.plan(model, compression=20, share=True)
+    plan = gb.plan(model, compression=20, compression_of="generated", share=True)
     small = next(p for p in plan.generated if p.name == "1.weight")
     stack = plan.stacks[small.stack_index]
     tiles = sum(b.num_tiles for b in small.blocks)
@@ -328,7 +330,7 @@ def test_compression_picks_tiles_of_whole_vectors_where_that_saves_work():
     # tile row in a partial vector; the search takes a tile of whole vectors (one output per
     # evaluation), about as square, that evaluates less.
     model = nn.Sequential(nn.Linear(784, 512), nn.Linear(512, 512), nn.Linear(512, 10))
-    plan = gb.plan(model, compression=10)
+    plan = gb.plan(model, compression=10, compression_of="generated")
     (tile,) = {s.tile for s in plan.stacks if s.tile[0] > 10}  # the 10-row weight's is cut
     assert tile != (74, 74)
     assert tile[1] % _search.VECTOR_LANES == 0
@@ -339,17 +341,26 @@ def test_compression_picks_tiles_of_whole_vectors_where_that_saves_work():
 def test_compression_keeps_the_squarest_tile_unless_another_saves_five_percent(monkeypatch):
     # (128, 128) tiles of a 512x512 weight: no partial vector and no overhang, nothing to gain.
     target = gb.report(gb.plan(nn.Linear(512, 512), tile=(128, 128))).generated_compression
-    assert {s.tile for s in gb.plan(nn.Linear(512, 512), compression=target).stacks} == {(128, 128)}
+    assert {
+        s.tile
+        for s in gb.plan(nn.Linear(512, 512), compression=target, compression_of="generated").stacks
+    } == {(128, 128)}
     # 500x500 at 15x: 63 rows instead of 64 cut the overhang (504 rows, not 512), under 5%.
-    assert {s.tile for s in gb.plan(nn.Linear(500, 500), compression=15).stacks} == {(64, 144)}
+    assert {
+        s.tile
+        for s in gb.plan(nn.Linear(500, 500), compression=15, compression_of="generated").stacks
+    } == {(64, 144)}
     monkeypatch.setattr(_search, "WORK_GAIN", 1.0)
-    assert {s.tile for s in gb.plan(nn.Linear(500, 500), compression=15).stacks} == {(63, 144)}
+    assert {
+        s.tile
+        for s in gb.plan(nn.Linear(500, 500), compression=15, compression_of="generated").stacks
+    } == {(63, 144)}
 
 
 def test_compression_counts_no_work_for_weights_it_leaves_free():
     # conv1's 1,728 weights stay free under the tile picked; its g-nets would never run.
     model = nn.Sequential(nn.Conv2d(3, 64, 3), nn.Conv2d(64, 128, 3), nn.Linear(128, 10))
-    plan = gb.plan(model, compression=5)
+    plan = gb.plan(model, compression=5, compression_of="generated")
     assert "0.weight" in {p.name for p in plan.free}
     assert {s.tile for s in plan.stacks} == {(15, 22)}
 
@@ -383,7 +394,13 @@ def test_vector_work_counts_the_columns_a_stack_evaluates(genome, work):
 
 @pytest.mark.parametrize(("rows", "cols", "target", "outputs"), [(100, 30, 2, 3), (64, 64, 6, 2)])
 def test_compression_never_picks_a_tile_narrower_than_outputs(rows, cols, target, outputs):
-    plan = gb.plan(nn.Linear(cols, rows), compression=target, outputs=outputs, hidden=2)
+    plan = gb.plan(
+        nn.Linear(cols, rows),
+        compression=target,
+        compression_of="generated",
+        outputs=outputs,
+        hidden=2,
+    )
     assert all(s.tile[1] >= outputs for s in plan.stacks)
 
 
@@ -458,17 +475,27 @@ def test_auto_tables_reach_the_compression_with_buckets_by_the_square_root_of_po
     """`hashed="auto"`: one factor for the plan, each tile's buckets ~ sqrt(its positions)."""
     model = nn.Sequential(nn.Linear(400, 300), nn.ReLU(), nn.Linear(300, 10))
     for target in (20, 150):
-        plan = gb.plan(model, tile="full", hidden=2, hashed="auto", compression=target)
+        plan = gb.plan(
+            model,
+            tile="full",
+            hidden=2,
+            hashed="auto",
+            compression=target,
+            compression_of="generated",
+        )
         assert gb.report(plan).generated_compression == pytest.approx(target, rel=0.1)
         big, small = (s.genome.hashed for s in plan.stacks)  # 120,000 and 3,000 positions
         assert big / small == pytest.approx((120_000 / 3_000) ** 0.5, rel=0.05)
-    tiled = gb.plan(model, tile=(100, 100), hidden=2, hashed="auto", compression=50)
+    tiled = gb.plan(
+        model, tile=(100, 100), hidden=2, hashed="auto", compression=50, compression_of="generated"
+    )
     assert len({s.genome.hashed for s in tiled.stacks if s.tile == (100, 100)}) == 1
     fixed = gb.plan(
         model,
         tile="full",
         hidden=2,
         compression=50,
+        compression_of="generated",
         overrides={"0.weight": {"hashed": "auto"}, "2.weight": {"hashed": 7}},
     )
     assert [s.genome.hashed for s in fixed.stacks][1] == 7  # only "auto" tables are sized
@@ -522,3 +549,56 @@ def test_a_one_tap_kernel_adds_no_window_code():
     assert geometry(conv) == geometry(linear)
     three = gb.plan(nn.Conv1d(4, 4, 3), tile=(2, 2)).stacks[0]
     assert three.col_width == linear.col_width + 3  # one-hot of the 3 taps
+
+
+def wide_mlp() -> nn.Sequential:
+    """An image MLP whose free biases (2,058) are a third of its parameters at 300x."""
+    return nn.Sequential(
+        nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)
+    )
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"hashed": "auto", "compression": 300},  # tables sized; the tile found (64x64 cannot)
+        {"compression": 300, "share": True},  # tiles searched
+        {"compression": 20},
+        {"hashed": "auto", "compression": 20, "biases": True},
+    ],
+)
+def test_compression_counts_the_whole_model_by_default(options):
+    """`compression=` is what `gb.report(plan).compression` shows: the model's parameters per
+    parameter stored, free biases included."""
+    rep = gb.report(gb.plan(wide_mlp(), **options))
+    assert rep.compression == pytest.approx(options["compression"], rel=0.10)
+    if not options.get("biases"):  # free biases: the generated weights are compressed further
+        assert rep.generated_compression > rep.compression
+
+
+def test_compression_of_generated_counts_generated_weights_per_gnet_parameter():
+    plan = gb.plan(wide_mlp(), hashed="auto", compression=300, compression_of="generated")
+    rep = gb.report(plan)
+    assert rep.generated_compression == pytest.approx(300, rel=0.10)
+    assert rep.compression < 0.8 * 300  # the free biases are stored whole
+
+
+def test_auto_tables_keep_the_given_tile_or_the_default_where_it_reaches_the_target():
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
+    assert {s.tile for s in gb.plan(model, hashed="auto", compression=20, hidden=4).stacks} == {
+        (64, 64)
+    }
+    with pytest.raises(ValueError, match=r"compression=300 cannot be reached within 10% by sizing"):
+        gb.plan(wide_mlp(), tile=(64, 64), hashed="auto", compression=300)
+
+
+def test_an_unreachable_whole_model_target_says_what_counts():
+    model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 64))
+    with pytest.raises(
+        ValueError,
+        match=r"compression=200 cannot be reached .* The 256 parameters stored whole \(free and "
+        r"frozen\) count in the whole model's ratio: biases=True generates biases",
+    ):
+        gb.plan(model, compression=200, share=True)
+    with pytest.raises(ValueError, match=r"gb\.plan: compression_of must be one of 'model', "):
+        gb.plan(model, compression=2, compression_of="weights")
