@@ -17,7 +17,7 @@ parameter count is nearest, and a *low-rank* model (every weight as `U @ V.T`, a
 parameters in all) where rank 1 fits. The job prints the compression table and the
 validation scores, saves the compressed model with `gb.save` and plots the curves.
 
-    python -m examples.main_job                  # all tasks, 6-10 minutes on 2 CPU cores
+    python -m examples.main_job                  # all tasks, 4-8 minutes on 2 CPU cores
     python -m examples.main_job --task charlm --steps 3000 --device cuda
 """
 

@@ -39,3 +39,41 @@ from ._report import Report as Report, report as report
 from ._rules import Layout as Layout, register_rule as register_rule
 from ._tree import trainable_leaves as trainable_leaves
 from ._version import __version__ as __version__
+
+# The public API: each name has an entry in docs/api/gbfunc.md (tests/test_docs.py).
+__all__ = [
+    "Bottleneck",
+    "Checkpoint",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "CheckpointVersionError",
+    "Explanation",
+    "Fitted",
+    "Free",
+    "Generated",
+    "Genome",
+    "Layout",
+    "Plan",
+    "Report",
+    "Stack",
+    "apply",
+    "calibrate",
+    "compat",
+    "cpu",
+    "explain",
+    "export",
+    "fit",
+    "init",
+    "load",
+    "memory",
+    "optim",
+    "plan",
+    "register_rule",
+    "report",
+    "save",
+    "save_dense",
+    "train_alternating",
+    "trainable_leaves",
+]

@@ -145,7 +145,9 @@ def train_alternating(
             optimizer steps) and returns its parameters.
         generations: Number of train-then-fit rounds.
         anneal: Generations over which the blend decays by `e`.
-        fit_steps, fit_lr, compile: Passed to `gb.fit` each generation.
+        fit_steps: `steps` of `gb.fit`, each generation.
+        fit_lr: `lr` of `gb.fit`, each generation.
+        compile: `compile` of `gb.fit`, each generation.
         start: The dense weights of generation 0, e.g. the model's own.
         on_generation: `on_generation(n, gparams, fit_errors)` after each generation.
 

@@ -118,13 +118,6 @@ class Bottleneck(nn.Module):
     p-net's buffers (`b.plan` names `b.pnet` as its model), and `from_checkpoint` restores
     both.
 
-    Args:
-        model: The p-net, a plain `nn.Module` (not wrapped in DDP or torch.compile).
-        plan: From `gb.plan(model, ...)`; default `gb.plan(model, **plan_options)`.
-        seed: Seed of `gb.init`.
-        **plan_options: Options of `gb.plan` (`tile`, `compression`, `hidden`, ...), when no
-            `plan` is given.
-
     Example:
         >>> b = gb.Bottleneck(nn.Linear(64, 32), tile=(16, 16))
         >>> b(torch.randn(2, 64)).shape
@@ -135,6 +128,16 @@ class Bottleneck(nn.Module):
     def __init__(
         self, model: nn.Module, plan: Plan | None = None, *, seed: int = 0, **plan_options: Any
     ) -> None:
+        """Plan `model` (unless `plan` is given) and draw its g-nets with `gb.init`.
+
+        Args:
+            model: The p-net, a plain `nn.Module` (not wrapped in DDP or torch.compile).
+            plan: From `gb.plan(model, ...)`; default `gb.plan(model, **plan_options)`.
+            seed: Seed of `gb.init`.
+            **plan_options: Options of `gb.plan` (`tile`, `compression`, `hidden`, ...),
+                when no `plan` is given; a misspelt one raises a `TypeError` naming the
+                nearest.
+        """
         super().__init__()
         check_module(model, "gb.Bottleneck")
         if isinstance(model, Bottleneck):
@@ -212,6 +215,7 @@ class Bottleneck(nn.Module):
             "frozen": {unescape(n): t for n, t in self.frozen._buffers.items()},
         }
 
+    @_WithPnetSignature
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Generate the p-net's weights and call it: `functional_call(pnet, weights, args)`.
 
@@ -224,8 +228,6 @@ class Bottleneck(nn.Module):
         for name in self._buffer_aliases:
             tensors[name] = self.pnet_buffers.get(name)
         return functional_call(self._pnet, tensors, args, kwargs)
-
-    forward = _WithPnetSignature(forward)
 
     def export(self) -> dict[str, Tensor]:
         """The dense `state_dict` of the p-net, `gb.export(b.gparams, b.plan, model=b.pnet)`."""

@@ -74,10 +74,20 @@ def plan(
         tile: `(TH, TW)` tile in matrix units (conv tiles span `TW` input channels and the
             whole kernel), or `"full"` for one tile per weight matrix. Clipped to smaller
             weights. Default `(64, 64)`, or chosen by `compression`.
-        hidden, depth, activation, encoding, fourier_features, outputs, window_in, share,
-            embed_dim, row_labels, col_labels, hashed: The g-net architecture, see
-            `gb.Genome`. `hashed="auto"` (here or per parameter in `overrides`) sizes the
-            hashed tables to reach `compression`.
+        hidden: Width of every g-net hidden layer (the g-net architecture options that
+            follow are `gb.Genome`'s fields, documented there).
+        depth: Number of hidden layers.
+        activation: The g-nets' nonlinearity.
+        encoding: How positions are coded: `"binary"`, `"gray"` or `"fourier"`.
+        fourier_features: Frequencies per axis for `encoding="fourier"`.
+        outputs: Weights emitted per evaluation along a tile row.
+        window_in: Where a convolution's kernel window goes: `"code"` or `"output"`.
+        share: One g-net per weight matrix, shared by its tiles.
+        embed_dim: Width of the per-tile embedding when `share=True`.
+        row_labels: Labels of the output neurons: `"position"`, `"onehot"` or a grid.
+        col_labels: Labels of the input neurons, as `row_labels`.
+        hashed: Buckets of a per-tile HashedNets table, or `"auto"` (here or per parameter
+            in `overrides`) to size the tables so that the plan reaches `compression`.
         embeddings: Generate `nn.Embedding` tables too.
         biases: Generate the biases of generated layers too, each by its own g-net on the
             layer's output-neuron labels (at high ratios free biases dominate the count).

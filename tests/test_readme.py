@@ -1,12 +1,15 @@
-"""The READMEs say what is true: snippets run, results are quoted, links and the API hold.
+"""The READMEs and the docs say what is true: snippets run, results are quoted, links and the
+API hold.
 
-- Every ```python block of README.md and benchmarks/README.md runs on its own, in a fresh
-  process started in an empty directory, so each carries its own imports and setup.
+- Every ```python block of README.md, benchmarks/README.md and the pages of docs/ runs on its
+  own, in a fresh process started in an empty directory, so each carries its own imports and
+  setup.
 - ```py blocks (the distributed snippets, which need `torchrun`) are not run; each has a
   `<!-- not run: REASON -->` line just above it, and a test file it names must exist.
 - Excerpts marked `<!-- from FILE -->` are copied from the committed results, unedited.
-- Relative links point at files (and headings) that exist.
-- Every public name of `gbfunc` and `gbfunc.dist` is in the README's API tables.
+- The READMEs' relative links point at files (and headings) that exist (the docs' links are
+  checked by `mkdocs build --strict`, tests/test_docs.py).
+- Every public name of `gbfunc` and `gbfunc.dist` is in the API tables of docs/api/index.md.
 """
 
 import ast
@@ -24,6 +27,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 READMES = (README, ROOT / "benchmarks" / "README.md")
+DOCS = ROOT / "docs"
+PAGES = tuple(sorted(DOCS.rglob("*.md")))  # site paths: docs/ is the root, as the repository's
 SNIPPET_TIMEOUT_S = 180
 
 
@@ -57,11 +62,12 @@ def fenced_blocks(path: Path) -> list[Block]:
 
 
 def python_blocks() -> list[Block]:
-    return [b for path in READMES for b in fenced_blocks(path) if b.lang == "python"]
+    return [b for path in READMES + PAGES for b in fenced_blocks(path) if b.lang == "python"]
 
 
-def test_readme_has_runnable_python_blocks():
-    assert len([b for b in python_blocks() if b.path == README]) >= 2
+def test_readme_and_docs_have_runnable_python_blocks():
+    assert len([b for b in python_blocks() if b.path == README]) >= 1
+    assert len({b.path for b in python_blocks() if b.path.is_relative_to(DOCS)}) >= 5
 
 
 def run_alone(block: Block, cwd: Path) -> subprocess.CompletedProcess:
@@ -109,7 +115,7 @@ def test_readme_python_block_runs_on_its_own(block, snippet_runs):
 
 def test_unrun_blocks_say_why():
     """```py blocks are not run: each says so just above it, and names its test if any."""
-    blocks = [b for path in READMES for b in fenced_blocks(path) if b.lang == "py"]
+    blocks = [b for path in READMES + PAGES for b in fenced_blocks(path) if b.lang == "py"]
     assert blocks
     for block in blocks:
         marker = re.fullmatch(r"<!-- not run: (.+) -->", block.above.strip())
@@ -129,9 +135,11 @@ def test_readme_test_command_is_what_ci_runs():
 def quoted_results(path: Path) -> list[tuple[Path, list[str]]]:
     """`(results file, quoted lines)` for every excerpt marked `<!-- from FILE -->` in `path`.
 
-    FILE is relative to `path`'s folder, like the markdown links beside it. An excerpt is
-    the fenced block or the markdown table that follows its marker.
+    FILE is relative to `path`'s folder, like the markdown links beside it (for a docs page,
+    to the repository's root, which is the site's: docs/hooks.py). An excerpt is the fenced
+    block or the markdown table that follows its marker.
     """
+    base = ROOT if path.is_relative_to(DOCS) else path.parent
     lines = path.read_text().splitlines()
     excerpts = []
     for i, line in enumerate(lines):
@@ -143,13 +151,13 @@ def quoted_results(path: Path) -> list[tuple[Path, list[str]]]:
             quoted = body[1 : body.index("```", 1)]
         else:
             quoted = list(takewhile(lambda x: x.startswith("|"), body))
-        excerpts.append((path.parent / marker[1], quoted))
+        excerpts.append((base / marker[1], quoted))
     return excerpts
 
 
 def test_readme_results_are_quoted_from_the_committed_results_files():
     """Measured numbers are copied from the files the benchmarks wrote, unedited."""
-    excerpts = [e for path in READMES for e in quoted_results(path)]
+    excerpts = [e for path in READMES + PAGES for e in quoted_results(path)]
     assert len(excerpts) >= 5
     for source, quoted in excerpts:
         where = source.relative_to(ROOT)
@@ -196,10 +204,8 @@ def exported_names(init: Path) -> list[str]:
 
 
 def api_section() -> str:
-    text = README.read_text()
-    start = text.index("\n## API\n")
-    end = text.find("\n## ", start + 1)
-    return "\n".join(line for line in text[start:end].splitlines() if line.startswith("|"))
+    text = (DOCS / "api" / "index.md").read_text()
+    return "\n".join(line for line in text.splitlines() if line.startswith("|"))
 
 
 @pytest.mark.parametrize(
@@ -211,7 +217,7 @@ def test_every_public_name_is_in_the_api_table(init, prefix):
     assert len(names) > 10
     table = api_section()
     missing = [n for n in names if not re.search(rf"(?<![\w.]){re.escape(prefix + n)}\b", table)]
-    assert not missing, f"README's API table lacks {[prefix + n for n in missing]}"
+    assert not missing, f"docs/api/index.md's API table lacks {[prefix + n for n in missing]}"
 
 
 def test_every_name_in_the_api_table_is_exported():
@@ -226,7 +232,7 @@ def test_every_name_in_the_api_table_is_exported():
         for prefix, name in named
         if not hasattr(gbfunc if prefix == "gb" else gbfunc.dist, name)
     )
-    assert not stale, f"README's API table names what gbfunc does not export: {stale}"
+    assert not stale, f"docs/api/index.md's API table names what gbfunc does not export: {stale}"
 
 
 def test_api_table_covers_the_functional_optimizer_and_torchgb_shell():

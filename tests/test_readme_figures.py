@@ -1,12 +1,13 @@
-"""The figures of README.md's results section are read from the committed results files.
+"""The figures of the docs' results section (docs/when-to-use.md) and of README.md's "Why"
+are read from the committed results files.
 
 Each sentence of the section that states a measured figure is listed in `FIGURES` with where
 the figure comes from: a cell of a results file (found by the cells that identify its line),
 a range over a table's column, a difference or ratio of such cells, or the communication
-model of `benchmarks/bench_comm.py`. The test reads each value and checks the README's
-figure to the precision it is written with, so a rerun that changes a result fails here until
-the README says the new number. The section may hold no other digits than these figures and
-the settings in `SETUP`, so a new figure cannot go unchecked.
+model of `benchmarks/bench_comm.py`. The test reads each value and checks the page's figure
+to the precision it is written with, so a rerun that changes a result fails here until the
+page says the new number. The section, and the README's "Why", may hold no other digits than
+these figures and the settings in `SETUP`, so a new figure cannot go unchecked.
 """
 
 import re
@@ -20,12 +21,22 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
 
-def section() -> str:
-    """README.md's results section, one line, without emphasis and link targets."""
-    text = (ROOT / "README.md").read_text()
-    text = text[text.index("Three numbers;") : text.index("## How it works")]
+def flat(text: str) -> str:
+    """`text` as one line, without emphasis and link targets."""
     text = re.sub(r"\]\([^)]*\)", "]", text).replace("**", "")
     return " ".join(text.split())
+
+
+def section() -> str:
+    """The results section of docs/when-to-use.md (the page's last)."""
+    text = (ROOT / "docs" / "when-to-use.md").read_text()
+    return flat(text[text.index("Three numbers;") :])
+
+
+def readme_why() -> str:
+    """README.md's "Why": a few of the section's figures, in the same words."""
+    text = (ROOT / "README.md").read_text()
+    return flat(text[text.index("## Why") : text.index("## Install")])
 
 
 def cells(source: str, *keys: str) -> list[str]:
@@ -235,21 +246,22 @@ SETUP = [
 
 @pytest.mark.parametrize("figure", FIGURES, ids=lambda f: f"{f.figure} in {f.text!r}")
 def test_a_readme_figure_is_the_committed_result(figure):
-    assert figure.text in section(), f"README.md no longer says {figure.text!r}"
+    assert figure.text in section(), f"docs/when-to-use.md no longer says {figure.text!r}"
     assert figure.figure in figure.text
     decimals = len(figure.figure.partition(".")[2])
     value = figure.read()
     assert abs(value - float(figure.figure)) <= 0.5 * 10**-decimals + 1e-9, (
-        f"README.md says {figure.figure} in {figure.text!r}; the results say {value:.4g}"
+        f"the docs say {figure.figure} in {figure.text!r}; the results say {value:.4g}"
     )
 
 
-def test_the_results_section_states_no_unchecked_figure():
-    text = section()
+@pytest.mark.parametrize("read", [section, readme_why], ids=["docs results", "README why"])
+def test_the_results_section_states_no_unchecked_figure(read):
+    text = read()
     covered = [False] * len(text)
     for phrase in dict.fromkeys([f.text for f in FIGURES] + SETUP):
         spans = [m.span() for m in re.finditer(re.escape(phrase), text)]
-        assert spans, f"not in the section: {phrase!r}"
+        assert spans or read is readme_why, f"not in the section: {phrase!r}"
         for lo, hi in spans:
             covered[lo:hi] = [True] * (hi - lo)
     digits = re.finditer(r"\d+", text)

@@ -24,3 +24,27 @@ from ._pipeline import StageGenerator as StageGenerator
 from ._sharded import load_sharded as load_sharded, save_sharded as save_sharded
 from ._sync import CollectiveError as CollectiveError, GradSync as GradSync
 from ._tp import TensorParallel as TensorParallel
+
+# The public API: each name has an entry in docs/api/dist.md (tests/test_docs.py).
+__all__ = [
+    "CollectiveError",
+    "Concat",
+    "GradSync",
+    "MeshShape",
+    "Ownership",
+    "RankOwned",
+    "Selection",
+    "ShardedFree",
+    "StageGenerator",
+    "TensorParallel",
+    "assign",
+    "check_plan",
+    "data_loader",
+    "init_mesh",
+    "load_sharded",
+    "mesh_shape",
+    "plan_difference",
+    "save_replicated",
+    "save_sharded",
+    "shard_batch",
+]

@@ -1,6 +1,7 @@
 """Data for data-parallel ranks: the caller speaks in global batches, each rank gets its shard."""
 
 from collections.abc import Sequence
+from typing import Any
 
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
@@ -59,7 +60,7 @@ def data_loader(
     *,
     shuffle: bool = True,
     seed: int = 0,
-    **kwargs,
+    **kwargs: Any,
 ) -> DataLoader:
     """A `DataLoader` yielding this data-parallel rank's share of each global batch.
 

@@ -1,0 +1,58 @@
+"""MkDocs hooks: the repository's benchmark and kernel documents join the site at their
+repository paths, so that the docs link to the committed results instead of copies.
+
+A mounted page's links to files that are not in the site (scripts, tests, the README) become
+plain text naming the path; the docs' own pages keep strict link checking.
+"""
+
+import re
+from pathlib import Path
+
+from mkdocs.config.defaults import MkDocsConfig
+from mkdocs.structure.files import File, Files
+from mkdocs.structure.pages import Page
+
+ROOT = Path(__file__).resolve().parents[1]
+MOUNTED = (
+    "benchmarks/README.md",
+    "benchmarks/results/*.md",
+    "benchmarks/results/*.png",
+    "kernels/README.md",
+)
+_LINK = re.compile(r"(?<!!)\[([^\]]+)\]\(([^)\s]+)\)")
+
+
+def on_files(files: Files, config: MkDocsConfig) -> Files:
+    for pattern in MOUNTED:
+        for path in sorted(ROOT.glob(pattern)):
+            rel = path.relative_to(ROOT).as_posix()
+            files.append(File(rel, str(ROOT), config["site_dir"], config["use_directory_urls"]))
+    return files
+
+
+def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Files) -> str:
+    if not page.file.src_uri.startswith(("benchmarks/", "kernels/")):
+        return markdown
+    here = Path(page.file.src_uri).parent
+
+    def resolve(match: re.Match) -> str:
+        text, target = match[1], match[2]
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            return match[0]
+        path = _normalise((here / target.split("#")[0]).as_posix())
+        if files.get_file_from_path(path) is not None:
+            return match[0]
+        return f"{text} (`{path}` in the repository)"
+
+    return _LINK.sub(resolve, markdown)
+
+
+def _normalise(path: str) -> str:
+    parts: list[str] = []
+    for part in path.split("/"):
+        if part == "..":
+            if parts:
+                parts.pop()
+        elif part not in ("", "."):
+            parts.append(part)
+    return "/".join(parts)
