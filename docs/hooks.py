@@ -2,7 +2,9 @@
 repository paths, so that the docs link to the committed results instead of copies.
 
 A mounted page's links to files that are not in the site (scripts, tests, the README) become
-plain text naming the path; the docs' own pages keep strict link checking.
+plain text naming the path; the docs' own pages keep strict link checking. On every page, a
+`<!-- not run: REASON -->` line above a code block (tests/test_readme.py runs every other
+block) becomes a visible note, so that a reader knows which examples the suite does not run.
 """
 
 import re
@@ -20,6 +22,7 @@ MOUNTED = (
     "kernels/README.md",
 )
 _LINK = re.compile(r"(?<!!)\[([^\]]+)\]\(([^)\s]+)\)")
+_NOT_RUN = re.compile(r"^<!-- not run: (.+) -->$", flags=re.M)
 
 
 def on_files(files: Files, config: MkDocsConfig) -> Files:
@@ -31,6 +34,7 @@ def on_files(files: Files, config: MkDocsConfig) -> Files:
 
 
 def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Files) -> str:
+    markdown = _NOT_RUN.sub(r"*Not run by the test suite: \1.*\n", markdown)
     if not page.file.src_uri.startswith(("benchmarks/", "kernels/")):
         return markdown
     here = Path(page.file.src_uri).parent

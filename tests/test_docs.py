@@ -98,3 +98,22 @@ def test_the_concept_figure_is_drawn_by_its_script(tmp_path):
     )
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert out.stat().st_size > 20_000  # three panels, not an empty canvas
+
+
+def test_every_code_block_of_the_site_runs_or_says_why_not():
+    """```python blocks run (tests/test_readme.py); any other block is a quoted result
+    (`<!-- from FILE -->`) or says why it is not run, which docs/hooks.py shows the reader."""
+    from test_readme import PAGES, fenced_blocks
+
+    for page in PAGES:
+        for block in fenced_blocks(page):
+            if block.lang != "python":
+                assert re.fullmatch(r"<!-- (not run: .+|from \S+) -->", block.above.strip()), (
+                    f"{block}: a ```{block.lang} block needs `<!-- not run: REASON -->` above it"
+                )
+
+
+@pytest.mark.slow
+def test_a_not_run_reason_is_visible_on_the_page(site):
+    html = (site / "distributed" / "index.html").read_text()
+    assert "Not run by the test suite: needs torchrun" in html
