@@ -498,3 +498,14 @@ def test_the_gpu_script_runs_every_part_on_cpu_in_a_dry_run(tmp_path):
     assert "gbfunc" in steps
     assert "compiled" in steps
     assert (tmp_path / "bench_generation_gpu.md").exists()
+
+
+def test_lr_sensitivity_is_what_the_committed_sweeps_say(tmp_path):
+    """The table the docs quote is recomputed from the sweeps' runs, line for line."""
+    from benchmarks import lr_sensitivity
+
+    lr_sensitivity.main(["--out", str(tmp_path / "lr.md")])
+    rows = [line for line in (tmp_path / "lr.md").read_text().splitlines() if line.startswith("|")]
+    committed = (lr_sensitivity.RESULTS / "lr_sensitivity.md").read_text().splitlines()
+    assert len(rows) == 14
+    assert rows == [line for line in committed if line.startswith("|")]
