@@ -66,8 +66,9 @@ def fused_weights(plan: Plan, inputs: list[Terms]) -> dict[str, Tensor]:
     for index, (stack, terms) in enumerate(zip(plan.stacks, inputs, strict=True)):
         params = tuple(p for p in plan.generated if p.stack_index == index)
         flat = kernels.generate(terms, stack, params)  # (numel,)
-        offset = 0
-        for p in params:
-            out[p.name] = flat[offset : offset + p.numel].view(p.shape)
-            offset += p.numel
+        # One split (its backward: one concatenation), not a slice per parameter, whose
+        # backward allocates and fills a zero gradient of the whole buffer (GPU launches).
+        parts = flat.split([p.numel for p in params]) if len(params) > 1 else (flat,)
+        for p, part in zip(params, parts, strict=True):
+            out[p.name] = part.view(p.shape)
     return out

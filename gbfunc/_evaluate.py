@@ -142,9 +142,11 @@ def stack_terms(stack: Stack, leaves: Mapping[str, Tensor]) -> Terms:
     """
     w_in = leaves["w_in"]
     row, col = code_tables(stack, w_in)
-    r = stack.row_width
-    a = row @ w_in[:, :r]  # (G, TH, H)
-    b = col @ w_in[:, r:]  # (G, Q, H)
+    # One split, not two slices: its backward is one concatenation, where each slice's
+    # allocates and fills a zero gradient of the whole leaf (launches on a GPU).
+    w_row, w_col = w_in.split([stack.row_width, w_in.shape[1] - stack.row_width], dim=1)
+    a = row @ w_row  # (G, TH, H)
+    b = col @ w_col  # (G, Q, H)
     c = leaves["b_in"]  # (G, H)
     w_hidden, b_hidden = leaves.get("w_hidden"), leaves.get("b_hidden")
     w_out, b_out = leaves["w_out"], leaves["b_out"]

@@ -1,0 +1,162 @@
+"""What `gb.apply` does per call besides generating: time and dispatched ops, on CPU.
+
+A plan of 10 stacks over tiny weights (10 linear layers of 4-44 units, 8x8 tiles, g-nets of
+4-13 hidden units), so that the arithmetic is negligible and what is left is the work around
+it: code tables, terms, placement tables, checks, autograd and Python. Two paths:
+
+- `torch`: the pure-torch path, eager (`compile=False`);
+- `triton, no launch`: the Triton path's wrappers with the kernel launches replaced by no-ops,
+  that is everything `gb.apply(backend="triton")` does on a GPU but the kernels themselves.
+  Triton runs on CPU only through its interpreter, so this script enables it.
+
+Each aten op dispatched is counted (`TorchDispatchMode`); "launching" ops leave out views
+(`view`, `slice`, `expand`, ...), which on a GPU launch no kernel. On a GPU each launching op
+costs a kernel launch (microseconds), so their count per call is what a device-independent
+test can bound (`tests/test_overhead.py`); the CPU times here are the Python and dispatch cost.
+
+    python -m benchmarks.bench_overhead
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (a script, not gbfunc)
+
+import argparse
+import contextlib
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import gbfunc as gb
+from benchmarks._meta import RESULTS, recorded
+
+VIEWS = frozenset(
+    [
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "slice",
+        "select",
+        "expand",
+        "unsqueeze",
+        "squeeze",
+        "transpose",
+        "t",
+        "permute",
+        "as_strided",
+        "alias",
+        "detach",
+        "split",
+        "split_with_sizes",
+        "unbind",
+        "_reshape_alias",
+    ]
+)
+DIMS = (24, 20, 28, 16, 32, 12, 36, 8, 40, 4, 44)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every aten op dispatched inside it, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket.__name__)] += 1
+        return func(*args, **(kwargs or {}))
+
+    def launching(self) -> int:
+        return sum(n for op, n in self.ops.items() if op not in VIEWS)
+
+
+def ten_stacks() -> tuple[gb.Plan, dict]:
+    """The benchmark's plan (one stack per layer: each has its own hidden width) and gparams."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(DIMS[i], DIMS[i + 1]) for i in range(10)))
+    overrides = {f"{i}.weight": {"hidden": 4 + i} for i in range(10)}
+    plan = gb.plan(model, tile=(8, 8), overrides=overrides)
+    return plan, gb.init(plan, seed=0)
+
+
+class _NoLaunch:
+    """Stands in for a `@triton.jit` kernel: `kernel[grid](...)` does nothing."""
+
+    def __getitem__(self, grid: object) -> Callable[..., None]:
+        return lambda *args, **kwargs: None
+
+
+@contextlib.contextmanager
+def no_kernel_launches() -> Iterator[None]:
+    """The Triton path without its two kernels: every wrapper runs, nothing is launched."""
+    from gbfunc.kernels.generate import kernel as forward
+    from gbfunc.kernels.generate_backward import kernel as backward
+
+    saved = forward._generate_kernel, backward._generate_backward_kernel
+    forward._generate_kernel = backward._generate_backward_kernel = _NoLaunch()
+    try:
+        yield
+    finally:
+        forward._generate_kernel, backward._generate_backward_kernel = saved
+
+
+def call(plan: gb.Plan, gparams: dict, backend: str, backward: bool) -> None:
+    weights = gb.apply(gparams, plan, backend=backend, compile=False)
+    if backward:
+        torch.stack([w.sum() for w in weights.values()]).sum().backward()
+
+
+def measure(backend: str, backward: bool, rounds: int, inner: int) -> tuple[float, OpCounter]:
+    """Median µs per call over `rounds` of `inner` calls, and the ops of one call."""
+    plan, gparams = ten_stacks()
+    for _ in range(5):
+        call(plan, gparams, backend, backward)  # caches, autograd's first-call work
+    with OpCounter() as counter:
+        call(plan, gparams, backend, backward)
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(inner):
+            call(plan, gparams, backend, backward)
+        times.append((time.perf_counter() - start) / inner * 1e6)
+    return statistics.median(times), counter
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--inner", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=RESULTS / "bench_overhead.md")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    plan, _ = ten_stacks()
+    with recorded(args.out, "gb.apply's work around the generation, per call"):
+        print(f"plan: {len(plan.stacks)} stacks, {gb.report(plan).generated_weights:,} weights\n")
+        print("| path | pass | µs per call (CPU) | aten ops | launching ops | per stack |")
+        print("|---|---|---|---|---|---|")
+        for backend in ("torch", "triton"):
+            for backward in (False, True):
+                launches = no_kernel_launches() if backend == "triton" else contextlib.nullcontext()
+                with launches:
+                    us, counter = measure(backend, backward, args.rounds, args.inner)
+                name = "triton, no launch" if backend == "triton" else "torch"
+                pass_ = "forward and backward" if backward else "forward"
+                ops, launching = sum(counter.ops.values()), counter.launching()
+                print(
+                    f"| {name} | {pass_} | {us:.0f} | {ops} | {launching} | "
+                    f"{launching / len(plan.stacks):.1f} |"
+                )
+        print(
+            "\nlaunching ops: the aten ops other than views; on a GPU each is a kernel launch, "
+            "plus the Triton path's own 1 (forward) and 1 (backward) per stack not counted here"
+        )
+
+
+if __name__ == "__main__":
+    main()
