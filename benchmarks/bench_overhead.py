@@ -7,19 +7,24 @@ it: code tables, terms, placement tables, checks, autograd and Python. Two paths
 - `torch`: the pure-torch path, eager (`compile=False`);
 - `triton, no launch`: the Triton path's wrappers with the kernel launches replaced by no-ops,
   that is everything `gb.apply(backend="triton")` does on a GPU but the kernels themselves.
-  Triton runs on CPU only through its interpreter, so this script enables it.
+  Triton runs on CPU only through its interpreter, so without CUDA this script enables it;
+- on a GPU (`--device cuda`, in `benchmarks/gpu_check.sh`) also `triton`, kernels launched:
+  the whole call, against the target of 50 µs for 10 stacks.
 
 Each aten op dispatched is counted (`TorchDispatchMode`); "launching" ops leave out views
 (`view`, `slice`, `expand`, ...), which on a GPU launch no kernel. On a GPU each launching op
 costs a kernel launch (microseconds), so their count per call is what a device-independent
 test can bound (`tests/test_overhead.py`); the CPU times here are the Python and dispatch cost.
 
-    python -m benchmarks.bench_overhead
+    python -m benchmarks.bench_overhead [--device cuda]
 """
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (a script, not gbfunc)
+import torch
+
+if not torch.cuda.is_available():  # before triton is imported (a script, not gbfunc)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import argparse
 import contextlib
@@ -29,7 +34,6 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -76,13 +80,13 @@ class OpCounter(TorchDispatchMode):
         return sum(n for op, n in self.ops.items() if op not in VIEWS)
 
 
-def ten_stacks() -> tuple[gb.Plan, dict]:
+def ten_stacks(device: str = "cpu") -> tuple[gb.Plan, dict]:
     """The benchmark's plan (one stack per layer: each has its own hidden width) and gparams."""
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(DIMS[i], DIMS[i + 1]) for i in range(10)))
     overrides = {f"{i}.weight": {"hidden": 4 + i} for i in range(10)}
     plan = gb.plan(model, tile=(8, 8), overrides=overrides)
-    return plan, gb.init(plan, seed=0)
+    return plan, gb.init(plan, seed=0, device=device)
 
 
 class _NoLaunch:
@@ -112,18 +116,24 @@ def call(plan: gb.Plan, gparams: dict, backend: str, backward: bool) -> None:
         torch.stack([w.sum() for w in weights.values()]).sum().backward()
 
 
-def measure(backend: str, backward: bool, rounds: int, inner: int) -> tuple[float, OpCounter]:
-    """Median µs per call over `rounds` of `inner` calls, and the ops of one call."""
-    plan, gparams = ten_stacks()
+def measure(
+    backend: str, backward: bool, rounds: int, inner: int, device: str = "cpu"
+) -> tuple[float, OpCounter]:
+    """Median µs per call over `rounds` of `inner` calls (the device synchronised around
+    each round), and the ops of one call."""
+    plan, gparams = ten_stacks(device)
+    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
     for _ in range(5):
         call(plan, gparams, backend, backward)  # caches, autograd's first-call work
     with OpCounter() as counter:
         call(plan, gparams, backend, backward)
     times = []
     for _ in range(rounds):
+        sync()
         start = time.perf_counter()
         for _ in range(inner):
             call(plan, gparams, backend, backward)
+        sync()
         times.append((time.perf_counter() - start) / inner * 1e6)
     return statistics.median(times), counter
 
@@ -132,20 +142,25 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--inner", type=int, default=20)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--out", type=Path, default=RESULTS / "bench_overhead.md")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     plan, _ = ten_stacks()
+    paths = [("torch", False), ("triton", False)] + [("triton", True)] * (args.device == "cuda")
     with recorded(args.out, "gb.apply's work around the generation, per call"):
         print(f"plan: {len(plan.stacks)} stacks, {gb.report(plan).generated_weights:,} weights\n")
-        print("| path | pass | µs per call (CPU) | aten ops | launching ops | per stack |")
+        print(
+            f"| path | pass | µs per call ({args.device}) | aten ops | launching ops | per stack |"
+        )
         print("|---|---|---|---|---|---|")
-        for backend in ("torch", "triton"):
+        for backend, launched in paths:
             for backward in (False, True):
-                launches = no_kernel_launches() if backend == "triton" else contextlib.nullcontext()
+                stubbed = backend == "triton" and not launched
+                launches = no_kernel_launches() if stubbed else contextlib.nullcontext()
                 with launches:
-                    us, counter = measure(backend, backward, args.rounds, args.inner)
-                name = "triton, no launch" if backend == "triton" else "torch"
+                    us, counter = measure(backend, backward, args.rounds, args.inner, args.device)
+                name = backend + (", no launch" if stubbed else "")
                 pass_ = "forward and backward" if backward else "forward"
                 ops, launching = sum(counter.ops.values()), counter.launching()
                 print(

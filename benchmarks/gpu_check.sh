@@ -6,14 +6,17 @@
 #      step compiled by default and with mode="reduce-overhead" (tests/kernels);
 #   2. bench_generation's GPU half;
 #   3. gpu_step: a training step, plain against gbfunc at ~10x and ~100x, eager and compiled,
-#      on the MLP and on GPT-2 small's shapes.
+#      on the MLP and on GPT-2 small's shapes;
+#   4. bench_overhead: gb.apply's time per call on a 10-stack plan of tiny weights, kernels
+#      launched and not (the work around them, against 50 µs).
 # Each part has a time limit, so that the whole fits in 10 minutes of device time; a part
 # that fails does not stop the others.
 #
 #   bash benchmarks/gpu_check.sh [RESULTS_DIR]            # default: benchmarks/results
 #   bash benchmarks/gpu_check.sh --dry-run RESULTS_DIR    # CPU, tiny shapes: every part runs
 #
-# Writes gpu_tests.log, bench_generation_gpu.md and gpu_step.md into RESULTS_DIR.
+# Writes gpu_tests.log, bench_generation_gpu.md, gpu_step.md and bench_overhead_gpu.md into
+# RESULTS_DIR.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dry=0
@@ -40,7 +43,7 @@ if [ $dry = 1 ]; then  # one test of each file, through Triton's interpreter
         "tests/kernels/test_compiled_step.py" \
         2>&1 | tee -a "$results/gpu_tests.log"
 else
-    timeout 240 python3 -m pytest -q -n 8 -p no:randomly -p no:benchmark --durations=5 \
+    timeout 220 python3 -m pytest -q -n 8 -p no:randomly -p no:benchmark --durations=5 \
         tests/kernels \
         tests/test_labels_biases.py::test_centred_rows_sum_to_zero_on_both_backends \
         tests/test_labels_biases.py::test_generated_biases_get_gradients_and_match_the_triton_kernels \
@@ -57,11 +60,20 @@ else
 fi
 generation=$?
 
-timeout 240 python3 -m benchmarks.gpu_step $([ $dry = 1 ] && echo --dry-run) \
+timeout 200 python3 -m benchmarks.gpu_step $([ $dry = 1 ] && echo --dry-run) \
     --out "$results/gpu_step.md"
 step=$?
 
-echo "tests exit $tests, bench_generation exit $generation, gpu_step exit $step"
-for code in $tests $generation $step; do
+if [ $dry = 1 ]; then
+    timeout 60 python3 -m benchmarks.bench_overhead --rounds 2 --inner 2 \
+        --out "$results/bench_overhead_gpu.md"
+else
+    timeout 60 python3 -m benchmarks.bench_overhead --device cuda \
+        --out "$results/bench_overhead_gpu.md"
+fi
+overhead=$?
+
+echo "tests exit $tests, bench_generation exit $generation, gpu_step exit $step, bench_overhead exit $overhead"
+for code in $tests $generation $step $overhead; do
     [ "$code" = 0 ] || exit "$code"
 done

@@ -479,8 +479,9 @@ def test_tile_choice_baselines_train_a_narrow_and_a_low_rank_arm_at_the_plans_co
 
 @pytest.mark.slow
 def test_the_gpu_script_runs_every_part_on_cpu_in_a_dry_run(tmp_path):
-    """`gpu_check.sh --dry-run`: the kernel tests it names, bench_generation and gpu_step all
-    run (tiny, on CPU) and write their files, so a lent GPU's minutes go to measuring."""
+    """`gpu_check.sh --dry-run`: the kernel tests it names, bench_generation, gpu_step and
+    bench_overhead all run (tiny, on CPU) and write their files, so a lent GPU's minutes go
+    to measuring."""
     root = Path(__file__).resolve().parents[1]
     environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
@@ -491,13 +492,16 @@ def test_the_gpu_script_runs_every_part_on_cpu_in_a_dry_run(tmp_path):
         timeout=900,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "tests exit 0, bench_generation exit 0, gpu_step exit 0" in done.stdout
+    assert "tests exit 0, bench_generation exit 0, gpu_step exit 0, bench_overhead exit 0" in (
+        done.stdout
+    )
     assert " passed" in (tmp_path / "gpu_tests.log").read_text()
     steps = (tmp_path / "gpu_step.md").read_text()
     assert "## GPT-2 small's shapes" in steps
     assert "gbfunc" in steps
     assert "compiled" in steps
     assert (tmp_path / "bench_generation_gpu.md").exists()
+    assert "| triton, no launch | forward |" in (tmp_path / "bench_overhead_gpu.md").read_text()
 
 
 def test_lr_sensitivity_is_what_the_committed_sweeps_say(tmp_path):
