@@ -24,10 +24,10 @@ EVAL_TOKENS = 16384  # characters per validation forward pass
 # - The output layer stays free, like the input embeddings: generating its 13k weights (3% of
 #   the generated ones) cost 0.16 nats of validation loss.
 # - Learning rates: the dense optimum (1e-2 for the transformer, 3e-3 for the CNN) for every
-#   directly trained tensor. G-nets: 2e-2 for the transformer (val loss after 800 steps 1.79,
-#   against 1.82 at 1.5e-2 and 1.86 at 1e-2; 3e-2 is 0.06 worse after 900 steps), 3e-2 for
-#   the CNN (its best in benchmarks/equal_params.py's sweep for the hashed genome, as it was
-#   for the tiled genome before it).
+#   directly trained tensor; the g-nets at `gb.optim.param_groups`' defaults, which are the
+#   best of benchmarks/equal_params.py's sweeps for the CNN and the MLP (0.03 for ReLU g-nets
+#   and hashed tables, 0.3 for tanh g-nets) and, for the transformer, 0.03 where its sweep
+#   had chosen 0.04 (3 seeds: 1.602 against 1.612 nats; benchmarks/results/lr_rule.md).
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,6 @@ class CharLMConfig(TrainConfig):
             "embeddings": True,
         }
     )
-    lr_gb: float = 4e-2
     # The narrow transformer's best at ~20x in equal_params.py: 0.06 of 0.03, 0.06, 0.1 on the
     # mean of 3 seeds (0.03 was the top of an earlier, lower sweep).
     lr_narrow: float | None = 6e-2
@@ -89,7 +88,6 @@ class DigitsConfig(TrainConfig):
         }
     )
     lr_dense: float = 3e-3
-    lr_gb: float = 3e-2
     # The narrow and low-rank CNNs' best in benchmarks/equal_params.py (3 seeds, 0.003 to 0.1).
     lr_narrow: float | None = 3e-2
     lr_low_rank: float | None = 3e-2
@@ -104,14 +102,13 @@ class MLPConfig(TrainConfig):
     """The digits MLP task, 64-800-10 with the paper's genome at ~100x.
 
     Learning rates: each arm's best of `benchmarks/equal_params.py`'s sweep (Adam, 1000
-    steps, batch 128): dense 1e-3, narrow 3e-2, g-nets 0.3.
+    steps, batch 128): dense 1e-3, narrow 3e-2, g-nets 0.3 (the default for tanh g-nets).
     """
 
     steps: int = 1000
     batch: int = 128
     plan: Mapping[str, Any] = field(default_factory=lambda: paper_genome(9))
     lr_dense: float = 1e-3
-    lr_gb: float = 0.3
     lr_narrow: float | None = 3e-2
     warmup: int = 100
     eval_every: int = 100

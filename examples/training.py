@@ -34,7 +34,8 @@ class TrainConfig:
     Attributes:
         plan: Keyword arguments of `gb.plan`.
         lr_dense: Peak learning rate of every directly trained tensor (both arms).
-        lr_gb: Peak learning rate of the g-nets.
+        lr_gb_scale: The g-nets' peak learning rates are `gb.optim.param_groups`' defaults
+            (by the g-nets' activation, and for hashed tables) times this.
         lr_narrow: Peak learning rate of the narrow equal-parameter arm (default `lr_dense`).
         lr_low_rank: Peak learning rate of the low-rank equal-parameter arm (default
             `lr_dense`).
@@ -47,7 +48,7 @@ class TrainConfig:
     batch: int
     plan: Mapping[str, Any]
     lr_dense: float = 1e-2
-    lr_gb: float = 2e-2
+    lr_gb_scale: float = 1.0
     lr_narrow: float | None = None
     lr_low_rank: float | None = None
     weight_decay: float = 0.0
@@ -117,12 +118,13 @@ def make_arm(
     model: nn.Module,
     tree: Tree,
     to_params: Callable[[Tree], dict[str, Tensor]],
-    lrs: Sequence[tuple[Tree, float]],
+    lrs: Sequence[tuple[Tree, float]] | list[dict],
     cfg: TrainConfig,
 ) -> Arm:
     """An `Arm` minimising cross-entropy of `functional_call(model, to_params(tree), (x,))`.
 
-    `lrs` pairs parts of `tree` with their peak learning rates (one AdamW param group each).
+    `lrs` pairs parts of `tree` with their peak learning rates (one AdamW param group each),
+    or is a list of `torch.optim` parameter groups already (`gb.optim.param_groups`).
     """
 
     def loss(tree: Tree, x: Tensor, y: Tensor) -> Tensor:
@@ -130,8 +132,13 @@ def make_arm(
         return F.cross_entropy(logits.flatten(0, -2), y.flatten())
 
     groups = [
-        {"params": [leaf for leaf in tree_leaves(part) if leaf.requires_grad], "lr": lr}
-        for part, lr in lrs
+        group
+        if isinstance(group, dict)
+        else {
+            "params": [leaf for leaf in tree_leaves(group[0]) if leaf.requires_grad],
+            "lr": group[1],
+        }
+        for group in lrs
     ]
     optimizer = torch.optim.AdamW([g for g in groups if g["params"]], weight_decay=cfg.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -156,15 +163,16 @@ def dense_and_gb(
 ) -> tuple[Arm, Arm]:
     """`(dense, gb)`: the model's own initial parameters, and `gb.init(plan)`'s g-nets.
 
-    The g-nets train at `cfg.lr_gb`; every directly trained tensor (all of the dense model,
-    the free parameters of the gbfunc one) at `cfg.lr_dense`.
+    The g-nets train at `gb.optim.param_groups`' default rates (times `cfg.lr_gb_scale`);
+    every directly trained tensor (all of the dense model, the free parameters of the gbfunc
+    one) at `cfg.lr_dense`.
     """
     dense = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
     gparams = gb.init(plan, seed=cfg.seed, device=device)
-    gb_lrs = [(gparams["stacks"], cfg.lr_gb), (gparams["free"], cfg.lr_dense)]
+    groups = gb.optim.param_groups(gparams, plan, free_lr=cfg.lr_dense, scale=cfg.lr_gb_scale)
     return (
         make_arm("dense", model, dense, lambda t: t, [(dense, cfg.lr_dense)], cfg),
-        make_arm("gb", model, gparams, lambda t: gb.apply(t, plan), gb_lrs, cfg),
+        make_arm("gb", model, gparams, lambda t: gb.apply(t, plan), groups, cfg),
     )
 
 

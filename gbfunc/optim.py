@@ -1,6 +1,11 @@
-"""A functional AdamW over gparams pytrees, for training steps compiled whole.
+"""Optimising gparams: default learning rates, and a functional AdamW for compiled steps.
 
-`torch.optim` works on gparams' leaves as on any parameters; this pure version exists so a
+`param_groups` gives `torch.optim` (Adam/AdamW with warm-up and cosine decay) the g-nets' default
+learning rates, which depend on the genome: g-nets with a bounded activation (tanh) take
+steps ten times larger than unbounded ones (ReLU, GELU, SiLU), which diverge there, and the
+hashed tables theirs (`GNET_LR`, `TABLE_LR`; measured in `benchmarks/results/lr_rule.md`).
+
+`torch.optim` works on gparams' leaves as on any parameters; the pure AdamW here exists so a
 step (generate, forward, loss, grad, update) can run under `torch.compile(fullgraph=True)`.
 The `"frozen"` group is carried through unchanged.
 
@@ -21,7 +26,52 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
+from ._check_gparams import check_gparams
+from ._plan import Plan, Stack
+
 AdamState = dict[str, Any]
+
+# Peak learning rates of g-net leaves by activation, and of hashed tables (Adam, warm-up then
+# cosine decay). tanh g-nets took 0.3 in every sweep of the paper's genome on the digits MLP
+# and ReLU g-nets diverged there (CNN, 0.3); GELU and SiLU, not measured, count as unbounded.
+GNET_LR = {"tanh": 0.3, "relu": 0.03, "gelu": 0.03, "silu": 0.03}
+TABLE_LR = 0.03
+TABLE_LEAF = "tile_hash"
+
+
+def gnet_lr(stack: Stack, leaf: str) -> float:
+    """The default peak learning rate of one leaf of `stack` (see `GNET_LR`, `TABLE_LR`)."""
+    return TABLE_LR if leaf == TABLE_LEAF else GNET_LR[stack.genome.activation]
+
+
+def param_groups(
+    gparams: dict, plan: Plan, *, free_lr: float, scale: float = 1.0
+) -> list[dict[str, Any]]:
+    """`torch.optim` parameter groups of `gparams`' trainable leaves at the default rates.
+
+    One group per distinct rate: g-net leaves at `gnet_lr` times `scale`, free parameters at
+    `free_lr` (the rate the dense model would train at). Where the default does not hold,
+    sweep `scale` (e.g. 1/3, 1, 3).
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 4))
+        >>> plan = gb.plan(model, tile="full", hidden=4, hashed=16)
+        >>> groups = gb.optim.param_groups(gb.init(plan), plan, free_lr=1e-3)
+        >>> sorted(g["lr"] for g in groups)
+        [0.001, 0.03]
+        >>> opt = torch.optim.AdamW(groups)
+    """
+    check_gparams(gparams, plan, "gb.optim.param_groups")
+    for name, value in (("free_lr", free_lr), ("scale", scale)):
+        if not (isinstance(value, int | float) and not isinstance(value, bool) and value > 0):
+            raise ValueError(f"gb.optim.param_groups: {name} must be a number > 0, got {value!r}.")
+    by_rate: dict[float, list[Tensor]] = {}
+    for stack in plan.stacks:
+        for leaf, tensor in gparams["stacks"][stack.key].items():
+            by_rate.setdefault(gnet_lr(stack, leaf) * scale, []).append(tensor)
+    if gparams["free"]:
+        by_rate.setdefault(free_lr, []).extend(gparams["free"].values())
+    return [{"params": params, "lr": rate} for rate, params in by_rate.items()]
 
 
 def _trainable(tree: dict) -> dict:

@@ -1,0 +1,72 @@
+"""`gb.optim.param_groups`: the default learning rates by genome, every trainable leaf once."""
+
+import pytest
+import torch
+from torch import nn
+
+import gbfunc as gb
+
+
+def model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(24, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+
+
+def rates(groups: list[dict]) -> dict[int, float]:
+    """`{id(tensor): lr}`, checking that no tensor is in two groups."""
+    out: dict[int, float] = {}
+    for group in groups:
+        for t in group["params"]:
+            assert id(t) not in out, "a tensor in two groups"
+            out[id(t)] = group["lr"]
+    return out
+
+
+@pytest.mark.parametrize(("activation", "gnet_rate"), [("tanh", 0.3), ("relu", 0.03)])
+def test_gnets_tables_and_free_parameters_get_their_rates(activation, gnet_rate):
+    plan = gb.plan(model(), tile="full", hidden=4, hashed=8, activation=activation)
+    gparams = gb.init(plan)
+    by_id = rates(gb.optim.param_groups(gparams, plan, free_lr=1e-3, scale=2.0))
+    assert set(by_id) == {id(t) for t in gb.trainable_leaves(gparams)}
+    for stack in plan.stacks:
+        for leaf, t in gparams["stacks"][stack.key].items():
+            want = 0.03 if leaf == "tile_hash" else gnet_rate
+            assert by_id[id(t)] == pytest.approx(2.0 * want), leaf
+    assert all(by_id[id(t)] == 1e-3 for t in gparams["free"].values())
+
+
+def test_the_groups_train_with_torch_optim():
+    net = model()
+    plan = gb.plan(net, tile=(8, 8), hidden=4)
+    gparams = gb.init(plan)
+    opt = torch.optim.AdamW(gb.optim.param_groups(gparams, plan, free_lr=1e-2))
+    x, y = torch.randn(64, 24), torch.randn(64, 4)
+    losses = []
+    for _ in range(30):
+        out = torch.func.functional_call(net, gb.apply(gparams, plan), (x,))
+        loss = nn.functional.mse_loss(out, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"free_lr": 0}, ValueError, r"gb\.optim\.param_groups: free_lr must be a number > 0"),
+        ({"free_lr": 1e-3, "scale": -1}, ValueError, r"scale must be a number > 0, got -1"),
+    ],
+)
+def test_bad_rates_are_named(kwargs, error, match):
+    plan = gb.plan(model(), tile=(8, 8))
+    with pytest.raises(error, match=match):
+        gb.optim.param_groups(gb.init(plan), plan, **kwargs)
+
+
+def test_gparams_of_another_plan_are_refused():
+    plan = gb.plan(model(), tile=(8, 8))
+    other = gb.plan(model(), tile=(4, 4))
+    with pytest.raises(ValueError, match=r"gb\.optim\.param_groups: "):
+        gb.optim.param_groups(gb.init(other), plan, free_lr=1e-3)
