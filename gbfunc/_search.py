@@ -50,18 +50,6 @@ class _Ratio:
         )
 
 
-def target_ratio(
-    entries: list[Entry], options: list[dict[str, object]], flags: dict[str, bool], scope: str
-) -> _Ratio:
-    """The ratio of `scope`, knowing which parameters stay free whatever the tile."""
-    kept = sum(
-        math.prod(e.shape)
-        for e, o in zip(entries, options, strict=True)
-        if free_reason(e, o, flags) is not None
-    )
-    return _Ratio(scope == "model", kept)
-
-
 def search_tile(
     entries: list[Entry],
     options: list[dict[str, object]],
@@ -78,12 +66,13 @@ def search_tile(
     `VECTOR_LANES`) takes well under a second even for GPT-2-sized plans.
     """
     check_target(target)
-    measure = target_ratio(entries, options, flags, scope)
     fixed_weights, fixed = 0, 0  # weights and g-net parameters of tiles the caller fixed
+    kept = 0  # parameters that stay free whatever the tile
     searched: dict[tuple, int] = {}  # (genome, window, block shapes) -> parameters like it
     for entry, opts in zip(entries, options, strict=True):
         name, shape, layout = entry.name, entry.shape, entry.layout
         if free_reason(entry, opts, flags) is not None:
+            kept += math.prod(shape)
             continue
         genome = genome_for(opts, shape[2:], layout)
         blocks = tuple(block_shapes(shape, layout.splits, layout.split_dim))
@@ -97,6 +86,7 @@ def search_tile(
             searched[key] = searched.get(key, 0) + 1
     if not searched:
         raise ValueError("gb.plan: compression= has no parameter to choose a tile for.")
+    measure = _Ratio(scope == "model", kept)
     dims = {d for (_, _, blocks) in searched for shape in blocks for d in shape}
     sizes = sorted(
         {-(-d // n) for d in dims for n in range(1, 65)}
@@ -210,11 +200,12 @@ def size_tables(
     equal tables.
     """
     check_target(target)
-    measure = target_ratio(entries, options, flags, scope)
     weights, spent = 0, 0  # generated weights, and g-net parameters other than auto tables
+    kept = 0  # parameters that stay free
     auto: list[tuple[int, int, int]] = []  # (entry index, tiles, positions per tile)
     for index, (entry, opts) in enumerate(zip(entries, options, strict=True)):
         if free_reason(entry, opts, flags) is not None:
+            kept += math.prod(entry.shape)
             continue
         shape, layout, window = entry.shape, entry.layout, entry.shape[2:]
         sized = opts["hashed"] == AUTO
@@ -227,6 +218,8 @@ def size_tables(
                 positions = tile[0] * tile[1] * math.prod(window)
                 auto.append((index, math.prod(tile_grid(rows, cols, tile)), positions))
 
+    measure = _Ratio(scope == "model", kept)
+
     def buckets(k: float, positions: int) -> int:
         return min(positions, max(1, round(k * positions**TABLE_EXPONENT)))
 
@@ -238,7 +231,7 @@ def size_tables(
         raise UnreachableError(
             f"gb.plan: compression={target} cannot be reached within 10% by sizing the hashed "
             f"tables: they give {ratio(hi):.2f}x (a bucket per position) to {ratio(lo):.2f}x "
-            f"(one per tile). Change hidden/tile, or give hashed= a number of buckets."
+            "(one per tile). Change hidden/tile, or give hashed= a number of buckets."
             + measure.hint()
         )
     for _ in range(60):  # the largest k whose ratio stays at or above the target
