@@ -27,7 +27,7 @@ from ._apply import apply
 from ._calibrate import calibrate
 from ._check_gparams import check_gparams, expected_shapes
 from ._check_model import check_matches, check_module
-from ._checkpoint import load
+from ._checkpoint import is_persistent, load
 from ._export import export
 from ._init import init
 from ._plan import Plan
@@ -174,8 +174,7 @@ class Bottleneck(nn.Module):
         self._buffer_aliases: dict[str, list[str]] = {}
         first_name: dict[int, str] = {}
         for name, buf in model.named_buffers(remove_duplicate=False):
-            owner, _, local = name.rpartition(".")
-            keep = local not in model.get_submodule(owner)._non_persistent_buffers_set
+            keep = is_persistent(model, name)
             canonical = first_name.setdefault(id(buf), name)
             if canonical == name:
                 buffers[name], persistent[name] = buf, keep

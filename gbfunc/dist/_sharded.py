@@ -335,19 +335,20 @@ def _templates(
 def _buffer_templates(manifest: dict[str, Any], model: nn.Module, where: str) -> dict[str, Tensor]:
     """Empty tensors for the p-net buffers the manifest lists, each checked against `model`'s
     (manifests before version 4 list none)."""
+    try:
+        listed = [
+            (name, getattr(torch, dtype, None), tuple(shape))
+            for name, (dtype, shape) in (manifest.get("buffers") or {}).items()
+        ]
+    except (AttributeError, TypeError, ValueError) as e:
+        raise CheckpointCorruptError(f"{where}: unreadable buffer list ({e!s:.200}).") from None
     mine = persistent_buffers(model)
     state = {}
-    try:
-        for name, (dtype, shape) in (manifest.get("buffers") or {}).items():
-            dtype, shape = getattr(torch, dtype, None), tuple(shape)
-            if not isinstance(dtype, torch.dtype):
-                raise ValueError(f"buffer {name!r} has no dtype")
-            check_buffer(name, dtype, shape, mine, where)
-            state[BUFFERS + name] = torch.empty(shape, dtype=dtype)
-    except (AttributeError, TypeError, ValueError) as e:
-        if isinstance(e, CheckpointMismatchError):
-            raise
-        raise CheckpointCorruptError(f"{where}: unreadable buffer list ({e!s:.200}).") from None
+    for name, dtype, shape in listed:
+        if not isinstance(dtype, torch.dtype):
+            raise CheckpointCorruptError(f"{where}: unreadable buffer list (buffer {name!r}).")
+        check_buffer(name, dtype, shape, mine, where)
+        state[BUFFERS + name] = torch.empty(shape, dtype=dtype)
     return state
 
 
