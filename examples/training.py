@@ -118,28 +118,19 @@ def make_arm(
     model: nn.Module,
     tree: Tree,
     to_params: Callable[[Tree], dict[str, Tensor]],
-    lrs: Sequence[tuple[Tree, float]] | list[dict],
+    groups: list[dict],
     cfg: TrainConfig,
 ) -> Arm:
     """An `Arm` minimising cross-entropy of `functional_call(model, to_params(tree), (x,))`.
 
-    `lrs` pairs parts of `tree` with their peak learning rates (one AdamW param group each),
-    or is a list of `torch.optim` parameter groups already (`gb.optim.param_groups`).
+    `groups` are its AdamW parameter groups with their peak learning rates (`at_rate`, or
+    `gb.optim.param_groups`).
     """
 
     def loss(tree: Tree, x: Tensor, y: Tensor) -> Tensor:
         logits = functional_call(model, to_params(tree), (x,))
         return F.cross_entropy(logits.flatten(0, -2), y.flatten())
 
-    groups = [
-        group
-        if isinstance(group, dict)
-        else {
-            "params": [leaf for leaf in tree_leaves(group[0]) if leaf.requires_grad],
-            "lr": group[1],
-        }
-        for group in lrs
-    ]
     optimizer = torch.optim.AdamW([g for g in groups if g["params"]], weight_decay=cfg.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, cfg.warmup, cfg.steps)
@@ -148,6 +139,11 @@ def make_arm(
     # make dynamo recompile it with symbolic sizes, which inductor runs several times slower.
     compiled = torch.compile(loss, dynamic=False) if cfg.compile else loss
     return Arm(name, tree, to_params, compiled, optimizer, schedule, model)
+
+
+def at_rate(tree: Tree, lr: float) -> list[dict]:
+    """One parameter group: every leaf of `tree` that requires grad, at peak rate `lr`."""
+    return [{"params": [leaf for leaf in tree_leaves(tree) if leaf.requires_grad], "lr": lr}]
 
 
 def lr_factor(step: int, warmup: int, steps: int) -> float:
@@ -171,7 +167,7 @@ def dense_and_gb(
     gparams = gb.init(plan, seed=cfg.seed, device=device)
     groups = gb.optim.param_groups(gparams, plan, free_lr=cfg.lr_dense, scale=cfg.lr_gb_scale)
     return (
-        make_arm("dense", model, dense, lambda t: t, [(dense, cfg.lr_dense)], cfg),
+        make_arm("dense", model, dense, lambda t: t, at_rate(dense, cfg.lr_dense), cfg),
         make_arm("gb", model, gparams, lambda t: gb.apply(t, plan), groups, cfg),
     )
 
@@ -205,7 +201,7 @@ def narrow_arm(
     model = model.to(device)
     tree = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
     lr = cfg.lr_dense if cfg.lr_narrow is None else cfg.lr_narrow
-    return make_arm("narrow", model, tree, lambda t: t, [(tree, lr)], cfg)
+    return make_arm("narrow", model, tree, lambda t: t, at_rate(tree, lr), cfg)
 
 
 def low_rank_arm(
@@ -224,7 +220,7 @@ def low_rank_arm(
     tree, to_params = low_rank(model, names, budget, seed=cfg.seed)
     tree = {k: v.detach().to(device).requires_grad_() for k, v in tree.items()}
     lr = cfg.lr_dense if cfg.lr_low_rank is None else cfg.lr_low_rank
-    return make_arm("low rank", model, tree, to_params, [(tree, lr)], cfg)
+    return make_arm("low rank", model, tree, to_params, at_rate(tree, lr), cfg)
 
 
 @torch.no_grad()
