@@ -18,7 +18,7 @@ import torch
 
 import gbfunc as gb
 from benchmarks._meta import cpu_benchmark_args, recorded
-from benchmarks.bench_step import median_ms, mlp
+from benchmarks.bench_step import HASHED_20X, median_ms, mlp
 from gbfunc import _graph
 from gbfunc._select import Selection
 from gbfunc._tilemlp import fits_graph
@@ -29,13 +29,7 @@ GENOMES = {
     "hidden 8, outputs 8, tile 64": {"tile": (64, 64), "hidden": 8, "outputs": 8},
     "shared + embeddings, tile 64": {"tile": (64, 64), "hidden": 8, "share": True},
     "row g-nets, hidden 8, tile 128": {"tile": (128, 128), "hidden": 8, "outputs": 128},
-    "hashed genome, tile full, 20x": {
-        "tile": "full",
-        "hidden": 4,
-        "hashed": "auto",
-        "compression": 20,
-        "compression_of": "generated",
-    },
+    "hashed genome, tile full, 20x": HASHED_20X,
 }
 
 

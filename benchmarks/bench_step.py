@@ -237,6 +237,15 @@ def run(
         )
 
 
+# The hashed genome: each weight one tile, tables sized to 20x the generated weights.
+HASHED_20X = {
+    "tile": "full",
+    "hidden": 4,
+    "hashed": "auto",
+    "compression": 20,
+    "compression_of": "generated",
+}
+
 MLP_GENOMES = {
     "default genome (torchGB), tile 128": {"tile": (128, 128)},
     "default genome, compression=10": {"compression": 10, "compression_of": "generated"},
@@ -246,13 +255,7 @@ MLP_GENOMES = {
     "shared + embeddings, tile 64": {"tile": (64, 64), "share": True, "hidden": 16},
     "row g-nets, hidden 8, tile 128": {"tile": (128, 128), "hidden": 8, "outputs": 128},
     "row g-nets, hidden 16, tile 256": {"tile": (256, 256), "hidden": 16, "outputs": 256},
-    "hashed genome, tile full, 20x": {
-        "tile": "full",
-        "hidden": 4,
-        "hashed": "auto",
-        "compression": 20,
-        "compression_of": "generated",
-    },
+    "hashed genome, tile full, 20x": HASHED_20X,
 }
 # "row g-nets": `outputs` = the tile width, so one evaluation emits a whole tile row and the
 # output layer is one (TH, H) @ (H, TW) matmul per tile: the fastest genome on CPU.

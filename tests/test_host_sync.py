@@ -4,28 +4,13 @@ backward reads a tensor's value on the host (`aten._local_scalar_dense`, what `.
 On a GPU such a read is a synchronisation per call, and it keeps a step out of a CUDA graph
 (`torch.compile(mode="reduce-overhead")`)."""
 
-from collections import Counter
-
 import pytest
 import torch
 from torch import nn
 from torch.func import functional_call
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import gbfunc as gb
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts every aten op dispatched inside it, by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func.overloadpacket.__name__)] += 1
-        return func(*args, **(kwargs or {}))
-
+from benchmarks.bench_overhead import OpCounter  # counts every aten op dispatched
 
 GENOMES = {
     "default": {"tile": (8, 8)},

@@ -140,31 +140,10 @@ def draw_tiles(ax: Axes, weight: np.ndarray, full: np.ndarray | None, vmax: floa
     for x, y, w, h in ((COLS, 0, width - COLS, height), (0, ROWS, COLS, height - ROWS)):
         ax.add_patch(Rectangle((x, y), w, h, fc=(1, 1, 1, 0.72), ec="none", zorder=2))
         ax.add_patch(Rectangle((x, y), w, h, fc="none", ec="0.45", hatch="////", lw=0, zorder=3))
-    ax.text(
-        (COLS + width) / 2,
-        ROWS / 2,
-        "cut",
-        rotation=90,
-        ha="center",
-        va="center",
-        fontsize=10,
-        fontweight="bold",
-        color="0.15",
-        zorder=5,
-        bbox=dict(boxstyle="round,pad=0.2", fc="white", ec="none"),
-    )
-    ax.text(
-        COLS / 2,
-        (ROWS + height) / 2,
-        "cut",
-        ha="center",
-        va="center",
-        fontsize=10,
-        fontweight="bold",
-        color="0.15",
-        zorder=5,
-        bbox=dict(boxstyle="round,pad=0.2", fc="white", ec="none"),
-    )
+    label = dict(ha="center", va="center", fontsize=10, fontweight="bold", color="0.15", zorder=5)
+    label["bbox"] = dict(boxstyle="round,pad=0.2", fc="white", ec="none")
+    ax.text((COLS + width) / 2, ROWS / 2, "cut", rotation=90, **label)  # right of the weight
+    ax.text(COLS / 2, (ROWS + height) / 2, "cut", **label)  # below it
     # the tiles, each outlined in its own faint colour, and labelled with its g-net
     for r in range(grid_r):
         for c in range(grid_c):
