@@ -17,6 +17,7 @@ from ._apply import apply
 from ._check_gparams import check_gparams
 from ._plan import Plan
 from ._tree import GParams
+from .optim import _leaves_by_rate
 
 
 class Fitted(NamedTuple):
@@ -37,7 +38,7 @@ def fit(
     target: Mapping[str, Tensor],
     *,
     steps: int = 500,
-    lr: float = 1e-2,
+    lr: float | None = 1e-2,
     compile: bool = False,
 ) -> Fitted:
     """Regress the g-nets of `gparams` onto `target`'s weights (Adam, cosine schedule).
@@ -51,7 +52,11 @@ def fit(
         plan: The plan that made `gparams`.
         target: `{name: tensor}` with every generated parameter, e.g. `model.state_dict()`.
         steps: Adam steps.
-        lr: Peak learning rate, decayed to zero along a cosine.
+        lr: Peak learning rate of every g-net leaf, decayed to zero along a cosine; `None`:
+            each leaf at its default for training (`gb.optim.gnet_lr`). Regression onto fixed
+            weights wants smaller steps: fitting the paper's tanh genome to a trained MLP at
+            its training rate (0.3) kept 35% of the dense accuracy, at 1e-2 60%
+            (`benchmarks/results/fit_trained.md`).
         compile: `torch.compile` the loss and its backward (worth it from a few hundred
             steps; the first call compiles).
 
@@ -95,7 +100,12 @@ def fit(
         return sum(errors(stacks).values()) / len(weights)
 
     step_loss = torch.compile(loss, dynamic=False) if compile else loss
-    optimizer = torch.optim.Adam([t for leaves in stacks.values() for t in leaves.values()], lr=lr)
+    by_rate = (
+        _leaves_by_rate(stacks, plan)
+        if lr is None
+        else {lr: [t for leaves in stacks.values() for t in leaves.values()]}
+    )
+    optimizer = torch.optim.Adam([{"params": p, "lr": rate} for rate, p in by_rate.items()])
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda t: 0.5 * (1 + math.cos(math.pi * t / steps))
     )
@@ -123,7 +133,7 @@ def train_alternating(
     generations: int,
     anneal: float = 20.0,
     fit_steps: int = 300,
-    fit_lr: float = 1e-2,
+    fit_lr: float | None = 1e-2,
     start: Mapping[str, Tensor] | None = None,
     compile: bool = False,
     on_generation: Callable[[int, GParams, dict[str, float]], None] | None = None,
@@ -206,5 +216,5 @@ def _check_options(plan: Plan, target: Mapping[str, Tensor], steps: object, lr: 
             )
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(f"gb.fit: steps must be an int >= 1, got {steps!r}.")
-    if not (isinstance(lr, int | float) and not isinstance(lr, bool) and lr > 0):
-        raise ValueError(f"gb.fit: lr must be a positive number, got {lr!r}.")
+    if lr is not None and not (isinstance(lr, int | float) and not isinstance(lr, bool) and lr > 0):
+        raise ValueError(f"gb.fit: lr must be a positive number or None, got {lr!r}.")

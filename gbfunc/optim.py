@@ -20,6 +20,7 @@ Example:
     >>> gparams, state = gb.optim.adamw_update(gparams, grads, state, lr=1e-3)
 """
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -66,13 +67,22 @@ def param_groups(
     for name, value in (("free_lr", free_lr), ("scale", scale)):
         if not (isinstance(value, int | float) and not isinstance(value, bool) and value > 0):
             raise ValueError(f"gb.optim.param_groups: {name} must be a number > 0, got {value!r}.")
-    by_rate: dict[float, list[Tensor]] = {}
-    for stack in plan.stacks:
-        for leaf, tensor in gparams["stacks"][stack.key].items():
-            by_rate.setdefault(gnet_lr(stack, leaf) * scale, []).append(tensor)
+    by_rate = _leaves_by_rate(gparams["stacks"], plan, scale)
     if gparams["free"]:
         by_rate.setdefault(free_lr, []).extend(gparams["free"].values())
     return [{"params": params, "lr": rate} for rate, params in by_rate.items()]
+
+
+def _leaves_by_rate(
+    stacks: Mapping[str, Mapping[str, Tensor]], plan: Plan, scale: float = 1.0
+) -> dict[float, list[Tensor]]:
+    """`{rate: [leaf, ...]}` of the g-net leaves `stacks` (`gparams["stacks"]`) at `gnet_lr`
+    times `scale`."""
+    by_rate: dict[float, list[Tensor]] = {}
+    for stack in plan.stacks:
+        for leaf, tensor in stacks[stack.key].items():
+            by_rate.setdefault(gnet_lr(stack, leaf) * scale, []).append(tensor)
+    return by_rate
 
 
 def _trainable(tree: dict) -> dict:

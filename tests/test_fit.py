@@ -52,6 +52,25 @@ def test_fit_compiled_matches_eager():
         assert compiled[name] == pytest.approx(eager[name], rel=1e-2)
 
 
+@pytest.mark.parametrize("activation", ["tanh", "relu"])
+def test_fit_can_take_each_leafs_training_rate(activation):
+    """`lr=None`: Adam's first step moves every entry with a gradient by its leaf's
+    `gnet_lr`."""
+    model = nn.Sequential(nn.Linear(24, 16), nn.ReLU(), nn.Linear(16, 4))
+    plan = gb.plan(model, tile="full", hidden=4, hashed=8, activation=activation)
+    start = gb.init(plan, seed=0)
+    target = {k: v.detach() + 0.1 for k, v in model.named_parameters()}
+    stepped = gb.fit(start, plan, target, steps=1, lr=None).gparams
+    for stack in plan.stacks:
+        # the hashed genome's g-nets start at zero output: only the output layer and the
+        # table have a gradient at the first step
+        for leaf in ("w_out", "b_out", "tile_hash"):
+            before = start["stacks"][stack.key][leaf]
+            moved = (stepped["stacks"][stack.key][leaf] - before).detach().abs().max()
+            want = gb.optim.gnet_lr(stack, leaf)
+            assert float(moved) == pytest.approx(want, rel=1e-3), (leaf, want)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
