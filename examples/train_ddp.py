@@ -43,7 +43,7 @@ def main() -> None:
         generate = owned.apply
         sync = gbd.GradSync(list(gparams["free"].values()), mesh)
         sent = lambda: sync.comm_bytes + owned.comm_bytes
-    opt = torch.optim.AdamW(gb.trainable_leaves(gparams), lr=1e-2)
+    opt = torch.optim.AdamW(gb.optim.param_groups(gparams, plan, free_lr=1e-2))
 
     batches = launch.batches(cfg, args.global_batch, mesh, device)
     # g-net gradients are summed over ranks and divided by the dp size in `sync.wait()`

@@ -58,7 +58,7 @@ def main() -> None:
     else:
         gparams, opt_state, start = gb.init(plan, seed=0), None, 0
     sync = gbd.GradSync(gb.trainable_leaves(gparams), mesh)
-    opt = torch.optim.AdamW(gb.trainable_leaves(gparams), lr=1e-2)
+    opt = torch.optim.AdamW(gb.optim.param_groups(gparams, plan, free_lr=1e-2))
     if opt_state is not None:
         opt.load_state_dict(opt_state)
     if dist.get_rank() == 0:

@@ -41,7 +41,7 @@ def main() -> None:
 
     gparams = gb.init(plan, seed=0, device=device)
     sync = gbd.GradSync(gb.trainable_leaves(gparams), mesh)  # sum over tp, mean over dp
-    opt = torch.optim.AdamW(gb.trainable_leaves(gparams), lr=1e-2)
+    opt = torch.optim.AdamW(gb.optim.param_groups(gparams, plan, free_lr=1e-2))
 
     batches = launch.batches(cfg, args.global_batch, mesh, device)
     launch.train(

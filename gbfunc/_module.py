@@ -34,6 +34,7 @@ from ._plan import Plan
 from ._planner import plan as make_plan
 from ._report import Report, report
 from ._tree import GParams
+from .optim import param_groups
 
 _ESCAPES = {"%25": "%", "%2E": "."}
 
@@ -235,6 +236,16 @@ class Bottleneck(nn.Module):
     def report(self) -> Report:
         """Parameter counts and compression, `gb.report(b.plan)`."""
         return report(self.plan)
+
+    def param_groups(self, *, free_lr: float, scale: float = 1.0) -> list[dict[str, Any]]:
+        """`torch.optim` parameter groups of this module at the default learning rates,
+        `gb.optim.param_groups(b.gparams, b.plan, free_lr=free_lr, scale=scale)`.
+
+        Example:
+            >>> net = gb.Bottleneck(nn.Linear(64, 32), tile=(16, 16))
+            >>> opt = torch.optim.AdamW(net.param_groups(free_lr=1e-3))
+        """
+        return param_groups(self.gparams, self.plan, free_lr=free_lr, scale=scale)
 
     def calibrate(self, *inputs: Tensor) -> None:
         """Shift biases so every layer starts at zero-mean outputs on `inputs`, in place.

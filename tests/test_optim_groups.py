@@ -70,3 +70,24 @@ def test_gparams_of_another_plan_are_refused():
     other = gb.plan(model(), tile=(4, 4))
     with pytest.raises(ValueError, match=r"gb\.optim\.param_groups: "):
         gb.optim.param_groups(gb.init(other), plan, free_lr=1e-3)
+
+
+def test_a_ranks_shard_gets_its_leaves_rates():
+    """`gb.dist.RankOwned.shard` keeps every stack and leaf with fewer g-nets: accepted."""
+    plan = gb.plan(model(), tile=(8, 8), hidden=4, activation="tanh")
+    gparams = gb.init(plan)
+    shard = {
+        "stacks": {
+            key: {leaf: v[:1].detach().requires_grad_() for leaf, v in leaves.items()}
+            for key, leaves in gparams["stacks"].items()
+        },
+        "free": gparams["free"],
+        "frozen": gparams["frozen"],
+    }
+    by_id = rates(gb.optim.param_groups(shard, plan, free_lr=1e-3))
+    assert set(by_id) == {id(t) for t in gb.trainable_leaves(shard)}
+    stack_leaves = [t for leaves in shard["stacks"].values() for t in leaves.values()]
+    assert {by_id[id(t)] for t in stack_leaves} == {0.3}
+    del shard["stacks"][plan.stacks[0].key]["w_out"]
+    with pytest.raises(ValueError, match=r"does not match the plan \(stack "):
+        gb.optim.param_groups(shard, plan, free_lr=1e-3)
