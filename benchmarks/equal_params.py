@@ -133,9 +133,10 @@ def _corpus() -> CharCorpus:
     return CharCorpus.from_text(pydoc_text())
 
 
-def charlm_data() -> Data:
+def charlm_data(corpus: CharCorpus | None = None) -> Data:
+    """Batches and validation of the character task on `corpus` (default: the main job's)."""
     cfg = CharLMConfig()
-    corpus = _corpus()
+    corpus = corpus or _corpus()
     val_x, val_y = char_windows(corpus.val, cfg.context)
     return Data(
         lambda gen, batch: char_batch(corpus.train, batch, cfg.context, gen),
@@ -143,10 +144,12 @@ def charlm_data() -> Data:
     )
 
 
-def charlm_model(width: int | None) -> CharTransformer:
+def charlm_model(width: int | None, corpus: CharCorpus | None = None) -> CharTransformer:
+    """The main job's transformer at `width` (default: full) for `corpus`'s vocabulary."""
     cfg = CharLMConfig()
     w = cfg.width if width is None else width
-    return CharTransformer(_corpus().vocab_size, cfg.context, w, cfg.depth, cfg.heads)
+    vocab = (corpus or _corpus()).vocab_size
+    return CharTransformer(vocab, cfg.context, w, cfg.depth, cfg.heads)
 
 
 HASHED = "hashed genome"

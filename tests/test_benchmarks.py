@@ -513,3 +513,25 @@ def test_lr_sensitivity_is_what_the_committed_sweeps_say(tmp_path):
     committed = (lr_sensitivity.RESULTS / "lr_sensitivity.md").read_text().splitlines()
     assert len(rows) == 14
     assert rows == [line for line in committed if line.startswith("|")]
+
+
+def test_lr_rule_report_sets_the_default_beside_the_best_swept_rate(capsys):
+    """Accuracy: highest wins; loss: lowest wins; split rules are listed but never 'swept'."""
+    from benchmarks import lr_rule
+
+    def rows(task, scores):
+        return [
+            {"part": "p", "task": task, "compression": 5.0, "rule": rule, "seed": seed,
+             "val_acc": value, "val_loss": value}
+            for rule, values in scores.items()
+            for seed, value in enumerate(values)
+        ]  # fmt: skip
+
+    lr_rule.report(
+        rows("mlp", {"default": [0.90, 0.92], 0.1: [0.95, 0.93], 0.3: [0.99, 0.10]})
+        + rows("charlm", {"default": [1.60, 1.62], 0.02: [1.59, 1.60], 0.04: [1.70, 1.50]})
+        + [{**r, "rule": [0.1, 0.03]} for r in rows("mlp", {"x": [0.99]})]
+    )
+    summary = capsys.readouterr().out.split("\n\n")[0]
+    assert "| p | mlp | 5.0x | 91 +- 1 | 0.1 | 94 +- 1 | 3 | no |" in summary
+    assert "| p | charlm | 5.0x | 1.61 +- 0.01 | 0.02 | 1.595 +- 0.005 | 0.015 | yes |" in summary
