@@ -25,8 +25,14 @@ def _path(keys: tuple[str, ...]) -> str:
     return "gparams" + "".join(f"[{k!r}]" for k in keys)
 
 
-def check_gparams(gparams: object, plan: Plan, where: str, *, values: bool = False) -> None:
-    """Raise if `gparams` is not shaped like `gb.init(plan)`; optionally reject NaN/inf."""
+def check_gparams(
+    gparams: object, plan: Plan, where: str, *, values: bool = False, shard: bool = False
+) -> None:
+    """Raise if `gparams` is not shaped like `gb.init(plan)`; optionally reject NaN/inf.
+
+    `shard=True` also accepts a rank's part (`gb.dist.RankOwned.shard`): stack leaves with
+    fewer rows (g-nets or tiles) than the plan's, every other dimension as planned.
+    """
     if not isinstance(plan, Plan):
         raise TypeError(
             f"{where}: plan must be a gb.Plan (from gb.plan), got {type(plan).__name__}."
@@ -52,9 +58,12 @@ def check_gparams(gparams: object, plan: Plan, where: str, *, values: bool = Fal
         node = _leaf(gparams, keys, lambda path: f"{where}: {path} is missing. {hint}")
         if not isinstance(node, Tensor):
             raise TypeError(f"{where}: {_path(keys)} must be a Tensor, got {type(node).__name__}.")
-        if tuple(node.shape) != shape:
+        fewer_rows = shard and keys[0] == "stacks"
+        if not _fits(tuple(node.shape), shape, fewer_rows):
+            rows = " (a shard: at most as many rows)" if fewer_rows else ""
             raise ValueError(
-                f"{where}: {_path(keys)} has shape {tuple(node.shape)}; expected {shape}. {hint}"
+                f"{where}: {_path(keys)} has shape {tuple(node.shape)}; expected {shape}{rows}. "
+                f"{hint}"
             )
         if keys in exact and node.dtype != exact[keys]:
             raise TypeError(
@@ -82,6 +91,12 @@ def check_gparams(gparams: object, plan: Plan, where: str, *, values: bool = Fal
     for keys in _paths(gparams):
         if keys not in expected:
             raise ValueError(f"{where}: {_path(keys)} is not in the plan. {hint}")
+
+
+def _fits(got: tuple[int, ...], want: tuple[int, ...], fewer_rows: bool) -> bool:
+    if not fewer_rows or not want:
+        return got == want
+    return len(got) == len(want) and got[1:] == want[1:] and got[0] <= want[0]
 
 
 def _check_free_dtypes(

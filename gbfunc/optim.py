@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
+from ._check_gparams import check_gparams
 from ._plan import Plan, Stack
 
 AdamState = dict[str, Any]
@@ -53,7 +54,7 @@ def param_groups(
     One group per distinct rate: g-net leaves at `gnet_lr` times `scale`, free parameters at
     `free_lr` (the rate the dense model would train at). Where the default does not hold,
     sweep `scale` (e.g. 1/3, 1, 3). `gparams` may be a rank's shard
-    (`gb.dist.RankOwned.shard`): only the tree's structure is checked against `plan`.
+    (`gb.dist.RankOwned.shard`, fewer g-nets per stack).
 
     Example:
         >>> model = nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 4))
@@ -63,7 +64,7 @@ def param_groups(
         [0.001, 0.03]
         >>> opt = torch.optim.AdamW(groups)
     """
-    _check_structure(gparams, plan)
+    check_gparams(gparams, plan, "gb.optim.param_groups", shard=True)
     for name, value in (("free_lr", free_lr), ("scale", scale)):
         if not (isinstance(value, int | float) and not isinstance(value, bool) and value > 0):
             raise ValueError(f"gb.optim.param_groups: {name} must be a number > 0, got {value!r}.")
@@ -71,27 +72,6 @@ def param_groups(
     if gparams["free"]:
         by_rate.setdefault(free_lr, []).extend(gparams["free"].values())
     return [{"params": params, "lr": rate} for rate, params in by_rate.items()]
-
-
-def _check_structure(gparams: object, plan: Plan) -> None:
-    """Raise unless `gparams` has `gb.init(plan)`'s groups, stacks and leaf names."""
-    where = "gb.optim.param_groups"
-    if not isinstance(plan, Plan):
-        raise TypeError(
-            f"{where}: plan must be a gb.Plan (from gb.plan), got {type(plan).__name__}."
-        )
-    if not isinstance(gparams, dict) or set(gparams) != {"stacks", "free", "frozen"}:
-        got = sorted(gparams) if isinstance(gparams, dict) else type(gparams).__name__
-        raise TypeError(f"{where}: gparams must be the dict made by gb.init, got {got}.")
-    stacks = gparams["stacks"]
-    want = {stack.key: set(stack.leaf_shapes()) for stack in plan.stacks}
-    got = {key: set(leaves) for key, leaves in stacks.items()} if isinstance(stacks, dict) else {}
-    if got != want:
-        wrong = sorted(want.keys() ^ got.keys()) or sorted(k for k in want if want[k] != got[k])
-        raise ValueError(
-            f"{where}: gparams['stacks'] does not match the plan (stack {wrong[0]!r}). Were "
-            "these gparams made by gb.init with a different plan?"
-        )
 
 
 def _leaves_by_rate(

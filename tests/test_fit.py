@@ -153,3 +153,10 @@ def test_alternating_training_rejects_bad_options():
         gb.train_alternating(gb.init(plan), plan, lambda p, n: p, generations=0)
     with pytest.raises(KeyError, match="train_dense returned no"):
         gb.train_alternating(gb.init(plan), plan, lambda p, n: {}, generations=1)
+    called = []
+    for option, message in (("fit_lr", "fit_lr must be"), ("fit_steps", "fit_steps must be")):
+        with pytest.raises(ValueError, match=rf"gb\.train_alternating: {message}"):
+            gb.train_alternating(
+                gb.init(plan), plan, lambda p, n: called.append(n), generations=1, **{option: 0}
+            )
+    assert called == []  # refused before the first generation trains

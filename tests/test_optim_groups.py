@@ -73,7 +73,8 @@ def test_gparams_of_another_plan_are_refused():
 
 
 def test_a_ranks_shard_gets_its_leaves_rates():
-    """`gb.dist.RankOwned.shard` keeps every stack and leaf with fewer g-nets: accepted."""
+    """`gb.dist.RankOwned.shard` keeps every stack and leaf with fewer g-nets: accepted; a
+    missing leaf or another hidden size is not."""
     plan = gb.plan(model(), tile=(8, 8), hidden=4, activation="tanh")
     gparams = gb.init(plan)
     shard = {
@@ -88,6 +89,17 @@ def test_a_ranks_shard_gets_its_leaves_rates():
     assert set(by_id) == {id(t) for t in gb.trainable_leaves(shard)}
     stack_leaves = [t for leaves in shard["stacks"].values() for t in leaves.values()]
     assert {by_id[id(t)] for t in stack_leaves} == {0.3}
+    wider = gb.plan(model(), tile=(8, 8), hidden=6, activation="tanh")
+    with pytest.raises(ValueError, match=r"has shape \(6, 6, 6\); expected \(6, 6, 4\) \(a shard"):
+        gb.optim.param_groups(gb.init(wider), plan, free_lr=1e-3)
     del shard["stacks"][plan.stacks[0].key]["w_out"]
-    with pytest.raises(ValueError, match=r"does not match the plan \(stack "):
+    with pytest.raises(ValueError, match=r"\['w_out'\] is missing"):
         gb.optim.param_groups(shard, plan, free_lr=1e-3)
+
+
+def test_a_bottlenecks_groups_hold_its_parameters_at_the_default_rates():
+    net = gb.Bottleneck(model(), tile=(8, 8), hidden=4, hashed=8, activation="tanh")
+    by_id = rates(net.param_groups(free_lr=1e-3, scale=0.5))
+    assert set(by_id) == {id(p) for p in net.parameters()}
+    assert by_id == rates(gb.optim.param_groups(net.gparams, net.plan, free_lr=1e-3, scale=0.5))
+    assert sorted(set(by_id.values())) == [1e-3, 0.015, 0.15]
