@@ -136,7 +136,7 @@ def _corpus() -> CharCorpus:
 def charlm_data(corpus: CharCorpus | None = None) -> Data:
     """Batches and validation of the character task on `corpus` (default: the main job's)."""
     cfg = CharLMConfig()
-    corpus = corpus or _corpus()
+    corpus = _corpus() if corpus is None else corpus
     val_x, val_y = char_windows(corpus.val, cfg.context)
     return Data(
         lambda gen, batch: char_batch(corpus.train, batch, cfg.context, gen),
@@ -148,7 +148,7 @@ def charlm_model(width: int | None, corpus: CharCorpus | None = None) -> CharTra
     """The main job's transformer at `width` (default: full) for `corpus`'s vocabulary."""
     cfg = CharLMConfig()
     w = cfg.width if width is None else width
-    vocab = (corpus or _corpus()).vocab_size
+    vocab = (_corpus() if corpus is None else corpus).vocab_size
     return CharTransformer(vocab, cfg.context, w, cfg.depth, cfg.heads)
 
 
