@@ -94,19 +94,19 @@ TASKS = {
 }
 
 
-def rates(gparams: dict, plan: gb.Plan, rule: str | float | list[float], free_lr: float) -> dict:
-    """`{id(leaf): rate}` of every trainable leaf. `"default"`: `gb.optim.param_groups`' with
-    the free tensors at `free_lr`; a number: every g-net leaf at it; `[g, t]`: the g-net leaves
-    at `g`, the tables at `t`. Under a swept rule the free tensors train at `free_lr` too."""
+def rates(gparams: dict, plan: gb.Plan, rule: str | float | list[float]) -> dict:
+    """`{id(leaf): rate}` of every g-net leaf. `"default"`: `gb.optim.param_groups`'; a
+    number: every g-net leaf at it; `[g, t]`: the g-net leaves at `g`, the tables at `t`."""
     if rule == "default":
-        groups = gb.optim.param_groups(gparams, plan, free_lr=free_lr)
-        return {id(t): group["lr"] for group in groups for t in group["params"]}
+        free = {id(t) for t in gparams["free"].values()}
+        groups = gb.optim.param_groups(gparams, plan, free_lr=1.0)  # free tensors: left out
+        return {id(t): g["lr"] for g in groups for t in g["params"] if id(t) not in free}
     gnets, tables = rule if isinstance(rule, list) else (rule, rule)
-    out = {id(t): free_lr for t in gparams["free"].values()}
-    for leaves in gparams["stacks"].values():
-        for name, t in leaves.items():
-            out[id(t)] = tables if name == gb.optim.TABLE_LEAF else gnets
-    return out
+    return {
+        id(t): tables if name == gb.optim.TABLE_LEAF else gnets
+        for leaves in gparams["stacks"].values()
+        for name, t in leaves.items()
+    }
 
 
 def run(task_name: str, options: dict, rule: str | float | list[float], seed: int) -> dict:
@@ -117,9 +117,11 @@ def run(task_name: str, options: dict, rule: str | float | list[float], seed: in
     task = TASKS[task_name]
     data = task.data()
     arm, plan = ep.gbfunc_arm(task, "lr rule", options, seed, data)
-    gnet_rate = rule[0] if isinstance(rule, list) else rule
-    free_lr = DENSE_LR[task_name] if rule == "default" else gnet_rate * task.free_lr_factor
-    by_id = rates(arm.tree, plan, rule, free_lr)
+    if rule == "default":
+        free_lr = DENSE_LR[task_name]
+    else:
+        free_lr = (rule[0] if isinstance(rule, list) else rule) * task.free_lr_factor
+    by_id = rates(arm.tree, plan, rule)
     tree: dict = {}  # one top-level part per rate: `equal_params.train` scales by part
     for key, leaves in arm.tree["stacks"].items():
         for leaf, t in leaves.items():
@@ -158,8 +160,9 @@ def jobs(parts: list[str]) -> list[tuple[str, str, dict, object, int]]:
     for part in (p for p in PARTS if p in parts):
         if part == "held-out-text":
             for rule in ("default", *TEXT_SWEPT):
-                seeds = HELD_OUT_TEXT_SEEDS
-                out += [(part, "charlm held-out", text_genome, rule, s) for s in seeds]
+                out += [
+                    (part, "charlm held-out", text_genome, rule, s) for s in HELD_OUT_TEXT_SEEDS
+                ]
         elif part == "transformer":
             out += [(part, "charlm", text_genome, "default", s) for s in TEXT_SEEDS]
         elif part in ("main", "held-out"):

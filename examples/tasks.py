@@ -27,7 +27,7 @@ EVAL_TOKENS = 16384  # characters per validation forward pass
 #   directly trained tensor; the g-nets at `gb.optim.param_groups`' defaults, which are the
 #   best of benchmarks/equal_params.py's sweeps for the CNN and the MLP (0.03 for ReLU g-nets
 #   and hashed tables, 0.3 for tanh g-nets) and, for the transformer, 0.03 where its sweep
-#   had chosen 0.04 (3 seeds: 1.602 against 1.612 nats; benchmarks/results/lr_rule.md).
+#   had chosen 0.04 (3 seeds: 1.627 against 1.612 nats; benchmarks/results/lr_rule.md).
 
 
 @dataclass(frozen=True)
