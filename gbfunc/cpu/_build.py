@@ -1,19 +1,20 @@
 """Building and loading the CPU loops: which flags, where, and what happens when it fails.
 
 Each loop is a C++ file in `gbfunc/cpu/csrc/`, specialised by `-DHIDDEN=` and `-DOUTPUTS=`
-(sums over units and outputs unroll and vectorise with their counts fixed), built on first
-use by PyTorch's extension machinery (`torch.utils.cpp_extension.load`: ninja, a file lock
-for concurrent processes, the compiler's output in the error) into a private cache folder
-(`_cache`). The ISA flags come from torch's public `torch.backends.cpu.get_cpu_capability()`
-and name the build, so a home folder shared by nodes of different CPUs keeps one build each.
+(sums over units and outputs unroll and vectorise with their counts fixed), compiled on first
+use (`_compile`: an OS file lock that a killed process cannot leave behind, bounded waits, a
+library loaded only if it is the one that was built) into a private cache folder (`_cache`).
+The ISA flags come from torch's public `torch.backends.cpu.get_cpu_capability()` and name the
+build, so a home folder shared by nodes of different CPUs keeps one build each.
 
 The loops are optional. `GBFUNC_CPU_LOOPS` (or `gbfunc.cpu.set_mode`) chooses:
 - `auto` (default): on Linux x86-64 with AVX2 or AVX-512, built for that ISA; elsewhere off.
 - `portable`: built without ISA flags (the loops' portable branches), on any CPU.
 - `off`: never built or loaded; every stack runs through pure torch.
-A build or load that fails (no C++ compiler, no ninja, an unsafe cache folder) turns the
-loops off for the process, with one warning that says why; results are the same either way,
-to rounding.
+A build or load that fails (no C++ compiler, a compiler error, an unsafe cache folder, a
+build that another process holds too long) turns the loops off for the process, with one
+warning that says why; results are the same either way, to rounding. Loops already loaded
+stay callable whatever happens later (`runnable`), so code traced with them keeps working.
 """
 
 import ctypes
@@ -29,6 +30,7 @@ from typing import NamedTuple
 import torch
 
 from ._cache import cache_root, private_folder, unsafe_reason
+from ._compile import load_built
 
 MODES = ("off", "portable", "auto")
 MODE_VARIABLE = "GBFUNC_CPU_LOOPS"
@@ -40,6 +42,7 @@ _ISA_FLAGS = {
     "AVX2": ("-mavx2", "-mfma"),
 }
 _COMMON_FLAGS = ("-O3", "-std=c++17", "-fopenmp", "-ffp-contract=fast")
+_HEADERS = tuple(sorted(SOURCES.glob("*.h")))
 
 
 class Loop(NamedTuple):
@@ -179,6 +182,28 @@ def compiled_loop(loop: Loop, units: int, outputs: int = 1) -> ctypes._CFuncPtr 
     return function
 
 
+def runnable(loop: Loop, units: int, outputs: int = 1) -> ctypes._CFuncPtr:
+    """`loop` for `units` and `outputs`, to run now: the function loaded earlier in this process
+    even if the mode changed or another build failed since (a loaded library stays valid, and
+    code traced with it must keep working), else `compiled_loop`'s.
+
+    Raises:
+        RuntimeError: it was never loaded and cannot be now.
+    """
+    function = _functions.get((loop, units, outputs, flavour())) or next(
+        (f for key, f in _functions.items() if key[:3] == (loop, units, outputs)), None
+    )
+    if function is None:
+        function = compiled_loop(loop, units, outputs)
+    if function is None:
+        raise RuntimeError(
+            f"gbfunc: the CPU loop {loop.name} for {units} units and {outputs} outputs was "
+            f"asked for but is not loaded ({unavailable_reason()}); code traced where the loops "
+            "were on runs again after torch._dynamo.reset()."
+        )
+    return function
+
+
 def build_folders(source: str, units: int, outputs: int, build: str) -> tuple[str, ...]:
     """The folders under `cache_root()` that a build lives in; the last names the library."""
     name = f"gbfunc_{Path(source).stem}_{units}_{outputs}_{build.lower()}"
@@ -186,14 +211,11 @@ def build_folders(source: str, units: int, outputs: int, build: str) -> tuple[st
 
 
 def _load(source: str, units: int, outputs: int, build: str) -> ctypes.CDLL:
-    """Build `source` for `units` and `outputs` (or reuse the cached build) and load it, from
-    a folder that only the current user can write to, after checking the library too."""
-    from torch.utils import cpp_extension
-
+    """Build `source` for `units` and `outputs` (or reuse the intact cached build) and load
+    it, from a folder that only the current user can write to, after checking the file too."""
     parts = build_folders(source, units, outputs, build)
-    name = parts[-1]
     folder = private_folder(cache_root(), *parts)
-    library = folder / f"{name}.so"
+    library = folder / f"{parts[-1]}.so"
     if library.exists():
         _check_file(library)
     flags = [
@@ -202,18 +224,7 @@ def _load(source: str, units: int, outputs: int, build: str) -> ctypes.CDLL:
         f"-DHIDDEN={units}",
         f"-DOUTPUTS={outputs}",
     ]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # cpp_extension's notes on the compiler's version
-        path = cpp_extension.load(
-            name,
-            [str(SOURCES / source)],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(folder),
-            is_python_module=False,
-        )
-    _check_file(Path(path))
-    return ctypes.CDLL(path)
+    return load_built(compiler() or "c++", SOURCES / source, _HEADERS, flags, library)
 
 
 def _check_file(path: Path) -> None:

@@ -18,7 +18,7 @@ function's own argument (pytorch/pytorch#193279): callers pass a view of the tab
 import torch
 from torch import Tensor
 
-from ._build import Loop, compiled_loop, vectorised_cpu
+from ._build import Loop, compiled_loop, runnable, vectorised_cpu
 from ._relu_loops import splits_added, threads_and_splits, tiles_folded, tiles_unfolded
 
 _LOOP = Loop("hash_table_gradient", "hash_table_gradient.cpp", pointers=3, sizes=4)
@@ -67,7 +67,7 @@ def table_gradient(grad: Tensor, packed: Tensor, buckets: int) -> Tensor:
     threads, splits = threads_and_splits(tiles, positions)  # a tile's positions are its rows
     partial = grad.new_empty(tiles, splits, buckets)
     pointers = (grad.data_ptr(), packed.data_ptr(), partial.data_ptr())
-    compiled_loop(_LOOP, 1)(*pointers, tiles, positions, buckets, splits, threads)
+    runnable(_LOOP, 1)(*pointers, tiles, positions, buckets, splits, threads)
     return splits_added(partial)
 
 

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from .._evaluate import cached_tile_hash
 from . import _relu_loops
-from ._build import Loop, compiled_loop, vectorised_cpu
+from ._build import Loop, compiled_loop, runnable, vectorised_cpu
 from ._hash_gradient import signed_buckets
 from ._relu_rows import (
     Placement,
@@ -126,7 +126,7 @@ def hash_weights(
     base = [x.contiguous() for x in base]
     table = table.contiguous()
     packed = cached_tile_hash(positions, table.shape[-1], table.device)
-    compiled_loop(_FORWARD, 1)(
+    runnable(_FORWARD, 1)(
         pointers(base),
         table.data_ptr(),
         packed.data_ptr(),
@@ -175,7 +175,7 @@ def hash_weights_backward(
     num_tiles = table_of.shape[0]
     threads, splits = _relu_loops.threads_and_splits(num_tiles, tile_rows)
     partials = present[0].new_empty(num_tiles, splits, buckets)
-    compiled_loop(_BACKWARD, 1)(
+    runnable(_BACKWARD, 1)(
         pointers(grads),
         packed.data_ptr(),
         tile_scales.data_ptr(),

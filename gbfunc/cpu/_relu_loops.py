@@ -38,7 +38,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ._build import Loop, compiled_loop, vectorised_cpu
+from ._build import Loop, compiled_loop, runnable, vectorised_cpu
 
 # Units per compiled loop. Fewer than 4 do not fill the narrowest vector (SSE's 4 floats):
 # inductor's reductions along the positions are faster there. At most 512: a position's or
@@ -302,4 +302,4 @@ def supported(units: int, dtype: torch.dtype, device_type: str) -> bool:
 def _run(loop: Loop, units: int, outputs: int, tensors: tuple, sizes: tuple, threads: int) -> None:
     """Call `loop` compiled for `units` and `outputs` on contiguous `tensors` (inputs, then the
     outputs it writes), `sizes` and `threads`."""
-    compiled_loop(loop, units, outputs)(*(t.data_ptr() for t in tensors), *sizes, threads)
+    runnable(loop, units, outputs)(*(t.data_ptr() for t in tensors), *sizes, threads)

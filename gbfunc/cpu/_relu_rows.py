@@ -41,7 +41,7 @@ from .._evaluate import code_tables
 from .._plan import Generated, Stack, tile_places
 from .._tilemlp import plain_eager
 from . import _relu_loops, _relu_tiles
-from ._build import Loop, compiled_loop
+from ._build import Loop, compiled_loop, runnable
 
 _FORWARD = Loop("relu_rows_forward", "relu_rows.cpp", pointers=9, sizes=4)
 _BACKWARD = Loop("relu_rows_backward", "relu_rows.cpp", pointers=12, sizes=5)
@@ -262,10 +262,10 @@ def _forward(row_code, col_code, w_in, b_in, w_out, b_out, where: Placement) -> 
     tables = (*(x.data_ptr() for x in inputs), tile_scales.data_ptr(), table.data_ptr())
     widths = (row_code.shape[0], row_code.shape[1], col_code.shape[1])
     if columns == 1:
-        loop = compiled_loop(_FORWARD, units, outputs)
+        loop = runnable(_FORWARD, units, outputs)
         loop(*tables, pointers(weights), w_in.shape[0], *widths, torch.get_num_threads())
         return weights
-    loop = compiled_loop(_relu_tiles.FORWARD, units)
+    loop = runnable(_relu_tiles.FORWARD, units)
     tile_rows, row_width, col_width = widths
     blocks = -(-tile_rows // _relu_tiles.BLOCK_ROWS)
     threads, splits = _relu_loops.threads_and_splits(w_in.shape[0], blocks)
@@ -325,7 +325,7 @@ def _backward(grads, row_code, col_code, w_in, b_in, w_out, where: Placement) ->
     )
     columns = col_code.shape[0]
     sizes = (num_tiles, tile_rows) + ((columns,) if columns > 1 else ())
-    loop = compiled_loop(_relu_tiles.BACKWARD if columns > 1 else _BACKWARD, units, outputs)
+    loop = runnable(_relu_tiles.BACKWARD if columns > 1 else _BACKWARD, units, outputs)
     loop(
         pointers(grads),
         *(x.data_ptr() for x in inputs),

@@ -1,0 +1,208 @@
+"""The CPU loops' build under faults (issue 53, rows 1, 4 and 5): a build killed midway, a
+build another process holds, a library cut short in the cache, and loops switched off or
+failing after code was traced with them. Rows 1 and 4 run real processes: one that is killed,
+one that would crash on a bad library."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import gbfunc as gb
+from gbfunc.cpu import _build, _compile, _relu_loops
+
+pytestmark = pytest.mark.skipif(
+    _build.flavour() is None or _build.compiler() is None,
+    reason="the loops are not built on this machine (mode, platform or compiler)",
+)
+
+UNITS = 5  # a unit count no other test builds, so each test starts from an empty folder
+
+# Builds the one-output backward's loop for UNITS units and checks it against its
+# specification; prints the warnings it saw. Run in a process of its own.
+BUILD_AND_CHECK = textwrap.dedent(
+    f"""
+    import warnings
+    import torch
+    from gbfunc.cpu import _relu_loops
+
+    warnings.simplefilter("always")
+    with warnings.catch_warnings(record=True) as caught:
+        usable = _relu_loops.sums_usable({UNITS}, torch.float32, "cpu")
+    g, threshold, b = torch.randn(3, 4, 6), torch.randn(3, 4, {UNITS}), torch.randn(3, 6, {UNITS})
+    if usable:
+        for got, want in zip(_relu_loops.relu_unit_sums(g, threshold, b),
+                             _relu_loops.sums_reference(g, threshold, b)):
+            torch.testing.assert_close(got, want)
+    print("usable" if usable else "not usable", [str(w.message) for w in caught])
+    """
+)
+
+
+def environment(cache: Path, **extra: str) -> dict[str, str]:
+    """This process's environment for a child that builds into `cache`, in `auto` mode."""
+    dropped = ("CXX", _build.MODE_VARIABLE)
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
+    return {**env, "GBFUNC_CACHE_DIR": str(cache), **extra}
+
+
+def build_folder(cache: Path) -> Path:
+    return cache.joinpath(*_build.build_folders("relu_unit_sums.cpp", UNITS, 1, _build.flavour()))
+
+
+def library_of(cache: Path) -> Path:
+    folder = build_folder(cache)
+    return folder / f"{folder.name}.so"
+
+
+@pytest.mark.slow
+def test_a_build_killed_midway_leaves_nothing_that_makes_the_next_one_wait(tmp_path):
+    """Row 1: a process killed while it builds (here: while its compiler runs) left torch's
+    build `lock` behind and every later build waited on it forever. The next process now
+    builds at once, and finds the loop equal to its specification."""
+    cache, started = tmp_path / "cache", tmp_path / "compiler-started"
+    hanging = tmp_path / "hanging-compiler"
+    hanging.write_text(f"#!/bin/sh\ntouch {started}\nexec sleep 300\n")
+    hanging.chmod(0o755)
+    victim = subprocess.Popen(
+        [sys.executable, "-c", BUILD_AND_CHECK],
+        env=environment(cache, CXX=str(hanging)),
+        start_new_session=True,  # its compiler too, to clean up after
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists():
+            assert victim.poll() is None, "the build ended before it could be killed"
+            assert time.monotonic() < deadline, "the build never started its compiler"
+            time.sleep(0.05)
+        victim.send_signal(signal.SIGKILL)  # the build's own process; its compiler lives on
+        victim.wait()
+        (build_folder(cache) / "lock").touch()  # what torch's cpp_extension left behind
+        began = time.monotonic()
+        next_one = subprocess.run(
+            [sys.executable, "-c", BUILD_AND_CHECK],
+            env=environment(cache),
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+    finally:
+        os.killpg(victim.pid, signal.SIGKILL)
+    assert next_one.returncode == 0, next_one.stderr[-3000:]
+    assert next_one.stdout.startswith("usable []"), next_one.stdout
+    assert time.monotonic() - began < 120
+    assert not list(build_folder(cache).glob("*partial*"))  # the killed build's file is gone
+
+
+def test_a_build_held_by_a_live_process_is_waited_for_within_a_bound(fresh_loops, monkeypatch):
+    """Row 1, the bounded wait: while another holder keeps the folder's lock, a build gives up
+    after `LOCK_WAIT_S` with one warning naming the folder, and the call runs through torch."""
+    folder = build_folder(fresh_loops)
+    folder.mkdir(parents=True, mode=0o700)
+    for parent in [folder, *folder.relative_to(fresh_loops).parents]:
+        (fresh_loops / parent).chmod(0o700)
+    monkeypatch.setattr(_compile, "LOCK_WAIT_S", 0.3)
+    with _compile.locked(folder / _compile.LOCK_NAME):  # another open file: another holder
+        with pytest.warns(RuntimeWarning, match=re.escape(f"building in {folder}")) as caught:
+            assert not _relu_loops.sums_usable(UNITS, torch.float32, "cpu")
+    assert len(caught) == 1
+    plan = gb.plan(nn.Linear(20, 12), tile=(8, 8), hidden=UNITS)
+    gparams = gb.init(plan, seed=0)
+    explained = gb.explain(gparams, plan, compile=True)
+    assert "cpu-loops" not in explained.route.stacks
+    assert f"building in {folder}" in explained.reasons[plan.stacks[0].key]["cpu-loops"]
+    gb.apply(gparams, plan, compile=False)["weight"].sum().backward()
+
+
+@pytest.mark.parametrize("damage", ["cut short", "emptied", "record lost"])
+def test_a_damaged_library_in_the_cache_is_rebuilt_not_loaded(damage, tmp_path):
+    """Row 4: a library cut short in the cache (an interrupted copy or sync, a full disk) was
+    mapped by `dlopen` and crashed every process with SIGBUS. It is now checked against the
+    size and hash recorded when it was built, and rebuilt."""
+    cache = tmp_path / "cache"
+    first = subprocess.run(
+        [sys.executable, "-c", BUILD_AND_CHECK],
+        env=environment(cache),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert first.stdout.startswith("usable []"), first.stderr[-3000:]
+    library = library_of(cache)
+    whole = library.read_bytes()
+    if damage == "cut short":
+        library.write_bytes(whole[: len(whole) // 3])
+    elif damage == "emptied":
+        library.write_bytes(b"")
+    else:
+        library.with_name(library.name + ".json").unlink()
+    again = subprocess.run(
+        [sys.executable, "-c", BUILD_AND_CHECK],
+        env=environment(cache),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert again.returncode == 0, (again.returncode, again.stderr[-3000:])
+    assert again.stdout.startswith("usable []"), again.stdout
+    assert library.stat().st_size == len(whole)
+
+
+def row_gnets() -> tuple[gb.Plan, dict]:
+    """Row g-nets of one ReLU layer, which take the loops under `compile=True`."""
+    model = nn.Sequential(nn.Linear(40, 48), nn.ReLU(), nn.Linear(48, 10))
+    plan = gb.plan(model, tile=(16, 16), hidden=8, outputs=16)
+    return plan, gb.init(plan, seed=0)
+
+
+@pytest.mark.slow
+def test_code_traced_with_the_loops_keeps_working_when_they_are_switched_off_or_fail():
+    """Row 5: `torch.compile(lambda g: gb.apply(g, p))`, then `gb.cpu.set_mode('off')`, or a
+    failed build elsewhere: the traced code called a loop that was no longer handed out
+    (`TypeError: 'NoneType' object is not callable`). Loaded loops stay callable."""
+    plan, gparams = row_gnets()
+    assert gb.explain(gparams, plan, compile=True).route.stacks == ("cpu-loops", "cpu-loops")
+    traced = torch.compile(lambda g: gb.apply(g, plan, compile=True))
+    want = traced(gparams)
+    try:
+        gb.cpu.set_mode("off")
+        for name, weight in traced(gparams).items():
+            torch.testing.assert_close(weight, want[name], rtol=0, atol=0)
+        gb.cpu.set_mode(None)
+        with pytest.warns(RuntimeWarning, match="a build elsewhere failed"):
+            _build._fail("a build elsewhere failed")
+        for name, weight in traced(gparams).items():
+            torch.testing.assert_close(weight, want[name], rtol=0, atol=0)
+    finally:
+        gb.cpu.set_mode(None)  # also forgets the failure
+
+
+def test_a_loop_switched_off_between_the_check_and_the_call_still_runs():
+    """Row 5, eagerly: another thread switches the mode after a stack chose the loops and
+    before it called them; the call completes, with the loop's results."""
+    g, threshold, b = torch.randn(3, 4, 6), torch.randn(3, 4, 7), torch.randn(3, 6, 7)
+    assert _relu_loops.sums_usable(7, torch.float32, "cpu")
+    try:
+        gb.cpu.set_mode("off")
+        got = _relu_loops.relu_unit_sums(g, threshold, b)
+    finally:
+        gb.cpu.set_mode(None)
+    for x, y in zip(got, _relu_loops.sums_reference(g, threshold, b), strict=True):
+        torch.testing.assert_close(x, y)
+
+
+def test_a_loop_never_loaded_says_so_instead_of_calling_nothing(fresh_loops):
+    gb.cpu.set_mode("off")
+    try:
+        with pytest.raises(RuntimeError, match=r"relu_unit_sums for 9 units .* not loaded"):
+            _build.runnable(_relu_loops._SUMS, 9)
+    finally:
+        gb.cpu.set_mode(None)
