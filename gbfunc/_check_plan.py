@@ -15,6 +15,7 @@ from torch import nn
 from ._check_model import check_matches
 from ._entries import check_labels
 from ._genome import Genome
+from ._numbers import as_finite, as_integer
 from ._plan import (
     Block,
     Free,
@@ -74,14 +75,8 @@ def check_plan(
 
 
 def _is_int(x: object, low: int) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= low
-
-
-def _finite(x: object) -> bool:
-    """A finite real number (ints too, however large: `math.isfinite` would overflow)."""
-    if isinstance(x, bool) or not isinstance(x, int | float):
-        return False
-    return isinstance(x, int) or math.isfinite(x)
+    n = as_integer(x)
+    return n is not None and n >= low
 
 
 def _ints(x: object, low: int, length: int | None = None) -> bool:
@@ -126,7 +121,8 @@ def _check_param_fields(plan: Plan, i: int, p: object) -> None:
     if isinstance(p, Free):
         init = p.init
         ok = isinstance(init, tuple) and len(init) == 2 and init[0] in FREE_INITS
-        _need(ok and _finite(init[1]), f"{at}.init", init, f"[kind, value], kind in {FREE_INITS}")
+        ok = ok and as_finite(init[1]) is not None
+        _need(ok, f"{at}.init", init, f"[kind, value], kind in {FREE_INITS}")
         _need(isinstance(p.trainable, bool), f"{at}.trainable", p.trainable, "a bool")
         _need(grad or not p.trainable, f"{at}.dtype", p.dtype, "a floating dtype (trainable)")
         _need(isinstance(p.reason, str), f"{at}.reason", p.reason, "a string")
@@ -138,7 +134,8 @@ def _check_param_fields(plan: Plan, i: int, p: object) -> None:
             f"{at} names stack {p.stack_index!r:.100}; the plan has {len(plan.stacks)} stacks."
         )
     _need(_is_int(p.split_dim, 0) and p.split_dim <= 1, f"{at}.split_dim", p.split_dim, "0 or 1")
-    ok = _finite(p.scale) and 0 < p.scale <= MAX_SCALE
+    scale = as_finite(p.scale)
+    ok = scale is not None and 0 < scale <= MAX_SCALE
     _need(ok, f"{at}.scale", p.scale, f"a number in (0, {MAX_SCALE:g}]")
     _need(isinstance(p.center, bool), f"{at}.center", p.center, "a bool")
     _need(isinstance(p.blocks, tuple) and len(p.blocks) > 0, f"{at}.blocks", p.blocks, "blocks")

@@ -31,6 +31,7 @@ from ._check_gparams import check_gparams, expected_shapes, leaves
 from ._check_model import check_module
 from ._check_plan import check_plan
 from ._files import check_no_meta, standalone, write_atomic
+from ._numbers import as_integer, integer
 from ._plan import Plan
 from ._serial import flatten, plan_from_json, plan_to_json, unflatten
 from ._tree import GParams
@@ -110,8 +111,7 @@ def save(
     """
     path = checkpoint_path(path, "gb.save")
     check_gparams(gparams, plan, "gb.save")
-    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
-        raise TypeError(f"gb.save: step must be an int >= 0 or None, got {step!r}.")
+    step = integer("gb.save", "step", step, minimum=0, optional=True)
     try:
         meta_json = json.dumps(meta, sort_keys=True)
     except (TypeError, ValueError) as e:
@@ -312,7 +312,7 @@ def _header(metadata: dict[str, str], where: str) -> tuple[Plan, Any, int | None
         skeleton, step, meta = (json.loads(metadata[k]) for k in ("opt_state", "step", "meta"))
     except (KeyError, ValueError, RecursionError) as e:
         raise CheckpointCorruptError(f"{where}: unreadable metadata ({e!s:.200}).") from None
-    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+    if step is not None and not (as_integer(step) is not None and step >= 0):
         raise CheckpointCorruptError(
             f"{where}: step must be an int >= 0 or null, got {step!r:.100}."
         )
@@ -468,7 +468,7 @@ def _tensor_end(key: str, entry: object) -> int:
     ok = (
         isinstance(offsets, list)
         and len(offsets) == 2
-        and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        and all(as_integer(o) is not None for o in offsets)
         and 0 <= offsets[0] <= offsets[1]
     )
     if not ok:

@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_map
 
 from ._apply import apply
 from ._check_gparams import check_gparams
+from ._numbers import integer, real
 from ._plan import Plan
 from ._tree import GParams
 from .optim import _leaves_by_rate
@@ -73,7 +74,7 @@ def fit(
         <All keys matched successfully>
     """
     check_gparams(gparams, plan, "gb.fit")
-    _check_options(plan, target, steps, lr)
+    steps, lr = _check_options(plan, target, steps, lr)
     stacks = {
         key: {name: leaf.detach().clone().requires_grad_() for name, leaf in leaves.items()}
         for key, leaves in gparams["stacks"].items()
@@ -164,13 +165,10 @@ def train_alternating(
     Returns:
         The g-nets after the last fit.
     """
-    if not isinstance(generations, int) or isinstance(generations, bool) or generations < 1:
-        raise ValueError(
-            f"gb.train_alternating: generations must be an int >= 1, got {generations!r}."
-        )
-    if not (isinstance(anneal, int | float) and anneal > 0):
-        raise ValueError(f"gb.train_alternating: anneal must be a positive number, got {anneal!r}.")
-    _check_schedule("gb.train_alternating", ("fit_steps", fit_steps), ("fit_lr", fit_lr))
+    generations = integer("gb.train_alternating", "generations", generations, minimum=1)
+    anneal = real("gb.train_alternating", "anneal", anneal, above=0)
+    fit_steps = integer("gb.train_alternating", "fit_steps", fit_steps, minimum=1)
+    fit_lr = real("gb.train_alternating", "fit_lr", fit_lr, above=0, optional=True)
     names = {p.name for p in plan.generated}
     trained: Mapping[str, Tensor] | None = start
     for n in range(generations):
@@ -204,7 +202,11 @@ def _copied(value: Tensor, like: Tensor) -> Tensor:
     return value.detach().to(device=like.device, dtype=like.dtype, copy=True)
 
 
-def _check_options(plan: Plan, target: Mapping[str, Tensor], steps: object, lr: object) -> None:
+def _check_options(
+    plan: Plan, target: Mapping[str, Tensor], steps: object, lr: object
+) -> tuple[int, float | None]:
+    """`steps` as an int >= 1 and `lr` as a float > 0 or None; raises unless they are, and
+    unless `target` holds every generated weight at its shape."""
     if not isinstance(target, Mapping):
         raise TypeError(f"gb.fit: target must map names to tensors, got {type(target).__name__}.")
     for p in plan.generated:
@@ -215,15 +217,7 @@ def _check_options(plan: Plan, target: Mapping[str, Tensor], steps: object, lr: 
                 f"gb.fit: target[{p.name!r}] has shape {tuple(target[p.name].shape)}; the plan "
                 f"generates {p.shape}."
             )
-    _check_schedule("gb.fit", ("steps", steps), ("lr", lr))
-
-
-def _check_schedule(where: str, steps: tuple[str, object], lr: tuple[str, object]) -> None:
-    """`steps` an int >= 1 and `lr` a positive number or None, each `(name, value)`."""
-    (steps_name, n), (lr_name, rate) = steps, lr
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"{where}: {steps_name} must be an int >= 1, got {n!r}.")
-    if rate is not None and not (
-        isinstance(rate, int | float) and not isinstance(rate, bool) and rate > 0
-    ):
-        raise ValueError(f"{where}: {lr_name} must be a positive number or None, got {rate!r}.")
+    return (
+        integer("gb.fit", "steps", steps, minimum=1),
+        real("gb.fit", "lr", lr, above=0, optional=True),
+    )

@@ -14,6 +14,8 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
+from ._numbers import as_integer, integer
+
 ACTIVATIONS = ("relu", "gelu", "tanh", "silu")
 ENCODINGS = ("binary", "gray", "fourier")
 WINDOW_MODES = ("code", "output")
@@ -75,10 +77,9 @@ class Genome:
     hashed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("row_labels", "col_labels"):
-            if isinstance(getattr(self, name), list):
-                object.__setattr__(self, name, tuple(getattr(self, name)))
-        check_genome({f.name: getattr(self, f.name) for f in fields(self)}, "gb.Genome")
+        checked = check_genome({f.name: getattr(self, f.name) for f in fields(self)}, "gb.Genome")
+        for name, value in checked.items():  # numbers as Python ints, grid labels as tuples
+            object.__setattr__(self, name, value)
         if self.hashed == AUTO:
             raise ValueError(
                 "gb.Genome: hashed='auto' is for gb.plan(..., compression=...), which sizes the "
@@ -105,19 +106,21 @@ class Genome:
 
 def check_genome(
     options: Mapping[str, object], where: str, label: Callable[[str], str] = str
-) -> None:
-    """Raise, naming the call and the option, unless `options` are valid `Genome` fields.
+) -> dict[str, object]:
+    """`options` with its numbers as Python ints and grid labels as tuples of them; raises,
+    naming the call and the option, unless `options` are valid `Genome` fields.
 
     Args:
-        options: `{field: value}` for some of `Genome`'s fields; other keys are ignored.
+        options: `{field: value}` for some of `Genome`'s fields; other keys are kept as given.
         where: The call that received them, e.g. `"gb.plan"`.
         label: How an option is named in messages, e.g. `lambda n: f"overrides['x'][{n!r}]"`.
     """
+    checked = dict(options)
     for name in ("hidden", "depth", "fourier_features", "outputs", "embed_dim"):
         if name in options:
-            _check_int(where, label(name), options[name], 1)
+            checked[name] = integer(where, label(name), options[name], minimum=1)
     if "hashed" in options and options["hashed"] != AUTO:
-        _check_int(where, label("hashed"), options["hashed"], 0)
+        checked["hashed"] = integer(where, label("hashed"), options["hashed"], minimum=0)
     for name, choices in (
         ("activation", ACTIVATIONS),
         ("encoding", ENCODINGS),
@@ -131,21 +134,16 @@ def check_genome(
         raise TypeError(f"{where}: {label('share')} must be a bool, got {options['share']!r}.")
     for name in ("row_labels", "col_labels"):
         labels = options.get(name, "position")
-        grid = isinstance(labels, tuple | list) and all(
-            isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in labels
-        )
-        if not (labels in LABEL_KINDS or (grid and labels)):
+        if isinstance(labels, str) and labels in LABEL_KINDS:
+            continue
+        grid = tuple(map(as_integer, labels)) if isinstance(labels, tuple | list) else ()
+        if not grid or not all(d is not None and d > 0 for d in grid):
             raise ValueError(
                 f"{where}: {label(name)} must be one of {LABEL_KINDS} or a grid shape such as "
                 f"(8, 8), got {labels!r}."
             )
-
-
-def _check_int(where: str, name: str, value: object, low: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{where}: {name} must be an integer >= {low}, got {value!r}.")
-    if value < low:
-        raise ValueError(f"{where}: {name} must be an integer >= {low}, got {value!r}.")
+        checked[name] = grid
+    return checked
 
 
 def bits(n: int) -> int:

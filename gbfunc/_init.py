@@ -7,6 +7,7 @@ from torch import Tensor, nn
 
 from ._check_model import check_matches
 from ._evaluate import HASH_GAIN, evaluate_stack
+from ._numbers import integer
 from ._plan import Plan, Stack
 from ._tree import GParams
 
@@ -57,10 +58,7 @@ def init(
         )
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"gb.init: dtype must be a floating torch.dtype, got {dtype!r}.")
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise TypeError(f"gb.init: seed must be an int, got {seed!r}.")
-    if not -(2**63) <= seed < 2**64:  # torch.Generator's range
-        raise ValueError(f"gb.init: seed must be in [-2**63, 2**64 - 1], got {seed}.")
+    seed = integer("gb.init", "seed", seed, minimum=-(2**63), maximum=2**64 - 1)  # torch's range
     source = _value_source(plan, values, model)
     gen = torch.Generator().manual_seed(seed)
     stacks = {s.key: _init_stack(s, gen) for s in plan.stacks}

@@ -5,6 +5,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import fields
 
 from ._genome import Genome, check_genome
+from ._numbers import as_integer
 
 DEFAULT_TILE = (64, 64)
 GENOME_OPTIONS = tuple(f.name for f in fields(Genome))
@@ -14,19 +15,17 @@ Rules = list[tuple[str, dict[str, object]]]
 
 
 def check_tile(where: str, tile: object, call: str = "gb.plan") -> tuple[int, int] | str:
-    if tile == "full":
+    """`tile` as `"full"` or `(th, tw)` in Python ints; raises, naming `call` and `where`,
+    unless it is one of them."""
+    if isinstance(tile, str) and tile == "full":
         return "full"
-    ok = (
-        isinstance(tile, Sequence)
-        and not isinstance(tile, str)
-        and len(tile) == 2
-        and all(isinstance(t, int) and not isinstance(t, bool) and t > 0 for t in tile)
-    )
-    if not ok:
+    pair = isinstance(tile, Sequence) and not isinstance(tile, str) and len(tile) == 2
+    sizes = tuple(map(as_integer, tile)) if pair else ()
+    if not sizes or not all(t is not None and t > 0 for t in sizes):
         raise ValueError(
             f"{call}: {where} must be (th, tw) with positive integers or 'full', got {tile!r}."
         )
-    return (tile[0], tile[1])
+    return sizes
 
 
 def normalise_overrides(
@@ -65,7 +64,7 @@ def normalise_overrides(
         def label(option: str, pattern: str = pattern) -> str:
             return f"overrides[{pattern!r}][{option!r}]"
 
-        check_genome(opts, "gb.plan", label)
+        opts = check_genome(opts, "gb.plan", label)
         for flag in ("generate", "center"):
             value = opts.get(flag, False)
             if not (isinstance(value, bool) or (flag == "generate" and value is None)):

@@ -18,6 +18,7 @@ from ._entries import (
     tile_for,
 )
 from ._genome import AUTO, Genome, check_genome
+from ._numbers import real
 from ._options import DEFAULT_TILE, check_patterns, check_tile, normalise_overrides, resolve
 from ._plan import (
     Block,
@@ -136,7 +137,7 @@ def plan(
         "col_labels": col_labels,
         "hashed": hashed,
     }
-    check_genome(base, "gb.plan")
+    base = check_genome(base, "gb.plan")
     rules = normalise_overrides(overrides, free)
     entries = collect(model)
     check_patterns(rules, [e.name for e in entries])
@@ -145,6 +146,7 @@ def plan(
         if not isinstance(value, bool):
             raise TypeError(f"gb.plan: {flag} must be a bool, got {value!r}.")
     flags = {"embeddings": embeddings, "biases": biases}
+    compression = real("gb.plan", "compression", compression, minimum=1, optional=True)
     if compression_of not in SCOPES:
         raise ValueError(
             f"gb.plan: compression_of must be one of {', '.join(map(repr, SCOPES))}, got "

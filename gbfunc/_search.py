@@ -65,7 +65,6 @@ def search_tile(
     tiles (sizes that split some weight dimension evenly, powers of two and multiples of
     `VECTOR_LANES`) takes well under a second even for GPT-2-sized plans.
     """
-    check_target(target)
     fixed_weights, fixed = 0, 0  # weights and g-net parameters of tiles the caller fixed
     kept = 0  # parameters that stay free whatever the tile
     searched: dict[tuple, int] = {}  # (genome, window, block shapes) -> parameters like it
@@ -178,11 +177,6 @@ def vector_work(
 TABLE_EXPONENT = 0.5
 
 
-def check_target(target: object) -> None:
-    if not (isinstance(target, int | float) and not isinstance(target, bool) and target >= 1):
-        raise ValueError(f"gb.plan: compression must be a number >= 1, got {target!r}.")
-
-
 def size_tables(
     entries: list[Entry],
     options: list[dict[str, object]],
@@ -199,7 +193,6 @@ def size_tables(
     layer: small layers get more buckets per weight than large ones, and equal tiles get
     equal tables.
     """
-    check_target(target)
     weights, spent = 0, 0  # generated weights, and g-net parameters other than auto tables
     kept = 0  # parameters that stay free
     auto: list[tuple[int, int, int]] = []  # (entry index, tiles, positions per tile)

@@ -27,7 +27,6 @@ What differs from torchGB, on purpose:
   so the replicas stay identical without further communication; `save` writes on rank 0 only.
 """
 
-import math
 import os
 from collections.abc import Callable, Sequence, Set
 
@@ -38,6 +37,7 @@ from ._apply import apply
 from ._check_model import unwrap
 from ._checkpoint import CheckpointMismatchError, read, restore_buffers
 from ._init import init
+from ._numbers import integer, real
 from ._options import check_tile
 from ._plan import Free, Generated, Plan
 from ._planner import plan
@@ -88,13 +88,10 @@ class GenomicBottleneck:
             raise TypeError(
                 f"GenomicBottleneck: model must be an nn.Module, got {type(model).__name__}."
             )
-        if num_batches is not None and (
-            not isinstance(num_batches, int) or isinstance(num_batches, bool)
-        ):
-            raise TypeError(
-                f"GenomicBottleneck: num_batches must be an int or None, got {num_batches!r}."
-            )
-        _check_options(hidden_dim, lr, compression, ignore_layers, tile, seed, optimizer)
+        integer("GenomicBottleneck", "num_batches", num_batches, optional=True)
+        hidden_dim, lr, compression, seed = _check_options(
+            hidden_dim, lr, compression, ignore_layers, tile, seed, optimizer
+        )
         if isinstance(ignore_layers, str):
             ignore_layers = (ignore_layers,)
         self.model = model
@@ -247,20 +244,17 @@ def _check_options(
     tile: object,
     seed: object,
     optimizer: object,
-) -> None:
-    """Check `GenomicBottleneck`'s options: `TypeError` for a wrong type, `ValueError` for a
-    wrong value, each naming the option."""
+) -> tuple[int, float, float | None, int]:
+    """`hidden_dim`, `lr`, `compression` and `seed` as Python numbers; raises unless
+    `GenomicBottleneck`'s options are valid: `TypeError` for a wrong type, `ValueError` for
+    a wrong value, each naming the option."""
     where = "GenomicBottleneck"
-    for name, value, low, kind, noun in (
-        ("hidden_dim", hidden_dim, 1, int, "an integer"),
-        ("lr", lr, 0, int | float, "a number"),
-        ("compression", 1 if compression is None else compression, 1, int | float, "a number"),
-    ):
-        if not isinstance(value, kind) or isinstance(value, bool):
-            raise TypeError(f"{where}: {name} must be {noun}, got {value!r}.")
-        if not (math.isfinite(value) and (value > low if name == "lr" else value >= low)):
-            bound = "> 0" if name == "lr" else f">= {low}"
-            raise ValueError(f"{where}: {name} must be finite and {bound}, got {value!r}.")
+    checked = (
+        integer(where, "hidden_dim", hidden_dim, minimum=1),
+        real(where, "lr", lr, above=0),
+        real(where, "compression", compression, minimum=1, optional=True),
+        integer(where, "seed", seed),
+    )
     layers = (ignore_layers,) if isinstance(ignore_layers, str) else ignore_layers
     if not isinstance(layers, Sequence | Set) or not all(isinstance(s, str) for s in layers):
         raise TypeError(
@@ -269,13 +263,12 @@ def _check_options(
         )
     if tile is not None:
         check_tile("tile", tile, call=where)
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise TypeError(f"{where}: seed must be an int, got {seed!r}.")
     if optimizer is not None and not callable(optimizer):
         raise TypeError(
             f"{where}: optimizer must be a callable f(leaves) -> torch.optim.Optimizer or None, "
             f"got {optimizer!r}."
         )
+    return checked
 
 
 def _leaves(stacks: dict[str, dict[str, Tensor]]) -> list[Tensor]:

@@ -28,6 +28,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_map
 
 from ._check_gparams import check_gparams
+from ._numbers import real
 from ._plan import Plan, Stack
 
 AdamState = dict[str, Any]
@@ -65,9 +66,8 @@ def param_groups(
         >>> opt = torch.optim.AdamW(groups)
     """
     check_gparams(gparams, plan, "gb.optim.param_groups", shard=True)
-    for name, value in (("free_lr", free_lr), ("scale", scale)):
-        if not (isinstance(value, int | float) and not isinstance(value, bool) and value > 0):
-            raise ValueError(f"gb.optim.param_groups: {name} must be a number > 0, got {value!r}.")
+    free_lr = real("gb.optim.param_groups", "free_lr", free_lr, above=0)
+    scale = real("gb.optim.param_groups", "scale", scale, above=0)
     by_rate = _leaves_by_rate(gparams["stacks"], plan, scale)
     if gparams["free"]:
         by_rate.setdefault(free_lr, []).extend(gparams["free"].values())

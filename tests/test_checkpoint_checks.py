@@ -127,10 +127,10 @@ def test_a_diverged_run_can_still_be_saved_and_inspected(tmp_path, planned):
     assert torch.isnan(loaded["free"]["1.weight"]).all()
 
 
-@pytest.mark.parametrize("step", [True, 1.5, -1])
-def test_a_step_that_is_not_a_count_is_refused(tmp_path, planned, step):
+@pytest.mark.parametrize(("step", "error"), [(True, TypeError), (1.5, TypeError), (-1, ValueError)])
+def test_a_step_that_is_not_a_count_is_refused(tmp_path, planned, step, error):
     plan, gparams = planned
-    with pytest.raises(TypeError, match=rf"^gb.save: step must be an int >= 0 or None, got {step}"):
+    with pytest.raises(error, match=rf"^gb.save: step must be an integer >= 0 or None, got {step}"):
         gb.save(tmp_path / "c", gparams, plan, step=step)
 
 

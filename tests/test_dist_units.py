@@ -35,9 +35,11 @@ def test_mesh_shape_rejects_sizes_whose_product_is_not_the_world():
         gbd.mesh_shape(8, dp=3, tp=2)
 
 
-@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
-def test_mesh_shape_rejects_bad_sizes(bad):
-    with pytest.raises(ValueError, match="tp must be an integer >= 1"):
+@pytest.mark.parametrize(
+    ("bad", "error"), [(0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError)]
+)
+def test_mesh_shape_rejects_bad_sizes(bad, error):
+    with pytest.raises(error, match="tp must be an integer >= 1"):
         gbd.mesh_shape(8, tp=bad)
 
 

@@ -259,7 +259,7 @@ def test_compression_leaves_weights_free_whose_gnets_would_cost_more():
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"compression": 0.5}, ValueError, r"compression must be a number >= 1, got 0\.5"),
+        ({"compression": 0.5}, ValueError, r"compression must be a number >= 1 or None, got 0\.5"),
         ({"tile": (4, 4), "outputs": 8}, ValueError, r"0\.weight: outputs=8 is wider"),
         ({"free": None}, TypeError, r"gb\.plan: free must be a sequence"),
         ({"free": [5]}, TypeError, r"gb\.plan: free must be a sequence .*\[5\]"),
@@ -511,7 +511,7 @@ def test_auto_tables_reach_the_compression_with_buckets_by_the_square_root_of_po
             r"gb\.plan: compression=1000000\.0 cannot be reached within 10% by sizing the hashed "
             r"tables: they give [0-9.]+x \(a bucket per position\) to [0-9.]+x \(one per tile\)",
         ),
-        ({"hashed": "auto", "compression": 0}, r"compression must be a number >= 1, got 0"),
+        ({"hashed": "auto", "compression": 0}, r"compression must be a number >= 1 or None, got 0"),
         ({"hashed": "many"}, r"gb\.plan: hashed must be an integer >= 0, got 'many'"),
     ],
 )

@@ -7,20 +7,14 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from .._numbers import integer
 from ._mesh import dim_rank, dim_size
 
 
 def local_batch_size(global_batch_size: int, mesh: DeviceMesh, where: str) -> int:
     """Rows per data-parallel rank; raises unless `global_batch_size` splits evenly."""
+    global_batch_size = integer(where, "global_batch_size", global_batch_size, minimum=1)
     dp = dim_size(mesh, "dp")
-    if (
-        not isinstance(global_batch_size, int)
-        or isinstance(global_batch_size, bool)
-        or global_batch_size < 1
-    ):
-        raise ValueError(
-            f"{where}: global_batch_size must be a positive integer, got {global_batch_size!r}."
-        )
     if global_batch_size % dp:
         raise ValueError(
             f"{where}: global_batch_size {global_batch_size} is not divisible by the {dp} "
@@ -79,6 +73,7 @@ def data_loader(
         >>> loader = gb.dist.data_loader(dataset, global_batch_size=64, mesh=mesh)  # doctest: +SKIP
     """
     size = local_batch_size(global_batch_size, mesh, "gb.dist.data_loader")
+    seed = integer("gb.dist.data_loader", "seed", seed)
     sampler = DistributedSampler(
         dataset,
         num_replicas=dim_size(mesh, "dp"),

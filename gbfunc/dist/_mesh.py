@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .._numbers import integer
+
 DIMS = (
     "pp",
     "dp",
@@ -47,11 +49,11 @@ def mesh_shape(world_size: int, *, dp: int | None = None, tp: int = 1, pp: int =
         >>> mesh_shape(8, tp=2)
         MeshShape(dp=4, tp=2, pp=1)
     """
-    for name, value in (("world_size", world_size), ("dp", dp), ("tp", tp), ("pp", pp)):
-        if value is None and name == "dp":
-            continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"gb.dist.init_mesh: {name} must be an integer >= 1, got {value!r}.")
+    where = "gb.dist.init_mesh"
+    world_size = integer(where, "world_size", world_size, minimum=1)
+    dp = integer(where, "dp", dp, minimum=1, optional=True)
+    tp = integer(where, "tp", tp, minimum=1)
+    pp = integer(where, "pp", pp, minimum=1)
     if dp is None:
         if world_size % (tp * pp):
             raise ValueError(

@@ -17,6 +17,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 from .._evaluate import evaluate_stack
+from .._numbers import integer
 from .._plan import TILE_LEAVES, Plan, Stack
 from .._select import assemble, parameters
 from .._tree import GParams
@@ -73,8 +74,7 @@ def assign(plan: Plan, world_size: int) -> Ownership:
         >>> round(assign(plan, 4).imbalance, 3)  # the busiest rank over the mean
         1.099
     """
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"gb.dist.assign: world_size must be an integer >= 1, got {world_size!r}.")
+    world_size = integer("gb.dist.assign", "world_size", world_size, minimum=1)
     items = [
         (-n * stack.tile_flops, s, g)
         for s, stack in enumerate(plan.stacks)

@@ -41,6 +41,7 @@ from .._checkpoint import (
     persistent_buffers,
     restore_buffers,
 )
+from .._numbers import integer
 from .._plan import TILE_LEAVES, Plan
 from .._serial import plan_from_json, plan_to_json
 from .._tree import GParams
@@ -153,8 +154,7 @@ def save_sharded(
         meta: Anything JSON can hold.
     """
     where = "gb.dist.save_sharded"
-    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
-        raise TypeError(f"{where}: step must be an int >= 0 or None, got {step!r}.")
+    step = integer(where, "step", step, minimum=0, optional=True)
     plan, group = _context(owned, plan, group, where)
     rows = _rows(plan, owned)
     state = _value_entries(plan, local, rows, where)
