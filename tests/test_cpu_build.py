@@ -110,9 +110,10 @@ def test_a_build_held_by_a_live_process_is_waited_for_within_a_bound(fresh_loops
     for parent in [folder, *folder.relative_to(fresh_loops).parents]:
         (fresh_loops / parent).chmod(0o700)
     monkeypatch.setattr(_compile, "LOCK_WAIT_S", 0.3)
-    with _compile.locked(folder / _compile.LOCK_NAME):  # another open file: another holder
-        with pytest.warns(RuntimeWarning, match=re.escape(f"building in {folder}")) as caught:
-            assert not _relu_loops.sums_usable(UNITS, torch.float32, "cpu")
+    held = _compile.locked(folder / _compile.LOCK_NAME)  # another open file: another holder
+    warned = pytest.warns(RuntimeWarning, match=re.escape(f"building in {folder}"))
+    with held, warned as caught:
+        assert not _relu_loops.sums_usable(UNITS, torch.float32, "cpu")
     assert len(caught) == 1
     plan = gb.plan(nn.Linear(20, 12), tile=(8, 8), hidden=UNITS)
     gparams = gb.init(plan, seed=0)

@@ -62,7 +62,9 @@ def locked(path: Path, wait_s: float | None = None) -> Iterator[None]:
     (default `LOCK_WAIT_S`) for another holder. The kernel drops the lock when its holder's
     process ends, however it ends."""
     if fcntl is None:
-        raise OSError("the CPU loops' builds need POSIX file locks (fcntl), which this system lacks")
+        raise OSError(
+            "the CPU loops' builds need POSIX file locks (fcntl), which this system lacks"
+        )
     wait_s = LOCK_WAIT_S if wait_s is None else wait_s
     descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
@@ -97,7 +99,9 @@ def _build(command: list[str], library: Path, inputs: str) -> None:
         )
     except subprocess.TimeoutExpired:
         partial.unlink(missing_ok=True)
-        raise TimeoutError(f"the compiler ran over {COMPILE_S:.0f} s: {' '.join(command)}") from None
+        raise TimeoutError(
+            f"the compiler ran over {COMPILE_S:.0f} s: {' '.join(command)}"
+        ) from None
     if done.returncode != 0:
         partial.unlink(missing_ok=True)
         raise RuntimeError(
