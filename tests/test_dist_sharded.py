@@ -4,14 +4,23 @@ Saved by 2 ranks after a training step; loaded by one process without a process 
 4 ranks, each reading only its own g-nets; damaged and mismatched checkpoints fail clearly.
 """
 
+import errno
 import hashlib
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.filesystem as dcp_files
+from sharded_files import data_of, entries, rewrite
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.func import functional_call
@@ -52,11 +61,17 @@ def save_worker(rank: int, world: int, path: str) -> dict:
     with torch.no_grad():  # one SGD step, so the saved values are not gb.init's
         for leaf in gb.trainable_leaves(local):
             leaf -= 0.5 * leaf.grad
+    refused = None
+    try:  # rank 1's meta cannot be written: every rank raises, before anything is written
+        gbd.save_sharded(path, local, owned, meta={"run": "a"} if rank == 0 else {1: object()})
+    except (TypeError, gb.CheckpointError) as e:
+        refused = f"{type(e).__name__}: {e}"
+    untouched = not os.path.exists(path)
     gbd.save_sharded(path, local, owned, step=1, meta={"run": "a"})
     full = owned.gather(local)
     with torch.no_grad():
         loss = loss_fn(functional_call(model, owned.apply(local), (x,)), x).item()
-    return {"digest": _digest(full), "loss": loss}
+    return {"digest": _digest(full), "loss": loss, "refused": refused, "untouched": untouched}
 
 
 def load_worker(rank: int, world: int, path: str) -> dict:
@@ -88,6 +103,11 @@ def saved(tmp_path_factory) -> tuple[str, list[dict]]:
 @pytest.mark.slow
 def test_sharded_checkpoint_of_two_ranks_loads_in_one_process_and_on_four_ranks(saved):
     path, written = saved
+    assert written[0]["refused"].startswith(
+        "CheckpointError: gb.dist.save_sharded: rank 1 failed (meta must be JSON-serialisable"
+    )
+    assert written[1]["refused"].startswith("TypeError: gb.dist.save_sharded: meta must be JSON")
+    assert written[0]["untouched"] and written[1]["untouched"]
     assert written[0]["digest"] == written[1]["digest"]
     model = _model()
     whole = gbd.load_sharded(path, model)  # one process, no process group: every g-net
@@ -117,23 +137,18 @@ def test_sharded_checkpoint_errors_name_the_file_and_the_entry(saved, tmp_path):
         gbd.load_sharded(tmp_path, model)
 
     # An entry altered after the manifest was written: its SHA-256 no longer matches.
-    state = {}
-    reader = dcp.FileSystemReader(path)
-    for key, item in reader.read_metadata().state_dict_metadata.items():
-        state[key] = torch.empty(item.size, dtype=item.properties.dtype)
-    dcp.load(state, checkpoint_id=path, no_dist=True)
+    state = entries(path)
     altered = tmp_path / "altered"
     key = next(k for k in state if k.startswith("stacks/"))
     state[key] = state[key] + 1.0
-    dcp.save(state, checkpoint_id=str(altered), no_dist=True)
-    shutil.copy(f"{path}/gbfunc.json", altered / "gbfunc.json")
+    rewrite(path, altered, state)
     with pytest.raises(gb.CheckpointCorruptError, match=rf"{key} in .*\.distcp does not match"):
         gbd.load_sharded(altered, model)
 
     # A truncated shard file.
     truncated = tmp_path / "truncated"
     shutil.copytree(path, truncated)
-    shard = sorted(truncated.glob("*.distcp"))[0]
+    shard = sorted(data_of(truncated).glob("*.distcp"))[0]
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     with pytest.raises(gb.CheckpointCorruptError, match="a shard is missing or damaged"):
         gbd.load_sharded(truncated, model)
@@ -204,15 +219,11 @@ def test_a_bad_resume_is_refused_before_anything_changes(tmp_path):
     with pytest.raises(ValueError, match=r"restoring an optimizer needs `into`"):
         gbd.load_sharded(tmp_path, model, optimizer=opt)
     # An optimizer entry altered after the manifest was written.
-    state = {}
-    for key, item in dcp.FileSystemReader(tmp_path).read_metadata().state_dict_metadata.items():
-        state[key] = torch.empty(item.size, dtype=item.properties.dtype)
-    dcp.load(state, checkpoint_id=tmp_path, no_dist=True)
+    state = entries(tmp_path)
     key = next(k for k in state if k.startswith("optim/") and k.endswith("/exp_avg"))
     state[key] += 1.0
     altered = tmp_path / "altered"
-    dcp.save(state, checkpoint_id=altered, no_dist=True)
-    shutil.copy(tmp_path / "gbfunc.json", altered / "gbfunc.json")
+    rewrite(tmp_path, altered, state)
     fresh_opt = torch.optim.AdamW(leaves)
     with pytest.raises(gb.CheckpointCorruptError, match=rf"{key} in .* does not match"):
         gbd.load_sharded(altered, model, into=fresh, optimizer=fresh_opt)
@@ -222,12 +233,18 @@ def test_a_bad_resume_is_refused_before_anything_changes(tmp_path):
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_older_manifests_load_and_unknown_versions_are_refused(tmp_path):
-    """A format-2 manifest (SHA-256 only, written before checksums and optimizer state) loads,
-    also into DTensors; a later format is refused with the versions this gbfunc reads."""
+    """A format-2 manifest (SHA-256 only, written before checksums and optimizer state, DCP's
+    files beside it) loads, also into DTensors; a save over it replaces it, DCP's old files
+    and all, and leaves other files alone; a later format is refused with the versions this
+    gbfunc reads."""
     model, plan, gparams, _ = _small()
     gbd.save_sharded(tmp_path, gparams, plan=plan, step=2)
     manifest = json.loads((tmp_path / "gbfunc.json").read_text())
-    old = {k: v for k, v in manifest.items() if k not in ("checksums", "optimizer")}
+    data = data_of(tmp_path)
+    for file in data.iterdir():
+        file.rename(tmp_path / file.name)
+    data.rmdir()
+    old = {k: v for k, v in manifest.items() if k not in ("checksums", "optimizer", "data")}
     (tmp_path / "gbfunc.json").write_text(json.dumps({**old, "format_version": 2}))
     assert _digest(gbd.load_sharded(tmp_path, model).gparams) == _digest(gparams)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
@@ -242,6 +259,107 @@ def test_older_manifests_load_and_unknown_versions_are_refused(tmp_path):
         assert all(torch.equal(whole[k], gparams["free"][k]) for k in whole)
     finally:
         dist.destroy_process_group()
-    (tmp_path / "gbfunc.json").write_text(json.dumps({**manifest, "format_version": 5}))
-    with pytest.raises(gb.CheckpointVersionError, match=r"format version 5; .* \(1, 2, 3, 4\)"):
+    (tmp_path / "notes.txt").write_text("mine")
+    gbd.save_sharded(tmp_path, gb.init(plan, seed=1), plan=plan, step=3)
+    assert not [f.name for f in tmp_path.iterdir() if f.name.endswith((".distcp", ".metadata"))]
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    assert gbd.load_sharded(tmp_path, model).step == 3
+    manifest = json.loads((tmp_path / "gbfunc.json").read_text())
+    (tmp_path / "gbfunc.json").write_text(json.dumps({**manifest, "format_version": 6}))
+    with pytest.raises(gb.CheckpointVersionError, match=r"format version 6; .* \(1, 2, 3, 4, 5\)"):
         gbd.load_sharded(tmp_path, model)
+
+
+def _files(path: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(path)): f.read_bytes() for f in path.rglob("*") if f.is_file()}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_save_that_fails_leaves_the_previous_checkpoint_as_it_was(tmp_path, monkeypatch):
+    """Issue 53, row 2: a `meta` JSON cannot hold is refused before anything is written, and a
+    write that fails once every shard is written (here: the disk fills up as DCP finishes)
+    leaves no trace; the previous checkpoint loads as it was saved."""
+    model, plan, gparams, _ = _small()
+    path = tmp_path / "ckpt"
+    gbd.save_sharded(path, gparams, plan=plan, step=1)
+    before = _files(path)
+    other = gb.init(plan, seed=1)
+    with pytest.raises(TypeError, match=r"gb\.dist\.save_sharded: meta must be JSON-serialisable"):
+        gbd.save_sharded(path, other, plan=plan, step=2, meta={"t": object()})
+    assert _files(path) == before
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(dcp_files._FileSystemWriter, "finish", full_disk)
+    unwritten = r"ckpt: cannot be written \(rank 0: No space left on device\); the checkpoint there"
+    with pytest.raises(gb.CheckpointError, match=rf"gb\.dist\.save_sharded: .*{unwritten}") as e:
+        gbd.save_sharded(path, other, plan=plan, step=2)
+    assert isinstance(e.value.__cause__, dcp.CheckpointException)
+    assert _files(path) == before
+    loaded = gbd.load_sharded(path, model)
+    assert (loaded.step, _digest(loaded.gparams)) == (1, _digest(gparams))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_save_sharded_onto_a_file_or_a_nul_path_raises_a_checkpoint_error(tmp_path):
+    """Issue 53, row 13: DCP's `CheckpointException` is a `BaseException`; the caller gets a
+    `gb.CheckpointError` naming the path, the DCP error chained where there is one."""
+    _, plan, gparams, _ = _small()
+    file = tmp_path / "file"
+    file.write_text("mine")
+    with pytest.raises(gb.CheckpointError, match=r"save_sharded: .*file: is a file, not a dir"):
+        gbd.save_sharded(file, gparams, plan=plan)
+    assert file.read_text() == "mine"
+    with pytest.raises(gb.CheckpointError, match=r"save_sharded: path '.*a\\x00b' contains a NUL"):
+        gbd.save_sharded(f"{tmp_path}/a\0b", gparams, plan=plan)
+    with pytest.raises(gb.CheckpointError, match=r"file/ckpt: cannot be written \(rank 0: ") as e:
+        gbd.save_sharded(file / "ckpt", gparams, plan=plan)
+    assert isinstance(e.value.__cause__, dcp.CheckpointException)
+
+
+def save_until_killed(path: str, signal_file: str) -> None:
+    """Save other values over the checkpoint at `path`, and wait for SIGKILL once DCP has
+    written every file but before the save returns (run in a child process)."""
+    finish = dcp_files._FileSystemWriter.finish
+
+    def finish_then_wait(self, *args, **kwargs) -> None:
+        finish(self, *args, **kwargs)
+        Path(signal_file).touch()
+        time.sleep(120)
+
+    dcp_files._FileSystemWriter.finish = finish_then_wait
+    _, plan, _, _ = _small()
+    gbd.save_sharded(path, gb.init(plan, seed=1), plan=plan, step=2)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
+    """Issue 53, row 2: a process SIGKILLed while it saves over a checkpoint, once its shards
+    are written, leaves the previous checkpoint loadable; the next save removes what the
+    killed one left."""
+    model, plan, gparams, _ = _small()
+    path, signal_file = tmp_path / "ckpt", tmp_path / "written"
+    gbd.save_sharded(path, gparams, plan=plan, step=1)
+    here = Path(__file__).resolve()
+    args = [str(path), str(signal_file)]
+    code = f"import runpy; runpy.run_path({str(here)!r})['save_until_killed'](*{args!r})"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent), str(here.parents[1])])}
+    child = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not signal_file.exists():
+            assert child.poll() is None, child.stderr.read().decode()
+            assert time.monotonic() < deadline, "the child never reached the end of its write"
+            time.sleep(0.05)
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+        child.stderr.close()
+    loaded = gbd.load_sharded(path, model)
+    assert (loaded.step, _digest(loaded.gparams)) == (1, _digest(gparams))
+    assert len(list(path.glob("shards-*"))) == 2  # the killed save's files are all there
+    gbd.save_sharded(path, gparams, plan=plan, step=3)
+    assert [f.name for f in path.iterdir() if f.name != "gbfunc.json"] == [data_of(path).name]
+    assert gbd.load_sharded(path, model).step == 3

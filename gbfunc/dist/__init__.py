@@ -21,7 +21,8 @@ from ._fsdp import ShardedFree as ShardedFree
 from ._mesh import MeshShape as MeshShape, init_mesh as init_mesh, mesh_shape as mesh_shape
 from ._owned import Ownership as Ownership, RankOwned as RankOwned, assign as assign
 from ._pipeline import StageGenerator as StageGenerator
-from ._sharded import load_sharded as load_sharded, save_sharded as save_sharded
+from ._sharded import load_sharded as load_sharded
+from ._sharded_save import save_sharded as save_sharded
 from ._sync import CollectiveError as CollectiveError, GradSync as GradSync
 from ._tp import TensorParallel as TensorParallel
 

@@ -6,8 +6,9 @@ one DCP entry per g-net (or per tile, for tile leaves), or one copy of replicate
 parameters that are DTensors (FSDP2) shard by shard, replicated ones once; an optimizer's
 state split like its parameters (`_optim_state`). Entries are named by g-net and parameter,
 not by rank, so the checkpoint loads at any world size and any DTensor layout: each rank
-reads what it holds there. Rank 0 writes a manifest (`gbfunc.json`) beside DCP's files: the
-plan, the step, `meta`, the optimizer's settings, a SHA-256 of every whole entry and a
+reads what it holds there. Rank 0 writes a manifest (`gbfunc.json`) naming the subfolder of
+DCP's files (`_layout`: a save replaces a checkpoint only once the new one is complete), with
+the plan, the step, `meta`, the optimizer's settings, a SHA-256 of every whole entry and a
 layout-free checksum (`_checksum`) of every free and optimizer entry, so that loading checks
 the plan against the model as `gb.load` does and detects a damaged shard, naming its file and
 entry, before anything is changed. Unlike `gb.load`'s single file, DCP's data files are read
@@ -35,27 +36,26 @@ from .._checkpoint import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
     CheckpointVersionError,
-    buffers_to_save,
     check_buffer,
     content_hash,
     persistent_buffers,
     restore_buffers,
 )
-from .._numbers import integer
 from .._plan import TILE_LEAVES, Plan
-from .._serial import plan_from_json, plan_to_json
+from .._serial import plan_from_json
 from .._tree import GParams
 from ._checksum import checksum
-from ._optim_state import OPTIM, leaves as optim_leaves, restore, state_entries, templates
+from ._layout import MANIFEST, data_folder, reason
+from ._optim_state import leaves as optim_leaves, restore, templates
 from ._owned import RankOwned
 
-MANIFEST = "gbfunc.json"
 FORMAT = "gbfunc.sharded"
 # 3: layout-free checksums of free and optimizer entries (DTensor shards), optimizer state;
-# 4: the p-net's buffers
-FORMAT_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)
-PLAN_VERSION_OF = {1: 1, 2: 2, 3: 2, 4: 2}  # the plan JSON version inside, as in `gb.save`'s files
+# 4: the p-net's buffers; 5: DCP's files in a subfolder the manifest names (`_layout`)
+FORMAT_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
+# the plan JSON version inside, as in `gb.save`'s files
+PLAN_VERSION_OF = {1: 1, 2: 2, 3: 2, 4: 2, 5: 2}
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float64, torch.bfloat16)}
 _DTYPES["float16"] = torch.float16
 
@@ -82,128 +82,6 @@ def _key(stack: str, leaf: str, row: int) -> str:
 def _digest(key: str, t: Tensor) -> str:
     """`gb.save`'s SHA-256 (name, dtype, shape, bytes) of one entry."""
     return content_hash({key: t.detach().cpu()}, {})
-
-
-def _context(
-    owned: RankOwned | None, plan: Plan | None, group: dist.ProcessGroup | None, where: str
-) -> tuple[Plan, dist.ProcessGroup | None]:
-    """The plan, and the process group of the collective (None: one process on its own)."""
-    if (owned is None) == (plan is None):
-        raise TypeError(
-            f"{where}: pass `owned` (rank-owned g-nets) or `plan=` (g-nets replicated on every "
-            "rank of `group`), exactly one of them."
-        )
-    if owned is not None:
-        return owned.plan, owned.group
-    if group is None and dist.is_initialized():
-        group = dist.group.WORLD
-    return plan, group
-
-
-def _value_entries(
-    plan: Plan, local: GParams, rows: dict[str, dict[str, list[int]]], where: str
-) -> dict[str, Tensor]:
-    """The entries of `local`'s values: one per g-net row, one per free or frozen tensor."""
-    state: dict[str, Tensor] = {}
-    for key, leaves in rows.items():
-        for leaf, mine in leaves.items():
-            values = local["stacks"][key][leaf].detach()
-            if values.shape[0] != len(mine):
-                raise ValueError(
-                    f"{where}: local['stacks'][{key!r}][{leaf!r}] has {values.shape[0]} rows; "
-                    f"this rank holds {len(mine)}. Pass owned.shard(...)."
-                )
-            for i, row in enumerate(mine):
-                state[_key(key, leaf, row)] = values[i].clone()
-    for kind in ("free", "frozen"):
-        for name, value in local[kind].items():
-            state[f"{kind}/{name}"] = value.detach()
-    return state
-
-
-def save_sharded(
-    path: str | os.PathLike,
-    local: GParams,
-    owned: RankOwned | None = None,
-    *,
-    plan: Plan | None = None,
-    group: dist.ProcessGroup | None = None,
-    buffers: nn.Module | dict[str, Tensor] | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-    step: int | None = None,
-    meta: Any = None,
-) -> None:
-    """Write a sharded checkpoint: every rank its own shards, rank 0 the manifest.
-
-    Call it on every rank (a collective), with this rank's gparams as trained: rank-owned
-    g-nets (`owned.shard(...)`) or replicated ones (`plan=`), and free or frozen parameters
-    that are plain tensors (replicated) or DTensors (e.g. `gb.dist.ShardedFree.state(...)`:
-    each rank writes its shard, and they reshard on load).
-
-    Args:
-        path: A directory, on a file system every rank can write.
-        local: This rank's gparams.
-        owned: The `RankOwned` that sharded the g-nets; or
-        plan: the plan, for g-nets replicated on every rank of `group` (default: all ranks;
-            no process group at all: one process writes everything).
-        buffers: The p-net's buffers, replicated on every rank, as in `gb.save` (default:
-            those of the model the plan was made from, while it is alive).
-        optimizer: A `torch.optim` optimizer over `local`'s trainable leaves; its state is
-            written sharded like its parameters and restored by `load_sharded(optimizer=)`.
-        step: Training step, an int >= 0.
-        meta: Anything JSON can hold.
-    """
-    where = "gb.dist.save_sharded"
-    step = integer(where, "step", step, minimum=0, optional=True)
-    plan, group = _context(owned, plan, group, where)
-    rows = _rows(plan, owned)
-    state = _value_entries(plan, local, rows, where)
-    kept = buffers_to_save(buffers, plan, where)
-    state.update({BUFFERS + name: t for name, t in kept.items()})
-    described = None
-    if optimizer is not None:
-        entries, described = state_entries(optimizer, optim_leaves(plan, local, rows), where)
-        state.update(entries)
-    digests = {k: _digest(k, v) for k, v in state.items() if not isinstance(v, DTensor)}
-    # g-net rows (and their optimizer state) are held whole by one rank: a SHA-256 suffices.
-    whole = ("stacks/", f"{OPTIM}stacks/")
-    checksums = {k: checksum(v) for k, v in state.items() if not k.startswith(whole)}
-    with warnings.catch_warnings():  # one process writing on purpose: not worth a warning
-        warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.save(state, checkpoint_id=os.fspath(path), process_group=group, no_dist=group is None)
-    every: list[Any] = [digests]
-    if group is not None:
-        every = [None] * dist.get_world_size(group)
-        dist.all_gather_object(every, digests, group=group)
-    if group is None or dist.get_rank(group) == 0:
-        manifest = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "plan": plan_to_json(plan),
-            "step": step,
-            "meta": meta,
-            "dtypes": _stack_dtypes(local),
-            "buffers": {
-                n: [str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in kept.items()
-            },
-            "sha256": {k: v for d in every for k, v in d.items()},
-            "checksums": checksums,
-            "optimizer": described,
-        }
-        target = Path(path) / MANIFEST
-        tmp = target.with_suffix(".tmp")
-        tmp.write_text(json.dumps(manifest, sort_keys=True))
-        os.replace(tmp, target)
-    if group is not None:
-        dist.barrier(group=group)  # the manifest is there when any rank returns
-
-
-def _stack_dtypes(local: GParams) -> dict[str, str]:
-    return {
-        f"stacks/{key}/{leaf}": str(v.dtype).removeprefix("torch.")
-        for key, leaves in local["stacks"].items()
-        for leaf, v in leaves.items()
-    }
 
 
 def load_sharded(
@@ -250,6 +128,7 @@ def load_sharded(
     check_module(model, "gb.dist.load_sharded")
     where = f"gb.dist.load_sharded: {os.fspath(path)}"
     manifest = _manifest(Path(path), where)
+    data = data_folder(Path(path), manifest, where)
     plan, dtypes, digests, checksums = _read_manifest(manifest, where)
     check_plan(plan, model, where, corrupt=CheckpointCorruptError, mismatch=CheckpointMismatchError)
     if owned is not None and owned.plan.fingerprint() != plan.fingerprint():
@@ -276,8 +155,8 @@ def load_sharded(
             raise CheckpointCorruptError(
                 f"{where}: unreadable optimizer state ({e!r:.200})."
             ) from None
-    _read(path, state, group, where)
-    _verify(Path(path), state, digests, checksums, group, where)
+    _read(data, state, group, where)
+    _verify(data, state, digests, checksums, group, where)
     if optimizer is not None:
         restore(manifest["optimizer"], optimizer, known, state)
     gparams = _assemble(plan, rows, state, dtypes, device)
@@ -353,16 +232,16 @@ def _buffer_templates(manifest: dict[str, Any], model: nn.Module, where: str) ->
 
 
 def _read(
-    path: str | os.PathLike, state: dict[str, Tensor], group: dist.ProcessGroup | None, where: str
+    data: Path, state: dict[str, Tensor], group: dist.ProcessGroup | None, where: str
 ) -> None:
     try:
         with warnings.catch_warnings():  # one process reading on purpose: not worth a warning
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=os.fspath(path), process_group=group, no_dist=not group)
+            dcp.load(state, checkpoint_id=data, process_group=group, no_dist=not group)
     except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException
         raise CheckpointCorruptError(
-            f"{where}: a shard is missing or damaged ({e!s:.300})."
-        ) from None
+            f"{where}: a shard is missing or damaged ({reason(e)})."
+        ) from e
 
 
 def _check_into(

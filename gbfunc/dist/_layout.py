@@ -1,0 +1,97 @@
+"""Where a sharded checkpoint's files lie in its directory, and how a save replaces them.
+
+The directory holds the manifest (`gbfunc.json`) and, in a subfolder the manifest names
+(`"data": "shards-<hex>"`), DCP's files. A save writes a new subfolder beside the current
+one, and rank 0 then replaces the manifest in one `os.replace`: before that rename the
+previous manifest and its subfolder are untouched, after it the new ones are complete, so a
+save that fails or is killed at any point leaves a loadable checkpoint, the old or the new.
+Nothing is renamed but the manifest (the directory may be a mount point; other files in it
+are left alone), and only rank 0 writes it, once every rank's files are written: the ranks
+agree on the new subfolder's name and nothing else. After the switch rank 0 removes the
+replaced subfolder, any left by killed saves, and the DCP files of a checkpoint from before
+format 5, which lay beside the manifest.
+"""
+
+import os
+import re
+import secrets
+import shutil
+from contextlib import suppress
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint import CheckpointException
+
+from .._checkpoint import CheckpointCorruptError, CheckpointError, checkpoint_path
+from .._files import write_atomic
+
+MANIFEST = "gbfunc.json"
+FIRST_WITH_FOLDER = 5  # the first format version whose manifest names its data subfolder
+_FOLDER = re.compile(r"shards-[0-9a-f]{16}")
+# what a save leaves beside the manifest: DCP's files of a format < 5 checkpoint, and a
+# temporary manifest of `write_atomic` killed before its rename
+_LEFTOVER = re.compile(r"\.metadata|__\d+_\d+\.distcp|\.gbfunc\.json\.[0-9a-f]+\.tmp")
+
+
+def target(path: object, where: str) -> Path:
+    """`path` as a directory a save can write, or a `CheckpointError` naming it."""
+    text = checkpoint_path(path, where)
+    if os.path.lexists(text) and not os.path.isdir(text):
+        raise CheckpointError(
+            f"{where}: {text}: is a file, not a directory; a sharded checkpoint is a folder "
+            "(gb.save writes single files). Pass a directory path."
+        )
+    return Path(text)
+
+
+def new_folder() -> str:
+    """A fresh name for a save's data subfolder (rank 0 draws it; every rank writes into it)."""
+    return f"shards-{secrets.token_hex(8)}"
+
+
+def data_folder(path: Path, manifest: dict[str, Any], where: str) -> Path:
+    """The folder holding the DCP files of the checkpoint whose manifest is `manifest`."""
+    name = manifest.get("data")
+    if name is None and manifest["format_version"] < FIRST_WITH_FOLDER:
+        return path  # DCP's files beside the manifest
+    if not isinstance(name, str) or not _FOLDER.fullmatch(name):
+        raise CheckpointCorruptError(f"{where}: {MANIFEST} names no data folder ({name!r:.80}).")
+    return path / name
+
+
+def publish(path: Path, folder: str, manifest: str) -> None:
+    """Switch the checkpoint at `path` to the complete subfolder `folder`: write its
+    `manifest` (JSON text) atomically, then remove what it replaced."""
+    _fsync_dir(path / folder)  # its entries are durable before the manifest names them
+    write_atomic(os.fspath(path / MANIFEST), lambda tmp: Path(tmp).write_text(manifest))
+    for entry in os.scandir(path):  # best effort: what stays is removed by the next save
+        if _FOLDER.fullmatch(entry.name) and entry.name != folder:
+            shutil.rmtree(entry.path, ignore_errors=True)
+        elif _LEFTOVER.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+            with suppress(OSError):
+                os.unlink(entry.path)
+
+
+def discard(path: Path, folder: str) -> None:
+    """Remove the subfolder of a save that failed (best effort)."""
+    shutil.rmtree(path / folder, ignore_errors=True)
+
+
+def reason(error: BaseException) -> str:
+    """What went wrong, in a few words: an OS error's text, or the first failure that DCP's
+    `CheckpointException` (a `BaseException`, whose text is a traceback) wraps."""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, (error, _) = next(iter(error.failures.items()))
+        return f"rank {rank}: {reason(error)}"
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    return f"{error!s:.300}"
+
+
+def _fsync_dir(folder: Path) -> None:
+    if os.name == "posix":
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

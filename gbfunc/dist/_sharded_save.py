@@ -1,0 +1,225 @@
+"""`gb.dist.save_sharded`: each rank writes its shards into a new data folder, then rank 0
+switches the checkpoint's manifest to it (`_layout`), so that a failed or killed save leaves
+the previous checkpoint loadable.
+
+Everything that can be checked is checked on every rank before the first byte is written
+(the arguments, the path, `meta` as JSON, the optimizer's settings), and the ranks agree on
+the outcome: every rank goes on to write, or every rank raises; none is left waiting in a
+collective for a rank that gave up.
+"""
+
+import json
+import os
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from .._checkpoint import BUFFERS, CheckpointError, buffers_to_save
+from .._files import check_no_meta
+from .._numbers import integer
+from .._plan import Plan
+from .._serial import plan_to_json
+from .._tree import GParams
+from ._checksum import checksum
+from ._layout import discard, new_folder, publish, reason, target
+from ._optim_state import OPTIM, leaves as optim_leaves, state_entries
+from ._owned import RankOwned
+from ._sharded import FORMAT, FORMAT_VERSION, _digest, _key, _rows
+
+
+def save_sharded(
+    path: str | os.PathLike,
+    local: GParams,
+    owned: RankOwned | None = None,
+    *,
+    plan: Plan | None = None,
+    group: dist.ProcessGroup | None = None,
+    buffers: nn.Module | dict[str, Tensor] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    step: int | None = None,
+    meta: Any = None,
+) -> None:
+    """Write a sharded checkpoint: every rank its own shards, rank 0 the manifest.
+
+    Call it on every rank (a collective), with this rank's gparams as trained: rank-owned
+    g-nets (`owned.shard(...)`) or replicated ones (`plan=`), and free or frozen parameters
+    that are plain tensors (replicated) or DTensors (e.g. `gb.dist.ShardedFree.state(...)`:
+    each rank writes its shard, and they reshard on load).
+
+    The new checkpoint is written beside the one already at `path`, which is replaced only
+    once the new one is complete: a save that raises or is killed leaves the previous
+    checkpoint loadable. Files in the directory that are not the checkpoint's stay.
+
+    Args:
+        path: A directory, on a file system every rank can write.
+        local: This rank's gparams.
+        owned: The `RankOwned` that sharded the g-nets; or
+        plan: the plan, for g-nets replicated on every rank of `group` (default: all ranks;
+            no process group at all: one process writes everything).
+        buffers: The p-net's buffers, replicated on every rank, as in `gb.save` (default:
+            those of the model the plan was made from, while it is alive).
+        optimizer: A `torch.optim` optimizer over `local`'s trainable leaves; its state is
+            written sharded like its parameters and restored by `load_sharded(optimizer=)`.
+        step: Training step, an int >= 0.
+        meta: Anything JSON can hold.
+
+    Raises:
+        gb.CheckpointError: `path` is a file or holds a NUL byte, or it cannot be written
+            (the reason, e.g. no space left, in the message); or another rank failed.
+        TypeError: An argument of the wrong type (e.g. `meta` that JSON cannot hold), named;
+            nothing is written.
+        ValueError: An argument of the wrong value, named; nothing is written.
+    """
+    where = "gb.dist.save_sharded"
+    plan, group = _context(owned, plan, group, where)
+    mine, failure = None, None
+    try:
+        directory = target(path, where)
+        rows = _rows(plan, owned)
+        state, manifest = _prepare(plan, rows, local, buffers, optimizer, step, meta, where)
+        digests = {k: _digest(k, v) for k, v in state.items() if not isinstance(v, DTensor)}
+        mine = (digests, new_folder())
+    except Exception as e:
+        failure = e
+    every = _agree(group, mine, failure, where)
+    name = every[0][1]  # the data folder rank 0 named
+    # g-net rows (and their optimizer state) are held whole by one rank: a SHA-256 suffices.
+    whole = ("stacks/", f"{OPTIM}stacks/")
+    checksums = {k: checksum(v) for k, v in state.items() if not k.startswith(whole)}
+    try:
+        with warnings.catch_warnings():  # one process writing on purpose: not worth a warning
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.save(
+                state, checkpoint_id=directory / name, process_group=group, no_dist=group is None
+            )
+    except (OSError, dcp.CheckpointException) as e:  # the latter is a BaseException
+        if _leads(group):  # DCP raises on every rank once all have stopped writing
+            discard(directory, name)
+        raise _unwritable(where, directory, e) from e
+    if _leads(group):
+        manifest["sha256"] = {k: v for d, _ in every for k, v in d.items()}
+        manifest["checksums"] = checksums
+        manifest["data"] = name
+        try:
+            publish(directory, name, json.dumps(manifest, sort_keys=True))
+        except OSError as e:  # the new folder stays: the manifest may name it already
+            failure = _unwritable(where, directory, e)
+    _agree(group, None, failure, where)  # the manifest is there when any rank returns
+
+
+def _context(
+    owned: RankOwned | None, plan: Plan | None, group: dist.ProcessGroup | None, where: str
+) -> tuple[Plan, dist.ProcessGroup | None]:
+    """The plan, and the process group of the collective (None: one process on its own)."""
+    if (owned is None) == (plan is None):
+        raise TypeError(
+            f"{where}: pass `owned` (rank-owned g-nets) or `plan=` (g-nets replicated on every "
+            "rank of `group`), exactly one of them."
+        )
+    if owned is not None:
+        return owned.plan, owned.group
+    if group is None and dist.is_initialized():
+        group = dist.group.WORLD
+    return plan, group
+
+
+def _prepare(
+    plan: Plan,
+    rows: dict[str, dict[str, list[int]]],
+    local: GParams,
+    buffers: nn.Module | dict[str, Tensor] | None,
+    optimizer: torch.optim.Optimizer | None,
+    step: int | None,
+    meta: Any,
+    where: str,
+) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """This rank's entries, and the manifest but for what depends on every rank's."""
+    step = integer(where, "step", step, minimum=0, optional=True)
+    try:
+        json.dumps(meta)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{where}: meta must be JSON-serialisable: {e}.") from None
+    state = _value_entries(local, rows, where)
+    kept = buffers_to_save(buffers, plan, where)
+    state.update({BUFFERS + name: t for name, t in kept.items()})
+    described = None
+    if optimizer is not None:
+        entries, described = state_entries(optimizer, optim_leaves(plan, local, rows), where)
+        state.update(entries)
+    check_no_meta({f"entry {k!r}": v for k, v in state.items()}, where)
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "plan": plan_to_json(plan),
+        "step": step,
+        "meta": meta,
+        "dtypes": {
+            f"stacks/{key}/{leaf}": str(v.dtype).removeprefix("torch.")
+            for key, leaves in local["stacks"].items()
+            for leaf, v in leaves.items()
+        },
+        "buffers": {
+            n: [str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in kept.items()
+        },
+        "optimizer": described,
+    }
+    return state, manifest
+
+
+def _value_entries(
+    local: GParams, rows: dict[str, dict[str, list[int]]], where: str
+) -> dict[str, Tensor]:
+    """The entries of `local`'s values: one per g-net row, one per free or frozen tensor."""
+    state: dict[str, Tensor] = {}
+    for key, leaves in rows.items():
+        for leaf, mine in leaves.items():
+            values = local["stacks"][key][leaf].detach()
+            if values.shape[0] != len(mine):
+                raise ValueError(
+                    f"{where}: local['stacks'][{key!r}][{leaf!r}] has {values.shape[0]} rows; "
+                    f"this rank holds {len(mine)}. Pass owned.shard(...)."
+                )
+            for i, row in enumerate(mine):
+                state[_key(key, leaf, row)] = values[i].clone()
+    for kind in ("free", "frozen"):
+        for name, value in local[kind].items():
+            state[f"{kind}/{name}"] = value.detach()
+    return state
+
+
+def _agree(
+    group: dist.ProcessGroup | None, mine: Any, failure: Exception | None, where: str
+) -> list[Any]:
+    """Every rank's `(mine, None)`; where any rank failed, every rank raises instead (its own
+    error, or one naming the rank that failed), so that none waits for it in a collective."""
+    message = None if failure is None else f"{failure}".removeprefix(f"{where}: ")
+    every = [(mine, message)]
+    if group is not None:
+        every = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, (mine, message), group=group)
+    if failure is not None:
+        raise failure
+    for rank, (_, failed) in enumerate(every):
+        if failed is not None:
+            raise CheckpointError(
+                f"{where}: rank {rank} failed ({failed}); the checkpoint there before, if any, "
+                "is unchanged."
+            )
+    return [m for m, _ in every]
+
+
+def _leads(group: dist.ProcessGroup | None) -> bool:
+    """Whether this rank names the data folder and writes the manifest."""
+    return group is None or dist.get_rank(group) == 0
+
+
+def _unwritable(where: str, path: os.PathLike, error: BaseException) -> CheckpointError:
+    return CheckpointError(
+        f"{where}: {os.fspath(path)}: cannot be written ({reason(error)}); the checkpoint "
+        "there before, if any, is unchanged."
+    )
