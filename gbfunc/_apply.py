@@ -3,8 +3,7 @@
 from torch import Tensor
 
 from ._backend import fused_weights
-from ._check_gparams import check_gparams
-from ._dispatch import Context, route
+from ._dispatch import Context, check_call, route
 from ._evaluate import hashed_tiles, stack_terms
 from ._graph import generate
 from ._plan import Plan
@@ -52,9 +51,7 @@ def apply(
         >>> torch.func.functional_call(model, params, (torch.randn(2, 64),)).shape
         torch.Size([2, 32])
     """
-    check_gparams(gparams, plan, "gb.apply", values=check)
-    if compile is not None and not isinstance(compile, bool):
-        raise TypeError(f"gb.apply: compile must be True, False or None, got {compile!r}.")
+    check_call(gparams, plan, "gb.apply", backend=backend, compile=compile, values=check)
     stacks = gparams["stacks"]
     path = route(plan, stacks, Context.now(stacks, backend=backend, compile=compile))
     if path.plan == "triton":

@@ -47,7 +47,7 @@ def calibrate(
         >>> gparams = gb.calibrate(gb.init(plan), plan, model, torch.randn(64, 8))
     """
     check_gparams(gparams, plan, "gb.calibrate")
-    args = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
+    args = check_inputs(inputs, "gb.calibrate")
     gparams = tree_map(lambda t: t.detach().clone().requires_grad_(t.requires_grad), gparams)
     entries = {p.name: p for p in plan.params}
     modules = dict(model.named_modules())
@@ -57,11 +57,42 @@ def calibrate(
             continue
         with torch.no_grad():
             mean = _output_mean(model, modules[name], gparams, plan, args)
+            if not bool(mean.isfinite().all()):
+                raise ValueError(
+                    f"gb.calibrate: layer {name!r} has non-finite outputs on inputs (their mean "
+                    f"is {mean.tolist()}), so its bias cannot be calibrated; nothing was "
+                    "changed. Check the model's other weights and pass smaller inputs."
+                )
             if isinstance(bias, Generated):
                 _shift_generated(gparams, plan, bias, -float(mean.mean()))
             else:
                 gparams["free"][bias.name].sub_(mean.to(gparams["free"][bias.name].dtype))
     return gparams
+
+
+def check_inputs(inputs: Tensor | Sequence[Tensor], call: str) -> tuple[Tensor, ...]:
+    """`inputs` as a tuple of positional arguments, refusing empty or non-finite tensors:
+    a layer's mean over no values, or over a NaN, would make every bias it shifts NaN."""
+    args = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
+    if not args:
+        raise ValueError(f"{call}: inputs is empty; pass a batch of data (at least one example).")
+    for i, arg in enumerate(args):
+        name = "inputs" if isinstance(inputs, Tensor) else f"inputs[{i}]"
+        if not isinstance(arg, Tensor):
+            continue
+        if arg.numel() == 0:
+            raise ValueError(
+                f"{call}: {name} is empty (shape {tuple(arg.shape)}); pass a batch of data "
+                "with at least one example."
+            )
+        if arg.is_floating_point() or arg.is_complex():
+            bad = int((~arg.isfinite()).sum())
+            if bad:
+                raise ValueError(
+                    f"{call}: {name} holds {bad} NaN or infinite value(s) of {arg.numel()}; "
+                    "calibrating on them would make every bias NaN. Pass finite data."
+                )
+    return args
 
 
 def _forward_order(

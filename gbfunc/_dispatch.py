@@ -77,9 +77,8 @@ class Context(NamedTuple):
     def now(
         stacks: Mapping[str, Mapping[str, Tensor]], *, backend: str, compile: bool | None
     ) -> "Context":
-        """The context of a call on the g-net leaves `stacks`, from the process's state."""
-        if backend not in BACKENDS:
-            raise ValueError(f"gb.apply: backend must be one of {BACKENDS}, got {backend!r}.")
+        """The context of a call on the g-net leaves `stacks`, from the process's state
+        (`backend` and `compile` checked by `check_call`)."""
         leaf = next((x for leaves in stacks.values() for x in leaves.values()), None)
         return Context(
             device="cpu" if leaf is None else leaf.device.type,
@@ -99,6 +98,24 @@ class Context(NamedTuple):
     def eager(self) -> bool:
         """Neither traced nor transformed: where gbfunc may run compiled code of its own."""
         return not self.compiling and not self.transformed
+
+
+def check_call(
+    gparams: GParams,
+    plan: Plan,
+    call: str,
+    *,
+    backend: str,
+    compile: bool | None,
+    values: bool = False,
+) -> None:
+    """Refuse a `gb.apply` call's arguments; `gb.explain` runs the same checks, so that it
+    explains exactly the calls `gb.apply` accepts. `values`: also NaN and inf (`check=True`)."""
+    check_gparams(gparams, plan, call, values=values)
+    if compile is not None and not isinstance(compile, bool):
+        raise TypeError(f"{call}: compile must be True, False or None, got {compile!r}.")
+    if backend not in BACKENDS:
+        raise ValueError(f"{call}: backend must be one of {BACKENDS}, got {backend!r}.")
 
 
 class Route(NamedTuple):
@@ -385,7 +402,7 @@ def explain(
         >>> gb.explain(gb.init(plan), plan).route.stacks
         ('torch',)
     """
-    check_gparams(gparams, plan, "gb.explain")
+    check_call(gparams, plan, "gb.explain", backend=backend, compile=compile)
     stacks = gparams["stacks"]
     context = Context.now(stacks, backend=backend, compile=compile)
     chosen, verdicts = _route(plan, stacks, context, detail=True)  # afresh, not the memo

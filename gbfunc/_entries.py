@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from ._genome import Genome
 from ._options import GENOME_OPTIONS
 from ._plan import stack_geometry, tile_buckets, tile_grid
-from ._rules import Layout, rule_for
+from ._rules import Layout, layouts_of, rule_for
 
 
 @dataclass(frozen=True)
@@ -40,8 +40,7 @@ def collect(model: nn.Module) -> list[Entry]:
     seen: set[int] = set()
     entries: list[Entry] = []
     for prefix, module in model.named_modules():
-        rule = rule_for(module)
-        layouts = rule(module) if rule is not None else {}
+        layouts = layouts_of(module)
         for local, param in module.named_parameters(recurse=False):
             if id(param) in seen:  # tied: generated once, functional_call keeps the tie
                 continue

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from ._apply import apply
-from ._calibrate import calibrate
+from ._calibrate import calibrate, check_inputs
 from ._check_gparams import check_gparams, expected_shapes
 from ._check_model import check_matches, check_module
 from ._checkpoint import is_persistent, load
@@ -77,7 +77,8 @@ class _BoundForward:
 
     A bound method's signature is its function's, `(*args, **kwargs)` here, and cannot be set
     per instance; this callable can. It holds no state of its own, so the module still
-    deep-copies, pickles and compiles (`fullgraph=True`) as before.
+    deep-copies, pickles and compiles (`fullgraph=True`) as before. Like a bound method it
+    exposes its function's `__code__`, which `torch.export` reads.
     """
 
     __slots__ = ("__func__", "__self__")
@@ -92,6 +93,10 @@ class _BoundForward:
     @property
     def __name__(self) -> str:
         return self.__func__.__name__
+
+    @property
+    def __code__(self) -> Any:
+        return self.__func__.__code__
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -253,6 +258,7 @@ class Bottleneck(nn.Module):
         `gb.calibrate` on this module's g-nets, e.g. `b.calibrate(next(iter(loader))[0])`
         before training: untrained g-nets can generate layers that are dead behind a ReLU.
         """
+        check_inputs(inputs, "gb.Bottleneck.calibrate")  # named for this call, not gb.calibrate
         self.load_gparams(calibrate(self.gparams, self.plan, self._pnet, inputs))
 
     def load_gparams(self, gparams: GParams) -> None:
@@ -314,6 +320,15 @@ class Bottleneck(nn.Module):
             for name in names:
                 owner, _, local = name.rpartition(".")
                 self._pnet.get_submodule(owner)._buffers[local] = tensor
+
+    def __prepare_scriptable__(self) -> "Bottleneck":
+        """Refuse `torch.jit.script` (which calls this first) with what to use instead."""
+        raise TypeError(
+            "torch.jit.script(gb.Bottleneck): TorchScript is not supported (forward generates "
+            "the weights and calls the p-net through torch.func.functional_call, which "
+            "TorchScript cannot compile); use torch.export.export(b.eval(), args) or "
+            "torch.compile(b), or script the dense model: model.load_state_dict(b.export())."
+        )
 
     @property
     def accepts_loss_kwargs(self) -> bool:

@@ -8,7 +8,8 @@ with, so generated weights start at the same scale (checked against real inits i
 """
 
 import math
-from collections.abc import Callable
+import numbers
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from torch import nn
@@ -33,6 +34,26 @@ class Layout:
     split_dim: int = 0
     embedding: bool = False
     bias: bool = False
+
+    def __post_init__(self) -> None:
+        """Refuse fields the planner cannot use, here rather than deep inside `gb.plan`."""
+        std = self.init_std
+        if isinstance(std, bool) or not isinstance(std, numbers.Real):
+            raise TypeError(f"gb.Layout: init_std must be a number > 0, got {std!r}.")
+        if not (math.isfinite(std) and std > 0):
+            raise ValueError(f"gb.Layout: init_std must be a finite number > 0, got {std!r}.")
+        splits = self.splits
+        if isinstance(splits, bool) or not isinstance(splits, numbers.Integral):
+            raise TypeError(f"gb.Layout: splits must be an integer >= 1, got {splits!r}.")
+        if splits < 1:
+            raise ValueError(f"gb.Layout: splits must be an integer >= 1, got {splits!r}.")
+        if isinstance(self.split_dim, bool) or self.split_dim not in (0, 1):
+            raise ValueError(f"gb.Layout: split_dim must be 0 or 1, got {self.split_dim!r}.")
+        for flag in ("embedding", "bias"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"gb.Layout: {flag} must be a bool, got {getattr(self, flag)!r}.")
+        object.__setattr__(self, "init_std", float(std))  # e.g. a numpy float, as Python's
+        object.__setattr__(self, "splits", int(splits))
 
 
 Rule = Callable[[nn.Module], dict[str, Layout]]
@@ -61,13 +82,53 @@ def register_rule(module_type: type, rule: Rule) -> None:
 
 def rule_for(module: nn.Module) -> Rule | None:
     """The rule registered for the nearest class in `type(module).__mro__`, if any."""
+    found = _registered(module)
+    return None if found is None else found[1]
+
+
+def _registered(module: nn.Module) -> tuple[type, Rule] | None:
+    """The nearest class in `type(module).__mro__` with a rule, and that rule."""
     for cls in type(module).__mro__:
         if cls in _RULES:
-            return _RULES[cls]
+            return cls, _RULES[cls]
         named = _NAMED_RULES.get(f"{cls.__module__}.{cls.__qualname__}")
         if named is not None:
-            return named
+            return cls, named
     return None
+
+
+def layouts_of(module: nn.Module) -> dict[str, Layout]:
+    """What `module`'s rule returns (`{}` without one), checked against the rule contract:
+    a dict from names of the module's own parameters to `gb.Layout`s that fit them."""
+    found = _registered(module)
+    if found is None:
+        return {}
+    cls, rule = found
+    layouts = rule(module)
+    params = dict(module.named_parameters(recurse=False))
+    name = getattr(rule, "__qualname__", None) or type(rule).__qualname__
+    where = f"gb.plan: the rule {getattr(rule, '__module__', '?')}.{name} registered for "
+    where += cls.__qualname__
+    if cls is not type(module):
+        where += f" (called on its subclass {type(module).__qualname__})"
+    contract = (
+        "a rule must return a dict {local parameter name: gb.Layout(...)} naming some of the "
+        f"module's own parameters ({', '.join(params) or 'it has none'}); see gb.register_rule."
+    )
+    if not isinstance(layouts, Mapping):
+        raise TypeError(f"{where} returned {layouts!r}; {contract}")
+    for local, layout in layouts.items():
+        if not isinstance(local, str) or local not in params:
+            raise ValueError(f"{where} returned the key {local!r}; {contract}")
+        if not isinstance(layout, Layout):
+            raise TypeError(f"{where} returned {layout!r} for {local!r}; {contract}")
+        shape = tuple(params[local].shape)
+        if layout.splits > 1 and len(shape) >= 2 and shape[layout.split_dim] % layout.splits:
+            raise ValueError(
+                f"{where} returned splits={layout.splits} along dim {layout.split_dim} for "
+                f"{local!r} of shape {shape}; the splits must divide that dimension."
+            )
+    return dict(layouts)
 
 
 def kaiming_uniform_std(fan_in: int) -> float:

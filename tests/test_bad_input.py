@@ -133,6 +133,7 @@ def cases(tmp) -> dict[str, Case]:
         **_export_save_dense_cases(tmp, meta_g),
         **_compat_cases(tmp),
         **_probe_cases(tmp),
+        **_round_four_cases(tmp),
     }
 
 
@@ -204,6 +205,111 @@ def _probe_cases(tmp: Path | None) -> dict[str, Case]:
             lambda: gb.Bottleneck(mlp(), hiden=8),
             TypeError,
             r"gb.Bottleneck: unknown option 'hiden'; did you mean 'hidden'\?",
+        ),
+    }
+
+
+def plan_with_rule(rule: Callable[[nn.Module], object]) -> gb.Plan:
+    """`gb.plan` of an `nn.Linear(8, 4)` subclass `M` made for this call, `rule` registered
+    for it (so no other test's modules see the rule)."""
+    cls = type("M", (nn.Linear,), {})
+    gb.register_rule(cls, rule)
+    return gb.plan(cls(8, 4))
+
+
+class Exp(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.exp()
+
+
+def calibrate_mlp(x: torch.Tensor) -> None:
+    """`Bottleneck.calibrate` on `x`, checking that a refused call wrote nothing."""
+    b = gb.Bottleneck(mlp(), tile=(4, 4))
+    before = {k: v.clone() for k, v in b.state_dict().items()}
+    try:
+        b.calibrate(x)
+    finally:
+        assert all(torch.equal(v, before[k]) for k, v in b.state_dict().items())
+
+
+def _round_four_cases(tmp: Path | None) -> dict[str, Case]:
+    """Issue 53's held-out probes, rows 9-10 and 15-16."""
+    nan_batch = torch.ones(4, 8)
+    nan_batch[1, 2] = float("nan")
+    overflowing = nn.Sequential(Exp(), nn.Linear(8, 4))  # finite inputs, infinite outputs
+    overflowing_plan = gb.plan(overflowing, tile=(4, 4))
+    return {
+        "bottleneck-calibrate-empty-batch": Case(
+            lambda: calibrate_mlp(torch.zeros(0, 8)),
+            ValueError,
+            r"gb.Bottleneck.calibrate: inputs\[0\] is empty \(shape \(0, 8\)\); pass a batch",
+        ),
+        "bottleneck-calibrate-nan-batch": Case(
+            lambda: calibrate_mlp(nan_batch),
+            ValueError,
+            r"gb.Bottleneck.calibrate: inputs\[0\] holds 1 NaN or infinite value\(s\) of 32",
+        ),
+        "calibrate-inf-batch": Case(
+            lambda: gb.calibrate(gparams(), PLAN, mlp(), torch.full((2, 8), float("inf"))),
+            ValueError,
+            r"gb.calibrate: inputs holds 16 NaN or infinite value\(s\) of 16",
+        ),
+        "calibrate-no-inputs": Case(
+            lambda: gb.calibrate(gparams(), PLAN, mlp(), ()),
+            ValueError,
+            r"gb.calibrate: inputs is empty; pass a batch of data",
+        ),
+        "calibrate-infinite-layer-outputs": Case(
+            lambda: gb.calibrate(
+                gb.init(overflowing_plan), overflowing_plan, overflowing, torch.full((2, 8), 100.0)
+            ),
+            ValueError,
+            r"gb.calibrate: layer '1' has non-finite outputs on inputs .* nothing was changed",
+        ),
+        "rule-returns-an-int": Case(
+            lambda: plan_with_rule(lambda m: 5),
+            TypeError,
+            r"gb.plan: the rule \S*test_bad_input\.\S*<lambda> registered for M returned 5; a rule "
+            r"must return a dict \{local parameter name: gb.Layout\(...\)\} naming some of the "
+            r"module's own parameters \(weight, bias\)",
+        ),
+        "rule-returns-an-unknown-name": Case(
+            lambda: plan_with_rule(lambda m: {"weights": gb.Layout(0.1)}),
+            ValueError,
+            r"gb.plan: the rule \S*test_bad_input\.\S*<lambda> registered for M returned the key "
+            r"'weights'; a rule must return",
+        ),
+        "rule-returns-a-float-layout": Case(
+            lambda: plan_with_rule(lambda m: {"weight": 0.1}),
+            TypeError,
+            r"registered for M returned 0.1 for 'weight'; a rule must return a dict",
+        ),
+        "rule-splits-do-not-divide": Case(
+            lambda: plan_with_rule(lambda m: {"weight": gb.Layout(0.1, splits=3)}),
+            ValueError,
+            r"registered for M returned splits=3 along dim 0 for 'weight' of shape \(4, 8\); "
+            r"the splits must divide",
+        ),
+        "layout-zero-std": Case(
+            lambda: gb.Layout(init_std=0.0),
+            ValueError,
+            r"gb.Layout: init_std must be a finite number > 0, got 0.0",
+        ),
+        "layout-bad-split-dim": Case(
+            lambda: gb.Layout(0.1, split_dim=2), ValueError, r"gb.Layout: split_dim must be 0 or 1"
+        ),
+        "layout-int-bias-flag": Case(
+            lambda: gb.Layout(0.1, bias=1), TypeError, r"gb.Layout: bias must be a bool, got 1"
+        ),
+        "explain-compile-not-a-bool": Case(
+            lambda: gb.explain(gparams(), PLAN, compile="yes"),
+            TypeError,
+            r"gb.explain: compile must be True, False or None, got 'yes'",
+        ),
+        "explain-unknown-backend": Case(
+            lambda: gb.explain(gparams(), PLAN, backend="cuda"),
+            ValueError,
+            r"gb.explain: backend must be one of \('auto', 'torch', 'triton'\), got 'cuda'",
         ),
     }
 
@@ -661,6 +767,28 @@ def test_bad_input(name, files):
     case = cases(files)[name]
     with pytest.raises(case.error, match=case.match):
         case.call()
+
+
+@pytest.mark.parametrize(
+    ("bad", "kwargs"),
+    [
+        (None, {"compile": "yes"}),
+        (None, {"compile": 1}),
+        (None, {"backend": "cuda"}),
+        (None, {"backend": None}),
+        ([], {}),
+        (with_stack_leaf("w_out", lambda t: t[:1]), {}),
+    ],
+)
+def test_explain_refuses_exactly_what_apply_refuses(bad, kwargs):
+    """Issue 53 row 16: `gb.explain` explains only calls `gb.apply` accepts (one check)."""
+    errors = []
+    for call, name in ((gb.apply, "gb.apply"), (gb.explain, "gb.explain")):
+        with pytest.raises((TypeError, ValueError)) as info:
+            call(gparams() if bad is None else bad, PLAN, **kwargs)
+        assert str(info.value).startswith(f"{name}: ")
+        errors.append((info.type, str(info.value).removeprefix(name)))
+    assert errors[0] == errors[1]
 
 
 @pytest.mark.parametrize("call", ["plan", "load", "export"])

@@ -353,3 +353,40 @@ def test_forward_reports_the_pnets_signature_also_in_copies():
     assert c.plan == b.plan
     x = torch.randn(4, 6)
     torch.testing.assert_close(c.forward(x), b(x), rtol=0, atol=0)
+
+
+def test_torch_export_of_the_module_computes_what_eager_does():
+    """Issue 53 row 9: `torch.export` reads `forward.__code__`, which the signature-reporting
+    forward exposes as a bound method does; BatchNorm's running statistics ride along."""
+    b = gb.Bottleneck(bn_net(), tile=(8, 8)).eval()
+    x = torch.randn(4, 6)
+    exported = torch.export.export(b, (x,))
+    targets = [str(node.target) for node in exported.graph.nodes]
+    assert not any("prims." in t or "gbfunc" in t for t in targets)  # for other runtimes
+    torch.testing.assert_close(exported.module()(x), b(x), rtol=1e-6, atol=1e-6)
+    assert inspect.signature(b.forward) == inspect.signature(b.pnet.forward)
+
+
+def test_torch_export_of_a_gpt2_module_binds_keywords_by_the_pnets_signature():
+    transformers = pytest.importorskip("transformers")
+    from tiny_gpt2 import tiny_gpt2_config
+
+    b = gb.Bottleneck(transformers.GPT2LMHeadModel(tiny_gpt2_config(transformers))).eval()
+    ids = torch.randint(0, 64, (2, 8))
+    exported = torch.export.export(b, (ids,), kwargs={"use_cache": False})
+    torch.testing.assert_close(
+        exported.module()(ids, use_cache=False).logits,
+        b(ids, use_cache=False).logits,
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
+def test_torchscript_is_refused_with_what_to_use_instead():
+    b = gb.Bottleneck(mlp(), tile=(8, 8))
+    with pytest.raises(
+        TypeError,
+        match=r"torch\.jit\.script\(gb\.Bottleneck\): TorchScript is not supported .* use "
+        r"torch\.export\.export\(b\.eval\(\), args\) or torch\.compile\(b\)",
+    ):
+        torch.jit.script(b)
