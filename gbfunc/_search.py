@@ -7,7 +7,10 @@ bottleneck papers' and torchGB's count, `gb.report(plan).generated_compression`)
 """
 
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
+from ._advice import advice
 from ._entries import (
     Entry,
     block_cost,
@@ -40,14 +43,19 @@ class _Ratio:
         kept = self.kept + left_free
         return (generated + kept) / (spent + kept)
 
-    def hint(self) -> str:
-        if not self.whole:
-            return ""
-        return (
-            f" The {self.kept:,} parameters stored whole (free and frozen) count in the whole "
-            "model's ratio: biases=True generates biases, compression_of='generated' counts "
-            "the generated weights only."
-        )
+
+class _Scan(NamedTuple):
+    """What the tiles give: the lowest and highest ratio, the tile nearest the target (with
+    its relative error), and `(aspect, vector work, tile)` of those within 2% of it."""
+
+    lo: float
+    hi: float
+    nearest: tuple[float, tuple[int, int]] | None
+    close: list[tuple[float, int, tuple[int, int]]]
+
+    @property
+    def reached(self) -> bool:
+        return self.nearest is not None and self.nearest[0] <= 0.10
 
 
 def search_tile(
@@ -65,6 +73,36 @@ def search_tile(
     tiles (sizes that split some weight dimension evenly, powers of two and multiples of
     `VECTOR_LANES`) takes well under a second even for GPT-2-sized plans.
     """
+    scan = _scan_tiles(entries, options, target, flags, scope)
+    if not scan.reached:
+
+        def reach(opts: list[dict[str, object]], fl: dict[str, bool]) -> tuple[float, float, bool]:
+            found = _scan_tiles(entries, opts, target, fl, scope)
+            return found.lo, found.hi, found.reached
+
+        raise UnreachableError(
+            f"gb.plan: compression={target} cannot be reached within 10% with these g-nets: tiles "
+            f"give {scan.lo:.2f}x to {scan.hi:.2f}x."
+            + advice(entries, options, flags, target, scope, reach)
+            + " Otherwise change hidden/depth, or pass tile= directly."
+        )
+    tile = scan.nearest[1]
+    if scan.close:
+        squarest = min(scan.close, key=lambda c: (c[0], c[2]))
+        shaped = [c for c in scan.close if c[0] <= max(MAX_ASPECT, squarest[0] + ASPECT_SLACK)]
+        least = min(shaped, key=lambda c: (c[1], c[0], c[2]))
+        tile = least[2] if least[1] <= WORK_GAIN * squarest[1] else squarest[2]
+    return [o if o.get("explicit_tile") else {**o, "tile": tile, "searched": True} for o in options]
+
+
+def _scan_tiles(
+    entries: list[Entry],
+    options: list[dict[str, object]],
+    target: float,
+    flags: dict[str, bool],
+    scope: str,
+) -> _Scan:
+    """The ratio (of `scope`) of every candidate tile, against `target`."""
     fixed_weights, fixed = 0, 0  # weights and g-net parameters of tiles the caller fixed
     kept = 0  # parameters that stay free whatever the tile
     searched: dict[tuple, int] = {}  # (genome, window, block shapes) -> parameters like it
@@ -123,19 +161,7 @@ def search_tile(
                 close.append((abs(math.log(th / tw)), work, (th, tw)))
             if nearest is None or err < nearest[0]:
                 nearest = (err, (th, tw))
-    if nearest is None or nearest[0] > 0.10:
-        raise UnreachableError(
-            f"gb.plan: compression={target} cannot be reached within 10% with these g-nets: tiles "
-            f"give {lo:.2f}x to {hi:.2f}x. Change hidden/depth, use share=True for higher "
-            f"ratios, or pass tile= directly.{measure.hint()}"
-        )
-    tile = nearest[1]
-    if close:
-        squarest = min(close, key=lambda c: (c[0], c[2]))
-        shaped = [c for c in close if c[0] <= max(MAX_ASPECT, squarest[0] + ASPECT_SLACK)]
-        least = min(shaped, key=lambda c: (c[1], c[0], c[2]))
-        tile = least[2] if least[1] <= WORK_GAIN * squarest[1] else squarest[2]
-    return [o if o.get("explicit_tile") else {**o, "tile": tile, "searched": True} for o in options]
+    return _Scan(lo, hi, nearest, close)
 
 
 # Compiled one-output g-nets evaluate a tile row on CPU as vectors of its columns: 16 floats
@@ -193,6 +219,47 @@ def size_tables(
     layer: small layers get more buckets per weight than large ones, and equal tiles get
     equal tables.
     """
+    ratio, auto, top = _tables(entries, options, flags, scope)
+    if not _tables_reach(ratio, top, target):
+
+        def reach(opts: list[dict[str, object]], fl: dict[str, bool]) -> tuple[float, float, bool]:
+            their_ratio, _, their_top = _tables(entries, opts, fl, scope)
+            reached = _tables_reach(their_ratio, their_top, target)
+            return their_ratio(their_top), their_ratio(0.0), reached
+
+        raise UnreachableError(
+            f"gb.plan: compression={target} cannot be reached within 10% by sizing the hashed "
+            f"tables: they give {ratio(top):.2f}x (a bucket per position) to {ratio(0.0):.2f}x "
+            "(one per tile)."
+            + advice(entries, options, flags, target, scope, reach)
+            + " Otherwise change hidden/tile, or give hashed= a number of buckets."
+        )
+    lo, hi = 0.0, top
+    for _ in range(60):  # the largest k whose ratio stays at or above the target
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ratio(mid) >= target else (lo, mid)
+    k = lo if abs(ratio(lo) / target - 1) <= abs(ratio(hi) / target - 1) else hi
+    sized = {index: _buckets(k, positions) for index, _, positions in auto}
+    return [{**opts, "hashed": sized[i]} if i in sized else opts for i, opts in enumerate(options)]
+
+
+def _buckets(k: float, positions: int) -> int:
+    """Buckets of a table over `positions` at the plan's factor `k`."""
+    return min(positions, max(1, round(k * positions**TABLE_EXPONENT)))
+
+
+def _tables_reach(ratio: Callable[[float], float], top: float, target: float) -> bool:
+    """Whether factors from 0 (a bucket per tile) to `top` (one per position) span `target`
+    within 10%."""
+    return ratio(top) <= target * 1.1 and ratio(0.0) >= target / 1.1
+
+
+def _tables(
+    entries: list[Entry], options: list[dict[str, object]], flags: dict[str, bool], scope: str
+) -> tuple[Callable[[float], float], list[tuple[int, int, int]], float]:
+    """The plan's ratio (of `scope`) as a function of the table factor `k`, the `hashed="auto"`
+    tables as `(entry index, tiles, positions per tile)`, and the `k` of one bucket per
+    position."""
     weights, spent = 0, 0  # generated weights, and g-net parameters other than auto tables
     kept = 0  # parameters that stay free
     auto: list[tuple[int, int, int]] = []  # (entry index, tiles, positions per tile)
@@ -213,23 +280,7 @@ def size_tables(
 
     measure = _Ratio(scope == "model", kept)
 
-    def buckets(k: float, positions: int) -> int:
-        return min(positions, max(1, round(k * positions**TABLE_EXPONENT)))
-
     def ratio(k: float) -> float:
-        return measure(weights, spent + sum(tiles * buckets(k, p) for _, tiles, p in auto))
+        return measure(weights, spent + sum(tiles * _buckets(k, p) for _, tiles, p in auto))
 
-    lo, hi = 0.0, max(p ** (1 - TABLE_EXPONENT) for _, _, p in auto)  # 1 bucket; 1 per position
-    if not ratio(hi) <= target * 1.1 or not ratio(lo) >= target / 1.1:
-        raise UnreachableError(
-            f"gb.plan: compression={target} cannot be reached within 10% by sizing the hashed "
-            f"tables: they give {ratio(hi):.2f}x (a bucket per position) to {ratio(lo):.2f}x "
-            "(one per tile). Change hidden/tile, or give hashed= a number of buckets."
-            + measure.hint()
-        )
-    for _ in range(60):  # the largest k whose ratio stays at or above the target
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if ratio(mid) >= target else (lo, mid)
-    k = lo if abs(ratio(lo) / target - 1) <= abs(ratio(hi) / target - 1) else hi
-    sized = {index: buckets(k, positions) for index, _, positions in auto}
-    return [{**opts, "hashed": sized[i]} if i in sized else opts for i, opts in enumerate(options)]
+    return ratio, auto, max(p ** (1 - TABLE_EXPONENT) for _, _, p in auto)

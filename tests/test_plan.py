@@ -1,6 +1,7 @@
 """gb.plan and gb.report: which parameters are generated, tiling, counts, options, errors."""
 
 import math
+import re
 import warnings
 
 import pytest
@@ -594,11 +595,74 @@ def test_auto_tables_keep_the_given_tile_or_the_default_where_it_reaches_the_tar
 
 def test_an_unreachable_whole_model_target_says_what_counts():
     model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 64))
+    cap = (2 * 64 * 64 + 256) / 256  # the 256 biases and LayerNorm parameters stored whole
     with pytest.raises(
         ValueError,
-        match=r"compression=200 cannot be reached .* The 256 parameters stored whole \(free and "
-        r"frozen\) count in the whole model's ratio: biases=True generates biases",
+        match=r"compression=200(\.0)? cannot be reached .* The whole model's ratio counts the 256 "
+        rf"parameters stored whole \(free and frozen\), which cap it at {cap:.2f}x whatever the "
+        r"g-nets: biases \(biases=False\): 128; no rule for LayerNorm: 128\. Searched again: "
+        r"biases=True gives [\d.]+x to [\d.]+x\. compression_of='generated'",
     ):
         gb.plan(model, compression=200, share=True)
     with pytest.raises(ValueError, match=r"gb\.plan: compression_of must be one of 'model', "):
         gb.plan(model, compression=2, compression_of="weights")
+
+
+def test_an_unreachable_target_names_what_holds_the_parameters_and_what_each_option_reaches():
+    """Issue 53 row 17: GPT-2's embedding tables, stored whole, cap the whole model's ratio;
+    the advice names them and embeddings=True, with the ratio each option reaches."""
+    transformers = pytest.importorskip("transformers")
+    from tiny_gpt2 import tiny_gpt2_config
+
+    config = tiny_gpt2_config(transformers, vocab_size=4096, n_positions=64)
+    model = transformers.GPT2LMHeadModel(config)  # embeddings dominate, as in GPT-2's 124M
+
+    def numel(kind: type) -> int:
+        modules = [m for m in model.modules() if isinstance(m, kind)]
+        return sum(p.numel() for m in modules for p in m.parameters(recurse=False))
+
+    tables, norms = numel(nn.Embedding), numel(nn.LayerNorm)
+    conv_biases = sum(m.bias.numel() for m in model.modules() if type(m).__name__ == "Conv1D")
+    total = sum(p.numel() for p in model.parameters())  # lm_head is tied to wte: counted once
+    kept = tables + norms + conv_biases
+    with pytest.raises(ValueError, match=r"compression=10(\.0)? cannot be reached") as info:
+        gb.plan(model, compression=10)
+    message = str(info.value)
+    assert (
+        f"The whole model's ratio counts the {kept:,} parameters stored whole (free and frozen), "
+        f"which cap it at {total / kept:.2f}x whatever the g-nets: embedding tables "
+        f"(embeddings=False): {tables:,}; Conv1D.bias is not generated: {conv_biases:,}; no rule "
+        f"for LayerNorm: {norms:,}." in message
+    )
+    assert "biases=True" not in message  # it would not generate Conv1D's biases
+    said = re.findall(
+        r"(?:Searched again: |; )([a-z]+=True(?:, [a-z]+=True)*) gives ([\d.]+)x to ([\d.]+)x"
+        r"(, which reaches compression=10)?",
+        message,
+    )
+    assert [label for label, *_ in said] == [
+        "embeddings=True", "embeddings=True, share=True", "share=True"
+    ]  # fmt: skip
+    for label, _, hi, reached in said:
+        options = {pair.split("=")[0]: True for pair in label.split(", ")}
+        left = kept - (tables if options.get("embeddings") else 0)
+        assert float(hi) <= round(total / left, 2)  # what stays whole still caps it
+        if reached:
+            rep = gb.report(gb.plan(model, compression=10, **options))
+            assert rep.compression == pytest.approx(10, rel=0.10), label
+        else:  # out of reach whatever the g-nets
+            assert total / left < 10 / 1.1, label
+    assert said[0][3], "embeddings=True reaches it: the tables hold the parameters"
+    assert not said[2][3], "share=True alone does not: the g-nets do not"
+
+
+def test_an_option_the_advice_cannot_plan_is_named_not_raised():
+    """Generating the table under `outputs=2` is refused (one column): the advice says so and
+    the error is still the unreachable target's."""
+    model = nn.Sequential(nn.Embedding(5000, 1), nn.Linear(64, 64))
+    with pytest.raises(
+        ValueError,
+        match=r"cannot be reached within 10% by sizing the hashed tables: .* Searched again: "
+        r"embeddings=True is refused \(0\.weight: outputs=2 is wider than its tile's 1 columns",
+    ):
+        gb.plan(model, outputs=2, hashed="auto", tile=(64, 64), compression=200)
