@@ -12,7 +12,8 @@ forgot to update it); it is not a signature, and a crafted file can carry a matc
 `gb.load` is safe on crafted files because it also checks what it reads: the file kind, the
 header's size and structure, the plan against the model (`_validate`), and every tensor
 against the plan, so a file either loads as a consistent checkpoint or raises a
-`gb.CheckpointError`.
+`gb.CheckpointError`. `gb.save` runs the same checks (`_checkpoint_checks`) before it writes,
+so that it never writes a file `gb.load` would refuse.
 """
 
 import hashlib
@@ -29,7 +30,16 @@ from torch import Tensor, nn
 
 from ._check_gparams import check_gparams, expected_shapes, leaves
 from ._check_model import check_module
-from ._check_plan import check_plan
+from ._checkpoint_checks import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError as CheckpointMismatchError,  # imported from here, as the others
+    CheckpointNotFoundError,
+    CheckpointVersionError,
+    buffers_to_save,
+    check_checkpoint,
+    checkpoint_path,
+)
 from ._files import check_no_meta, standalone, write_atomic
 from ._numbers import as_integer, integer
 from ._plan import Plan
@@ -41,26 +51,6 @@ FORMAT = "gbfunc.checkpoint"
 FORMAT_VERSION = 3  # 2: plan fields renamed (`kernel` -> `window_in`, ...); 3: p-net buffers
 READABLE_VERSIONS = (1, 2, 3)  # version 1 files load through `plan_from_json`'s migration
 BUFFERS = "buffers/"  # prefix of the p-net's buffers among the file's tensors
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be saved or loaded; the message names the file and the problem."""
-
-
-class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """The checkpoint file does not exist."""
-
-
-class CheckpointCorruptError(CheckpointError):
-    """The file is truncated, altered (hash mismatch) or not a gbfunc checkpoint."""
-
-
-class CheckpointVersionError(CheckpointError):
-    """The file was written in a format version this gbfunc cannot read."""
-
-
-class CheckpointMismatchError(CheckpointError):
-    """The checkpoint was made for a different model (or different g-nets)."""
 
 
 class Checkpoint(NamedTuple):
@@ -91,9 +81,12 @@ def save(
         plan: The plan that made `gparams`.
         buffers: The p-net's buffers (BatchNorm running statistics and the like), which are
             state but not parameters: a module (its persistent buffers, as in its
-            `state_dict`) or `{name: tensor}`. Default: those of the model the plan was
-            made from, while it is alive (`b.plan` of a `gb.Bottleneck` names its p-net);
-            `{}` stores none. `gb.load` restores them into the model it is given.
+            `state_dict`; a `gb.Bottleneck`: its p-net's) or `{name: tensor}`. Default:
+            those of the plan's model (the one `gb.plan` was given, `b.pnet` for `b.plan`,
+            the model passed to `gb.load` for the plan it returns), while it is alive; if
+            it is gone, none, with a warning where it had some. `{}` stores none. They are
+            checked against that model's as `gb.load` checks them. `gb.load` restores them
+            into the model it is given.
         opt_state: An optimizer's `state_dict()` or any pytree of tensors, numbers, strings,
             None, lists, tuples and dicts (str or int keys).
         step: Training step, an int >= 0.
@@ -137,65 +130,19 @@ def save(
         "meta": meta_json,
     }
     metadata["sha256"] = content_hash(tensors, metadata)
+    write_file(path, tensors, metadata, "gb.save")
+
+
+def write_file(path: str, tensors: dict[str, Tensor], metadata: dict[str, str], where: str) -> None:
+    """Write a safetensors file atomically; a failure is a `CheckpointError` naming `path`
+    (not the temporary file) and the reason, and leaves any previous file there unchanged."""
     try:
         write_atomic(path, lambda tmp: safetensors.torch.save_file(tensors, tmp, metadata))
     except (OSError, safetensors.SafetensorError) as e:
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         raise CheckpointError(
-            f"gb.save: {path}: cannot be written ({reason}); any previous file there is unchanged."
+            f"{where}: {path}: cannot be written ({reason}); any previous file there is unchanged."
         ) from e
-
-
-def persistent_buffers(model: nn.Module) -> dict[str, Tensor]:
-    """`model`'s buffers that its `state_dict` holds (tied ones once), by name."""
-    return {name: buf for name, buf in model.named_buffers() if is_persistent(model, name)}
-
-
-def is_persistent(model: nn.Module, name: str) -> bool:
-    """Whether `model`'s buffer `name` (dotted) is one its `state_dict` holds."""
-    owner, _, local = name.rpartition(".")
-    return local not in model.get_submodule(owner)._non_persistent_buffers_set
-
-
-def buffers_to_save(
-    buffers: nn.Module | Mapping[str, Tensor] | None, plan: Plan, where: str
-) -> dict[str, Tensor]:
-    """The p-net buffers a save stores: `buffers`, or by default the plan's model's."""
-    if buffers is None:
-        model = plan.model()
-        buffers = {} if model is None else model
-    if isinstance(buffers, nn.Module):
-        found = persistent_buffers(buffers)
-    elif isinstance(buffers, Mapping):
-        found = dict(buffers)
-        for name, t in found.items():
-            if not isinstance(name, str) or not isinstance(t, Tensor):
-                raise TypeError(
-                    f"{where}: buffers must map names (str) to tensors; got {name!r}: "
-                    f"{type(t).__name__}."
-                )
-    else:
-        raise TypeError(
-            f"{where}: buffers must be an nn.Module, a {{name: tensor}} mapping or None, got "
-            f"{type(buffers).__name__}."
-        )
-    check_no_meta({f"buffer {n!r}": t for n, t in found.items()}, where)
-    return {n: t.detach() for n, t in found.items()}
-
-
-def checkpoint_path(path: object, where: str) -> str:
-    """`path` as a string, or a `CheckpointError` naming it where no file can have it."""
-    try:
-        text = os.fspath(path)
-    except TypeError:
-        raise CheckpointError(
-            f"{where}: path must be a str or os.PathLike, got {type(path).__name__}."
-        ) from None
-    if isinstance(text, bytes):
-        text = os.fsdecode(text)
-    if "\0" in text:
-        raise CheckpointError(f"{where}: path {text!r} contains a NUL byte; no file has that name.")
-    return text
 
 
 def load(
@@ -210,8 +157,9 @@ def load(
     by the model); its tensors are the ones that plan and the optimizer state need, with
     their dtypes. Each failure raises a `gb.CheckpointError` subclass naming the file; on
     success the p-net buffers stored with it (BatchNorm statistics and the like) are copied
-    into `model`'s, as `load_state_dict` would, and new tensors are returned for the rest;
-    on failure nothing is touched.
+    into `model`'s, as `load_state_dict` would (cast to a floating buffer's dtype), and new
+    tensors are returned for the rest; on failure nothing is touched, even when a buffer of
+    `model` cannot be written (the ones written before it are put back).
 
     The SHA-256 detects damage (a flipped bit, a truncated copy), not forgery: anyone can
     write a file with a matching hash. What makes a crafted file safe to load is the
@@ -225,10 +173,11 @@ def load(
 
     Returns:
         `Checkpoint(gparams, plan, opt_state, step, meta)`; trainable leaves of `gparams`
-        require grad, as from `gb.init`.
+        require grad, as from `gb.init`; the plan names `model` as its model, so that
+        `gb.save(path, gparams, plan)` stores `model`'s buffers again.
     """
     ckpt, buffers = read(path, model, "gb.load", device=device)
-    restore_buffers(model, buffers)
+    restore_buffers(model, buffers, f"gb.load: {os.fspath(path)}")
     return ckpt
 
 
@@ -246,47 +195,34 @@ def read(
     where = f"{where}: {path}"
     tensors, metadata = _verified(path, where)
     plan, skeleton, step, meta = _header(metadata, where)
-    check_plan(plan, model, where, corrupt=CheckpointCorruptError, mismatch=CheckpointMismatchError)
-    stored = {k: tensors.pop(k) for k in [k for k in tensors if k.startswith(BUFFERS)]}
-    buffers = _check_buffers(stored, model, where)
+    # by p-net name; a file may hold fewer than the model has (one before version 3: none)
+    keys = [k for k in tensors if k.startswith(BUFFERS)]
+    stored = {k.removeprefix(BUFFERS): tensors.pop(k) for k in keys}
+    check_checkpoint(plan, model, stored, where, corrupt=CheckpointCorruptError)
     gparams, opt_state = _contents(tensors, plan, skeleton, where, device)
-    return Checkpoint(gparams, plan, opt_state, step, meta), buffers
+    return Checkpoint(gparams, plan.naming(model), opt_state, step, meta), stored
 
 
-def restore_buffers(model: nn.Module, buffers: dict[str, Tensor]) -> None:
-    """Copy `buffers` (checked by `read`) into `model`'s, in place: aliases see them too."""
+def restore_buffers(model: nn.Module, buffers: dict[str, Tensor], where: str) -> None:
+    """Copy `buffers` (checked by `read`) into `model`'s, in place (aliases see them too),
+    all or none: if one cannot be written (an expanded view, an inference tensor), those
+    written before it get their values back and a `CheckpointError` names it."""
+    written: list[tuple[Tensor, Tensor]] = []
     with torch.no_grad():
         for name, value in buffers.items():
-            model.get_buffer(name).copy_(value)
-
-
-def _check_buffers(stored: dict[str, Tensor], model: nn.Module, where: str) -> dict[str, Tensor]:
-    """The file's buffers by p-net name, each checked by `check_buffer` (a file may hold
-    fewer than the model has: one written before version 3 holds none)."""
-    mine = persistent_buffers(model)
-    found = {}
-    for key, value in stored.items():
-        name = key.removeprefix(BUFFERS)
-        check_buffer(name, value.dtype, tuple(value.shape), mine, where)
-        found[name] = value
-    return found
-
-
-def check_buffer(
-    name: str, dtype: torch.dtype, shape: tuple[int, ...], mine: dict[str, Tensor], where: str
-) -> None:
-    """Raise `CheckpointMismatchError` unless a stored buffer fits the model's of that name."""
-    if name not in mine:
-        raise CheckpointMismatchError(
-            f"{where}: the checkpoint holds buffer {name!r}, which the model does not have "
-            "(or does not store in its state_dict). Was it made for a different model?"
-        )
-    have = mine[name]
-    if shape != tuple(have.shape) or dtype != have.dtype:
-        raise CheckpointMismatchError(
-            f"{where}: buffer {name!r} is {dtype} {shape} in the checkpoint but "
-            f"{have.dtype} {tuple(have.shape)} in the model."
-        )
+            target = model.get_buffer(name)
+            try:
+                before = target.clone()
+                target.copy_(value)
+            except RuntimeError as e:
+                for done, old in reversed(written):
+                    done.copy_(old)
+                raise CheckpointError(
+                    f"{where}: the model's buffer {name!r} cannot be written ({e!s:.200}); "
+                    "the model is unchanged. Give it a buffer of its own (e.g. .clone()), as "
+                    "load_state_dict needs too."
+                ) from e
+            written.append((target, before))
 
 
 def _verified(path: str, where: str) -> tuple[dict[str, Tensor], dict[str, str]]:

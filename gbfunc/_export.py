@@ -1,15 +1,17 @@
 """`gb.export` / `gb.save_dense`: the ordinary dense weights, for serving anywhere."""
 
 import os
+from collections.abc import Mapping
 
-import safetensors.torch
 import torch
 from torch import Tensor, nn
 
 from ._apply import apply
 from ._check_gparams import check_gparams, leaves
 from ._check_model import check_matches
-from ._files import check_no_meta, standalone, write_atomic
+from ._checkpoint import write_file
+from ._checkpoint_checks import checkpoint_path
+from ._files import check_no_meta, standalone
 from ._plan import Free, Plan
 from ._tree import GParams
 
@@ -67,7 +69,8 @@ def save_dense(
 
     Tied aliases are stored as separate copies, so `load_state_dict(strict=True)` needs no
     tie-aware loader. The header carries `{"format": "pt"}` (what `transformers` expects)
-    plus `metadata`.
+    plus `metadata`. A path no file can have, or one that cannot be written (a missing
+    folder, a full disk), raises a `gb.CheckpointError` naming it, as `gb.save` does.
 
     Example:
         >>> import safetensors.torch
@@ -77,9 +80,10 @@ def save_dense(
         >>> model.load_state_dict(safetensors.torch.load_file("model.safetensors"))
         <All keys matched successfully>
     """
-    path = os.fspath(path)
-    if metadata is not None and not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    path = checkpoint_path(path, "gb.save_dense")
+    if metadata is not None and not (
+        isinstance(metadata, Mapping)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
     ):
         raise TypeError(
             f"gb.save_dense: metadata must map str to str (safetensors' header), got {metadata!r}."
@@ -93,7 +97,7 @@ def save_dense(
             )
     tensors = standalone(state)
     header = {"format": "pt", **(metadata or {})}
-    write_atomic(path, lambda tmp: safetensors.torch.save_file(tensors, tmp, header))
+    write_file(path, tensors, header, "gb.save_dense")
 
 
 def _copy(value: object) -> object:

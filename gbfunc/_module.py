@@ -14,9 +14,7 @@ import difflib
 import inspect
 import os
 import re
-import weakref
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -24,10 +22,11 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from ._apply import apply
+from ._buffers import is_persistent
 from ._calibrate import calibrate, check_inputs
 from ._check_gparams import check_gparams, expected_shapes
 from ._check_model import check_matches, check_module
-from ._checkpoint import is_persistent, load
+from ._checkpoint import load
 from ._export import export
 from ._init import init
 from ._plan import Plan
@@ -200,7 +199,7 @@ class Bottleneck(nn.Module):
         """The plan, naming this module's p-net as its model (also in a copy of the module),
         so that `gb.save(path, b.gparams, b.plan)` stores the p-net's buffers."""
         if self._plan.model() is not self._pnet:  # `source` is not part of a plan's equality
-            self._plan = replace(self._plan, source=weakref.ref(self._pnet))
+            self._plan = self._plan.naming(self._pnet)
         return self._plan
 
     @property

@@ -8,11 +8,13 @@ no tensors: everything `gb.init` and `gb.apply` need is derived from its tuples 
 import hashlib
 import json
 import math
+import weakref
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from torch import nn
 
+from ._buffers import persistent_buffers
 from ._genome import Genome, labels_width
 
 TILE_LEAVES = ("tile_embed", "tile_hash")  # stack leaves with a row per tile, not per g-net
@@ -175,14 +177,19 @@ class Plan:
     Attributes:
         params: Every parameter of the model, in `named_parameters()` order.
         stacks: The g-net stacks that generate the `Generated` parameters.
-        source: A weak reference to the model the plan was made from, so that `gb.init`
-            can start free and frozen parameters from its values. Not part of equality,
-            hashing, pickling or checkpoints.
+        source: A weak reference to the model the plan describes (the one it was made from,
+            or the one `gb.load` read it for), so that `gb.init` can start free and frozen
+            parameters from its values and `gb.save` stores its buffers. Not part of
+            equality, hashing, pickling or checkpoints.
+        buffer_names: The persistent buffers that model had when the plan named it, so that
+            a save after the model is gone can say which buffers it cannot store. Not part of
+            equality, hashing or checkpoints; kept by pickling.
     """
 
     params: tuple[Generated | Free, ...]
     stacks: tuple[Stack, ...]
     source: Callable[[], nn.Module | None] | None = field(default=None, compare=False, repr=False)
+    buffer_names: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     @property
     def generated(self) -> tuple[Generated, ...]:
@@ -193,8 +200,13 @@ class Plan:
         return tuple(p for p in self.params if isinstance(p, Free))
 
     def model(self) -> nn.Module | None:
-        """The model the plan was made from, if it is still alive."""
+        """The model the plan describes (`source`), if it is still alive."""
         return None if self.source is None else self.source()
+
+    def naming(self, model: nn.Module) -> "Plan":
+        """This plan with `model` as its model (weakly held), and its buffers' names."""
+        names = tuple(persistent_buffers(model))
+        return replace(self, source=weakref.ref(model), buffer_names=names)
 
     def fingerprint(self) -> str:
         """SHA-256 of the plan's canonical JSON: equal plans have equal fingerprints."""
@@ -206,8 +218,9 @@ class Plan:
         return hashlib.sha256(text.encode()).hexdigest()
 
     def __reduce__(self) -> tuple:
-        # A weak reference cannot be pickled; a copy forgets the model it came from.
-        return (Plan, (self.params, self.stacks))
+        # A weak reference cannot be pickled; a copy forgets the model it came from, but not
+        # the buffers that model had (`gb.save` warns that it cannot store them).
+        return (Plan, (self.params, self.stacks, None, self.buffer_names))
 
 
 def block_shapes(shape: tuple[int, ...], splits: int, split_dim: int) -> list[tuple[int, int]]:

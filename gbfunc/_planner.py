@@ -1,7 +1,6 @@
 """`gb.plan`: build the plan of a model from its parameters, its rules and the options."""
 
 import math
-import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
@@ -153,7 +152,7 @@ def plan(
             f"{compression_of!r}."
         )
     options = _compress(entries, options, flags, compression, compression_of, tile is not None)
-    result = replace(_build(entries, options, flags), source=weakref.ref(model))
+    result = _build(entries, options, flags).naming(model)
     if not result.generated:
         raise ValueError(
             f"gb.plan: {type(model).__name__} has no parameter to generate: "

@@ -215,11 +215,12 @@ class GenomicBottleneck:
                     f"GenomicBottleneck.load: {os.fspath(fname)}: the optimizer state does not fit "
                     f"this optimizer ({e})."
                 ) from None
+        # first: it writes all or none, so that a failure changes nothing
+        restore_buffers(pnet, buffers, f"GenomicBottleneck.load: {os.fspath(fname)}")
         with torch.no_grad():
             for group in ("free", "frozen"):
                 for name, value in ckpt.gparams[group].items():
                     self._params[name].copy_(value)
-            restore_buffers(pnet, buffers)
             self.gparams["stacks"] = stacks
             self.optimizer = optimizer
             self.predict_weights()

@@ -145,7 +145,8 @@ def _probe_cases(tmp: Path | None) -> dict[str, Case]:
         "load-forged-huge-scale": corrupt_load(
             tmp,
             "huge-scale.safetensors",
-            r"params\[0\] \('0.weight'\).scale is 1e\+308; expected a number in \(0, 10000\]",
+            r"params\[0\] \('0.weight'\).scale is 1e\+308; expected a number in "
+            r"\(0, 3.40282e\+38\], the largest float32",
         ),
         "load-float16-free-tensor": corrupt_load(
             tmp,
@@ -668,6 +669,23 @@ def _export_save_dense_cases(tmp: Path | None, meta_g: dict) -> dict[str, Case]:
             lambda: gb.save_dense(tmp / "d.safetensors", gparams(), PLAN, metadata={"epoch": 3}),
             TypeError,
             "metadata must map str to str",
+        ),
+        # issue 53, row 14: the errors gb.save gives, naming the argument or the user's path
+        "save-dense-metadata-not-a-dict": Case(
+            lambda: gb.save_dense(tmp / "d.safetensors", gparams(), PLAN, metadata=5),
+            TypeError,
+            r"gb.save_dense: metadata must map str to str \(safetensors' header\), got 5\.",
+        ),
+        "save-dense-into-missing-folder": Case(
+            lambda: gb.save_dense(tmp / "missing" / "d.safetensors", gparams(), PLAN),
+            gb.CheckpointError,
+            r"gb.save_dense: \S*/missing/d.safetensors: cannot be written \(No such file or "
+            r"directory\); any previous file there is unchanged\.",
+        ),
+        "save-dense-nul-in-path": Case(
+            lambda: gb.save_dense(f"{tmp}/a\0b.safetensors", gparams(), PLAN),
+            gb.CheckpointError,
+            r"gb.save_dense: path .* contains a NUL byte; no file has that name\.",
         ),
     }
 

@@ -1,6 +1,9 @@
 """The p-net's buffers (BatchNorm running statistics) in checkpoints: every save stores them,
 every load restores them, and a model saved and restored gives the same outputs in eval mode."""
 
+import pickle
+from dataclasses import replace
+
 import pytest
 import safetensors.torch
 import torch
@@ -110,25 +113,24 @@ def test_a_non_persistent_buffer_is_not_stored(tmp_path):
     assert "buffers/scratch" not in keys
 
 
-@pytest.mark.parametrize(
-    ("buffers", "message"),
-    [
-        (
-            {"1.running_mean": torch.zeros(15)},
-            r"buffer '1\.running_mean' is torch\.float32 \(15,\)",
-        ),
-        ({"1.running_mean": torch.zeros(16, dtype=torch.float64)}, r"torch\.float64 \(16,\)"),
-        (
-            {"2.gone": torch.zeros(1)},
-            r"the checkpoint holds buffer '2\.gone', which the model does not have",
-        ),
-    ],
-)
+MISFIT_BUFFERS = [
+    ({"1.running_mean": torch.zeros(15)}, r"buffer '1\.running_mean' is torch\.float32 \(15,\)"),
+    (
+        {"1.running_mean": torch.zeros(16, dtype=torch.int64)},
+        r"buffer '1\.running_mean' is torch\.int64 \(16,\) in the checkpoint but torch\.float32",
+    ),
+    (
+        {"2.gone": torch.zeros(1)},
+        r"the checkpoint holds buffer '2\.gone', which the model does not",
+    ),
+]
+
+
+@pytest.mark.parametrize(("buffers", "message"), MISFIT_BUFFERS)
 def test_buffers_that_do_not_fit_the_model_are_refused_and_nothing_changes(
     tmp_path, buffers, message
 ):
-    model = bn_net()
-    plan = gb.plan(model, tile=(8, 8))
+    plan = gb.plan(bn_net(), tile=(8, 8))  # its model is gone: gb.save cannot check buffers
     path = tmp_path / "c.safetensors"
     gb.save(path, gb.init(plan), plan, buffers=buffers)
     target = bn_net()
@@ -193,3 +195,203 @@ def test_a_sharded_checkpoint_restores_buffers(tmp_path):
     narrower[1].register_buffer("running_var", torch.ones(4))
     with pytest.raises(gb.CheckpointMismatchError, match=r"buffer '1\.running_var'"):
         gbd.load_sharded(tmp_path / "s", narrower)
+
+
+# Issue 53, rows 3, 7 and 11: a resumed run saves its buffers again; gb.save refuses what no
+# model could load; a load that cannot write a buffer changes nothing.
+
+
+def train_functionally(model: nn.Module, gparams: dict, plan: gb.Plan, seed: int) -> None:
+    """Three SGD steps through `gb.apply` in train mode: the model's statistics move."""
+    model.train()
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.SGD(gb.trainable_leaves(gparams), lr=0.01)
+    for _ in range(3):
+        x = 3 + 2 * torch.randn(32, 8, generator=gen)
+        functional_call(model, gb.apply(gparams, plan), (x,)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def assert_stored_buffers(stored: dict, model: nn.Module) -> None:
+    assert sorted(k for k in stored if k.startswith("buffers/")) == [
+        "buffers/1.num_batches_tracked",
+        "buffers/1.running_mean",
+        "buffers/1.running_var",
+    ]
+    for name, buf in model.named_buffers():
+        assert torch.equal(stored[f"buffers/{name}"], buf), name
+
+
+def test_resuming_from_gb_load_keeps_the_buffers_over_several_cycles(tmp_path):
+    model = bn_net()
+    plan = gb.plan(model, tile=(8, 8))
+    gparams = gb.init(plan)
+    train_functionally(model, gparams, plan, seed=0)
+    gb.save(tmp_path / "0.safetensors", gparams, plan)
+    for cycle in range(1, 4):
+        model = bn_net(seed=cycle)  # a restarted process: a new model, default statistics
+        gparams, plan, *_ = gb.load(tmp_path / f"{cycle - 1}.safetensors", model)
+        assert plan.model() is model
+        train_functionally(model, gparams, plan, seed=cycle)
+        gb.save(tmp_path / f"{cycle}.safetensors", gparams, plan)  # the docs' resume pattern
+        assert_stored_buffers(safetensors.torch.load_file(tmp_path / f"{cycle}.safetensors"), model)
+    assert int(model[1].num_batches_tracked) == 12  # 3 steps in each of the 4 runs, none lost
+
+
+def test_resuming_from_load_sharded_keeps_the_buffers_over_several_cycles(tmp_path):
+    model = bn_net()
+    plan = gb.plan(model, tile=(8, 8))
+    gparams = gb.init(plan)
+    train_functionally(model, gparams, plan, seed=0)
+    gbd.save_sharded(tmp_path / "0", gparams, plan=plan)
+    for cycle in range(1, 4):
+        model = bn_net(seed=cycle)
+        gparams, plan, *_ = gbd.load_sharded(tmp_path / f"{cycle - 1}", model)
+        assert plan.model() is model
+        train_functionally(model, gparams, plan, seed=cycle)
+        gbd.save_sharded(tmp_path / f"{cycle}", gparams, plan=plan)
+    fresh = bn_net(seed=9)
+    gbd.load_sharded(tmp_path / "3", fresh)
+    for (name, got), want in zip(fresh.named_buffers(), model.buffers(), strict=True):
+        assert torch.equal(got, want), name
+    assert int(fresh[1].num_batches_tracked) == 12
+
+
+def unstored(call: str) -> str:
+    """The warning of a default save whose plan's model, `bn_net()`, is gone."""
+    return (
+        rf"{call}: the model this plan names is gone, so its buffers \('1\.running_mean', "
+        r"'1\.running_var', '1\.num_batches_tracked'\) are not stored\. Pass buffers=model \(the "
+        r"p-net\) to store them, or buffers=\{\} to store none\."
+    )
+
+
+def test_a_default_save_that_cannot_find_the_buffers_says_so(tmp_path):
+    path = tmp_path / "c.safetensors"
+    gone = gb.plan(bn_net(), tile=(8, 8))  # nothing else holds the model
+    with pytest.warns(RuntimeWarning, match=unstored(r"gb\.save")) as record:
+        gb.save(path, gb.init(gone), gone)
+    assert record[0].filename == __file__  # points at the call of gb.save
+    assert not [k for k in safetensors.torch.load_file(path) if k.startswith("buffers/")]
+    with pytest.warns(RuntimeWarning, match=unstored(r"gb\.dist\.save_sharded")):
+        gbd.save_sharded(tmp_path / "s", gb.init(gone), plan=gone)
+
+    model = bn_net()
+    plan = gb.plan(model, tile=(8, 8))
+    copied = pickle.loads(pickle.dumps(plan))  # e.g. sent to another process: no model
+    with pytest.warns(RuntimeWarning, match=unstored(r"gb\.save")):
+        gb.save(path, gb.init(plan), copied)
+    gb.save(path, gb.init(plan), copied, buffers={})  # asked for none: nothing to say
+
+    plain = gb.plan(nn.Linear(8, 4), tile=(4, 4))  # gone too, but it had no buffers
+    gb.save(path, gb.init(plain), plain)  # no warning (warnings are errors here)
+
+
+@pytest.mark.parametrize(("buffers", "message"), MISFIT_BUFFERS)
+def test_gb_save_refuses_buffers_that_do_not_fit_the_plans_model(tmp_path, buffers, message):
+    model = bn_net()
+    plan = gb.plan(model, tile=(8, 8))
+    path = tmp_path / "c.safetensors"
+    with pytest.raises(gb.CheckpointMismatchError, match=rf"gb\.save: {message}"):
+        gb.save(path, gb.init(plan), plan, buffers=buffers)
+    with pytest.raises(gb.CheckpointMismatchError, match=rf"gb\.dist\.save_sharded: {message}"):
+        gbd.save_sharded(tmp_path / "s", gb.init(plan), plan=plan, buffers=buffers)
+    assert not path.exists()
+    assert not (tmp_path / "s" / "gbfunc.json").exists()
+
+
+def test_gb_save_refuses_another_models_buffers(tmp_path):
+    model = bn_net()
+    plan = gb.plan(model, tile=(8, 8))
+    path = tmp_path / "c.safetensors"
+    with pytest.raises(
+        gb.CheckpointMismatchError,
+        match=r"gb\.save: buffers=BatchNorm1d is not the model of this plan: parameter #0 is "
+        r"'0\.weight' \(16, 8\) in the plan but 'weight' \(16,\) in the model",
+    ):
+        gb.save(path, gb.init(plan), plan, buffers=nn.BatchNorm1d(16))
+    assert not path.exists()
+
+
+def test_gb_save_refuses_a_plan_that_gb_load_would_call_malformed(tmp_path):
+    model = nn.Linear(8, 8)
+    plan = gb.plan(model, tile=(4, 4))
+    gparams = gb.init(plan)
+    huge = replace(plan, params=(replace(plan.params[0], scale=1e39), *plan.params[1:]))
+    path = tmp_path / "c.safetensors"
+    with pytest.raises(
+        gb.CheckpointError,
+        match=r"gb\.save: the plan is malformed: params\[0\] \('weight'\)\.scale is 1e\+39; "
+        r"expected a number in \(0, 3\.40282e\+38\], the largest float32\.",
+    ):
+        gb.save(path, gparams, huge)
+    assert not path.exists()
+
+
+def test_a_layer_whose_weights_have_a_std_above_1e4_saves_and_loads(tmp_path):
+    model = nn.Linear(8, 8)
+    with torch.no_grad():
+        model.weight.normal_(0, 1e5, generator=torch.Generator().manual_seed(0))
+    plan = gb.plan(model, tile=(4, 4))
+    assert plan.generated[0].scale > 1e4  # the weights' own std, which the plan keeps
+    gparams = gb.init(plan)
+    gb.save(tmp_path / "c.safetensors", gparams, plan)
+    ckpt = gb.load(tmp_path / "c.safetensors", nn.Linear(8, 8))
+    got, want = gb.apply(ckpt.gparams, ckpt.plan)["weight"], gb.apply(gparams, plan)["weight"]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_half_precision_bottleneck_saves_and_loads_into_a_float32_model(tmp_path):
+    b = gb.Bottleneck(bn_net(), tile=(8, 8))
+    trained_statistics(b)
+    path = tmp_path / "c.safetensors"
+    gb.save(path, b.half().gparams, b.plan)  # the issue's call: statistics in float16 too
+    restored = gb.Bottleneck.from_checkpoint(path, bn_net(seed=3))
+    assert restored.pnet[1].running_var.dtype == torch.float32  # cast, as load_state_dict does
+    assert torch.equal(restored.pnet[1].running_var, b.pnet[1].running_var.float())
+    for got, saved in zip(restored.parameters(), b.parameters(), strict=True):
+        assert torch.equal(got, saved.float())
+
+
+def test_buffers_may_be_the_bottleneck_itself(tmp_path):
+    b = gb.Bottleneck(bn_net(), tile=(8, 8))
+    trained_statistics(b)
+    path = tmp_path / "c.safetensors"
+    gb.save(path, b.gparams, b.plan, buffers=b)  # its p-net's buffers, by their p-net names
+    assert_stored_buffers(safetensors.torch.load_file(path), b.pnet)
+    restored = gb.Bottleneck.from_checkpoint(path, bn_net())
+    assert torch.equal(restored.pnet[1].running_var, b.pnet[1].running_var)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["gb.load", "load_sharded"])
+def test_a_load_that_cannot_write_a_buffer_changes_nothing(tmp_path, sharded):
+    model = bn_net()
+    plan = gb.plan(model, tile=(8, 8))
+    model[1].running_mean.fill_(2.0)
+    model[1].running_var.fill_(3.0)
+    model[1].num_batches_tracked.fill_(4)
+    target = bn_net()
+    target[1].running_var = torch.ones(1).expand(16)  # written last; cannot be written at all
+    if sharded:
+        gbd.save_sharded(tmp_path / "s", gb.init(plan), plan=plan)
+        where, load = (
+            r"gb\.dist\.load_sharded: \S*/s",
+            lambda: gbd.load_sharded(tmp_path / "s", target),
+        )
+    else:
+        gb.save(tmp_path / "c.safetensors", gb.init(plan), plan)
+        where, load = (
+            r"gb\.load: \S*/c\.safetensors",
+            lambda: gb.load(tmp_path / "c.safetensors", target),
+        )
+    with pytest.raises(
+        gb.CheckpointError,
+        match=rf"{where}: the model's buffer '1\.running_var' cannot be written \(.*\); the "
+        r"model is unchanged\. Give it a buffer of its own",
+    ) as info:
+        load()
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert torch.equal(target[1].running_mean, torch.zeros(16))  # written, then put back
+    assert int(target[1].num_batches_tracked) == 0
+    assert torch.equal(target[1].running_var, torch.ones(16))

@@ -274,7 +274,7 @@ HAND_BUILT_MESSAGES = [
     (_param(1, reason=3), rf"{B}\.reason is 3; expected a string\."),
     (_param(0, dtype="int64"), rf"{W}\.dtype is 'int64'; expected a floating dtype\."),
     (_param(0, dtype=3), rf"{W}\.dtype is 3; expected a torch dtype name such as 'float32'\."),
-    (_param(0, scale=0.0), rf"{W}\.scale is 0\.0; expected a number in \(0, 10000\]\."),
+    (_param(0, scale=0.0), rf"{W}\.scale is 0\.0; expected a number in \(0, 3\.40282e\+38\]"),
     (_param(0, shape=[8, 8]), rf"{W}\.shape is \[8, 8\]; expected a list of sizes >= 0\."),
     (_param(0, shape=(8, 0)), rf"{W}\.shape is \(8, 0\); expected a non-empty shape\."),
     (_param(0, stack_index=7), rf"{W} names stack 7; the plan has 1 stacks\."),
@@ -442,11 +442,13 @@ def _check_hand_built(
         ),
         (
             lambda p: gb.Plan((replace(p.params[0], scale=True), *p.params[1:]), p.stacks),
-            r"params\[0\] \('0\.weight'\)\.scale is True; expected a number in \(0, 10000\]\.",
+            r"params\[0\] \('0\.weight'\)\.scale is True; expected a number in "
+            r"\(0, 3\.40282e\+38\], the largest float32\.",
         ),
         (
             lambda p: gb.Plan((replace(p.params[0], scale="1"), *p.params[1:]), p.stacks),
-            r"params\[0\] \('0\.weight'\)\.scale is '1'; expected a number in \(0, 10000\]\.",
+            r"params\[0\] \('0\.weight'\)\.scale is '1'; expected a number in "
+            r"\(0, 3\.40282e\+38\], the largest float32\.",
         ),
         (
             lambda p: gb.Plan(p.params, (replace(p.stacks[0], genome="g"),)),

@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from .._buffers import persistent_buffers
 from .._check_model import check_module
 from .._check_plan import check_plan
 from .._checkpoint import (
@@ -36,11 +37,10 @@ from .._checkpoint import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
     CheckpointVersionError,
-    check_buffer,
     content_hash,
-    persistent_buffers,
     restore_buffers,
 )
+from .._checkpoint_checks import check_buffer
 from .._plan import TILE_LEAVES, Plan
 from .._serial import plan_from_json
 from .._tree import GParams
@@ -115,7 +115,8 @@ def load_sharded(
 
     Returns:
         `Checkpoint(gparams, plan, None, step, meta)`: `into`, or this rank's part of the
-        g-nets (all of them without `owned`) and the free and frozen parameters.
+        g-nets (all of them without `owned`) and the free and frozen parameters; the plan
+        names `model`, so that a save with it stores `model`'s buffers again.
 
     Raises:
         gb.CheckpointNotFoundError: No manifest at `path`.
@@ -161,12 +162,14 @@ def load_sharded(
         restore(manifest["optimizer"], optimizer, known, state)
     gparams = _assemble(plan, rows, state, dtypes, device)
     restore_buffers(
-        model, {k.removeprefix(BUFFERS): v for k, v in state.items() if k.startswith(BUFFERS)}
+        model,
+        {k.removeprefix(BUFFERS): v for k, v in state.items() if k.startswith(BUFFERS)},
+        where,
     )
     if into is not None:
         _fill(into, gparams)
         gparams = into
-    return Checkpoint(gparams, plan, None, manifest["step"], manifest["meta"])
+    return Checkpoint(gparams, plan.naming(model), None, manifest["step"], manifest["meta"])
 
 
 def _read_manifest(
