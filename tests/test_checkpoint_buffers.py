@@ -395,3 +395,24 @@ def test_a_load_that_cannot_write_a_buffer_changes_nothing(tmp_path, sharded):
     assert torch.equal(target[1].running_mean, torch.zeros(16))  # written, then put back
     assert int(target[1].num_batches_tracked) == 0
     assert torch.equal(target[1].running_var, torch.ones(16))
+
+
+def test_a_sharded_load_whose_buffer_cannot_be_written_leaves_the_optimizer_as_it_was(tmp_path):
+    """Row 11 with an optimizer: `load_sharded` restored its state before the buffers, so a
+    buffer that cannot be written left the optimizer changed. Now nothing changes."""
+    model = bn_net()
+    plan = gb.plan(model, tile=(8, 8))
+    gparams = gb.init(plan)
+    opt = torch.optim.Adam(gb.trainable_leaves(gparams), lr=1e-2)
+    gb.trainable_leaves(gparams)[0].grad = torch.ones_like(gb.trainable_leaves(gparams)[0])
+    opt.step()
+    gbd.save_sharded(tmp_path / "s", gparams, plan=plan, optimizer=opt)
+    target = bn_net()
+    target[1].running_var = torch.ones(1).expand(16)
+    into = gb.init(plan, seed=1)
+    fresh = torch.optim.Adam(gb.trainable_leaves(into), lr=5e-1)
+    with pytest.raises(gb.CheckpointError, match=r"buffer '1\.running_var' cannot be written"):
+        gbd.load_sharded(tmp_path / "s", target, into=into, optimizer=fresh)
+    assert fresh.state_dict()["state"] == {}
+    assert fresh.param_groups[0]["lr"] == 5e-1
+    assert torch.equal(target[1].running_mean, torch.zeros(16))

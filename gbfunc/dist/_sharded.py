@@ -158,14 +158,16 @@ def load_sharded(
             ) from None
     _read(data, state, group, where)
     _verify(data, state, digests, checksums, group, where)
-    if optimizer is not None:
-        restore(manifest["optimizer"], optimizer, known, state)
     gparams = _assemble(plan, rows, state, dtypes, device)
-    restore_buffers(
-        model,
-        {k.removeprefix(BUFFERS): v for k, v in state.items() if k.startswith(BUFFERS)},
-        where,
-    )
+    buffers = {k.removeprefix(BUFFERS): v for k, v in state.items() if k.startswith(BUFFERS)}
+    before = {name: model.get_buffer(name).clone() for name in buffers}
+    restore_buffers(model, buffers, where)  # all or none
+    if optimizer is not None:
+        try:
+            restore(manifest["optimizer"], optimizer, known, state)
+        except BaseException:
+            restore_buffers(model, before, where)  # a failed load changes nothing
+            raise
     if into is not None:
         _fill(into, gparams)
         gparams = into
