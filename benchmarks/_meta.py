@@ -105,12 +105,15 @@ def markdown_table(columns: Sequence[tuple[str, str]], rows: Iterable[Sequence[s
     return "\n".join(lines) + "\n"
 
 
-def cpu_benchmark_args(doc: str, out: str) -> argparse.Namespace:
+def cpu_benchmark_args(doc: str, out: str, **switches: str) -> argparse.Namespace:
     """The command line of a one-machine CPU benchmark (`--threads`, `--out`, default
-    `RESULTS / out`), with torch set to those threads."""
+    `RESULTS / out`, and a `--NAME` flag with its help per switch), with torch set to those
+    threads."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS / out)
+    for name, text in switches.items():
+        parser.add_argument(f"--{name}", action="store_true", help=text)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     return args

@@ -1,14 +1,18 @@
 """`gb.init`: draw the g-net stacks and free parameters of a plan, reproducibly."""
 
+import bisect
+import itertools
 import math
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
 
 from ._check_model import check_matches
-from ._evaluate import HASH_GAIN, evaluate_stack
+from ._evaluate import HASH_GAIN, stack_terms
 from ._numbers import integer
-from ._plan import Plan, Stack
+from ._plan import TILE_LEAVES, Plan, Stack
+from ._tilemlp import CHUNK_ELEMENTS, reference, tile_chunks
 from ._tree import GParams
 
 VALUES = ("model", "draw")
@@ -40,7 +44,9 @@ def init(
         values: `"model"`: free and frozen parameters copy the model's; `"draw"`: drawn.
         model: Where `"model"` values come from; default the model the plan was made from.
         dtype: Floating dtype of every floating leaf (integer frozen parameters keep theirs).
-        device: Where the leaves live.
+        device: Where the leaves live. `"meta"`: empty leaves of the same shapes and dtypes,
+            nothing drawn or evaluated. Elsewhere the tiles are evaluated on the CPU in
+            chunks, so memory stays within a few times the largest stack's weights.
         requires_grad: Mark trainable leaves `requires_grad` (for `torch.optim` and
             `.backward()`); pass False for purely functional training with `torch.func`.
 
@@ -60,8 +66,18 @@ def init(
         raise TypeError(f"gb.init: dtype must be a floating torch.dtype, got {dtype!r}.")
     seed = integer("gb.init", "seed", seed, minimum=-(2**63), maximum=2**64 - 1)  # torch's range
     source = _value_source(plan, values, model)
+    if device is not None and torch.device(device).type == "meta":
+        return _on_meta(plan, dtype, requires_grad)
     gen = torch.Generator().manual_seed(seed)
-    stacks = {s.key: _init_stack(s, gen) for s in plan.stacks}
+
+    def finish(x: Tensor, trainable: bool) -> Tensor:
+        x = x.to(dtype=dtype if x.is_floating_point() else x.dtype, device=device)
+        return x.requires_grad_(trainable and requires_grad)
+
+    # Each stack is cast and moved once drawn, so only one stack's float64 leaves are alive.
+    stacks = {
+        s.key: {n: finish(v, True) for n, v in _init_stack(s, gen).items()} for s in plan.stacks
+    }
     free: dict[str, Tensor] = {}
     frozen: dict[str, Tensor] = {}
     for p in plan.free:
@@ -72,17 +88,30 @@ def init(
             value = _draw_free(p.init, p.shape, gen)
             if not getattr(torch, p.dtype).is_floating_point:  # integer and bool keep theirs
                 value = value.to(getattr(torch, p.dtype))
-        (free if p.trainable else frozen)[p.name] = value
+        (free if p.trainable else frozen)[p.name] = finish(value, p.trainable)
+    return {"stacks": stacks, "free": free, "frozen": frozen}
 
-    def finish(x: Tensor, trainable: bool) -> Tensor:
-        x = x.to(dtype=dtype if x.is_floating_point() else x.dtype, device=device)
+
+def _on_meta(plan: Plan, dtype: torch.dtype, requires_grad: bool) -> GParams:
+    """The leaves `init` returns, as empty `meta` tensors of the same shapes and dtypes:
+    nothing is drawn, evaluated or copied, so a plan of any size costs no memory (to trace
+    `gb.apply` or size a model before allocating it)."""
+
+    def empty(shape: tuple[int, ...], kind: torch.dtype, trainable: bool) -> Tensor:
+        kind = dtype if kind.is_floating_point else kind  # integer and bool keep theirs
+        x = torch.empty(shape, dtype=kind, device="meta")
         return x.requires_grad_(trainable and requires_grad)
 
-    return {
-        "stacks": {k: {n: finish(v, True) for n, v in s.items()} for k, s in stacks.items()},
-        "free": {k: finish(v, True) for k, v in free.items()},
-        "frozen": {k: finish(v, False) for k, v in frozen.items()},
+    stacks = {
+        s.key: {n: empty(shape, dtype, True) for n, shape in s.leaf_shapes().items()}
+        for s in plan.stacks
     }
+    free: dict[str, Tensor] = {}
+    frozen: dict[str, Tensor] = {}
+    for p in plan.free:
+        value = empty(p.shape, getattr(torch, p.dtype), p.trainable)
+        (free if p.trainable else frozen)[p.name] = value
+    return {"stacks": stacks, "free": free, "frozen": frozen}
 
 
 def _value_source(plan: Plan, values: str, model: nn.Module | None) -> dict[str, Tensor] | None:
@@ -102,7 +131,7 @@ def _value_source(plan: Plan, values: str, model: nn.Module | None) -> dict[str,
 
 
 def _normal(shape: tuple[int, ...], std: float, gen: torch.Generator) -> Tensor:
-    return torch.randn(shape, generator=gen, dtype=torch.float64) * std
+    return torch.randn(shape, generator=gen, dtype=torch.float64).mul_(std)  # one buffer
 
 
 def _init_stack(stack: Stack, gen: torch.Generator) -> dict[str, Tensor]:
@@ -176,25 +205,77 @@ def _make_odd(leaves: dict[str, Tensor], row_width: int) -> None:
 
 def _normalise_outputs(stack: Stack, leaves: dict[str, Tensor]) -> None:
     """Shift and scale each g-net's output layer so its raw tiles have mean 0 and std 1."""
+    positions = stack.tile[0] * stack.columns
+    if positions < 2 and stack.num_tiles == stack.num_gnets:
+        return  # a single position per g-net: nothing to standardise against
     with torch.no_grad():
-        y = evaluate_stack(stack, leaves, recompute=False)  # (T, TH, Q*P), float64
-        y = y.reshape(y.shape[0], -1, stack.outputs)  # (T, positions, P)
-        if y.shape[1] < 2 and stack.num_tiles == stack.num_gnets:
-            return  # a single position per g-net: nothing to standardise against
-        counts = torch.tensor(stack.tiles_per_gnet, dtype=y.dtype) * y.shape[1]  # (G,)
+        sums, sq = _tile_moments(stack, leaves)
+        counts = torch.tensor(stack.tiles_per_gnet, dtype=sums.dtype) * positions  # (G,)
         owner = torch.tensor(stack.gnet_of_tile)
-        sums = torch.zeros(stack.num_gnets, stack.outputs, dtype=y.dtype).index_add_(
-            0, owner, y.sum(1)
-        )
-        mean = sums / counts[:, None]  # (G, P)
-        sq = (y - mean[owner][:, None, :]).square().sum((1, 2))  # (T,)
-        var = torch.zeros(stack.num_gnets, dtype=y.dtype).index_add_(0, owner, sq)
+        mean = torch.zeros(stack.num_gnets, stack.outputs, dtype=sums.dtype)
+        mean = mean.index_add_(0, owner, sums) / counts[:, None]  # (G, P)
+        # Each tile's squares about its g-net's mean: about its own, plus its mean's offset.
+        sq = sq + (sums / positions - mean[owner]).square().sum(1) * positions
+        var = torch.zeros(stack.num_gnets, dtype=sums.dtype).index_add_(0, owner, sq)
         std = (var / (counts * stack.outputs)).sqrt()  # (G,)
         # A g-net constant over its positions (e.g. every unit dead behind a ReLU) is left
         # unscaled: dividing by a vanishing std would blow its rounding errors up to O(1).
         std = torch.where(std < 1e-6, torch.ones_like(std), std)
         leaves["b_out"] = (leaves["b_out"] - mean) / std[:, None]
         leaves["w_out"] = leaves["w_out"] / std[:, None, None]
+
+
+def _tile_moments(stack: Stack, leaves: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    """Each tile's raw output summed over its positions, `(T, P)`, and its squares about its
+    own mean, `(T,)`, in float64.
+
+    The g-nets run on pieces of at most `_budget` hidden activations: chunks of tiles
+    (`tile_chunks`), and rows of a tile where one tile holds more. A tile's pieces are merged
+    by Chan et al.'s pairwise update. All tiles at once held `(T, TH, Q, H)` float64 values,
+    1 GiB for a 4096 x 4096 weight in 16 x 16 tiles at 8 hidden units. The moments are those
+    of all tiles at once to float64 rounding (torch's kernels round some sums differently
+    over fewer tiles).
+    """
+    rows, cols, outputs = stack.tile[0], stack.columns, stack.outputs
+    hidden = cols * stack.genome.hidden  # per row of a tile
+    budget = _budget(stack)
+    step = max(1, budget // hidden)  # rows of a tile at once
+    sums = torch.empty(stack.num_tiles, outputs, dtype=torch.float64)
+    sq = torch.empty(stack.num_tiles, dtype=torch.float64)
+    starts = list(itertools.accumulate(stack.tiles_per_gnet, initial=0))
+    for lo, hi in tile_chunks(stack.num_tiles, rows * hidden, budget):
+        terms = stack_terms(*_tile_range(stack, leaves, starts, lo, hi))
+        for first in range(0, rows, step):
+            piece = terms._replace(a=terms.a[:, first : first + step])
+            y = reference(piece, stack.genome.activation).reshape(hi - lo, -1, outputs)
+            new, seen = y.shape[1], first * cols  # positions in the piece, and before it
+            piece_sums = y.sum(1)
+            piece_sq = (y - (piece_sums / new)[:, None, :]).square().sum((1, 2))
+            if seen == 0:
+                sums[lo:hi], sq[lo:hi] = piece_sums, piece_sq
+                continue
+            offset = piece_sums / new - sums[lo:hi] / seen
+            sq[lo:hi] += piece_sq + offset.square().sum(1) * (seen * new / (seen + new))
+            sums[lo:hi] += piece_sums
+    return sums, sq
+
+
+def _budget(stack: Stack) -> int:
+    """Hidden activations `gb.init` evaluates at once: at most a quarter of the stack's
+    weights, so that their float64 transients stay under the weights' own float32 size, and
+    at most `CHUNK_ELEMENTS` (cache-sized)."""
+    return min(CHUNK_ELEMENTS, stack.num_tiles * stack.tile_positions // 4)
+
+
+def _tile_range(
+    stack: Stack, leaves: dict[str, Tensor], starts: list[int], lo: int, hi: int
+) -> tuple[Stack, dict[str, Tensor]]:
+    """Tiles `lo:hi` of a stack as a stack of their own, with views of its leaves' rows;
+    `starts` are the g-nets' first tiles, then the number of tiles."""
+    first, last = bisect.bisect_right(starts, lo) - 1, bisect.bisect_left(starts, hi)
+    counts = tuple(min(hi, starts[g + 1]) - max(lo, starts[g]) for g in range(first, last))
+    rows = {k: v[lo:hi] if k in TILE_LEAVES else v[first:last] for k, v in leaves.items()}
+    return replace(stack, tiles_per_gnet=counts), rows
 
 
 def _draw_free(init: tuple[str, float], shape: tuple[int, ...], gen: torch.Generator) -> Tensor:

@@ -482,7 +482,11 @@ def fits_graph(stack: "Stack") -> bool:
     return stack.one_reduction or stack.hidden_elements <= COMPILED_CHUNK_ELEMENTS
 
 
-def _chunks(num_tiles: int, per_tile: int, budget: int = CHUNK_ELEMENTS) -> list[tuple[int, int]]:
+def tile_chunks(
+    num_tiles: int, per_tile: int, budget: int = CHUNK_ELEMENTS
+) -> list[tuple[int, int]]:
+    """Balanced consecutive tile ranges of at most `budget` elements at `per_tile` each (at
+    least one tile); one range while traced by an outer compile."""
     if torch.compiler.is_compiling():
         return [(0, num_tiles)]
     count = max(1, math.ceil(num_tiles / max(1, budget // max(1, per_tile))))
@@ -495,7 +499,7 @@ def _compiled_chunks(terms: Terms) -> list[tuple[int, int]]:
     num_tiles, rows, hidden = terms.a.shape
     if terms.one_reduction:
         return [(0, num_tiles)]
-    return _chunks(num_tiles, rows * terms.b.shape[1] * hidden, COMPILED_CHUNK_ELEMENTS)
+    return tile_chunks(num_tiles, rows * terms.b.shape[1] * hidden, COMPILED_CHUNK_ELEMENTS)
 
 
 def _rows(x: Tensor | None, lo: int, hi: int) -> Tensor | None:
@@ -574,7 +578,7 @@ class _TileMLP(torch.autograd.Function):
                 out = _joined(outs)
         if out is None:
             num_tiles, rows, hidden = terms.a.shape
-            parts = _chunks(num_tiles, rows * terms.b.shape[1] * hidden)
+            parts = tile_chunks(num_tiles, rows * terms.b.shape[1] * hidden)
             out = _joined(
                 [
                     _forward_no_save(terms.tiles(lo, hi), activation, _rows(b_t, lo, hi))
@@ -614,7 +618,7 @@ class _TileMLP(torch.autograd.Function):
             if all(result is not None for result in results):
                 return (*_joined(results), None, None, None, None)
         a, b = terms.a, terms.b
-        parts = _chunks(a.shape[0], a.shape[1] * b.shape[1] * a.shape[2])
+        parts = tile_chunks(a.shape[0], a.shape[1] * b.shape[1] * a.shape[2])
         results = [
             tuple(_backward_recompute(grad[lo:hi], terms.tiles(lo, hi), ctx.activation))
             for lo, hi in parts

@@ -536,3 +536,18 @@ def test_lr_rule_report_sets_the_default_beside_the_best_swept_rate(capsys):
     assert "| p | mlp | 5.0x | 91 +- 1 | 0.1 | 94 +- 1 | 3 +- 2 | no |" in summary
     charlm = "| p | charlm | 5.0x | 1.61 +- 0.01 | 0.02 | 1.595 +- 0.005 | 0.015 +- 0.005 | yes |"
     assert charlm in summary
+
+
+def test_bench_memory_init_sets_each_inits_peak_beside_its_largest_stack(monkeypatch, capsys):
+    from torch import nn
+
+    from benchmarks import bench_memory
+
+    layer = {"layer": (lambda: nn.Linear(512, 512), {"tile": (16, 16), "hidden": 8})}
+    monkeypatch.setattr(bench_memory, "init_workloads", lambda: layer)
+    bench_memory.run_init()
+    label, *cells = capsys.readouterr().out.strip().splitlines()[-1].split()
+    largest, held, peak, ratio, meta = map(float, cells)
+    assert (label, largest, meta) == ("layer", 1.0, 0.0)  # 512 x 512 in float32; nothing
+    assert held < peak < 3 * largest
+    assert ratio == pytest.approx(peak / largest, abs=0.01)

@@ -5,8 +5,10 @@ import pickle
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.func import functional_call
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import gbfunc as gb
 
@@ -255,3 +257,88 @@ def test_a_model_that_does_not_match_the_plan_is_named_before_anything_is_drawn(
         match=r"^gb\.init: parameter 'weight' has shape \(4, 8\) in the plan but \(4, 6\)",
     ):
         gb.init(plan, model=nn.Linear(6, 4))
+
+
+class _OffMeta(TorchDispatchMode):
+    """Fails the first operation that makes a tensor anywhere but on `meta`."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for x in pytree.tree_leaves(out):
+            assert not (isinstance(x, torch.Tensor) and not x.is_meta), f"{func} made {x.device}"
+        return out
+
+
+def test_a_meta_init_draws_and_evaluates_nothing():
+    """Issue 53, row 6: `device="meta"` for eight 4096 x 4096 layers in 16 x 16 tiles held
+    17.7 GiB, every tile evaluated in float64 on the CPU; now no tensor is made off `meta`."""
+    with torch.device("meta"):
+        model = nn.Sequential(*(nn.Linear(4096, 4096) for _ in range(8)))
+    plan = gb.plan(model, tile=(16, 16), hidden=8)
+    with _OffMeta():
+        gparams = gb.init(plan, device="meta")
+    (stack,) = plan.stacks
+    assert stack.num_tiles == 8 * 256 * 256
+    leaves = gparams["stacks"][stack.key]
+    assert {k: tuple(v.shape) for k, v in leaves.items()} == stack.leaf_shapes()
+    assert all(v.is_meta and v.requires_grad for v in leaves.values())
+
+
+@pytest.mark.parametrize("options", [{}, {"share": True}, {"hashed": 3}])
+def test_a_meta_init_is_shaped_like_a_real_one_and_traces(options):
+    """Same leaves, shapes, dtypes and `requires_grad` as a real init (integer frozen parameters
+    keep their dtype), and `gb.apply` and `functional_call` run on them."""
+    model = frozen_embedding_model()
+    plan = gb.plan(model, tile=(4, 4), **options)
+    real = gb.init(plan, dtype=torch.float64)
+    meta = gb.init(plan, dtype=torch.float64, device=torch.device("meta"))
+    assert {g: list(meta[g]) for g in meta} == {g: list(real[g]) for g in real}
+    for (path, m), (_, r) in zip(
+        pytree.tree_flatten_with_path(meta)[0], pytree.tree_flatten_with_path(real)[0], strict=True
+    ):
+        assert m.is_meta, path
+        assert (m.shape, m.dtype, m.requires_grad) == (r.shape, r.dtype, r.requires_grad), path
+    params = gb.apply(meta, plan, compile=False)
+    assert params["1.weight"].is_meta
+    assert params["1.weight"].shape == (4, 8)
+    out = functional_call(model, params, (torch.zeros(3, dtype=torch.long, device="meta"),))
+    assert out.is_meta
+    assert out.shape == (3, 4)
+
+
+def test_a_real_init_evaluates_its_tiles_in_chunks_of_bounded_memory():
+    """Issue 53, row 6: a 1024 x 1024 layer in 16 x 16 tiles at 8 hidden units peaked at
+    138 MiB, 35x its 4 MiB of generated weights, holding every tile's hidden activations in
+    float64; in chunks it stays within 3x (`benchmarks/bench_memory.py --init` measures it)."""
+    from benchmarks._meta import peak_bytes
+
+    with torch.device("meta"):
+        model = nn.Linear(1024, 1024)
+    plan = gb.plan(model, tile=(16, 16), hidden=8)
+    assert peak_bytes(lambda: gb.init(plan)) <= 3 * 1024 * 1024 * 4
+
+
+@pytest.mark.parametrize("pieces", ["tiles", "rows"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"hidden": 8},
+        {"hidden": 12, "outputs": 4, "depth": 2, "activation": "tanh"},
+        {"hidden": 16, "share": True},  # 2 g-nets of 64 and 32 tiles, cut by the chunks
+        {"tile": "full", "hidden": 6, "activation": "tanh"},  # one tile a weight, not odd
+    ],
+)
+def test_evaluating_in_pieces_gives_the_values_of_all_tiles_at_once(monkeypatch, options, pieces):
+    """In chunks of 7 tiles, or 3 rows of a tile at a time, or all at once: the same g-nets,
+    to float64 rounding."""
+    import gbfunc._init as init_module
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 32))
+    plan = gb.plan(model, **{"tile": (8, 8), **options})
+    monkeypatch.setattr(init_module, "_budget", lambda stack: 2**40)
+    at_once = gb.init(plan, seed=2, dtype=torch.float64, requires_grad=False)
+    per_row = {s.key: s.columns * s.genome.hidden for s in plan.stacks}
+    rows = {"tiles": 7 * 8, "rows": 3}[pieces]
+    monkeypatch.setattr(init_module, "_budget", lambda stack: rows * per_row[stack.key])
+    in_pieces = gb.init(plan, seed=2, dtype=torch.float64, requires_grad=False)
+    torch.testing.assert_close(in_pieces, at_once, rtol=1e-12, atol=1e-15)

@@ -10,7 +10,6 @@ from gbfunc._tilemlp import (
     CHUNK_ELEMENTS,
     Terms,
     _backward_recompute,
-    _chunks,
     _compiled_chunks,
     _forward_no_save,
     _fused_reductions,
@@ -19,6 +18,7 @@ from gbfunc._tilemlp import (
     activate,
     activate_grad,
     reference,
+    tile_chunks,
     tile_mlp,
 )
 
@@ -335,13 +335,13 @@ def test_compiled_bodies_run_whole_only_where_inductor_fuses_them(monkeypatch):
 
 
 def test_eager_evaluation_is_chunked_to_the_chunk_size_and_compiled_left_whole(monkeypatch):
-    assert _chunks(3, 2 * CHUNK_ELEMENTS) == [(0, 1), (1, 2), (2, 3)]  # one tile per chunk
-    assert _chunks(5, CHUNK_ELEMENTS // 2) == [(0, 2), (2, 4), (4, 5)]
-    assert _chunks(CHUNK_ELEMENTS, 1) == [(0, CHUNK_ELEMENTS)]
-    assert _chunks(6, CHUNK_ELEMENTS // 4) == [(0, 3), (3, 6)]  # balanced, not 4 + 2
-    assert _chunks(7, CHUNK_ELEMENTS // 2) == [(0, 2), (2, 4), (4, 6), (6, 7)]
+    assert tile_chunks(3, 2 * CHUNK_ELEMENTS) == [(0, 1), (1, 2), (2, 3)]  # one tile per chunk
+    assert tile_chunks(5, CHUNK_ELEMENTS // 2) == [(0, 2), (2, 4), (4, 5)]
+    assert tile_chunks(CHUNK_ELEMENTS, 1) == [(0, CHUNK_ELEMENTS)]
+    assert tile_chunks(6, CHUNK_ELEMENTS // 4) == [(0, 3), (3, 6)]  # balanced, not 4 + 2
+    assert tile_chunks(7, CHUNK_ELEMENTS // 2) == [(0, 2), (2, 4), (4, 6), (6, 7)]
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert _chunks(5, 2 * CHUNK_ELEMENTS) == [(0, 5)]
+    assert tile_chunks(5, 2 * CHUNK_ELEMENTS) == [(0, 5)]
 
 
 @pytest.mark.slow
