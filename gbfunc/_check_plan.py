@@ -27,7 +27,8 @@ from ._plan import (
     tile_grid,
 )
 
-FREE_INITS = ("zeros", "ones", "uniform", "normal")  # what `gb.init` can draw a free tensor by
+# What `gb.init` can draw a free tensor by (`free_init`).
+FREE_INITS = ("zeros", "ones", "uniform", "normal", "normal_padded")
 
 
 class _Bad(Exception):
@@ -120,6 +121,10 @@ def _check_param_fields(plan: Plan, i: int, p: object) -> None:
         ok = isinstance(init, tuple) and len(init) == 2 and init[0] in FREE_INITS
         ok = ok and as_finite(init[1]) is not None
         _need(ok, f"{at}.init", init, f"[kind, value], kind in {FREE_INITS}")
+        if init[0] == "normal_padded":  # value: the padding row
+            row = as_integer(init[1])
+            ok = row is not None and len(p.shape) >= 1 and 0 <= row < p.shape[0]
+            _need(ok, f"{at}.init", init, "['normal_padded', a row of the table]")
         _need(isinstance(p.trainable, bool), f"{at}.trainable", p.trainable, "a bool")
         _need(grad or not p.trainable, f"{at}.dtype", p.dtype, "a floating dtype (trainable)")
         _need(isinstance(p.reason, str), f"{at}.reason", p.reason, "a string")

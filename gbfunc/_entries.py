@@ -99,12 +99,29 @@ def free_reason(entry: Entry, opts: dict[str, object], flags: dict[str, bool]) -
         return f"{type(module).__name__}.{local} is not generated"
     if opts["generate"] is False:
         return "left free by the caller"
+    kept = _kept_table(module) if layout.embedding else None
+    if kept is not None:
+        if opts["generate"]:
+            raise ValueError(f"gb.plan: {name} was asked to be generated, but stays free: {kept}.")
+        return kept
     if layout.embedding and not (flags["embeddings"] or opts["generate"]):
         return "embedding (pass embeddings=True to generate)"
     if layout.bias and not (flags["biases"] or opts["generate"]):
         return "bias (pass biases=True to generate)"
     if len(shape) < 2 and not layout.bias:
         return "fewer than 2 dims"
+    return None
+
+
+def _kept_table(module: nn.Module) -> str | None:
+    """Why an embedding table must stay free (as `gb.report` says it), if it must: its module
+    keeps a padding row at zero (no gradient reaches it), or renormalises looked-up rows in
+    place (`max_norm`), neither of which a generated table, rebuilt by every step, can do."""
+    padding, max_norm = getattr(module, "padding_idx", None), getattr(module, "max_norm", None)
+    if padding is not None:
+        return f"embedding with padding_idx={padding}, whose row must stay zero"
+    if max_norm is not None:
+        return f"embedding with max_norm={max_norm}, which renormalises the table in place"
     return None
 
 

@@ -288,4 +288,8 @@ def _draw_free(init: tuple[str, float], shape: tuple[int, ...], gen: torch.Gener
         return (torch.rand(shape, generator=gen, dtype=torch.float64) * 2 - 1) * value
     if kind == "normal":
         return _normal(shape, value, gen)
+    if kind == "normal_padded":  # nn.Embedding's own init: its padding row `value` is zero
+        table = _normal(shape, 1.0, gen)
+        table[int(value)] = 0.0
+        return table
     raise ValueError(f"gb.init: unknown free-parameter init {kind!r}.")

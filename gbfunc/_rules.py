@@ -189,13 +189,16 @@ _NAMED_RULES: dict[str, Rule] = {"transformers.pytorch_utils.Conv1D": _hf_conv1d
 
 
 def free_init(module: nn.Module, name: str, shape: tuple[int, ...]) -> tuple[str, float]:
-    """How `gb.init` draws a free parameter: `(kind, value)` with kind in zeros/ones/uniform/normal.
+    """How `gb.init` draws a free parameter: `(kind, value)` with kind in zeros/ones/uniform/normal
+    (value: the bound or std), or normal_padded (N(0, 1) with row `value` zero).
 
     Mirrors the module's own `reset_parameters` for the common layers, also for weights left
     free by the caller; other parameters get ones (1-D weights, i.e. scales), zeros (biases,
     other 1-D) or N(0, 0.02) (matrices).
     """
     if isinstance(module, nn.Embedding):
+        if module.padding_idx is not None:  # N(0, 1), then its padding row zeroed
+            return ("normal_padded", module.padding_idx)
         return ("normal", 1.0)
     if _is_named(module, "transformers.pytorch_utils.Conv1D"):
         return ("normal", 0.02) if name == "weight" else ("zeros", 0.0)

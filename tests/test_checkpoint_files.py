@@ -253,7 +253,7 @@ W, B, W1 = (
     r"params\[1\] \('0\.bias'\)",
     r"params\[2\] \('1\.weight'\)",
 )
-KINDS = r"\('zeros', 'ones', 'uniform', 'normal'\)"
+KINDS = r"\('zeros', 'ones', 'uniform', 'normal', 'normal_padded'\)"
 
 # The rest of `check_plan`'s checks on two Linear(8, 8) on 4x4 tiles (biases free), each with
 # its whole message: the field, the value found and what was expected.
@@ -265,6 +265,10 @@ HAND_BUILT_MESSAGES = [
     (
         _param(1, init=("normal", math.inf)),
         rf"{B}\.init is \('normal', inf\); expected \[kind, value\]",
+    ),
+    (
+        _param(1, init=("normal_padded", 8)),  # an embedding's padding row, outside the 8 rows
+        rf"{B}\.init is \('normal_padded', 8\); expected \['normal_padded', a row of the table\]\.",
     ),
     (_param(1, trainable="yes"), rf"{B}\.trainable is 'yes'; expected a bool\."),
     (

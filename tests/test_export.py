@@ -116,3 +116,54 @@ def test_gpt2_generated_weights_export_into_a_fresh_model_and_transformers(
     served = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
     with torch.no_grad():
         torch.testing.assert_close(served(ids).logits, want, rtol=0, atol=0)
+
+
+def _table_model(table: dict) -> nn.Module:
+    return nn.Sequential(nn.Embedding(10, 4, **table), nn.Linear(4, 8))
+
+
+@pytest.mark.parametrize(
+    ("table", "reason"),
+    [
+        ({"padding_idx": 0}, "embedding with padding_idx=0, whose row must stay zero"),
+        ({"padding_idx": -1}, "embedding with padding_idx=9, whose row must stay zero"),
+        ({"max_norm": 1.0}, "embedding with max_norm=1.0, which renormalises the table in place"),
+    ],
+)
+def test_padding_and_max_norm_tables_stay_free_and_export_as_their_module_keeps_them(table, reason):
+    """Issue 53, row 8: with `embeddings=True` such a table was generated, its padding row
+    non-zero, and `gb.export` handed that to the dense model. It stays free, `gb.report` says
+    why, a padding row stays zero (copied, trained or drawn) and gets no gradient, and asking
+    to generate it is refused."""
+    torch.manual_seed(0)
+    model = _table_model(table)
+    plan = gb.plan(model, tile=(4, 4), embeddings=True)
+    assert [p.name for p in plan.generated] == ["1.weight"]
+    assert next(p for p in plan.free if p.name == "0.weight").reason == reason
+    assert reason in str(gb.report(plan))
+    gparams = gb.init(plan)
+    ids = torch.tensor([0, 9, 3, 0])
+    functional_call(model, gb.apply(gparams, plan), (ids,)).sum().backward()
+    dense = gb.export(gparams, plan, model=model)
+    assert torch.equal(dense["0.weight"], gparams["free"]["0.weight"])  # as looked up
+    pad = model[0].padding_idx
+    if pad is not None:
+        assert not dense["0.weight"][pad].any()
+        assert not gparams["free"]["0.weight"].grad[pad].any()
+        with torch.device("meta"):
+            blank = _table_model(table)
+        drawn = gb.init(gb.plan(blank, tile=(4, 4), embeddings=True))["free"]["0.weight"]
+        assert not drawn[pad].any()
+        assert drawn.abs().sum(1).count_nonzero() == 9  # the other rows drawn
+    with pytest.raises(ValueError, match=r"^gb\.plan: 0\.weight was asked to be generated, but"):
+        gb.plan(model, tile=(4, 4), overrides={"0.weight": {"generate": True}})
+
+
+def test_a_padded_tables_plan_round_trips_a_checkpoint(tmp_path):
+    """The plan records how `gb.init` draws the table (`normal_padded` and its row), which
+    `gb.load` reads back (`tests/test_checkpoint_files.py` refuses a row outside the table)."""
+    model = _table_model({"padding_idx": 3})
+    plan = gb.plan(model, tile=(4, 4), embeddings=True)
+    assert plan.params[0].init == ("normal_padded", 3)
+    gb.save(tmp_path / "c.safetensors", gb.init(plan), plan)
+    assert gb.load(tmp_path / "c.safetensors", model).plan == plan
