@@ -8,11 +8,12 @@ with, so generated weights start at the same scale (checked against real inits i
 """
 
 import math
-import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from torch import nn
+
+from ._numbers import integer, real
 
 
 @dataclass(frozen=True)
@@ -37,23 +38,15 @@ class Layout:
 
     def __post_init__(self) -> None:
         """Refuse fields the planner cannot use, here rather than deep inside `gb.plan`."""
-        std = self.init_std
-        if isinstance(std, bool) or not isinstance(std, numbers.Real):
-            raise TypeError(f"gb.Layout: init_std must be a number > 0, got {std!r}.")
-        if not (math.isfinite(std) and std > 0):
-            raise ValueError(f"gb.Layout: init_std must be a finite number > 0, got {std!r}.")
-        splits = self.splits
-        if isinstance(splits, bool) or not isinstance(splits, numbers.Integral):
-            raise TypeError(f"gb.Layout: splits must be an integer >= 1, got {splits!r}.")
-        if splits < 1:
-            raise ValueError(f"gb.Layout: splits must be an integer >= 1, got {splits!r}.")
+        std = float(real("gb.Layout", "init_std", self.init_std, above=0))
+        splits = integer("gb.Layout", "splits", self.splits, minimum=1)
         if isinstance(self.split_dim, bool) or self.split_dim not in (0, 1):
             raise ValueError(f"gb.Layout: split_dim must be 0 or 1, got {self.split_dim!r}.")
         for flag in ("embedding", "bias"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"gb.Layout: {flag} must be a bool, got {getattr(self, flag)!r}.")
-        object.__setattr__(self, "init_std", float(std))  # e.g. a numpy float, as Python's
-        object.__setattr__(self, "splits", int(splits))
+        object.__setattr__(self, "init_std", std)  # e.g. a numpy float, as Python's
+        object.__setattr__(self, "splits", splits)
 
 
 Rule = Callable[[nn.Module], dict[str, Layout]]
