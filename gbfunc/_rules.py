@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from ._numbers import integer, real
@@ -110,6 +111,9 @@ def layouts_of(module: nn.Module) -> dict[str, Layout]:
     )
     if not isinstance(layouts, Mapping):
         raise TypeError(f"{where} returned {layouts!r}; {contract}")
+    # A weight computed from other parameters (weight_norm, a parametrization) is no
+    # parameter to generate: those stay free, as the layer's own code needs them.
+    layouts = {k: v for k, v in layouts.items() if not _derived(module, k, params)}
     for local, layout in layouts.items():
         if not isinstance(local, str) or local not in params:
             raise ValueError(f"{where} returned the key {local!r}; {contract}")
@@ -122,6 +126,16 @@ def layouts_of(module: nn.Module) -> dict[str, Layout]:
                 f"{local!r} of shape {shape}; the splits must divide that dimension."
             )
     return dict(layouts)
+
+
+def _derived(module: nn.Module, local: object, params: Mapping[str, object]) -> bool:
+    """Whether `local` names a tensor `module` computes from its parameters rather than holds
+    (`torch.nn.utils.parametrizations.weight_norm`, the legacy `weight_norm` hook)."""
+    return (
+        isinstance(local, str)
+        and local not in params
+        and torch.is_tensor(getattr(module, local, None))
+    )
 
 
 def kaiming_uniform_std(fan_in: int) -> float:
