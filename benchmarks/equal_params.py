@@ -387,6 +387,7 @@ def arms_at(task: Task, label: str, options: dict, seed: int, data: Data) -> lis
 
 
 Teacher = Callable[[Tensor], Tensor]
+StepHook = Callable[[int, Tensor, torch.optim.Optimizer], Callable[[], None] | None]
 
 
 def train(
@@ -397,10 +398,16 @@ def train(
     batch: int,
     seed: int,
     teacher: Teacher | None = None,
+    *,
+    warmup: int | None = None,
+    hook: StepHook | None = None,
 ) -> tuple[float, float]:
     """Validation `(loss, accuracy)` of `arm` after `steps` of the shared protocol.
 
     With a `teacher` (inputs to logits) the loss mixes in distillation towards its logits.
+    `warmup`: steps of the linear warm-up (default a tenth of `steps`, at most 100). `hook`:
+    called after each backward as `hook(step, loss, optimizer)` (it may change the gradients
+    or the groups' settings); what it returns, if anything, is called after the update.
     """
     groups = [
         {
@@ -410,13 +417,13 @@ def train(
         for key, part in arm.tree.items()
     ]
     optimizer = torch.optim.Adam([g for g in groups if g["params"]])
-    warmup = max(1, min(100, steps // 10))
+    warmup = max(1, min(100, steps // 10)) if warmup is None else warmup
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda t: min(1.0, (t + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, t / steps))),
     )
     gen = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
+    for step in range(steps):
         x, y = data.sample(gen, batch)
         logits = functional_call(arm.model, arm.to_params(arm.tree), (x,))
         loss = F.cross_entropy(logits.flatten(0, -2), y.flatten())
@@ -424,7 +431,10 @@ def train(
             loss = distill(loss, logits, teacher(x))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        after = hook(step, loss, optimizer) if hook is not None else None
         optimizer.step()
+        if after is not None:
+            after()
         schedule.step()
     return data.validate(arm.model, arm.to_params(arm.tree))
 

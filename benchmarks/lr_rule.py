@@ -121,7 +121,21 @@ def run(task_name: str, options: dict, rule: str | float | list[float], seed: in
         free_lr = DENSE_LR[task_name]
     else:
         free_lr = (rule[0] if isinstance(rule, list) else rule) * task.free_lr_factor
-    by_id = rates(arm.tree, plan, rule)
+    trained = at_rates(arm, plan, rates(arm.tree, plan, rule), free_lr)
+    loss, acc = ep.train(trained, 1.0, data, task.steps, task.batch, seed)
+    return {
+        "task": task_name,
+        "compression": round(gb.report(plan).compression, 1),
+        "rule": rule,
+        "seed": seed,
+        "val_loss": loss,
+        "val_acc": acc,
+    }
+
+
+def at_rates(arm: ep.Arm, plan: gb.Plan, by_id: dict[int, float], free_lr: float) -> ep.Arm:
+    """`arm` (a gbfunc arm) with its g-net leaves at `by_id[id(leaf)]` and its free tensors at
+    `free_lr`, for `equal_params.train` at rate 1."""
     tree: dict = {}  # one top-level part per rate: `equal_params.train` scales by part
     for key, leaves in arm.tree["stacks"].items():
         for leaf, t in leaves.items():
@@ -138,16 +152,7 @@ def run(task_name: str, options: dict, rule: str | float | list[float], seed: in
 
     scales = {part: float(part.removeprefix("rate ")) for part in parts}
     scales["free"] = free_lr
-    trained = ep.Arm("gbfunc", "lr rule", arm.model, tree, to_params, arm.params, scales)
-    loss, acc = ep.train(trained, 1.0, data, task.steps, task.batch, seed)
-    return {
-        "task": task_name,
-        "compression": round(gb.report(plan).compression, 1),
-        "rule": rule,
-        "seed": seed,
-        "val_loss": loss,
-        "val_acc": acc,
-    }
+    return ep.Arm("gbfunc", "lr rule", arm.model, tree, to_params, arm.params, scales)
 
 
 PARTS = ("held-out-text", "transformer", "main", "held-out", "split")  # the longest first
