@@ -99,13 +99,13 @@ def free_reason(entry: Entry, opts: dict[str, object], flags: dict[str, bool]) -
         return f"{type(module).__name__}.{local} is not generated"
     if opts["generate"] is False:
         return "left free by the caller"
+    if layout.embedding and not (flags["embeddings"] or opts["generate"]):
+        return "embedding (pass embeddings=True to generate)"
     kept = _kept_table(module) if layout.embedding else None
     if kept is not None:
         if opts["generate"]:
             raise ValueError(f"gb.plan: {name} was asked to be generated, but stays free: {kept}.")
         return kept
-    if layout.embedding and not (flags["embeddings"] or opts["generate"]):
-        return "embedding (pass embeddings=True to generate)"
     if layout.bias and not (flags["biases"] or opts["generate"]):
         return "bias (pass biases=True to generate)"
     if len(shape) < 2 and not layout.bias:

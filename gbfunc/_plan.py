@@ -10,7 +10,7 @@ import json
 import math
 import weakref
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from torch import nn
 
@@ -70,9 +70,12 @@ class Free:
     name: str
     shape: tuple[int, ...]
     dtype: str
-    init: tuple[str, float]
+    # How `gb.init` draws it and what `gb.report` says of it are not the plan's identity
+    # (neither changes what a checkpoint holds): plans of older versions, which word them
+    # otherwise, compare equal and load the same.
+    init: tuple[str, float] = field(compare=False)
     trainable: bool
-    reason: str
+    reason: str = field(compare=False)
 
     @property
     def numel(self) -> int:
@@ -211,7 +214,9 @@ class Plan:
     def fingerprint(self) -> str:
         """SHA-256 of the plan's canonical JSON: equal plans have equal fingerprints."""
         data = {
-            "params": [asdict(p) for p in self.params],
+            "params": [
+                {k: v for k, v in asdict(p).items() if not _descriptive(p, k)} for p in self.params
+            ],
             "stacks": [asdict(s) for s in self.stacks],
         }
         text = json.dumps(data, sort_keys=True, default=str)
@@ -221,6 +226,11 @@ class Plan:
         # A weak reference cannot be pickled; a copy forgets the model it came from, but not
         # the buffers that model had (`gb.save` warns that it cannot store them).
         return (Plan, (self.params, self.stacks, None, self.buffer_names))
+
+
+def _descriptive(param: "Generated | Free", name: str) -> bool:
+    """Whether `name` is a field of `param` that equality leaves out (`Free.init`, `.reason`)."""
+    return any(f.name == name and not f.compare for f in fields(param))
 
 
 def block_shapes(shape: tuple[int, ...], splits: int, split_dim: int) -> list[tuple[int, int]]:

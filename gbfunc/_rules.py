@@ -11,8 +11,8 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ._numbers import integer, real
 
@@ -131,11 +131,10 @@ def layouts_of(module: nn.Module) -> dict[str, Layout]:
 def _derived(module: nn.Module, local: object, params: Mapping[str, object]) -> bool:
     """Whether `local` names a tensor `module` computes from its parameters rather than holds
     (`torch.nn.utils.parametrizations.weight_norm`, the legacy `weight_norm` hook)."""
-    return (
-        isinstance(local, str)
-        and local not in params
-        and torch.is_tensor(getattr(module, local, None))
-    )
+    if not isinstance(local, str) or local in params:
+        return False
+    legacy = f"{local}_g" in params and f"{local}_v" in params
+    return legacy or parametrize.is_parametrized(module, local)
 
 
 def kaiming_uniform_std(fan_in: int) -> float:

@@ -918,3 +918,22 @@ def test_a_failed_save_is_a_checkpoint_error_and_the_old_file_stays(fault, tmp_p
     assert info.value.__cause__ is fault
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.safetensors"]
+
+
+def test_a_rule_key_naming_a_buffer_is_refused_not_taken_for_a_derived_weight():
+    """Weight-normed and parametrized weights stay free (their rule names a computed tensor);
+    any other key that is no parameter, a buffer included, is the rule's error."""
+
+    class Buffered(nn.Linear):
+        def __init__(self) -> None:
+            super().__init__(8, 8)
+            self.register_buffer("wieght", torch.zeros(8, 8))
+
+    gb.register_rule(Buffered, lambda m: {"wieght": gb.Layout(0.1)})
+    try:
+        with pytest.raises(ValueError, match=r"returned the key 'wieght'"):
+            gb.plan(nn.Sequential(Buffered()), tile=(4, 4))
+    finally:
+        from gbfunc import _rules
+
+        del _rules._RULES[Buffered]

@@ -182,3 +182,30 @@ def test_torchgb_loop_on_a_ddp_model(process_group, tmp_path):
         gnets.predict_weights()  # the last gnets.step() is not yet in ddp's weights
     for a, b in zip(again.model.parameters(), ddp.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_checkpoint_whose_free_tables_were_drawn_or_worded_otherwise_still_loads(tmp_path):
+    """A padded embedding left free (`embeddings=False`) is drawn with its padding row at zero
+    since issue 53's row 8; a checkpoint written before records the plain normal draw. How a
+    free parameter is drawn or described is no part of what a checkpoint holds: it loads."""
+    from forged import forge, in_plan
+
+    model = nn.Sequential(nn.Embedding(10, 4, padding_idx=0), nn.Linear(4, 8))
+    net = GenomicBottleneck(model, tile=(4, 4))
+    (free,) = [p for p in net.plan.free if p.name == "0.weight"]
+    assert free.reason == "embedding (pass embeddings=True to generate)"
+    net.save(tmp_path / "c.safetensors")
+
+    def as_before(plan: dict) -> None:
+        (entry,) = [p for p in plan["params"] if p["name"] == "0.weight"]
+        entry["init"], entry["reason"] = ["normal", 1.0], "worded by an older version"
+
+    forge(tmp_path / "c.safetensors", in_plan(as_before))
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    net.load(tmp_path / "c.safetensors")  # refused as another plan before
+    assert torch.equal(model[0].weight[0], torch.zeros(4))
+    other = gb.plan(nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 8)), tile=(4, 4))
+    assert other == net.plan and other.fingerprint() == net.plan.fingerprint()
+    bigger = gb.plan(nn.Sequential(nn.Embedding(11, 4), nn.Linear(4, 8)), tile=(4, 4))
+    assert bigger != net.plan and bigger.fingerprint() != net.plan.fingerprint()

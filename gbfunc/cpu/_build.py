@@ -191,7 +191,8 @@ def runnable(loop: Loop, units: int, outputs: int = 1) -> ctypes._CFuncPtr:
         RuntimeError: it was never loaded and cannot be now.
     """
     function = _functions.get((loop, units, outputs, flavour())) or next(
-        (f for key, f in _functions.items() if key[:3] == (loop, units, outputs)), None
+        (f for key, f in tuple(_functions.items()) if key[:3] == (loop, units, outputs)),
+        None,
     )
     if function is None:
         function = compiled_loop(loop, units, outputs)
