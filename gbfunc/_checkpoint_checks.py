@@ -104,7 +104,7 @@ def check_buffer(
 
 
 def buffers_to_save(
-    buffers: nn.Module | Mapping[str, Tensor] | None, plan: Plan, where: str
+    buffers: nn.Module | Mapping[str, Tensor] | None, plan: Plan, where: str, stacklevel: int = 2
 ) -> dict[str, Tensor]:
     """The p-net buffers a save stores, once `check_checkpoint` finds the checkpoint loadable
     into the model it is for.
@@ -112,12 +112,13 @@ def buffers_to_save(
     `buffers` is a module (its persistent buffers; a `gb.Bottleneck`'s are its p-net's) or
     `{name: tensor}`; None takes the plan's model's, and stores none, with a warning, where
     that model had buffers and is gone. The model checked against is the module given, else
-    the plan's model (if alive).
+    the plan's model (if alive). `stacklevel` is the warning's, counted from the caller (2:
+    the caller's caller, as for `gb.save`).
     """
     if buffers is None:
         buffers = plan.model()
         if buffers is None:
-            _warn_unstored(plan, where)
+            _warn_unstored(plan, where, stacklevel + 2)
             buffers = {}
     elif isinstance(buffers, nn.Module):  # checked here too, for a message naming `buffers`
         at = f"{where}: buffers={type(buffers).__name__} is not the model of this plan"
@@ -150,7 +151,7 @@ def _pnet_of(module: nn.Module) -> nn.Module:
     return module.pnet if isinstance(module, Bottleneck) else module
 
 
-def _warn_unstored(plan: Plan, where: str) -> None:
+def _warn_unstored(plan: Plan, where: str, stacklevel: int) -> None:
     """Warn that a default save stores no buffers because the plan's model, which had some,
     is gone (a plan that names no model and knows of no buffers stores none silently)."""
     if not plan.buffer_names:
@@ -161,5 +162,5 @@ def _warn_unstored(plan: Plan, where: str) -> None:
         f"{where}: the model this plan names is gone, so its buffers ({names}{more}) are not "
         "stored. Pass buffers=model (the p-net) to store them, or buffers={} to store none.",
         RuntimeWarning,
-        stacklevel=4,  # the caller of gb.save
+        stacklevel=stacklevel,  # the caller of gb.save (or gb.dist.save_sharded)
     )

@@ -13,6 +13,7 @@ from torch.func import functional_call
 import gbfunc as gb
 import gbfunc.dist as gbd
 from gbfunc.compat import GenomicBottleneck
+from gbfunc.dist import _optim_state
 
 
 def bn_net(seed: int = 0) -> nn.Sequential:
@@ -274,8 +275,9 @@ def test_a_default_save_that_cannot_find_the_buffers_says_so(tmp_path):
         gb.save(path, gb.init(gone), gone)
     assert record[0].filename == __file__  # points at the call of gb.save
     assert not [k for k in safetensors.torch.load_file(path) if k.startswith("buffers/")]
-    with pytest.warns(RuntimeWarning, match=unstored(r"gb\.dist\.save_sharded")):
+    with pytest.warns(RuntimeWarning, match=unstored(r"gb\.dist\.save_sharded")) as record:
         gbd.save_sharded(tmp_path / "s", gb.init(gone), plan=gone)
+    assert record[0].filename == __file__  # points at the call of save_sharded
 
     model = bn_net()
     plan = gb.plan(model, tile=(8, 8))
@@ -415,4 +417,47 @@ def test_a_sharded_load_whose_buffer_cannot_be_written_leaves_the_optimizer_as_i
         gbd.load_sharded(tmp_path / "s", target, into=into, optimizer=fresh)
     assert fresh.state_dict()["state"] == {}
     assert fresh.param_groups[0]["lr"] == 5e-1
+    assert torch.equal(target[1].running_mean, torch.zeros(16))
+
+
+def test_a_sharded_load_whose_optimizer_cannot_be_restored_changes_nothing(tmp_path, monkeypatch):
+    """An error part-way through restoring the optimizer (here moving a state tensor to its
+    parameter's device, on the fourth of them, after the first parameter's state) left the
+    settings and the state already set changed. Now the optimizer, the buffers and `into` are
+    as they were."""
+    model = bn_net()
+    model[1].running_mean.fill_(2.0)
+    plan = gb.plan(model, tile=(8, 8))
+    gparams = gb.init(plan)
+    opt = torch.optim.Adam(gb.trainable_leaves(gparams), lr=1e-2)
+    for leaf in gb.trainable_leaves(gparams):
+        leaf.grad = torch.ones_like(leaf)
+    opt.step()
+    gbd.save_sharded(tmp_path / "s", gparams, plan=plan, optimizer=opt)
+    target = bn_net()
+    into = gb.init(plan, seed=1)
+    fresh = torch.optim.Adam(gb.trainable_leaves(into), lr=5e-1, betas=(0.5, 0.6))
+    for leaf in gb.trainable_leaves(into):
+        leaf.grad = torch.full_like(leaf, 3.0)
+    fresh.step()  # a state of its own, to be kept
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in fresh.param_groups]
+    state = {p: {k: v.clone() for k, v in s.items()} for p, s in fresh.state.items()}
+    values = [t.clone() for t in gb.trainable_leaves(into)]
+    calls = iter(range(1, 1000))
+    on = _optim_state._on
+
+    def fails_on_the_fourth(value, param):
+        if next(calls) == 4:
+            raise RuntimeError("device lost")
+        return on(value, param)
+
+    monkeypatch.setattr(_optim_state, "_on", fails_on_the_fourth)
+    with pytest.raises(RuntimeError, match="device lost"):
+        gbd.load_sharded(tmp_path / "s", target, into=into, optimizer=fresh)
+    assert [{k: v for k, v in g.items() if k != "params"} for g in fresh.param_groups] == groups
+    assert fresh.state.keys() == state.keys()
+    for param, saved in state.items():
+        assert fresh.state[param].keys() == saved.keys()
+        assert all(torch.equal(fresh.state[param][k], v) for k, v in saved.items())
+    assert all(torch.equal(a, b) for a, b in zip(values, gb.trainable_leaves(into), strict=True))
     assert torch.equal(target[1].running_mean, torch.zeros(16))

@@ -66,6 +66,10 @@ def save_worker(rank: int, world: int, path: str) -> dict:
         gbd.save_sharded(path, local, owned, meta={"run": "a"} if rank == 0 else {1: object()})
     except (TypeError, gb.CheckpointError) as e:
         refused = f"{type(e).__name__}: {e}"
+    try:  # rank 1 passes `plan=` besides `owned`: refused there, and on rank 0, no rank hangs
+        gbd.save_sharded(path, local, owned, **({"plan": plan} if rank == 1 else {}))
+    except (TypeError, gb.CheckpointError) as e:
+        refused += f" | {type(e).__name__}: {e}"
     untouched = not os.path.exists(path)
     gbd.save_sharded(path, local, owned, step=1, meta={"run": "a"})
     full = owned.gather(local)
@@ -107,6 +111,9 @@ def test_sharded_checkpoint_of_two_ranks_loads_in_one_process_and_on_four_ranks(
         "CheckpointError: gb.dist.save_sharded: rank 1 failed (meta must be JSON-serialisable"
     )
     assert written[1]["refused"].startswith("TypeError: gb.dist.save_sharded: meta must be JSON")
+    second = "gb.dist.save_sharded: rank 1 failed (pass `owned` (rank-owned g-nets) or `plan=`"
+    assert f" | CheckpointError: {second}" in written[0]["refused"]
+    assert " | TypeError: gb.dist.save_sharded: pass `owned` " in written[1]["refused"]
     assert written[0]["untouched"] and written[1]["untouched"]
     assert written[0]["digest"] == written[1]["digest"]
     model = _model()
@@ -264,6 +271,14 @@ def test_older_manifests_load_and_unknown_versions_are_refused(tmp_path):
     assert not [f.name for f in tmp_path.iterdir() if f.name.endswith((".distcp", ".metadata"))]
     assert (tmp_path / "notes.txt").read_text() == "mine"
     assert gbd.load_sharded(tmp_path, model).step == 3
+    # DCP files of the user's own beside a format-5 checkpoint (or in a folder a first save
+    # writes into) are not the checkpoint's: they stay
+    for folder in (tmp_path, tmp_path / "new"):
+        folder.mkdir(exist_ok=True)
+        (folder / ".metadata").write_text("mine")
+        (folder / "__0_0.distcp").write_text("mine")
+        gbd.save_sharded(folder, gb.init(plan, seed=1), plan=plan, step=3)
+        assert (folder / ".metadata").read_text() == (folder / "__0_0.distcp").read_text() == "mine"
     manifest = json.loads((tmp_path / "gbfunc.json").read_text())
     (tmp_path / "gbfunc.json").write_text(json.dumps({**manifest, "format_version": 6}))
     with pytest.raises(gb.CheckpointVersionError, match=r"format version 6; .* \(1, 2, 3, 4, 5\)"):
@@ -299,6 +314,52 @@ def test_a_save_that_fails_leaves_the_previous_checkpoint_as_it_was(tmp_path, mo
     assert _files(path) == before
     loaded = gbd.load_sharded(path, model)
     assert (loaded.step, _digest(loaded.gparams)) == (1, _digest(gparams))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_failure_after_the_switch_is_a_warning_and_the_new_checkpoint_loads(
+    tmp_path, monkeypatch
+):
+    """Once the manifest is renamed, the new checkpoint is complete: a failure after that
+    (syncing the directory, listing what the new one replaced) is a warning, not an error
+    saying that the previous checkpoint is unchanged. What stays is removed by the next save."""
+    model, plan, gparams, _ = _small()
+    path = tmp_path / "ckpt"
+    gbd.save_sharded(path, gparams, plan=plan, step=1)
+    first = data_of(path).name
+    fsync, scandir = os.fsync, os.scandir
+
+    def fsync_fails_on_the_directory(fd: int) -> None:
+        if os.path.samestat(os.fstat(fd), os.stat(path)):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync_fails_on_the_directory)
+    done = r"gb\.dist\.save_sharded: \S*ckpt: the new checkpoint is complete and loadable, but"
+    with pytest.warns(
+        RuntimeWarning, match=rf"{done} the directory could not be synced \(Input/output error\)"
+    ) as record:
+        gbd.save_sharded(path, gb.init(plan, seed=1), plan=plan, step=2)
+    assert record[0].filename == __file__
+    monkeypatch.setattr(os, "fsync", fsync)
+    assert gbd.load_sharded(path, model).step == 2
+    assert (path / first).is_dir()  # kept: a crash may yet bring back the manifest naming it
+
+    def scandir_fails_on_the_directory(where=".") -> object:
+        if isinstance(where, str | os.PathLike) and Path(where) == path:
+            raise OSError(errno.EACCES, os.strerror(errno.EACCES))
+        return scandir(where)
+
+    monkeypatch.setattr(os, "scandir", scandir_fails_on_the_directory)
+    with pytest.warns(
+        RuntimeWarning, match=rf"{done} what it replaced could not be removed \(Permission denied"
+    ):
+        gbd.save_sharded(path, gparams, plan=plan, step=3)
+    monkeypatch.setattr(os, "scandir", scandir)
+    assert gbd.load_sharded(path, model).step == 3
+    assert len(list(path.glob("shards-*"))) == 3
+    gbd.save_sharded(path, gparams, plan=plan, step=4)
+    assert [f.name for f in path.iterdir() if f.name != "gbfunc.json"] == [data_of(path).name]
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

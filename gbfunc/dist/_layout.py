@@ -7,11 +7,16 @@ previous manifest and its subfolder are untouched, after it the new ones are com
 save that fails or is killed at any point leaves a loadable checkpoint, the old or the new.
 Nothing is renamed but the manifest (the directory may be a mount point; other files in it
 are left alone), and only rank 0 writes it, once every rank's files are written: the ranks
-agree on the new subfolder's name and nothing else. After the switch rank 0 removes the
-replaced subfolder, any left by killed saves, and the DCP files of a checkpoint from before
-format 5, which lay beside the manifest.
+agree on the new subfolder's name and nothing else. After the switch rank 0 syncs the
+directory, which makes the rename durable, then removes the replaced subfolder, any left by
+killed saves, and, where the replaced manifest was from before format 5, the DCP files that
+lay beside it (DCP files there beside a later manifest are the user's). A failure after the
+rename is no failure of the save: the new checkpoint is complete, and what it replaced stays
+until the next save.
 """
 
+import json
+import math
 import os
 import re
 import secrets
@@ -23,14 +28,15 @@ from typing import Any
 from torch.distributed.checkpoint import CheckpointException
 
 from .._checkpoint import CheckpointCorruptError, CheckpointError, checkpoint_path
-from .._files import write_atomic
+from .._files import sync_dir, write_atomic
 
 MANIFEST = "gbfunc.json"
 FIRST_WITH_FOLDER = 5  # the first format version whose manifest names its data subfolder
 _FOLDER = re.compile(r"shards-[0-9a-f]{16}")
-# what a save leaves beside the manifest: DCP's files of a format < 5 checkpoint, and a
-# temporary manifest of `write_atomic` killed before its rename
-_LEFTOVER = re.compile(r"\.metadata|__\d+_\d+\.distcp|\.gbfunc\.json\.[0-9a-f]+\.tmp")
+# beside the manifest: a temporary manifest of a `write_atomic` killed before its rename
+# (always a save's), and DCP's files (a replaced checkpoint's only where its format was < 5)
+_LEFTOVER = re.compile(r"\.gbfunc\.json\.[0-9a-f]+\.tmp")
+_LEGACY = re.compile(r"\.metadata|__\d+_\d+\.distcp")
 
 
 def target(path: object, where: str) -> Path:
@@ -59,17 +65,44 @@ def data_folder(path: Path, manifest: dict[str, Any], where: str) -> Path:
     return path / name
 
 
-def publish(path: Path, folder: str, manifest: str) -> None:
+def publish(path: Path, folder: str, manifest: str) -> str | None:
     """Switch the checkpoint at `path` to the complete subfolder `folder`: write its
-    `manifest` (JSON text) atomically, then remove what it replaced."""
-    _fsync_dir(path / folder)  # its entries are durable before the manifest names them
-    write_atomic(os.fspath(path / MANIFEST), lambda tmp: Path(tmp).write_text(manifest))
-    for entry in os.scandir(path):  # best effort: what stays is removed by the next save
-        if _FOLDER.fullmatch(entry.name) and entry.name != folder:
-            shutil.rmtree(entry.path, ignore_errors=True)
-        elif _LEFTOVER.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
-            with suppress(OSError):
-                os.unlink(entry.path)
+    `manifest` (JSON text) atomically, then remove what it replaced.
+
+    Raises `OSError` only where the manifest was not replaced. Returns None, or what failed
+    after the switch, in words: the new checkpoint is loadable all the same.
+    """
+    sync_dir(path / folder)  # its entries are durable before the manifest names them
+    legacy = _version(path / MANIFEST) < FIRST_WITH_FOLDER
+    write_atomic(
+        os.fspath(path / MANIFEST), lambda tmp: Path(tmp).write_text(manifest), sync_directory=False
+    )
+    try:  # until the rename is durable, a crash may bring back the manifest it replaced
+        sync_dir(path)
+    except OSError as e:
+        return f"the directory could not be synced ({reason(e)})"
+    try:  # best effort: what stays is removed by the next save
+        for entry in os.scandir(path):
+            if _FOLDER.fullmatch(entry.name) and entry.name != folder:
+                shutil.rmtree(entry.path, ignore_errors=True)
+            elif (
+                _LEFTOVER.fullmatch(entry.name) or legacy and _LEGACY.fullmatch(entry.name)
+            ) and entry.is_file(follow_symlinks=False):
+                with suppress(OSError):
+                    os.unlink(entry.path)
+    except OSError as e:
+        return f"what it replaced could not be removed ({reason(e)})"
+    return None
+
+
+def _version(manifest: Path) -> float:
+    """The format version of the sharded checkpoint's `manifest`; infinity where there is
+    none or it cannot be read (nothing beside it is then taken for the checkpoint's)."""
+    try:
+        version = json.loads(manifest.read_text()).get("format_version")
+    except (OSError, ValueError, AttributeError):
+        return math.inf
+    return version if isinstance(version, int) and not isinstance(version, bool) else math.inf
 
 
 def discard(path: Path, folder: str) -> None:
@@ -86,12 +119,3 @@ def reason(error: BaseException) -> str:
     if isinstance(error, OSError) and error.strerror:
         return error.strerror
     return f"{error!s:.300}"
-
-
-def _fsync_dir(folder: Path) -> None:
-    if os.name == "posix":
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

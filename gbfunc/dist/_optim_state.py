@@ -132,16 +132,22 @@ def templates(
     return out
 
 
-def restore(
+def staged(
     description: dict[str, Any],
     optimizer: torch.optim.Optimizer,
     known: dict[int, Leaf],
     loaded: dict[str, Tensor],
-) -> None:
-    """Set `optimizer`'s settings and state from the checked entries `loaded`."""
+) -> list[tuple[dict[str, Any], dict[str, Any], dict[Tensor, dict[str, object]]]]:
+    """Every group's new settings and every parameter's new state, from the checked entries
+    `loaded`, `optimizer` unchanged: whatever can fail (moving tensors to devices) runs here,
+    before `restore` sets them."""
+    out = []
     for group, saved in zip(optimizer.param_groups, description["groups"], strict=True):
-        for key, value in saved["settings"].items():
-            group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
+        settings = {
+            key: tuple(value) if isinstance(group.get(key), tuple) else value
+            for key, value in saved["settings"].items()
+        }
+        states = {}
         for param in group["params"]:
             leaf = known[id(param)]
             state = {}
@@ -153,7 +159,21 @@ def restore(
                     state[key] = torch.stack(rows) if rows else torch.empty_like(param)
                 else:
                     state[key] = loaded[f"{OPTIM}{leaf.name}/{key}"]
-            optimizer.state[param] = {k: _on(v, param) for k, v in state.items()}
+            states[param] = {k: _on(v, param) for k, v in state.items()}
+        out.append((group, settings, states))
+    return out
+
+
+def restore(
+    optimizer: torch.optim.Optimizer,
+    new: list[tuple[dict[str, Any], dict[str, Any], dict[Tensor, dict[str, object]]]],
+) -> None:
+    """Set `optimizer`'s settings and state to those `staged` computed: plain assignments,
+    which cannot fail part-way."""
+    for group, settings, states in new:
+        group.update(settings)
+        for param, state in states.items():
+            optimizer.state[param] = state
 
 
 def _on(value: object, param: Tensor) -> object:

@@ -46,7 +46,7 @@ from .._serial import plan_from_json
 from .._tree import GParams
 from ._checksum import checksum
 from ._layout import MANIFEST, data_folder, reason
-from ._optim_state import leaves as optim_leaves, restore, templates
+from ._optim_state import leaves as optim_leaves, restore, staged, templates
 from ._owned import RankOwned
 
 FORMAT = "gbfunc.sharded"
@@ -160,14 +160,12 @@ def load_sharded(
     _verify(data, state, digests, checksums, group, where)
     gparams = _assemble(plan, rows, state, dtypes, device)
     buffers = {k.removeprefix(BUFFERS): v for k, v in state.items() if k.startswith(BUFFERS)}
-    before = {name: model.get_buffer(name).clone() for name in buffers}
-    restore_buffers(model, buffers, where)  # all or none
+    # a failed load changes nothing: what can fail runs first, then the buffers (all or none),
+    # then the optimizer's settings and state, set by assignments that cannot fail
+    new = staged(manifest["optimizer"], optimizer, known, state) if optimizer is not None else []
+    restore_buffers(model, buffers, where)
     if optimizer is not None:
-        try:
-            restore(manifest["optimizer"], optimizer, known, state)
-        except BaseException:
-            restore_buffers(model, before, where)  # a failed load changes nothing
-            raise
+        restore(optimizer, new)
     if into is not None:
         _fill(into, gparams)
         gparams = into

@@ -53,7 +53,9 @@ def save_sharded(
 
     The new checkpoint is written beside the one already at `path`, which is replaced only
     once the new one is complete: a save that raises or is killed leaves the previous
-    checkpoint loadable. Files in the directory that are not the checkpoint's stay.
+    checkpoint loadable. Files in the directory that are not the checkpoint's stay. Once the
+    new checkpoint is switched in, a failure to sync the directory or to remove the replaced
+    files is a `RuntimeWarning` (the next save removes them), not an error.
 
     Args:
         path: A directory, on a file system every rank can write.
@@ -76,9 +78,10 @@ def save_sharded(
         ValueError: An argument of the wrong value, named; nothing is written.
     """
     where = "gb.dist.save_sharded"
-    plan, group = _context(owned, plan, group, where)
+    group = _group(owned, group)
     mine, failure = None, None
     try:
+        plan = _plan(owned, plan, where)
         directory = target(path, where)
         rows = _rows(plan, owned)
         state, manifest = _prepare(plan, rows, local, buffers, optimizer, step, meta, where)
@@ -106,26 +109,44 @@ def save_sharded(
         manifest["checksums"] = checksums
         manifest["data"] = name
         try:
-            publish(directory, name, json.dumps(manifest, sort_keys=True))
-        except OSError as e:  # the new folder stays: the manifest may name it already
+            late = publish(directory, name, json.dumps(manifest, sort_keys=True))
+        except OSError as e:  # the manifest is the previous one
+            discard(directory, name)
             failure = _unwritable(where, directory, e)
+        else:
+            if late is not None:  # the new checkpoint is in place: no failure of the save
+                warnings.warn(
+                    f"{where}: {os.fspath(directory)}: the new checkpoint is complete and "
+                    f"loadable, but {late}; the files of the one it replaced stay until the "
+                    "next save.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
     _agree(group, None, failure, where)  # the manifest is there when any rank returns
 
 
-def _context(
-    owned: RankOwned | None, plan: Plan | None, group: dist.ProcessGroup | None, where: str
-) -> tuple[Plan, dist.ProcessGroup | None]:
-    """The plan, and the process group of the collective (None: one process on its own)."""
-    if (owned is None) == (plan is None):
-        raise TypeError(
-            f"{where}: pass `owned` (rank-owned g-nets) or `plan=` (g-nets replicated on every "
-            "rank of `group`), exactly one of them."
-        )
-    if owned is not None:
-        return owned.plan, owned.group
+def _group(owned: object, group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The process group of the collective (None: one process on its own), found without
+    raising, so that a rank whose arguments are refused still takes part in `_agree`."""
+    if isinstance(owned, RankOwned):
+        return owned.group
     if group is None and dist.is_initialized():
         group = dist.group.WORLD
-    return plan, group
+    return group
+
+
+def _plan(owned: RankOwned | None, plan: Plan | None, where: str) -> Plan:
+    """The plan of the g-nets saved, from `owned` or `plan=` (exactly one of them)."""
+    if plan is not None and owned is None:
+        return plan
+    if owned is not None and plan is None:
+        if not isinstance(owned, RankOwned):
+            raise TypeError(f"{where}: owned must be a RankOwned, got {type(owned).__name__}.")
+        return owned.plan
+    raise TypeError(
+        f"{where}: pass `owned` (rank-owned g-nets) or `plan=` (g-nets replicated on every "
+        "rank of `group`), exactly one of them."
+    )
 
 
 def _prepare(
@@ -145,7 +166,7 @@ def _prepare(
     except (TypeError, ValueError) as e:
         raise TypeError(f"{where}: meta must be JSON-serialisable: {e}.") from None
     state = _value_entries(local, rows, where)
-    kept = buffers_to_save(buffers, plan, where)
+    kept = buffers_to_save(buffers, plan, where, stacklevel=3)  # save_sharded's caller
     state.update({BUFFERS + name: t for name, t in kept.items()})
     described = None
     if optimizer is not None:
