@@ -21,6 +21,7 @@ import json
 import os
 import stat
 import struct
+import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -40,7 +41,7 @@ from ._checkpoint_checks import (
     check_checkpoint,
     checkpoint_path,
 )
-from ._files import check_no_meta, standalone, write_atomic
+from ._files import check_no_meta, standalone, sync_dir, write_atomic
 from ._numbers import as_integer, integer
 from ._plan import Plan
 from ._serial import flatten, plan_from_json, plan_to_json, unflatten
@@ -136,13 +137,27 @@ def save(
 def write_file(path: str, tensors: dict[str, Tensor], metadata: dict[str, str], where: str) -> None:
     """Write a safetensors file atomically; a failure is a `CheckpointError` naming `path`
     (not the temporary file) and the reason, and leaves any previous file there unchanged."""
+
+    def write(tmp: str) -> None:
+        safetensors.torch.save_file(tensors, tmp, metadata)
+
     try:
-        write_atomic(path, lambda tmp: safetensors.torch.save_file(tensors, tmp, metadata))
+        write_atomic(path, write, sync_directory=False)
     except (OSError, safetensors.SafetensorError) as e:
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         raise CheckpointError(
             f"{where}: {path}: cannot be written ({reason}); any previous file there is unchanged."
         ) from e
+    try:  # the file is whole and in place: only the rename's durability is left
+        sync_dir(os.path.dirname(os.path.abspath(path)))
+    except OSError as e:
+        warnings.warn(
+            f"{where}: {path}: written whole, but its folder could not be synced "
+            f"({e.strerror or e}); a crash of the machine soon after may bring back the file "
+            "it replaced.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def load(

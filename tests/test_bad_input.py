@@ -920,6 +920,25 @@ def test_a_failed_save_is_a_checkpoint_error_and_the_old_file_stays(fault, tmp_p
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.safetensors"]
 
 
+def test_a_save_whose_folder_cannot_be_synced_after_the_rename_warns_and_loads(
+    tmp_path, monkeypatch
+):
+    """An error after the new file replaced the old one is no failed save: the file is whole
+    and loads, so `gb.save` warns (it said 'any previous file there is unchanged')."""
+    from gbfunc import _checkpoint
+
+    path = tmp_path / "ckpt.safetensors"
+    gb.save(path, gparams(), PLAN, step=1)
+
+    def failing(directory):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(_checkpoint, "sync_dir", failing)
+    with pytest.warns(RuntimeWarning, match=r"ckpt.safetensors: written whole, but its folder"):
+        gb.save(path, gparams(), PLAN, step=2)
+    assert gb.load(path, mlp()).step == 2
+
+
 def test_a_rule_key_naming_a_buffer_is_refused_not_taken_for_a_derived_weight():
     """Weight-normed and parametrized weights stay free (their rule names a computed tensor);
     any other key that is no parameter, a buffer included, is the rule's error."""
