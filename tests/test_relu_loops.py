@@ -180,19 +180,19 @@ def test_a_compiled_step_through_relu_gnets_runs_the_c_loops(outputs, columns):
 
     want = torch.autograd.grad(loss(*leaves), leaves)
     calls = []
-    function = _relu_loops.compiled_loop
+    function = _relu_loops.runnable  # what the ops call to run a loop
 
-    def counted(compiled_loop, units, outputs=1):
-        c_function = function(compiled_loop, units, outputs)
+    def counted(loop, units, outputs=1):
+        c_function = function(loop, units, outputs)
 
         def call(*args):
-            calls.append(compiled_loop.name)
+            calls.append(loop.name)
             return c_function(*args)
 
         return call
 
     compiled = torch.compile(loss, fullgraph=True, dynamic=False)
-    with mock.patch.object(_relu_loops, "compiled_loop", counted):
+    with mock.patch.object(_relu_loops, "runnable", counted):
         got = torch.autograd.grad(compiled(*leaves), leaves)
     for x, y in zip(got, want, strict=True):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
