@@ -54,6 +54,17 @@ def environment(cache: Path, **extra: str) -> dict[str, str]:
     return {**env, "GBFUNC_CACHE_DIR": str(cache), **extra}
 
 
+def build_and_check(cache: Path) -> subprocess.CompletedProcess:
+    """`BUILD_AND_CHECK` in a process of its own, building into `cache`."""
+    return subprocess.run(
+        [sys.executable, "-c", BUILD_AND_CHECK],
+        env=environment(cache),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
 def build_folder(cache: Path) -> Path:
     return cache.joinpath(*_build.build_folders("relu_unit_sums.cpp", UNITS, 1, _build.flavour()))
 
@@ -87,13 +98,7 @@ def test_a_build_killed_midway_leaves_nothing_that_makes_the_next_one_wait(tmp_p
         victim.wait()
         (build_folder(cache) / "lock").touch()  # what torch's cpp_extension left behind
         began = time.monotonic()
-        next_one = subprocess.run(
-            [sys.executable, "-c", BUILD_AND_CHECK],
-            env=environment(cache),
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
+        next_one = build_and_check(cache)
     finally:
         os.killpg(victim.pid, signal.SIGKILL)
     assert next_one.returncode == 0, next_one.stderr[-3000:]
@@ -129,13 +134,7 @@ def test_a_damaged_library_in_the_cache_is_rebuilt_not_loaded(damage, tmp_path):
     mapped by `dlopen` and crashed every process with SIGBUS. It is now checked against the
     size and hash recorded when it was built, and rebuilt."""
     cache = tmp_path / "cache"
-    first = subprocess.run(
-        [sys.executable, "-c", BUILD_AND_CHECK],
-        env=environment(cache),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    first = build_and_check(cache)
     assert first.stdout.startswith("usable []"), first.stderr[-3000:]
     library = library_of(cache)
     whole = library.read_bytes()
@@ -145,13 +144,7 @@ def test_a_damaged_library_in_the_cache_is_rebuilt_not_loaded(damage, tmp_path):
         library.write_bytes(b"")
     else:
         library.with_name(library.name + ".json").unlink()
-    again = subprocess.run(
-        [sys.executable, "-c", BUILD_AND_CHECK],
-        env=environment(cache),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    again = build_and_check(cache)
     assert again.returncode == 0, (again.returncode, again.stderr[-3000:])
     assert again.stdout.startswith("usable []"), again.stdout
     assert library.stat().st_size == len(whole)
