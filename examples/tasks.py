@@ -63,6 +63,12 @@ class CharLMConfig(TrainConfig):
     depth: int = 2
     heads: int = 4
     eval_windows: int = 96  # validation windows per curve point; the final score uses all
+    # 3 seeds of gb and of the narrow transformer, 1 of dense and of low rank: those two arms
+    # are 0.35 and 0.9 nats from gb on one seed (benchmarks/results/main_job.md), where gb's
+    # seeds spread by ~0.1, and each costs as much as gb's three seeds of the narrow arm; at 3
+    # seeds each the job would take ~1.5x the 1-seed job's single-thread work per core, not 1x
+    # (`--seeds 3` trains every arm 3 times).
+    arm_seeds: Mapping[str, int] = field(default_factory=lambda: {"dense": 1, "low rank": 1})
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,7 @@ class DigitsConfig(TrainConfig):
     lr_low_rank: float | None = 3e-2
     warmup: int = 20
     eval_every: int = 25
+    seeds: int = 5  # 360 validation images: one image is 0.28 points; seeds are cheap here
     channels: tuple[int, int] = (32, 64)
     hidden: int = 128
 
@@ -112,4 +119,5 @@ class MLPConfig(TrainConfig):
     lr_narrow: float | None = 3e-2
     warmup: int = 100
     eval_every: int = 100
+    seeds: int = 3  # its gb arm is the slowest of the digits arms (25 ms a step on one thread)
     hidden: int = 800

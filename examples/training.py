@@ -8,7 +8,7 @@ draws them.
 
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,9 @@ class TrainConfig:
         warmup: Linear warmup steps before the cosine decay.
         eval_every: Steps between validation points on the curves.
         compile: `torch.compile` each arm's loss.
+        seed: The (first) seed of the initialisation and of the batches.
+        seeds: How many seeds, from `seed` on, the main job trains every arm with.
+        arm_seeds: Fewer (or more) seeds for the arms named here, e.g. `{"dense": 1}`.
     """
 
     steps: int
@@ -56,6 +59,8 @@ class TrainConfig:
     eval_every: int = 50
     compile: bool = False
     seed: int = 0
+    seeds: int = 3
+    arm_seeds: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -244,15 +249,17 @@ def train(
     validate: Callable[[Arm], tuple[float, float]],
     cfg: TrainConfig,
     desc: str,
+    bar: bool = True,
 ) -> Curves:
     """Step every arm on the same batches, validating every `cfg.eval_every` steps and at the end.
 
-    The progress bar shows each arm's train loss (mean of the last 20 steps) and its last
-    validation loss.
+    The progress bar (none where `bar` is false) shows each arm's train loss (mean of the last
+    20 steps) and its last validation loss.
     """
     curves = Curves.empty([a.name for a in arms])
-    bar = tqdm(range(1, cfg.steps + 1), desc=desc, dynamic_ncols=True, bar_format=BAR_FORMAT)
-    for step in bar:
+    steps = range(1, cfg.steps + 1)
+    progress = tqdm(steps, desc=desc, dynamic_ncols=True, bar_format=BAR_FORMAT, disable=not bar)
+    for step in progress:
         x, y = next(batches)
         for arm in arms:
             curves.train[arm.name].append(arm.step(x, y))
@@ -267,8 +274,8 @@ def train(
             recent = curves.train[arm.name][-20:]
             val = f"{curves.val_loss[arm.name][-1]:.3f}" if curves.val_steps else "-"
             shown.append(f"{arm.name} {sum(recent) / len(recent):.3f}/{val}")
-        bar.set_postfix_str("  ".join(shown), refresh=False)
-    bar.close()
+        progress.set_postfix_str("  ".join(shown), refresh=False)
+    progress.close()
     return curves
 
 

@@ -1,4 +1,5 @@
-"""Smoke test of the main job (`examples/main_job.py`): tiny models, a few steps, every output."""
+"""Smoke test of the main job (`examples/main_job.py`): tiny models, a few steps, two seeds,
+every output."""
 
 import math
 import re
@@ -10,13 +11,14 @@ from torch.func import functional_call
 
 import gbfunc as gb
 from examples.data import CharCorpus, digits_split, pydoc_text
-from examples.main_job import main, run_charlm
+from examples.main_job import NOISE, Stat, main, paired_gap, run_tasks
 from examples.models import CharTransformer, DigitsCNN
 from examples.tasks import CharLMConfig, DigitsConfig
 
 TINY_CHARLM = CharLMConfig(
-    steps=3, batch=4, context=16, width=32, depth=1, heads=2, eval_every=2, eval_windows=8
+    steps=3, batch=4, context=16, width=32, depth=1, heads=2, eval_every=2, eval_windows=8, seeds=2
 )
+ARMS = ["dense", "gb", "narrow", "low rank"]
 
 
 def _table_totals(out: str) -> list[str]:
@@ -36,14 +38,72 @@ def test_data_is_real_and_split() -> None:
     assert float(x_train.max()) == 1.0
 
 
+def test_stat_and_paired_gap() -> None:
+    stat = Stat.of([1.0, 2.0, 4.0])
+    assert stat.mean == pytest.approx(7 / 3)
+    assert stat.se == pytest.approx(math.sqrt((16 / 9 + 1 / 9 + 25 / 9) / 2 / 3))
+    assert (stat.spread, stat.n) == (3.0, 3)
+    # Paired by seed: a constant difference is beyond noise, however spread the arms are.
+    gap = paired_gap([1.0, 5.0, 9.0], [0.9, 4.9, 8.9])
+    assert gap.mean == pytest.approx(0.1) and gap.se == pytest.approx(0, abs=1e-12)
+    assert gap.label == "beyond noise"
+    assert Stat.of([0.1, -0.1]).label == "within noise"
+    assert paired_gap([2.0, 3.0, 4.0], [1.0]).n == 1  # only the seeds both arms have
+    assert Stat.of([0.5]).label == "not ranked (one seed)"
+
+
+def _arm_lines(out: str, task: str) -> dict[str, tuple[float, float, float]]:
+    """Each arm's `loss mean +- s.e. (spread)` from the task's score lines."""
+    pattern = rf"\[{task}\]   (dense|gb|narrow|low rank) +loss ([\d.]+) \+- ([\d.]+) \(([\d.]+)\)"
+    return {m[0]: tuple(map(float, m[1:])) for m in re.findall(pattern, out)}
+
+
+def _gap_lines(out: str, task: str) -> dict[str, tuple[float, float, str]]:
+    """gb's loss gap to each arm: `(mean, s.e., label)`."""
+    pattern = (
+        rf"\[{task}\]   gb - (dense|narrow|low rank) +\(\d+ seeds?\)  "
+        r"loss ([-+][\d.]+) \+- ([\d.]+) (beyond noise|within noise);"
+    )
+    return {m[0]: (float(m[1]), float(m[2]), m[3]) for m in re.findall(pattern, out)}
+
+
 def test_charlm_writes_checkpoint_plot_and_table(tmp_path: Path, capsys) -> None:
-    result = run_charlm(TINY_CHARLM, tmp_path, torch.device("cpu"))
+    (result,) = run_tasks({"charlm": TINY_CHARLM}, tmp_path, torch.device("cpu"), 1)
     out = capsys.readouterr().out
     assert len(_table_totals(out)) == 2
-    assert "[charlm] validation loss: dense" in out
     assert result.plot.is_file()
     assert result.plot.stat().st_size > 10_000
-    assert all(math.isfinite(v) for v in (*result.val_loss.values(), *result.val_acc.values()))
+    assert list(result.val_loss) == ARMS
+    # The task's own seeds per arm: 2 (TINY_CHARLM.seeds), the dense and low-rank arms 1.
+    seeds = {"dense": 1, "gb": 2, "narrow": 2, "low rank": 1}
+    assert {name: len(v) for name, v in result.val_loss.items()} == seeds
+    assert {name: len(v) for name, v in result.val_acc.items()} == seeds
+    values = [x for v in (*result.val_loss.values(), *result.val_acc.values()) for x in v]
+    assert all(math.isfinite(x) for x in values)
+    assert "(dense 1 seed, gb 2 seeds, narrow 2 seeds, low rank 1 seed)" in out
+    # Every arm's mean +- s.e. (spread) over its seeds, as printed and as the result holds them.
+    arms = _arm_lines(out, "charlm")
+    assert list(arms) == ["gb", "narrow"]
+    for name, (mean, se, spread) in arms.items():
+        stat = result.loss(name)
+        assert (mean, se, spread) == pytest.approx((stat.mean, stat.se, stat.spread), abs=1e-4)
+    one = f"[charlm]   dense     loss {result.val_loss['dense'][0]:.4f} (1 seed)"
+    assert one in out
+    # gb's gap to the narrow arm, paired by seed and labelled as its printed numbers say; to
+    # the arms of one seed, the gap without an s.e.
+    gaps = _gap_lines(out, "charlm")
+    assert list(gaps) == ["narrow"]
+    gap, se, label = gaps["narrow"]
+    assert gap == pytest.approx(result.loss_gap("narrow").mean, abs=1e-4)
+    assert se == pytest.approx(result.loss_gap("narrow").se, abs=1e-4)
+    assert label == ("beyond noise" if abs(gap) > NOISE * se else "within noise")
+    assert "[charlm]   gb - dense    (1 seed)  loss " in out
+    summary = out[out.index("\nsummary:") :]
+    # Loss and accuracy, vs dense and low rank; the summary's the loss's.
+    assert out.count("not ranked (one seed)") - summary.count("not ranked (one seed)") == 4
+    assert "charlm" in summary and "2 seeds where not said" in summary
+    assert "gb vs dense" in summary and "vs narrow" in summary and "noise" in summary
+
     # The checkpoint loads for the same model, with the plan and vocabulary it was trained with.
     corpus = CharCorpus.from_text(pydoc_text())
     cfg = TINY_CHARLM
@@ -55,7 +115,8 @@ def test_charlm_writes_checkpoint_plot_and_table(tmp_path: Path, capsys) -> None
 
 
 def test_cli_digits(tmp_path: Path, capsys) -> None:
-    (result,) = main(["--task", "digits", "--steps", "3", "--no-compile", "--out", str(tmp_path)])
+    args = ["--task", "digits", "--steps", "3", "--seeds", "2", "--no-compile", "--jobs", "1"]
+    (result,) = main([*args, "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert len(_table_totals(out)) == 2
     assert "summary" in out
@@ -70,7 +131,7 @@ def test_cli_digits(tmp_path: Path, capsys) -> None:
         params = gb.apply(ckpt.gparams, ckpt.plan)
         logits = functional_call(DigitsCNN(cfg.channels, cfg.hidden), params, (x_val,))
     accuracy = float((logits.argmax(-1) == y_val).float().mean())
-    assert accuracy == pytest.approx(result.val_acc["gb"])
+    assert accuracy == pytest.approx(result.val_acc["gb"][0])  # the checkpoint is seed 0's
 
 
 def _counts(out: str, task: str) -> dict[str, int]:
@@ -81,9 +142,15 @@ def _counts(out: str, task: str) -> dict[str, int]:
 
 
 def test_cli_digits_trains_narrow_and_low_rank_arms_at_gb_size(tmp_path: Path, capsys) -> None:
-    (result,) = main(["--task", "digits", "--steps", "2", "--out", str(tmp_path)])
-    counts = _counts(capsys.readouterr().out, "digits")
-    assert list(result.val_acc) == ["dense", "gb", "narrow", "low rank"]
+    # Two processes (the default on a CPU is one per core), spawned, one job each at a time.
+    args = ["--task", "digits", "--steps", "2", "--seeds", "2", "--jobs", "2"]
+    (result,) = main([*args, "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    counts = _counts(out, "digits")
+    assert "8 jobs (one arm, one seed each) on 2 process(es)" in out
+    assert list(result.val_acc) == ARMS
+    assert all(len(v) == 2 for v in result.val_acc.values())
+    assert len(_gap_lines(out, "digits")) == 3
     assert counts["gb"] == result.report.stored_params
     assert counts["dense"] == result.report.dense_params
     assert abs(counts["low rank"] / counts["gb"] - 1) <= 0.1  # ranks are rounded per weight
@@ -91,7 +158,8 @@ def test_cli_digits_trains_narrow_and_low_rank_arms_at_gb_size(tmp_path: Path, c
 
 
 def test_cli_mlp_says_why_it_has_no_low_rank_arm(tmp_path: Path, capsys) -> None:
-    (result,) = main(["--task", "mlp", "--steps", "3", "--out", str(tmp_path)])
+    args = ["--task", "mlp", "--steps", "3", "--seeds", "2", "--jobs", "1"]
+    (result,) = main([*args, "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert list(result.val_acc) == ["dense", "gb", "narrow"]
     assert result.report.compression >= 90  # the paper's genome at ~100x, biases generated
