@@ -142,6 +142,9 @@ def _check_param_fields(plan: Plan, i: int, p: object) -> None:
     ok = scale is not None and 0 < scale <= largest
     _need(ok, f"{at}.scale", p.scale, f"a number in (0, {largest:g}], the largest {p.dtype}")
     _need(isinstance(p.center, bool), f"{at}.center", p.center, "a bool")
+    start = as_finite(p.start)
+    ok = start is not None and 0 < start and start * scale <= largest
+    _need(ok, f"{at}.start", p.start, f"a number > 0 with scale * start <= {largest:g}")
     _need(isinstance(p.blocks, tuple) and len(p.blocks) > 0, f"{at}.blocks", p.blocks, "blocks")
     for k, b in enumerate(p.blocks):
         bt = f"{at}.blocks[{k}]"

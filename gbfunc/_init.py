@@ -31,8 +31,10 @@ def init(
     """Draw g-net parameters for `plan` so generated weights start at the p-net's own scale.
 
     G-nets are drawn with fan-in scaling, then each tile's output layer is shifted and scaled
-    so its raw output has zero mean and unit std (data-dependent init, computed exactly in
-    float64); `gb.apply` multiplies it by the std of the model's own weight (`Generated.scale`).
+    so its raw output has zero mean and std `Generated.start` (1 but for weights drawn above a
+    fan-in init, such as embeddings; data-dependent init, computed exactly in float64);
+    `gb.apply` multiplies it by `Generated.scale`, so the weight starts at the std of the
+    model's own (`scale * start`).
     Free and frozen parameters start from the model's own tensors, copied: its
     initialisation (a library's `_init_weights` included) or pretrained values, bitwise.
     Without a model that has values (a plan made on `meta` or read from a checkpoint, or
@@ -76,7 +78,8 @@ def init(
 
     # Each stack is cast and moved once drawn, so only one stack's float64 leaves are alive.
     stacks = {
-        s.key: {n: finish(v, True) for n, v in _init_stack(s, gen).items()} for s in plan.stacks
+        s.key: {n: finish(v, True) for n, v in _init_stack(s, gen, _starts(plan, i)).items()}
+        for i, s in enumerate(plan.stacks)
     }
     free: dict[str, Tensor] = {}
     frozen: dict[str, Tensor] = {}
@@ -134,7 +137,20 @@ def _normal(shape: tuple[int, ...], std: float, gen: torch.Generator) -> Tensor:
     return torch.randn(shape, generator=gen, dtype=torch.float64).mul_(std)  # one buffer
 
 
-def _init_stack(stack: Stack, gen: torch.Generator) -> dict[str, Tensor]:
+def _starts(plan: Plan, index: int) -> Tensor:
+    """The std each tile of stack `index` starts at in units of its parameter's `scale`
+    (`Generated.start`), float64 `(T,)`."""
+    stack = plan.stacks[index]
+    starts = torch.ones(stack.num_tiles, dtype=torch.float64)
+    for p in plan.generated:
+        if p.stack_index == index and p.start != 1.0:
+            for b in p.blocks:
+                starts[b.first_tile : b.first_tile + b.grid[0] * b.grid[1]] = p.start
+    return starts
+
+
+def _init_stack(stack: Stack, gen: torch.Generator, starts: Tensor) -> dict[str, Tensor]:
+    """A stack's leaves, its raw tiles at std `starts` (per tile, `_starts`)."""
     genome = stack.genome
     shapes = stack.leaf_shapes()
     fan_in = stack.row_width + stack.col_width + (genome.embed_dim if genome.share else 0)
@@ -154,15 +170,23 @@ def _init_stack(stack: Stack, gen: torch.Generator) -> dict[str, Tensor]:
         _make_odd(leaves, stack.row_width)
     if not genome.hashed:
         _normalise_outputs(stack, leaves)
+        if bool((starts != 1).any()):  # a g-net's tiles are one parameter's: one start each
+            owner = torch.tensor(stack.gnet_of_tile)
+            per_gnet = torch.ones(stack.num_gnets, dtype=torch.float64).index_copy_(
+                0, owner, starts
+            )
+            leaves["w_out"] = leaves["w_out"] * per_gnet[:, None, None]
+            leaves["b_out"] = leaves["b_out"] * per_gnet[:, None]
     else:
-        # Start as HashedNets does, the table carrying the tile's unit variance, and the g-nets
-        # at zero output (so normalising it is moot), to learn what the sharing misses.
+        # Start as HashedNets does, the table carrying the tile's variance (std `start`, 1 but
+        # for weights drawn above a fan-in init), and the g-nets at zero output (so
+        # normalising it is moot), to learn what the sharing misses.
         # Measured on the digits CNN at ~23x (3 seeds): 98.33% against 97.68% for an even
         # split of the variance.
         table = _normal(shapes["tile_hash"], 1.0, gen)
         if table.shape[1] > 1:  # exactly zero mean and unit std per tile, as the g-nets
             table = (table - table.mean(1, keepdim=True)) / table.std(1, keepdim=True)
-        leaves["tile_hash"] = table / HASH_GAIN
+        leaves["tile_hash"] = table * starts[:, None] / HASH_GAIN
         leaves["w_out"].zero_()
         leaves["b_out"].zero_()
     return leaves

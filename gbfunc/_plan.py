@@ -43,7 +43,14 @@ class Block:
 
 @dataclass(frozen=True)
 class Generated:
-    """A parameter produced by g-nets: `scale * raw` where `raw` has unit std at init.
+    """A parameter produced by g-nets: `scale * raw` where `raw` has std `start` at init.
+
+    `scale * start` is the std the weight starts at (its model tensor's own); `scale`, the
+    unit in which its g-nets and tables learn, is that std capped at `1 / sqrt(fan_in)`
+    (`step_scale`): an optimizer step moves `raw` by about the learning rate whatever the
+    layer, so a weight drawn larger than a fan-in init (`nn.Embedding`'s N(0, 1)) would
+    otherwise move that many times faster than the layers around it. `start` is 1 unless
+    the cap applies.
 
     With `center`, each row (output neuron) has its mean over the inputs removed, so the
     g-nets cannot spend capacity on, nor be thrown off by, a neuron's overall input sum.
@@ -57,6 +64,12 @@ class Generated:
     split_dim: int
     scale: float
     center: bool = False
+    start: float = 1.0
+
+    @property
+    def init_std(self) -> float:
+        """The std the generated weight starts at."""
+        return self.scale * self.start
 
     @property
     def numel(self) -> int:

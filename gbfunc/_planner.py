@@ -30,7 +30,7 @@ from ._plan import (
     tile_buckets,
     tile_grid,
 )
-from ._rules import free_init
+from ._rules import free_init, step_scale
 from ._search import SCOPES, UnreachableError, search_tile, size_tables
 
 
@@ -244,8 +244,17 @@ def _build(entries: list[Entry], options: list[dict[str, object]], flags: dict[s
         split_dim = layout.split_dim if layout.splits > 1 else 0
         center = opts["center"] and len(shape) > 1  # a bias has no inputs to centre over
         where = {"stack_index": stack_id, "blocks": tuple(blocks), "split_dim": split_dim}
+        scale = step_scale(layout.init_std, shape)
         params.append(
-            Generated(entry.name, shape, entry.dtype, **where, scale=layout.init_std, center=center)
+            Generated(
+                entry.name,
+                shape,
+                entry.dtype,
+                **where,
+                scale=scale,
+                center=center,
+                start=1.0 if scale == layout.init_std else layout.init_std / scale,
+            )
         )
     return Plan(tuple(params), stacks.stacks())
 

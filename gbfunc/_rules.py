@@ -147,6 +147,22 @@ def xavier_std(fan_in: int, fan_out: int) -> float:
     return math.sqrt(2.0 / max(1, fan_in + fan_out))
 
 
+def step_scale(init_std: float, shape: tuple[int, ...]) -> float:
+    """The unit in which a generated weight of `shape` starting at std `init_std` learns
+    (`Generated.scale`): `init_std`, at most `1 / sqrt(fan_in)` (a bias: no cap).
+
+    Adam moves a g-net's or a table's value by about its rate per step, so a generated weight
+    by about `rate * scale`. Linear, conv and attention weights start below the cap, where
+    the default rates were measured; `nn.Embedding`'s N(0, 1) rows start `sqrt(dim)` times
+    above it, and at their own std as the unit the character transformer's generated
+    position table lost its scale in the first steps on some seeds and training sat on a
+    plateau until it regrew (benchmarks/results/stability.md).
+    """
+    if len(shape) < 2:
+        return init_std
+    return min(init_std, 1.0 / math.sqrt(_fan_in(shape)))
+
+
 def _fan_in(shape: tuple[int, ...]) -> int:
     """Inputs per output (at least 1, so empty layers get a finite scale)."""
     return max(1, shape[1] * math.prod(shape[2:]))

@@ -26,9 +26,18 @@ _RENAMED_SINCE_V1 = {
 
 def plan_to_json(plan: Plan) -> str:
     """Canonical JSON of `plan`; `plan_from_json` turns it back into an equal `Plan`."""
-    params = [{"kind": type(p).__name__.lower(), **asdict(p)} for p in plan.params]
+    params = [{"kind": type(p).__name__.lower(), **_fields(p)} for p in plan.params]
     stacks = [asdict(s) for s in plan.stacks]
     return json.dumps({"params": params, "stacks": stacks}, sort_keys=True, separators=(",", ":"))
+
+
+def _fields(p: Generated | Free) -> dict:
+    """`p`'s fields; a generated parameter's `start` only where it is not 1 (plans written
+    before it existed have none, and their JSON stays the same)."""
+    d = asdict(p)
+    if isinstance(p, Generated) and p.start == 1.0:
+        del d["start"]
+    return d
 
 
 def plan_from_json(text: str, version: int = PLAN_VERSION) -> Plan:

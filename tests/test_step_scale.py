@@ -1,0 +1,93 @@
+"""Generated weights learn in units of a fan-in init (`Generated.scale`, `step_scale`): a
+weight drawn larger (`nn.Embedding`'s N(0, 1)) starts at its own std through `start`, and an
+optimizer step moves it as much as a fan-in-initialised layer (issue 54, item 1)."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import gbfunc as gb
+from gbfunc._check_plan import check_plan
+from gbfunc._evaluate import HASH_GAIN
+from gbfunc._plan import Generated
+from gbfunc._serial import plan_from_json, plan_to_json
+
+
+def lm(vocab: int = 24, dim: int = 32) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(vocab, dim), nn.Linear(dim, dim), nn.Linear(dim, vocab))
+
+
+GENOMES = {
+    "hashed": {"tile": (8, 8), "hidden": 4, "outputs": 8, "share": True, "hashed": 12},
+    "tiled": {"tile": (8, 8), "hidden": 8, "outputs": 8},
+    "full": {"tile": "full", "hidden": 6},
+}
+
+
+def by_name(plan: gb.Plan) -> dict[str, Generated]:
+    return {p.name: p for p in plan.generated}
+
+
+@pytest.mark.parametrize("genome", GENOMES)
+def test_embeddings_learn_in_fan_in_units_and_start_at_their_own_std(genome):
+    model = lm()
+    plan = gb.plan(model, **GENOMES[genome], embeddings=True)
+    p = by_name(plan)
+    assert p["0.weight"].scale == pytest.approx(1 / math.sqrt(32))
+    assert p["0.weight"].start == pytest.approx(math.sqrt(32))  # N(0, 1): its std is 1
+    assert p["0.weight"].init_std == pytest.approx(1.0)
+    weights = gb.apply(gb.init(plan, seed=1), plan)
+    assert weights["0.weight"].std().item() == pytest.approx(1.0, rel=0.1)
+    for name in ("1.weight", "2.weight"):  # below the cap: as before, raw at unit std
+        assert p[name].start == 1.0
+        assert p[name].scale == pytest.approx(1 / math.sqrt(3 * 32), rel=1e-3)
+        assert weights[name].std().item() == pytest.approx(p[name].scale, rel=0.15)
+
+
+def test_linear_conv_and_attention_weights_are_unchanged():
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3),
+        nn.Flatten(),
+        nn.Linear(8 * 4 * 4, 16),
+        nn.TransformerEncoderLayer(16, 2, 32, batch_first=True),
+    )
+    plan = gb.plan(model, tile="full", hidden=3, biases=True)
+    assert all(p.start == 1.0 for p in plan.generated)
+    assert '"start"' not in plan_to_json(plan)  # plans without a cap keep their JSON
+
+
+def test_an_adam_step_moves_a_generated_embedding_like_a_fan_in_layer():
+    """Adam's first step moves every leaf by its rate; through a table of gain `HASH_GAIN`
+    the weights move by `rate * HASH_GAIN * scale`: for the embedding, `1 / sqrt(dim)` in
+    place of its std 1 (32 times smaller here), as for a fan-in-initialised Linear."""
+    model = lm(dim=64)
+    plan = gb.plan(model, **GENOMES["hashed"], embeddings=True)
+    gparams = gb.init(plan, seed=0)
+    table = gparams["stacks"][plan.stacks[0].key][gb.optim.TABLE_LEAF]
+    before = gb.apply(gparams, plan)
+    loss = sum((w * torch.randn_like(w)).sum() for w in before.values())
+    loss.backward()
+    opt = torch.optim.Adam([table], lr=1e-3)
+    opt.step()
+    after = gb.apply(gparams, plan)
+    moved = (after["0.weight"] - before["0.weight"]).abs().max().item()
+    assert moved == pytest.approx(1e-3 * HASH_GAIN / math.sqrt(64), rel=1e-2)
+    linear = (after["1.weight"] - before["1.weight"]).abs().max().item()
+    assert linear == pytest.approx(1e-3 * HASH_GAIN * by_name(plan)["1.weight"].scale, rel=1e-2)
+
+
+def test_a_plan_with_a_start_round_trips_and_a_bad_one_is_refused(tmp_path):
+    model = lm()
+    plan = gb.plan(model, **GENOMES["tiled"], embeddings=True)
+    assert plan_from_json(plan_to_json(plan)) == plan
+    gparams = gb.init(plan, seed=0)
+    gb.save(tmp_path / "c.safetensors", gparams, plan)
+    loaded = gb.load(tmp_path / "c.safetensors", lm())
+    assert loaded.plan == plan
+    text = plan_to_json(plan).replace(f'"start":{by_name(plan)["0.weight"].start}', '"start":-1')
+    assert '"start":-1' in text
+    with pytest.raises(ValueError, match=r"\.start"):
+        check_plan(plan_from_json(text), lm(), "test", corrupt=ValueError, mismatch=TypeError)
