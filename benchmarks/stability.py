@@ -81,8 +81,11 @@ def rows_of(plan: gb.Plan, names: dict[str, float]) -> dict[str, dict[str, Tenso
 
 
 def _kind(name: str) -> str:
-    """A free tensor's kind: `free norm` (LayerNorm) or `free bias`."""
-    return "free norm" if ".norm" in name or name.startswith("norm") else "free bias"
+    """A free tensor's kind: `free norm` (LayerNorm), `free bias` or `free weight` (e.g. the
+    embeddings, left free)."""
+    if ".norm" in name or name.startswith("norm"):
+        return "free norm"
+    return "free bias" if name.endswith("bias") else "free weight"
 
 
 def kinds(tree: dict) -> dict[str, list[Tensor]]:
@@ -251,6 +254,7 @@ def run(
         },
         "summary": summary(log, first),
         "rms at": rms_at(log),
+        "elements": {k: sum(t.numel() for t in ts) for k, ts in monitor.kinds.items()},
     }
     return row, log
 
@@ -270,7 +274,12 @@ def summary(log: dict, warmup: int) -> dict:
     first half), per generated layer its RMS at the start and the end and its largest
     relative update."""
     lo = warmup // 2
-    out: dict[str, Any] = {}
+    total = [
+        sum(g[t] ** 2 for g in log["grad"].values()) ** 0.5 for t in range(lo, len(log["loss"]))
+    ]
+    out: dict[str, Any] = {
+        "all leaves": {"grad med": statistics.median(total), "grad max": max(total)}
+    }
     for k in log["grad"]:
         g, u = log["grad"][k][lo:], log["update"][k][lo:]
         out[k] = {
@@ -296,6 +305,14 @@ def _key(row: dict) -> tuple:
 def report(rows: list[dict]) -> None:
     """Each configuration's per-seed validation losses, mean, spread and standard error; the
     seconds per run; the spikes; then per-kind medians of the relative update."""
+    print(
+        "Variants without a tag ran on the library before the fan-in step scale (commit "
+        "f0e45f5: `Generated.scale` the model's own std, embeddings' included); ', fan-in step "
+        "scale': with it (`gbfunc._rules.step_scale`: the scale capped at 1/sqrt(fan_in), the "
+        "raw tile starting at std `Generated.start`). Validation loss in nats after the run's "
+        f"steps; spikes: steps whose loss exceeds the median of the {SPIKE_WINDOW} before by "
+        f"{SPIKE - 1:.0%}, after the warm-up.\n"
+    )
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault(_key(r), []).append(r)
@@ -338,8 +355,27 @@ def report(rows: list[dict]) -> None:
         parts = [
             f"{k} {s['update med']:.2g} ({s['update max']:.2g})"
             for k, s in run0["summary"].items()
+            if "update med" in s
         ]
         print(f"- {' / '.join(map(str, key))}, seed {run0['seed']}: " + "; ".join(parts))
+    print(
+        "\nClipping and Adam's epsilon: the gradient norm of all leaves, median and max over "
+        "steps past half the warm-up (clipping acts only above a threshold, on outliers), and "
+        "the smallest per-element gradient RMS of any leaf kind (median over those steps; "
+        "Adam's epsilon, 1e-8, matters only near it):\n"
+    )
+    for key in sorted(groups, key=lambda k: (k[1], k[2], k[0] != "default", k[0])):
+        cells = []
+        for r in sorted(groups[key], key=lambda r: r["seed"]):
+            s = r["summary"]
+            smallest = min(
+                s[k]["grad med"] / n**0.5 for k, n in r["elements"].items() if n and k in s
+            )
+            cells.append(
+                f"seed {r['seed']}: {s['all leaves']['grad med']:.2g}, "
+                f"{s['all leaves']['grad max']:.2g}, {smallest:.1e}"
+            )
+        print(f"- {' / '.join(map(str, key))}: " + "; ".join(cells))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -366,7 +402,7 @@ def main(argv: list[str] | None = None) -> None:
                     row, log = run(corpus, seed, args.steps, every=args.every, **VARIANTS[variant])
                     row = {"variant": variant + args.tag, **row}
                     print(
-                        f"{variant} {corpus} seed {seed} {args.steps} steps: "
+                        f"{row['variant']} {corpus} seed {seed} {args.steps} steps: "
                         f"{row['val_loss']:.4f} nats, {row['seconds']:.0f} s, "
                         f"{len(row['spikes'])} spikes",
                         flush=True,
