@@ -336,7 +336,7 @@ def test_a_layer_whose_weights_have_a_std_above_1e4_saves_and_loads(tmp_path):
     with torch.no_grad():
         model.weight.normal_(0, 1e5, generator=torch.Generator().manual_seed(0))
     plan = gb.plan(model, tile=(4, 4))
-    assert plan.generated[0].scale > 1e4  # the weights' own std, which the plan keeps
+    assert plan.generated[0].init_std > 1e4  # the weights' own std, which the plan keeps
     gparams = gb.init(plan)
     gb.save(tmp_path / "c.safetensors", gparams, plan)
     ckpt = gb.load(tmp_path / "c.safetensors", nn.Linear(8, 8))
