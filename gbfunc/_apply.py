@@ -3,6 +3,7 @@
 from torch import Tensor
 
 from ._backend import fused_weights
+from ._condition import condition_of, conditioned
 from ._dispatch import Context, check_call, route
 from ._evaluate import hashed_tiles, stack_terms
 from ._graph import generate
@@ -15,6 +16,8 @@ def apply(
     gparams: GParams,
     plan: Plan,
     *,
+    condition: Tensor | None = None,
+    task: int | Tensor | None = None,
     check: bool = False,
     backend: str = "auto",
     compile: bool | None = None,
@@ -28,6 +31,11 @@ def apply(
     Args:
         gparams: From `gb.init(plan, ...)` (or trained from it).
         plan: The plan that made `gparams`.
+        condition: For a plan whose g-nets read a condition (`gb.plan(..., condition=w)`):
+            the vector `(w,)` to generate the weights for. `torch.func.vmap` over it gives
+            one weight set per condition.
+        task: Instead of `condition`, the index of a learned task embedding
+            (`gb.plan(..., tasks=n)`): an int, or a 0-d integer tensor under `vmap`.
         check: Also reject NaN or inf in `gparams` (reads values: not for compiled code).
         backend: `"torch"`, `"triton"` (fused kernels, `gbfunc.kernels`; through Triton's
             interpreter on CPU) or `"auto"`: Triton for CUDA tensors, torch otherwise.
@@ -52,12 +60,18 @@ def apply(
         torch.Size([2, 32])
     """
     check_call(gparams, plan, "gb.apply", backend=backend, compile=compile, values=check)
+    z = condition_of(gparams, plan, condition, task, "gb.apply")
+    # The paths run the plan without a condition, `z` folded into the g-nets' first biases;
+    # the graph folds it in itself, so that its inputs stay the leaves.
+    own_plan, own_gparams = plan, gparams
+    if z is not None:
+        gparams, plan = conditioned(gparams, plan, z)
     stacks = gparams["stacks"]
     path = route(plan, stacks, Context.now(stacks, backend=backend, compile=compile))
     if path.plan == "triton":
         return _through_kernels(gparams, plan)
     if path.plan == "graph":
-        graph = generate(plan, stacks)
+        graph = generate(own_plan, own_gparams, condition, task)
         if graph is not None:  # None: the compile failed (warned), so op by op
             return parameters(plan.params, gparams, lambda p: graph[p.name])
     return Selection.whole(plan).apply(gparams, paths=path.stacks)

@@ -8,6 +8,12 @@ from torch import Tensor
 from ._plan import Plan
 
 _GROUPS = ("stacks", "free", "frozen")
+TASKS = "tasks"  # the task embeddings, a tensor of its own, where the plan has them
+
+
+def groups(plan: Plan) -> tuple[str, ...]:
+    """The top-level keys of `gb.init(plan)`."""
+    return (*_GROUPS, TASKS) if plan.tasks else _GROUPS
 
 
 def expected_shapes(plan: Plan) -> dict[tuple[str, ...], tuple[int, ...]]:
@@ -18,6 +24,8 @@ def expected_shapes(plan: Plan) -> dict[tuple[str, ...], tuple[int, ...]]:
             shapes[("stacks", stack.key, leaf)] = shape
     for p in plan.free:
         shapes[("free" if p.trainable else "frozen", p.name)] = p.shape
+    if plan.tasks:
+        shapes[(TASKS,)] = (plan.tasks, plan.condition)
     return shapes
 
 
@@ -37,11 +45,11 @@ def check_gparams(
         raise TypeError(
             f"{where}: plan must be a gb.Plan (from gb.plan), got {type(plan).__name__}."
         )
-    if not isinstance(gparams, dict) or set(gparams) != set(_GROUPS):
+    top = groups(plan)
+    if not isinstance(gparams, dict) or set(gparams) != set(top):
         got = sorted(gparams) if isinstance(gparams, dict) else type(gparams).__name__
         raise TypeError(
-            f"{where}: gparams must be the dict made by gb.init with keys {list(_GROUPS)}, "
-            f"got {got}."
+            f"{where}: gparams must be the dict made by gb.init with keys {list(top)}, got {got}."
         )
     hint = "Were these gparams made by gb.init with a different plan?"
     expected = expected_shapes(plan)
@@ -88,7 +96,7 @@ def check_gparams(
         if values and not bool(torch.isfinite(node).all()):
             raise ValueError(f"{where}: {_path(keys)} contains NaN or inf.")
     _check_free_dtypes(free_floats, stack_floats, where)
-    for keys in _paths(gparams):
+    for keys in _paths(gparams, plan):
         if keys not in expected:
             raise ValueError(f"{where}: {_path(keys)} is not in the plan. {hint}")
 
@@ -129,9 +137,9 @@ def _leaf(gparams: object, keys: tuple[str, ...], missing: Callable[[str], str])
     return node
 
 
-def _paths(gparams: dict) -> list[tuple[str, ...]]:
+def _paths(gparams: dict, plan: Plan) -> list[tuple[str, ...]]:
     """The path of every entry of gparams' groups, one level down in `"stacks"`."""
-    out = []
+    out = [(TASKS,)] if plan.tasks else []
     for group in _GROUPS:
         for key, value in gparams[group].items():
             inner = [k for k in value if k is not None] if isinstance(value, dict) else []

@@ -105,6 +105,10 @@ def _check_fields(plan: Plan) -> None:
     keys: set[str] = set()
     for j, s in enumerate(plan.stacks):
         _check_stack_fields(j, s, keys)
+    widths = {s.genome.condition for s in plan.stacks} - {0}
+    _need(len(widths) <= 1, "the stacks' genome.condition", sorted(widths), "one width (or 0)")
+    _need(_is_int(plan.tasks, 0), "tasks", plan.tasks, "an int >= 0")
+    _need(not plan.tasks or bool(widths), "tasks", plan.tasks, "0 where no stack is conditioned")
 
 
 def _check_param_fields(plan: Plan, i: int, p: object) -> None:
@@ -143,7 +147,7 @@ def _check_param_fields(plan: Plan, i: int, p: object) -> None:
     _need(ok, f"{at}.scale", p.scale, f"a number in (0, {largest:g}], the largest {p.dtype}")
     _need(isinstance(p.center, bool), f"{at}.center", p.center, "a bool")
     start = as_finite(p.start)
-    ok = start is not None and 0 < start and start * scale <= largest
+    ok = start is not None and start > 0 and start * scale <= largest
     _need(ok, f"{at}.start", p.start, f"a number > 0 with scale * start <= {largest:g}")
     _need(isinstance(p.blocks, tuple) and len(p.blocks) > 0, f"{at}.blocks", p.blocks, "blocks")
     for k, b in enumerate(p.blocks):

@@ -29,7 +29,7 @@ import safetensors.torch
 import torch
 from torch import Tensor, nn
 
-from ._check_gparams import check_gparams, expected_shapes, leaves
+from ._check_gparams import TASKS, check_gparams, expected_shapes, leaves
 from ._check_model import check_module
 from ._checkpoint_checks import (
     CheckpointCorruptError,
@@ -314,6 +314,8 @@ def _contents(
         "free": {k: finish(t, True) for k, t in loaded["free"].items()},
         "frozen": {k: finish(t, False) for k, t in loaded["frozen"].items()},
     }
+    if TASKS in loaded:
+        gparams[TASKS] = finish(loaded[TASKS], True)
     return gparams, opt_state
 
 

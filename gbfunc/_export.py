@@ -11,12 +11,20 @@ from ._check_gparams import check_gparams, leaves
 from ._check_model import check_matches
 from ._checkpoint import write_file
 from ._checkpoint_checks import checkpoint_path
+from ._condition import condition_of
 from ._files import check_no_meta, standalone
 from ._plan import Free, Plan
 from ._tree import GParams
 
 
-def export(gparams: GParams, plan: Plan, *, model: nn.Module | None = None) -> dict[str, Tensor]:
+def export(
+    gparams: GParams,
+    plan: Plan,
+    *,
+    model: nn.Module | None = None,
+    condition: Tensor | None = None,
+    task: int | None = None,
+) -> dict[str, Tensor]:
     """Materialise the dense weights that `gparams` generate, as a `state_dict`.
 
     Args:
@@ -26,6 +34,8 @@ def export(gparams: GParams, plan: Plan, *, model: nn.Module | None = None) -> d
             aliases such as GPT-2's `lm_head.weight`, and buffers copied from `model`), so
             `model.load_state_dict(sd, strict=True)` works; without it, one entry per plan
             parameter.
+        condition, task: For a conditioned plan, the condition (or task) whose weights to
+            export, as in `gb.apply`.
 
     Returns:
         `{name: Tensor}`, detached, each parameter in the dtype the p-net had.
@@ -41,8 +51,9 @@ def export(gparams: GParams, plan: Plan, *, model: nn.Module | None = None) -> d
     check_no_meta(leaves(gparams, plan), "gb.export")
     if model is not None:
         check_matches(plan, model, "gb.export", "the plan")
-    with torch.no_grad():
-        params = apply(gparams, plan, compile=False)  # once: not worth compiling
+    condition_of(gparams, plan, condition, task, "gb.export")  # named for this call
+    with torch.no_grad():  # once: not worth compiling
+        params = apply(gparams, plan, condition=condition, task=task, compile=False)
     dense: dict[str, Tensor] = {}
     for p in plan.params:
         value = params[p.name].detach().to(getattr(torch, p.dtype))
@@ -64,12 +75,15 @@ def save_dense(
     *,
     model: nn.Module | None = None,
     metadata: dict[str, str] | None = None,
+    condition: Tensor | None = None,
+    task: int | None = None,
 ) -> None:
     """Write `gb.export(gparams, plan, model=model)` as an ordinary safetensors file, atomically.
 
     Tied aliases are stored as separate copies, so `load_state_dict(strict=True)` needs no
     tie-aware loader. The header carries `{"format": "pt"}` (what `transformers` expects)
-    plus `metadata`. A path no file can have, or one that cannot be written (a missing
+    plus `metadata`; `condition` or `task` choose a conditioned plan's weights, as in
+    `gb.export`. A path no file can have, or one that cannot be written (a missing
     folder, a full disk), raises a `gb.CheckpointError` naming it, as `gb.save` does.
 
     Example:
@@ -88,7 +102,7 @@ def save_dense(
         raise TypeError(
             f"gb.save_dense: metadata must map str to str (safetensors' header), got {metadata!r}."
         )
-    state = export(gparams, plan, model=model)
+    state = export(gparams, plan, model=model, condition=condition, task=task)
     for key, value in state.items():
         if not isinstance(value, Tensor):
             raise TypeError(

@@ -61,6 +61,10 @@ class Genome:
             so the model starts as HashedNets; the g-nets learn what the sharing misses. The
             table is stored divided by 10, so that one learning rate suits both. 0: no table.
             `gb.plan` also takes `"auto"`: tables sized to reach its `compression=`.
+        condition: Width of a condition vector (a task's embedding, or features of an input)
+            that every g-net reads in its first layer, `w_cond` mapping it to a shift of the
+            first layer's bias shared by all of a g-net's tiles. `w_cond` starts at zero, so
+            every condition starts from the same weights. 0: no condition.
     """
 
     hidden: int = 32
@@ -75,6 +79,7 @@ class Genome:
     row_labels: Labels = "position"
     col_labels: Labels = "position"
     hashed: int = 0
+    condition: int = 0
 
     def __post_init__(self) -> None:
         checked = check_genome({f.name: getattr(self, f.name) for f in fields(self)}, "gb.Genome")
@@ -97,6 +102,8 @@ class Genome:
         shapes["b_out"] = (outputs,)
         if self.share:
             shapes["w_embed"] = (self.embed_dim, h)
+        if self.condition:
+            shapes["w_cond"] = (self.condition, h)
         return shapes
 
     def param_count(self, code_width: int, outputs: int) -> int:
@@ -119,6 +126,8 @@ def check_genome(
     for name in ("hidden", "depth", "fourier_features", "outputs", "embed_dim"):
         if name in options:
             checked[name] = integer(where, label(name), options[name], minimum=1)
+    if "condition" in options:
+        checked["condition"] = integer(where, label("condition"), options["condition"], minimum=0)
     if "hashed" in options and options["hashed"] != AUTO:
         checked["hashed"] = integer(where, label("hashed"), options["hashed"], minimum=0)
     for name, choices in (

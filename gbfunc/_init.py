@@ -8,6 +8,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor, nn
 
+from ._check_gparams import TASKS
 from ._check_model import check_matches
 from ._evaluate import HASH_GAIN, stack_terms
 from ._numbers import integer
@@ -53,7 +54,9 @@ def init(
             `.backward()`); pass False for purely functional training with `torch.func`.
 
     Returns:
-        `{"stacks": {key: {leaf: Tensor}}, "free": {name: Tensor}, "frozen": {name: Tensor}}`.
+        `{"stacks": {key: {leaf: Tensor}}, "free": {name: Tensor}, "frozen": {name: Tensor}}`,
+        and `"tasks"`: the task embeddings `(tasks, condition)`, drawn from N(0, 1), where
+        the plan has them (`gb.plan(..., tasks=n)`).
 
     Example:
         >>> gparams = gb.init(gb.plan(nn.Linear(64, 32), tile=(16, 16)), seed=0)
@@ -92,7 +95,10 @@ def init(
             if not getattr(torch, p.dtype).is_floating_point:  # integer and bool keep theirs
                 value = value.to(getattr(torch, p.dtype))
         (free if p.trainable else frozen)[p.name] = finish(value, p.trainable)
-    return {"stacks": stacks, "free": free, "frozen": frozen}
+    gparams = {"stacks": stacks, "free": free, "frozen": frozen}
+    if plan.tasks:  # drawn last, so that a plan's other leaves do not depend on it
+        gparams[TASKS] = finish(_normal((plan.tasks, plan.condition), 1.0, gen), True)
+    return gparams
 
 
 def _on_meta(plan: Plan, dtype: torch.dtype, requires_grad: bool) -> GParams:
@@ -114,7 +120,10 @@ def _on_meta(plan: Plan, dtype: torch.dtype, requires_grad: bool) -> GParams:
     for p in plan.free:
         value = empty(p.shape, getattr(torch, p.dtype), p.trainable)
         (free if p.trainable else frozen)[p.name] = value
-    return {"stacks": stacks, "free": free, "frozen": frozen}
+    gparams = {"stacks": stacks, "free": free, "frozen": frozen}
+    if plan.tasks:
+        gparams[TASKS] = empty((plan.tasks, plan.condition), dtype, True)
+    return gparams
 
 
 def _value_source(plan: Plan, values: str, model: nn.Module | None) -> dict[str, Tensor] | None:

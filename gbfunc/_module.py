@@ -24,7 +24,7 @@ from torch.func import functional_call
 from ._apply import apply
 from ._buffers import is_persistent
 from ._calibrate import calibrate, check_inputs
-from ._check_gparams import check_gparams, expected_shapes
+from ._check_gparams import TASKS, check_gparams, expected_shapes
 from ._check_model import check_matches, check_module
 from ._checkpoint import load
 from ._export import export
@@ -123,6 +123,10 @@ class Bottleneck(nn.Module):
     p-net's buffers (`b.plan` names `b.pnet` as its model), and `from_checkpoint` restores
     both.
 
+    A conditioned plan (`condition=`, `tasks=`) generates the weights of the condition
+    vector in `b.condition`, or of the task embedding `b.task` names (`b.tasks`, a
+    parameter); set one before calling, e.g. `b.task = 2`.
+
     Example:
         >>> b = gb.Bottleneck(nn.Linear(64, 32), tile=(16, 16))
         >>> b(torch.randn(2, 64)).shape
@@ -186,6 +190,10 @@ class Bottleneck(nn.Module):
             persistent[canonical] = persistent[canonical] or keep
             self._buffer_aliases.setdefault(canonical, []).append(name)
         self.pnet_buffers = _Buffers(buffers, persistent)
+        if TASKS in gparams:
+            self.tasks = nn.Parameter(gparams[TASKS].detach(), requires_grad=True)
+        self.condition: Tensor | None = None  # what `forward` generates for, if conditioned
+        self.task: int | None = None
         self.register_load_state_dict_post_hook(_relink)  # `assign=True` replaces buffers
         self.train(model.training)
 
@@ -204,7 +212,8 @@ class Bottleneck(nn.Module):
 
     @property
     def gparams(self) -> GParams:
-        """The functional view, `{"stacks", "free", "frozen"}`, holding this module's tensors.
+        """The functional view, `{"stacks", "free", "frozen"}` (and `"tasks"`, where the plan
+        has task embeddings), holding this module's tensors.
 
         The leaves are this module's parameters and buffers themselves (no copies), so
         `gb.apply(b.gparams, b.plan)` and `gb.save(path, b.gparams, b.plan)` see its
@@ -217,6 +226,7 @@ class Bottleneck(nn.Module):
             },
             "free": {unescape(n): t for n, t in self.free.items()},
             "frozen": {unescape(n): t for n, t in self.frozen._buffers.items()},
+            **({TASKS: self.tasks} if self._plan.tasks else {}),
         }
 
     @_WithPnetSignature
@@ -228,14 +238,17 @@ class Bottleneck(nn.Module):
         their inputs by it (transformers' `Trainer` drops unnamed dataset columns) see the
         wrapped model's arguments.
         """
-        tensors = apply(self.gparams, self._plan)
+        tensors = apply(self.gparams, self._plan, condition=self.condition, task=self.task)
         for name in self._buffer_aliases:
             tensors[name] = self.pnet_buffers.get(name)
         return functional_call(self._pnet, tensors, args, kwargs)
 
     def export(self) -> dict[str, Tensor]:
-        """The dense `state_dict` of the p-net, `gb.export(b.gparams, b.plan, model=b.pnet)`."""
-        return export(self.gparams, self.plan, model=self._pnet)
+        """The dense `state_dict` of the p-net, `gb.export(b.gparams, b.plan, model=b.pnet)`
+        (for a conditioned plan, at `b.condition` or `b.task`)."""
+        return export(
+            self.gparams, self.plan, model=self._pnet, condition=self.condition, task=self.task
+        )
 
     def report(self) -> Report:
         """Parameter counts and compression, `gb.report(b.plan)`."""

@@ -200,12 +200,24 @@ class Plan:
         buffer_names: The persistent buffers that model had when the plan named it, so that
             a save after the model is gone can say which buffers it cannot store. Not part of
             equality, hashing or checkpoints; kept by pickling.
+        tasks: Learned task embeddings, `gparams["tasks"]` of shape `(tasks, condition)`,
+            that `gb.apply(..., task=i)` conditions the genome on; 0: none.
     """
 
     params: tuple[Generated | Free, ...]
     stacks: tuple[Stack, ...]
     source: Callable[[], nn.Module | None] | None = field(default=None, compare=False, repr=False)
     buffer_names: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    tasks: int = 0
+
+    @property
+    def condition(self) -> int:
+        """Width of the condition vector `gb.apply` takes (`gb.Genome.condition`), 0 for
+        none; every conditioned stack reads the same width."""
+        width = 0
+        for stack in self.stacks:  # a loop, not max(..., default=): torch.compile traces it
+            width = width or stack.genome.condition
+        return width
 
     @property
     def generated(self) -> tuple[Generated, ...]:
@@ -230,7 +242,8 @@ class Plan:
             "params": [
                 {k: v for k, v in asdict(p).items() if not _descriptive(p, k)} for p in self.params
             ],
-            "stacks": [asdict(s) for s in self.stacks],
+            "stacks": [stack_fields(s) for s in self.stacks],
+            **({"tasks": self.tasks} if self.tasks else {}),
         }
         text = json.dumps(data, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()
@@ -238,7 +251,17 @@ class Plan:
     def __reduce__(self) -> tuple:
         # A weak reference cannot be pickled; a copy forgets the model it came from, but not
         # the buffers that model had (`gb.save` warns that it cannot store them).
-        return (Plan, (self.params, self.stacks, None, self.buffer_names))
+        return (Plan, (self.params, self.stacks, None, self.buffer_names, self.tasks))
+
+
+def stack_fields(stack: Stack) -> dict:
+    """`stack`'s fields as a dict; its genome's `condition` only where it is not 0 (plans
+    written before conditions existed have none, and their JSON and fingerprint stay the
+    same)."""
+    d = asdict(stack)
+    if not d["genome"]["condition"]:
+        del d["genome"]["condition"]
+    return d
 
 
 def _descriptive(param: "Generated | Free", name: str) -> bool:

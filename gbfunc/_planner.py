@@ -17,7 +17,7 @@ from ._entries import (
     tile_for,
 )
 from ._genome import AUTO, Genome, check_genome
-from ._numbers import real
+from ._numbers import integer, real
 from ._options import DEFAULT_TILE, check_patterns, check_tile, normalise_overrides, resolve
 from ._plan import (
     Block,
@@ -50,6 +50,8 @@ def plan(
     row_labels: str | tuple[int, ...] = "position",
     col_labels: str | tuple[int, ...] = "position",
     hashed: int | str = 0,
+    condition: int = 0,
+    tasks: int = 0,
     embeddings: bool = False,
     biases: bool = False,
     center: bool = False,
@@ -88,6 +90,13 @@ def plan(
         col_labels: Labels of the input neurons, as `row_labels`.
         hashed: Buckets of a per-tile HashedNets table, or `"auto"` (here or per parameter
             in `overrides`) to size the tables so that the plan reaches `compression`.
+        condition: Width of a condition vector every g-net reads (`gb.Genome.condition`):
+            one genome then generates a weight set per condition, `gb.apply(gparams, plan,
+            condition=z)` or, with learned task embeddings (`gb.init(plan, tasks=n)`),
+            `task=i`. An override `{"condition": 0}` leaves a layer unconditioned.
+        tasks: Learned task embeddings of width `condition` that `gb.init` draws into
+            `gparams["tasks"]` and `gb.apply(..., task=i)` reads (continual or multi-task
+            learning: one genome, a weight set per task).
         embeddings: Generate `nn.Embedding` tables too.
         biases: Generate the biases of generated layers too, each by its own g-net on the
             layer's output-neuron labels (at high ratios free biases dominate the count).
@@ -135,6 +144,7 @@ def plan(
         "row_labels": row_labels,
         "col_labels": col_labels,
         "hashed": hashed,
+        "condition": condition,
     }
     base = check_genome(base, "gb.plan")
     rules = normalise_overrides(overrides, free)
@@ -152,7 +162,8 @@ def plan(
             f"{compression_of!r}."
         )
     options = _compress(entries, options, flags, compression, compression_of, tile is not None)
-    result = _build(entries, options, flags).naming(model)
+    tasks = integer("gb.plan", "tasks", tasks, minimum=0)
+    result = replace(_build(entries, options, flags), tasks=tasks).naming(model)
     if not result.generated:
         raise ValueError(
             f"gb.plan: {type(model).__name__} has no parameter to generate: "
@@ -160,7 +171,24 @@ def plan(
             + " Register a rule with gb.register_rule, or pass embeddings=True for embeddings."
         )
     _check_stored_size(result)
+    _check_condition(result)
     return result
+
+
+def _check_condition(plan: Plan) -> None:
+    """Every conditioned stack reads the one condition vector `gb.apply` takes, and task
+    embeddings need one."""
+    widths = {s.genome.condition for s in plan.stacks} - {0}
+    if len(widths) > 1:
+        raise ValueError(
+            f"gb.plan: the layers read conditions of widths {sorted(widths)}; one condition "
+            "vector feeds every g-net, so an override may only turn it off ({'condition': 0})."
+        )
+    if plan.tasks and not widths:
+        raise ValueError(
+            f"gb.plan: tasks={plan.tasks} needs a condition for the task embeddings to feed: "
+            "pass condition=<width> (e.g. 8), and leave at least one layer conditioned."
+        )
 
 
 # A plan whose g-nets outweigh the weights they generate is refused from this many stored

@@ -38,9 +38,21 @@ class Row:
 
 @dataclass(frozen=True)
 class Report:
-    """Per-parameter rows and totals; `str(report)` is a table."""
+    """Per-parameter rows and totals; `str(report)` is a table.
+
+    Attributes:
+        rows: One per p-net parameter.
+        task_shape: Shape of the learned task embeddings (`gb.plan(..., tasks=n)`), stored
+            and trained beside the g-nets; `()` where the plan has none.
+    """
 
     rows: tuple[Row, ...]
+    task_shape: tuple[int, ...] = ()
+
+    @property
+    def task_params(self) -> int:
+        """Parameters of the task embeddings."""
+        return math.prod(self.task_shape) if self.task_shape else 0
 
     @property
     def dense_params(self) -> int:
@@ -66,8 +78,9 @@ class Report:
 
     @property
     def stored_params(self) -> int:
-        """What a compressed checkpoint holds: g-nets, free and frozen parameters."""
-        return self.gnet_params + self.free_params + self.frozen_params
+        """What a compressed checkpoint holds: g-nets, free and frozen parameters, task
+        embeddings."""
+        return self.gnet_params + self.free_params + self.frozen_params + self.task_params
 
     @property
     def generated_compression(self) -> float:
@@ -93,6 +106,11 @@ class Report:
             )
             for r in self.rows
         ]
+        if self.task_shape:
+            shape = "x".join(map(str, self.task_shape))
+            lines.append(
+                ("tasks", shape, "tasks", "0", f"{self.task_params:,}", "", "task embeddings")
+            )
         lines.append(
             (
                 "generated",
@@ -147,7 +165,7 @@ def report(plan: Plan) -> Report:
             assert isinstance(p, Free)
             kind = "free" if p.trainable else "frozen"
             rows.append(Row(p.name, p.shape, kind, 0, p.numel, 1.0, p.reason))
-    return Report(tuple(rows))
+    return Report(tuple(rows), (plan.tasks, plan.condition) if plan.tasks else ())
 
 
 def _embedding_params(stack) -> int:

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ._condition import condition_of, conditioned
 from ._dispatch import Context, stack_path
 from ._evaluate import HASH_GAIN, evaluate_tile_parts, evaluate_tiles
 from ._plan import Free, Generated, Plan, Stack
@@ -216,6 +217,8 @@ class Selection:
         self,
         gparams: GParams,
         *,
+        condition: Tensor | None = None,
+        task: int | Tensor | None = None,
         compile: bool | None = False,
         paths: Sequence[str] | None = None,
     ) -> dict[str, Tensor]:
@@ -223,8 +226,12 @@ class Selection:
 
         Each stack takes its path from `paths` (per stack of the plan, `gbfunc._dispatch`'s
         `route`; `graph` there means its compile failed: op by op), else from the dispatcher
-        with `compile` as `gb.apply`'s.
+        with `compile` as `gb.apply`'s. A conditioned plan takes `condition` or `task` as
+        `gb.apply` does.
         """
+        z = condition_of(gparams, self.plan, condition, task, "the selection's apply")
+        if z is not None:
+            gparams, _ = conditioned(gparams, self.plan, z)
         tiles, direct = {}, {}
         context = None
         for s, indices in self.tiles.items():

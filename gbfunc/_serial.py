@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ._genome import Genome
-from ._plan import Block, Free, Generated, Plan, Stack
+from ._plan import Block, Free, Generated, Plan, Stack, stack_fields
 
 PLAN_VERSION = 2  # the plan JSON `plan_to_json` writes
 # Fields that plan JSON version 1 named otherwise: `kernel` meant two things there.
@@ -27,8 +27,11 @@ _RENAMED_SINCE_V1 = {
 def plan_to_json(plan: Plan) -> str:
     """Canonical JSON of `plan`; `plan_from_json` turns it back into an equal `Plan`."""
     params = [{"kind": type(p).__name__.lower(), **_fields(p)} for p in plan.params]
-    stacks = [asdict(s) for s in plan.stacks]
-    return json.dumps({"params": params, "stacks": stacks}, sort_keys=True, separators=(",", ":"))
+    stacks = [stack_fields(s) for s in plan.stacks]
+    tasks = {"tasks": plan.tasks} if plan.tasks else {}  # plans without them: JSON unchanged
+    return json.dumps(
+        {"params": params, "stacks": stacks, **tasks}, sort_keys=True, separators=(",", ":")
+    )
 
 
 def _fields(p: Generated | Free) -> dict:
@@ -47,9 +50,10 @@ def plan_from_json(text: str, version: int = PLAN_VERSION) -> Plan:
         data = json.loads(text)
         params = tuple(_param(_tuples(p), version) for p in data["params"])
         stacks = tuple(_stack(_tuples(s), version) for s in data["stacks"])
+        tasks = data.get("tasks", 0)
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise ValueError(f"malformed plan JSON ({type(e).__name__}: {e})") from None
-    return Plan(params, stacks)
+    return Plan(params, stacks, tasks=tasks)
 
 
 def _tuples(x: object) -> object:

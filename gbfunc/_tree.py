@@ -2,12 +2,14 @@
 
 from torch import Tensor
 
-# `{"stacks": {key: {leaf: tensor}}, "free": {name: tensor}, "frozen": {name: tensor}}`
+# `{"stacks": {key: {leaf: tensor}}, "free": {name: tensor}, "frozen": {name: tensor}}`, and
+# `"tasks": tensor` where the plan has task embeddings
 GParams = dict[str, dict]
 
 
 def trainable_leaves(gparams: GParams) -> list[Tensor]:
-    """Every stack leaf, then every free parameter, as one flat list for an optimizer.
+    """Every stack leaf, then every free parameter (then the task embeddings, where the plan
+    has them), as one flat list for an optimizer.
 
     The order is that of `gparams`' dicts (stacks, then each stack's leaves, then free
     parameters), which `gb.init`, `gb.load` and `gb.Bottleneck.gparams` all build in plan
@@ -32,4 +34,5 @@ def trainable_leaves(gparams: GParams) -> list[Tensor]:
             f"['free', 'frozen', 'stacks'], got {got}."
         )
     stacks = [t for leaves in gparams["stacks"].values() for t in leaves.values()]
-    return [*stacks, *gparams["free"].values()]
+    tasks = [gparams["tasks"]] if "tasks" in gparams else []
+    return [*stacks, *gparams["free"].values(), *tasks]

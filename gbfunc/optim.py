@@ -27,7 +27,8 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-from ._check_gparams import check_gparams
+from ._check_gparams import TASKS, check_gparams
+from ._condition import COND_LEAF
 from ._numbers import real
 from ._plan import Plan, Stack
 
@@ -53,7 +54,9 @@ def param_groups(
     """`torch.optim` parameter groups of `gparams`' trainable leaves at the default rates.
 
     One group per distinct rate: g-net leaves at `gnet_lr` times `scale`, free parameters at
-    `free_lr` (the rate the dense model would train at). Where the default does not hold,
+    `free_lr` (the rate the dense model would train at), task embeddings at the largest rate
+    of the g-nets they feed (an embedding and its `w_cond` make one product, which learns
+    as a g-net's first layer does). Where the default does not hold,
     sweep `scale` (e.g. 1/3, 1, 3). `gparams` may be a rank's shard
     (`gb.dist.RankOwned.shard`, fewer g-nets per stack).
 
@@ -71,6 +74,10 @@ def param_groups(
     by_rate = _leaves_by_rate(gparams["stacks"], plan, scale)
     if gparams["free"]:
         by_rate.setdefault(free_lr, []).extend(gparams["free"].values())
+    if plan.tasks:
+        fed = [s for s in plan.stacks if s.genome.condition]
+        rate = max(gnet_lr(s, COND_LEAF) for s in fed) * scale
+        by_rate.setdefault(rate, []).append(gparams[TASKS])
     return [{"params": params, "lr": rate} for rate, params in by_rate.items()]
 
 

@@ -105,8 +105,9 @@ def hash_slots(positions: int, buckets: int) -> list[tuple[int, float]]:
     return [(rank[n] % buckets, 1.0 if fmix32(n | 1 << 31) & 1 else -1.0) for n in range(positions)]
 
 
-def naive_apply(gparams: dict, plan: Plan) -> dict[str, Tensor]:
-    """Every parameter of the p-net: g-nets run tile by tile, tiles placed by explicit copies."""
+def naive_apply(gparams: dict, plan: Plan, condition: Tensor | None = None) -> dict[str, Tensor]:
+    """Every parameter of the p-net: g-nets run tile by tile, tiles placed by explicit copies.
+    A conditioned g-net adds `condition @ w_cond` to its first layer's pre-activation."""
     out = {}
     for p in plan.params:
         if not isinstance(p, Generated):
@@ -127,6 +128,8 @@ def naive_apply(gparams: dict, plan: Plan) -> dict[str, Tensor]:
                 h = codes @ leaves["w_in"][g] + leaves["b_in"][g]
                 if stack.genome.share:
                     h = h + leaves["tile_embed"][t] @ leaves["w_embed"][g]
+                if stack.genome.condition:
+                    h = h + condition.double() @ leaves["w_cond"][g]
                 h = activate(h, stack.genome.activation)
                 for layer in range(stack.genome.depth - 1):
                     h = h @ leaves["w_hidden"][g, layer] + leaves["b_hidden"][g, layer]

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
+from .._check_gparams import TASKS
 from .._check_model import check_matches
 from .._plan import Plan
 from .._select import Selection, full_region
@@ -64,10 +65,17 @@ class ShardedFree:
         self.free = [model.get_parameter(p.name) for p in plan.free if p.trainable]
         self._frozen = {p.name: model.get_parameter(p.name) for p in plan.free if not p.trainable}
 
-    def apply(self, gparams: GParams) -> dict[str, Tensor]:
+    def apply(
+        self,
+        gparams: GParams,
+        *,
+        condition: Tensor | None = None,
+        task: int | Tensor | None = None,
+    ) -> dict[str, Tensor]:
         """The generated weights only, for `functional_call(model, ...)`: the free parameters
-        are the model's own, which FSDP2 all-gathers around its forward."""
-        return self.selection.apply(gparams)
+        are the model's own, which FSDP2 all-gathers around its forward. A conditioned plan
+        takes `condition` or `task` as `gb.apply` does."""
+        return self.selection.apply(gparams, condition=condition, task=task)
 
     def state(self, gparams: GParams) -> GParams:
         """`gparams` with the model's sharded free and frozen parameters as its own: what
@@ -75,15 +83,17 @@ class ShardedFree:
         """
         names = [p.name for p in self.plan.free if p.trainable]
         return {
-            "stacks": gparams["stacks"],
+            **gparams,
             "free": dict(zip(names, self.free, strict=True)),
             "frozen": dict(self._frozen),
         }
 
     @staticmethod
     def gnet_leaves(gparams: GParams) -> list[Tensor]:
-        """The g-net stacks' leaves: what `GradSync` all-reduces (`gparams["free"]` is unused)."""
-        return [t for leaves in gparams["stacks"].values() for t in leaves.values()]
+        """The g-net stacks' leaves and any task embeddings: what `GradSync` all-reduces
+        (`gparams["free"]` is unused)."""
+        tasks = [gparams[TASKS]] if TASKS in gparams else []
+        return [t for leaves in gparams["stacks"].values() for t in leaves.values()] + tasks
 
 
 def _release(model: nn.Module, name: str) -> nn.Parameter:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._check_gparams import TASKS
 from .._checkpoint import CheckpointMismatchError
 from .._plan import Plan
 from .._tree import GParams
@@ -38,6 +39,8 @@ def leaves(plan: Plan, local: GParams, rows: dict[str, dict[str, list[int]]]) ->
             out[id(value)] = Leaf(f"stacks/{stack.key}/{leaf}", rows[stack.key][leaf])
     for name, value in local["free"].items():
         out[id(value)] = Leaf(f"free/{name}", None)
+    if TASKS in local:
+        out[id(local[TASKS])] = Leaf(TASKS, None)
     return out
 
 

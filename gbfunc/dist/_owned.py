@@ -10,12 +10,14 @@ keeps the most-loaded rank within one g-net's cost of the mean.
 import heapq
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
+from .._condition import condition_of, conditioned
 from .._evaluate import evaluate_stack
 from .._numbers import integer
 from .._plan import TILE_LEAVES, Plan, Stack
@@ -154,10 +156,25 @@ class RankOwned:
                 name: v.detach().index_select(0, rows[name]).requires_grad_(v.requires_grad)
                 for name, v in leaves.items()
             }
-        return {"stacks": stacks, "free": gparams["free"], "frozen": gparams["frozen"]}
+        return _with_rest(stacks, gparams)
 
-    def apply(self, local: GParams) -> dict[str, Tensor]:
-        """Every parameter of the p-net, from this rank's g-nets and its peers' (differentiable)."""
+    def apply(
+        self,
+        local: GParams,
+        *,
+        condition: Tensor | None = None,
+        task: int | Tensor | None = None,
+    ) -> dict[str, Tensor]:
+        """Every parameter of the p-net, from this rank's g-nets and its peers' (differentiable).
+
+        A conditioned plan takes `condition` or `task` as `gb.apply` does; it must be the same
+        on every rank (each g-net generates its tiles for all of them), and its gradient
+        (into the task embeddings) is summed over the ranks, each of which holds the part
+        its own g-nets give, so that every rank ends with the whole of it.
+        """
+        z = condition_of(local, self.plan, condition, task, "gb.dist.RankOwned.apply")
+        if z is not None:
+            local, _ = conditioned(local, self.plan, _summed_gradient(z, self.group))
         self.comm_bytes = 0
         gathered = [self._generate_and_gather(s, local) for s in range(len(self.plan.stacks))]
         tiles = []
@@ -205,7 +222,7 @@ class RankOwned:
                 name: self._gather_rows(v, per_rank_tiles if name in TILE_LEAVES else per_rank)
                 for name, v in local["stacks"][stack.key].items()
             }
-        return {"stacks": stacks, "free": local["free"], "frozen": local["frozen"]}
+        return _with_rest(stacks, local)
 
     def _gather_rows(self, mine: Tensor, per_rank: list[list[int]]) -> Tensor:
         rows = max(len(r) for r in per_rank)
@@ -221,3 +238,30 @@ class RankOwned:
             torch.tensor(order, device=out.device)
         ]
         return full.requires_grad_(mine.requires_grad)
+
+
+def _with_rest(stacks: dict[str, dict[str, Tensor]], gparams: GParams) -> GParams:
+    """`gparams` with `stacks` in place of its own: the replicated groups are shared."""
+    return {**gparams, "stacks": stacks}
+
+
+class _SumGradient(torch.autograd.Function):
+    """The identity, whose backward sums the gradient over `group`'s ranks."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        grad = grad.contiguous()
+        wait_or_raise(
+            dist.all_reduce(grad, group=ctx.group, async_op=True), "the condition's all-reduce"
+        )
+        return grad, None
+
+
+def _summed_gradient(z: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """`z`, whose gradient is summed over `group` (a no-op where nothing needs it)."""
+    return _SumGradient.apply(z, group) if z.requires_grad else z

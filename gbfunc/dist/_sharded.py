@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from .._buffers import persistent_buffers
+from .._check_gparams import TASKS
 from .._check_model import check_module
 from .._check_plan import check_plan
 from .._checkpoint import (
@@ -211,6 +212,11 @@ def _templates(
             state[f"{kind}/{p.name}"] = torch.empty_like(target.detach())
         else:
             state[f"{kind}/{p.name}"] = torch.empty(p.shape, dtype=getattr(torch, p.dtype))
+    if plan.tasks:
+        dtype = dtypes.get(TASKS)
+        if dtype is None:
+            raise CheckpointCorruptError(f"{where}: no dtype for {TASKS}.")
+        state[TASKS] = torch.empty((plan.tasks, plan.condition), dtype=dtype)
     return state
 
 
@@ -257,6 +263,7 @@ def _check_into(
         for leaf, shape in stack.leaf_shapes().items()
     ]
     wanted += [(("free" if p.trainable else "frozen", p.name), p.shape) for p in plan.free]
+    wanted += [((TASKS,), (plan.tasks, plan.condition))] if plan.tasks else []
     for path, shape in wanted:
         node: Any = into
         for part in path:
@@ -317,6 +324,8 @@ def _fill(into: GParams, loaded: GParams) -> None:
         for kind in ("free", "frozen"):
             for name, value in loaded[kind].items():
                 into[kind][name].copy_(value)
+        if TASKS in loaded:
+            into[TASKS].copy_(loaded[TASKS])
 
 
 def _manifest(path: Path, where: str) -> dict[str, Any]:
@@ -369,10 +378,13 @@ def _assemble(
             picked = [state[_key(stack.key, leaf, r)] for r in rows[stack.key][leaf]]
             values = torch.stack(picked) if picked else torch.empty((0, *shape[1:]), dtype=dtype)
             stacks[stack.key][leaf] = ready(values, True)
-    return {
+    gparams = {
         "stacks": stacks,
         "free": {p.name: ready(state[f"free/{p.name}"], True) for p in plan.free if p.trainable},
         "frozen": {
             p.name: ready(state[f"frozen/{p.name}"], False) for p in plan.free if not p.trainable
         },
     }
+    if plan.tasks:
+        gparams[TASKS] = ready(state[TASKS], True)
+    return gparams

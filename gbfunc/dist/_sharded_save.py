@@ -19,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from .._check_gparams import TASKS
 from .._checkpoint import BUFFERS, CheckpointError, buffers_to_save
 from .._files import check_no_meta
 from .._numbers import integer
@@ -183,7 +184,8 @@ def _prepare(
             f"stacks/{key}/{leaf}": str(v.dtype).removeprefix("torch.")
             for key, leaves in local["stacks"].items()
             for leaf, v in leaves.items()
-        },
+        }
+        | ({TASKS: str(local[TASKS].dtype).removeprefix("torch.")} if TASKS in local else {}),
         "buffers": {
             n: [str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in kept.items()
         },
@@ -210,6 +212,8 @@ def _value_entries(
     for kind in ("free", "frozen"):
         for name, value in local[kind].items():
             state[f"{kind}/{name}"] = value.detach()
+    if TASKS in local:  # replicated, as the free parameters
+        state[TASKS] = local[TASKS].detach()
     return state
 
 

@@ -155,10 +155,17 @@ class TensorParallel:
         self.mesh = mesh
         self.selection = Selection(plan, regions)
 
-    def apply(self, gparams: GParams) -> dict[str, Tensor]:
-        """`{name: DTensor shard or replicated tensor}` for `functional_call` on the model."""
+    def apply(
+        self,
+        gparams: GParams,
+        *,
+        condition: Tensor | None = None,
+        task: int | Tensor | None = None,
+    ) -> dict[str, Tensor]:
+        """`{name: DTensor shard or replicated tensor}` for `functional_call` on the model;
+        a conditioned plan takes `condition` or `task` as `gb.apply` does."""
         out: dict[str, Tensor] = {}
-        for name, local in self.selection.apply(gparams).items():
+        for name, local in self.selection.apply(gparams, condition=condition, task=task).items():
             placements, scale, shape = self._wrap[name]
             if scale != 1.0 and local.requires_grad:  # identical copies: their sum is the mean
                 local.register_hook(lambda grad, scale=scale: grad * scale)

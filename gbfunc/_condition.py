@@ -1,0 +1,123 @@
+"""Conditional genomes: one genome, a weight set per condition (a task, an input's features).
+
+A condition `z` (width `plan.condition`) enters each conditioned g-net's first layer as
+`z @ w_cond`, a shift of that layer's bias shared by all the g-net's tiles. So a call folds
+it into `b_in` once and every generation path (torch, graph, C loops, Triton) runs the plan
+without a condition, unchanged: forward, backward (into `w_cond` and `z`) and under
+`torch.func.vmap` over conditions alike.
+"""
+
+import functools
+from dataclasses import replace
+
+import torch
+from torch import Tensor
+
+from ._check_gparams import TASKS
+from ._plan import Plan
+from ._tree import GParams
+
+COND_LEAF = "w_cond"
+
+
+def condition_of(
+    gparams: GParams,
+    plan: Plan,
+    condition: Tensor | None,
+    task: int | Tensor | None,
+    where: str,
+) -> Tensor | None:
+    """The condition vector of a call (`condition=` given, or the task embedding `task=`
+    names), checked against `plan`; None for a plan without a condition."""
+    if condition is not None and task is not None:
+        raise ValueError(f"{where}: pass condition= or task=, not both.")
+    width = plan.condition
+    if not width:
+        if condition is not None or task is not None:
+            given = "condition=" if condition is not None else "task="
+            raise ValueError(
+                f"{where}: {given} was given, but the plan's g-nets read no condition; make "
+                "the plan with gb.plan(..., condition=<width>)."
+            )
+        return None
+    if task is not None:
+        return _task_embedding(gparams, plan, task, where)
+    if condition is None:
+        tasks = f" or task= (0..{plan.tasks - 1})" if plan.tasks else ""
+        raise ValueError(
+            f"{where}: the plan's g-nets read a condition of width {width}: pass "
+            f"condition= (a tensor of shape ({width},)){tasks}."
+        )
+    if not isinstance(condition, Tensor):
+        raise TypeError(
+            f"{where}: condition must be a Tensor of shape ({width},), got "
+            f"{type(condition).__name__}."
+        )
+    if tuple(condition.shape) != (width,) or not condition.is_floating_point():
+        raise ValueError(
+            f"{where}: condition has shape {tuple(condition.shape)} and dtype "
+            f"{condition.dtype}; expected a floating tensor of shape ({width},) (for many "
+            "conditions at once, torch.func.vmap over them)."
+        )
+    return condition
+
+
+def _task_embedding(gparams: GParams, plan: Plan, task: int | Tensor, where: str) -> Tensor:
+    """Row `task` of `gparams["tasks"]`; an int is range-checked, a 0-d integer tensor (one
+    of a `vmap`ped batch of task ids) is indexed as it is."""
+    if not plan.tasks:
+        raise ValueError(
+            f"{where}: task= needs learned task embeddings; make the plan with "
+            "gb.plan(..., condition=<width>, tasks=<n>), or pass condition= vectors of your own."
+        )
+    table = gparams[TASKS]
+    if isinstance(task, Tensor):
+        if task.dim() != 0 or task.is_floating_point() or task.is_complex():
+            raise ValueError(
+                f"{where}: task must be an int or a 0-d integer tensor, got a {task.dtype} "
+                f"tensor of shape {tuple(task.shape)} (for many tasks, torch.func.vmap over "
+                "their ids)."
+            )
+        return table.index_select(0, task.reshape(1).to(table.device)).squeeze(0)
+    if isinstance(task, bool) or not isinstance(task, int) or not 0 <= task < plan.tasks:
+        raise ValueError(f"{where}: task must be an int in 0..{plan.tasks - 1}, got {task!r}.")
+    return table[task]
+
+
+def conditioned(gparams: GParams, plan: Plan, z: Tensor) -> tuple[GParams, Plan]:
+    """`(gparams, plan)` for the condition `z` as a plan without one: each conditioned
+    stack's `b_in` shifted by `z @ w_cond`, `w_cond` and the task embeddings dropped."""
+    stacks = {}
+    for stack in plan.stacks:
+        leaves = gparams["stacks"][stack.key]
+        if stack.genome.condition:
+            leaves = dict(leaves)
+            w_cond = leaves.pop(COND_LEAF)  # (G, width, H)
+            if z.device != w_cond.device:
+                raise ValueError(
+                    f"the condition is on {z.device} but the g-nets of stack {stack.key!r} "
+                    f"are on {w_cond.device}."
+                )
+            shift = torch.einsum("w,gwh->gh", z.to(w_cond.dtype), w_cond)
+            leaves["b_in"] = leaves["b_in"] + shift
+        stacks[stack.key] = leaves
+    rest = {"stacks": stacks, "free": gparams["free"], "frozen": gparams["frozen"]}
+    return rest, unconditioned(plan)
+
+
+def unconditioned(plan: Plan) -> Plan:
+    """`plan` with no condition: its stacks' genomes read none and it has no task
+    embeddings, naming no model (generation reads none). Cached eagerly, one object per
+    plan as for a plan without a condition; traced by torch.compile, built afresh."""
+    return _unconditioned(plan) if torch.compiler.is_compiling() else _cached(plan)
+
+
+def _unconditioned(plan: Plan) -> Plan:
+    stacks = tuple(
+        replace(s, genome=replace(s.genome, condition=0)) if s.genome.condition else s
+        for s in plan.stacks
+    )
+    return replace(plan, stacks=stacks, tasks=0, source=None, buffer_names=())
+
+
+_cached = functools.lru_cache(maxsize=64)(_unconditioned)

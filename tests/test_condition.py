@@ -1,0 +1,288 @@
+"""Conditional genomes: one genome, a weight set per condition or per learned task.
+
+`gb.plan(..., condition=w, tasks=n)`; `gb.apply(gparams, plan, condition=z)` or `task=i`.
+Every path is compared with `tests/naive.py`, which adds `z @ w_cond` to each g-net's first
+layer from the definition, one tile at a time.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from naive import naive_apply
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+import gbfunc as gb
+from gbfunc._serial import plan_from_json, plan_to_json
+from gbfunc.cpu import _build
+
+needs_loops = pytest.mark.skipif(
+    _build.flavour() is None or _build.compiler() is None,
+    reason="the loops are not built on this machine (mode, platform or compiler)",
+)
+
+
+def mlp(inputs: int = 12, hidden: int = 10, outputs: int = 3) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(inputs, hidden), nn.ReLU(), nn.Linear(hidden, outputs))
+
+
+def conditioned(plan: gb.Plan, seed: int = 0) -> dict:
+    """`gb.init(plan)` with `w_cond` drawn (it starts at zero, where conditions do not matter)."""
+    gparams = gb.init(plan, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for leaves in gparams["stacks"].values():
+            if "w_cond" in leaves:
+                leaves["w_cond"].copy_(torch.randn(leaves["w_cond"].shape, generator=gen))
+    return gparams
+
+
+def close(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for name in got:
+        torch.testing.assert_close(got[name], want[name].to(got[name].dtype), atol=1e-5, rtol=1e-4)
+
+
+@st.composite
+def conditioned_plans(draw) -> tuple[gb.Plan, torch.Tensor]:
+    inputs, hidden = draw(st.integers(3, 13)), draw(st.integers(2, 11))
+    genome = {
+        "tile": draw(st.sampled_from([(2, 3), (4, 4), (3, 5), "full"])),
+        "hidden": draw(st.sampled_from([2, 5])),
+        "depth": draw(st.integers(1, 2)),
+        "activation": draw(st.sampled_from(["relu", "tanh", "gelu"])),
+        "share": draw(st.booleans()),
+        "hashed": draw(st.sampled_from([0, 3])),
+        "biases": draw(st.booleans()),
+    }
+    width = draw(st.integers(1, 4))
+    plan = gb.plan(mlp(inputs, hidden), condition=width, **genome)
+    z = torch.randn(width, generator=torch.Generator().manual_seed(draw(st.integers(0, 99))))
+    return plan, z
+
+
+@settings(max_examples=25, deadline=None)
+@given(conditioned_plans())
+def test_apply_with_a_condition_equals_the_per_tile_reference(case):
+    plan, z = case
+    gparams = conditioned(plan)
+    close(gb.apply(gparams, plan, condition=z), naive_apply(gparams, plan, z))
+
+
+def test_conditions_start_neutral_and_the_other_leaves_start_as_without_one():
+    plain = gb.plan(mlp(), tile=(4, 4), hidden=5)
+    plan = gb.plan(mlp(), tile=(4, 4), hidden=5, condition=3, tasks=4)
+    gparams, reference = gb.init(plan, seed=3), gb.init(plain, seed=3)
+    for key, leaves in gparams["stacks"].items():
+        assert torch.equal(leaves["w_cond"], torch.zeros(leaves["w_in"].shape[0], 3, 5))
+        assert leaves.keys() - reference["stacks"][key].keys() == {"w_cond"}
+        for name, value in reference["stacks"][key].items():
+            assert torch.equal(value, leaves[name]), name
+    assert gparams["tasks"].shape == (4, 3)
+    assert gparams["tasks"].requires_grad
+    weights = [gb.apply(gparams, plan, task=i)["0.weight"] for i in range(4)]
+    assert all(torch.equal(w, weights[0]) for w in weights)
+    assert torch.equal(weights[0], gb.apply(reference, plain)["0.weight"])
+    meta = gb.init(plan, device="meta")
+    assert meta["tasks"].is_meta
+    assert meta["tasks"].shape == (4, 3)
+
+
+def test_an_override_leaves_a_layer_unconditioned():
+    plan = gb.plan(mlp(), tile=(4, 4), hidden=5, condition=2, overrides={"2.*": {"condition": 0}})
+    gparams = conditioned(plan)
+    first, last = (plan.stacks[plan.params[i].stack_index] for i in (0, 2))
+    assert first.genome.condition == 2
+    assert last.genome.condition == 0
+    a = gb.apply(gparams, plan, condition=torch.tensor([1.0, 0.0]))
+    b = gb.apply(gparams, plan, condition=torch.tensor([0.0, 1.0]))
+    assert not torch.equal(a["0.weight"], b["0.weight"])
+    assert torch.equal(a["2.weight"], b["2.weight"])
+
+
+@needs_loops
+@pytest.mark.parametrize(
+    ("options", "path"),
+    [
+        ({"tile": (16, 16), "hidden": 8, "outputs": 16}, ("stacks", "cpu-loops")),
+        ({"tile": (16, 16), "hidden": 8, "depth": 2}, ("graph", "graph")),
+    ],
+    ids=["cpu-loops", "graph"],
+)
+def test_each_compiled_path_takes_the_condition_forward_and_backward(options, path):
+    model = nn.Sequential(nn.Linear(40, 48), nn.ReLU(), nn.Linear(48, 10))
+    plan = gb.plan(model, condition=3, tasks=2, **options)
+    gparams = conditioned(plan)
+    route = gb.explain(gparams, plan, compile=True).route
+    assert (route.plan, route.stacks[0]) == path
+    x = torch.randn(5, 40)
+
+    def loss(gparams, compile):
+        params = gb.apply(gparams, plan, task=1, compile=compile)
+        return functional_call(model, params, (x,)).square().mean()
+
+    compiled = loss(gparams, True)
+    compiled.backward()
+    got = {"tasks": gparams["tasks"].grad.clone()}
+    got.update({k: v["w_cond"].grad.clone() for k, v in gparams["stacks"].items()})
+    for leaf in gb.trainable_leaves(gparams):
+        leaf.grad = None
+    eager = loss(gparams, False)
+    eager.backward()
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got["tasks"], gparams["tasks"].grad, rtol=1e-4, atol=1e-6)
+    for key, leaves in gparams["stacks"].items():
+        torch.testing.assert_close(got[key], leaves["w_cond"].grad, rtol=1e-4, atol=1e-6)
+
+
+def test_gradients_of_the_condition_and_w_cond_equal_the_reference():
+    model = mlp()
+    plan = gb.plan(model, tile=(4, 4), hidden=5, condition=3, share=True, hashed=4)
+    gparams = conditioned(plan)
+    x, z = torch.randn(6, 12), torch.randn(3)
+
+    def loss(apply, gparams, z):
+        return functional_call(model, apply(gparams, z), (x,)).square().mean()
+
+    def fast(g, z):
+        return gb.apply(g, plan, condition=z)
+
+    def slow(g, z):
+        return naive_apply(g, plan, z)
+
+    got = grad(loss, argnums=(1, 2))(fast, gparams, z)
+    want = grad(loss, argnums=(1, 2))(slow, gparams, z)
+    torch.testing.assert_close(got[1], want[1].float(), rtol=1e-4, atol=1e-6)
+    for key in gparams["stacks"]:
+        torch.testing.assert_close(
+            got[0]["stacks"][key]["w_cond"], want[0]["stacks"][key]["w_cond"], rtol=1e-4, atol=1e-6
+        )
+
+
+def test_vmap_over_conditions_and_tasks_gives_one_weight_set_each():
+    model = mlp()
+    plan = gb.plan(model, tile=(4, 4), hidden=5, condition=3, tasks=4)
+    gparams = conditioned(plan)
+    zs = torch.randn(5, 3)
+    batched = vmap(lambda z: gb.apply(gparams, plan, condition=z))(zs)
+    for i, z in enumerate(zs):
+        close({k: v[i] for k, v in batched.items()}, gb.apply(gparams, plan, condition=z))
+    per_task = vmap(lambda t: gb.apply(gparams, plan, task=t))(torch.arange(4))
+    for i in range(4):
+        close({k: v[i] for k, v in per_task.items()}, gb.apply(gparams, plan, task=i))
+    # per-sample weights: each input through the weights of its own condition
+    x = torch.randn(5, 12)
+
+    def one(z, xi):
+        return functional_call(model, gb.apply(gparams, plan, condition=z), (xi[None],))[0]
+
+    out = vmap(one)(zs, x)
+    for i in range(5):
+        torch.testing.assert_close(out[i], one(zs[i], x[i]))
+
+
+def test_a_compiled_step_with_a_condition_is_one_graph_and_equals_eager():
+    model = mlp()
+    plan = gb.plan(model, tile=(4, 4), hidden=5, condition=2, tasks=3)
+    gparams = conditioned(plan)
+    x = torch.randn(4, 12)
+
+    def loss(gparams, task):
+        return functional_call(model, gb.apply(gparams, plan, task=task), (x,)).square().mean()
+
+    step = torch.compile(grad(loss), fullgraph=True)
+    task = torch.tensor(2)
+    got, want = step(gparams, task), grad(loss)(gparams, task)
+    torch.testing.assert_close(got["tasks"], want["tasks"], rtol=1e-4, atol=1e-6)
+    assert bool(want["tasks"][2].abs().sum() > 0)
+    assert bool((want["tasks"][:2] == 0).all())
+
+
+def test_checkpoints_module_export_report_and_optimizer_keep_the_task_embeddings(tmp_path):
+    model = mlp()
+    net = gb.Bottleneck(model, tile=(4, 4), hidden=5, condition=3, tasks=4)
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            if name.endswith("w_cond"):
+                p.normal_()
+    x = torch.randn(2, 12)
+    with pytest.raises(ValueError, match=r"condition of width 3: pass condition= .* task="):
+        net(x)
+    net.task = 2
+    before = net(x)
+    path = tmp_path / "c.safetensors"
+    gb.save(path, net.gparams, net.plan)
+    gparams, plan, *_ = gb.load(path, model)
+    assert plan.tasks == 4
+    assert torch.equal(gparams["tasks"], net.tasks.detach())
+    again = gb.Bottleneck.from_checkpoint(path, model)
+    again.task = 2
+    torch.testing.assert_close(again(x), before)
+    dense = net.export()
+    torch.testing.assert_close(functional_call(model, dense, (x,)), before.detach())
+    other = gb.export(gparams, plan, task=0)
+    assert not torch.equal(other["0.weight"], dense["0.weight"])
+    assert gb.report(plan).task_params == 12
+    assert gb.report(plan).stored_params == gb.report(
+        gb.plan(model, tile=(4, 4), hidden=5)
+    ).stored_params + 12 + sum(s.num_gnets * 15 for s in plan.stacks)
+    groups = gb.optim.param_groups(gparams, plan, free_lr=1e-3)
+    (rate,) = [g["lr"] for g in groups if any(p is gparams["tasks"] for p in g["params"])]
+    assert rate == gb.optim.GNET_LR["relu"]
+    assert gb.trainable_leaves(gparams)[-1] is gparams["tasks"]
+    state = gb.optim.adamw_init(gparams)
+    grads = grad(lambda g: functional_call(model, gb.apply(g, plan, task=1), (x,)).sum())(gparams)
+    stepped, _ = gb.optim.adamw_update(gparams, grads, state, lr=0.1)
+    assert not torch.equal(stepped["tasks"][1], gparams["tasks"][1])
+    assert torch.equal(stepped["tasks"][0], gparams["tasks"][0])
+
+
+def test_plans_without_a_condition_keep_their_json_and_conditioned_ones_round_trip():
+    plain = gb.plan(mlp(), tile=(4, 4), hidden=5)
+    assert "condition" not in plan_to_json(plain)
+    assert "tasks" not in plan_to_json(plain)
+    plan = gb.plan(mlp(), tile=(4, 4), hidden=5, condition=3, tasks=2)
+    back = plan_from_json(plan_to_json(plan))
+    assert back == plan
+    assert back.fingerprint() == plan.fingerprint()
+    assert back.condition == 3
+    assert back.tasks == 2
+    assert plan.fingerprint() != plain.fingerprint()
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda g, p, q: gb.apply(g, p), r"condition of width 3: pass condition="),
+        (lambda g, p, q: gb.apply(g, p, condition=torch.ones(4)), r"shape \(4,\) .* \(3,\)"),
+        (lambda g, p, q: gb.apply(g, p, task=4), r"task must be an int in 0\.\.3"),
+        (lambda g, p, q: gb.apply(g, p, task=torch.tensor(1.0)), r"0-d integer tensor"),
+        (lambda g, p, q: gb.apply(g, p, task=1, condition=torch.ones(3)), "not both"),
+        (lambda g, p, q: gb.apply(gb.init(q), q, condition=torch.ones(3)), "read no condition"),
+        (
+            lambda g, p, q: gb.plan(mlp(), condition=2, tasks=3, overrides={"*": {"condition": 0}}),
+            "needs a condition",
+        ),
+        (
+            lambda g, p, q: gb.plan(mlp(), condition=2, overrides={"2.*": {"condition": 3}}),
+            r"widths \[2, 3\]",
+        ),
+        (lambda g, p, q: gb.plan(mlp(), condition=-1), "condition"),
+        (
+            lambda g, p, q: gb.apply({**g, "tasks": g["tasks"][:2]}, p, task=0),
+            r"gparams\['tasks'\] has shape \(2, 3\); expected \(4, 3\)",
+        ),
+    ],
+)
+def test_bad_conditions_are_refused_with_the_argument_named(call, message):
+    plan = gb.plan(mlp(), tile=(4, 4), hidden=5, condition=3, tasks=4)
+    plain = gb.plan(mlp(), tile=(4, 4), hidden=5)
+    with pytest.raises((ValueError, TypeError), match=message):
+        call(gb.init(plan), plan, plain)
+
+
+def test_task_without_embeddings_asks_for_tasks():
+    plan = gb.plan(mlp(), tile=(4, 4), hidden=5, condition=3)
+    with pytest.raises(ValueError, match=r"task= needs learned task embeddings"):
+        gb.apply(gb.init(plan), plan, task=0)
