@@ -96,7 +96,29 @@ def dp_worker(rank: int, world: int, tmp: str) -> dict:
     out["owned_digest"] = _digest(full)
     out["owned_bytes"] = owned.comm_bytes + free_sync.comm_bytes
     out["owned_gnets"] = sum(len(leaves["w_in"]) for leaves in local["stacks"].values())
+
+    # A conditioned plan (issue 56), rank-owned: each rank holds the part of the task
+    # embedding's gradient its own g-nets give, summed over the ranks by `apply`.
+    conditioned = gb.plan(model, tile=(16, 16), condition=3, tasks=2)
+    generate = lambda g: gb.apply(g, conditioned, task=1)
+    ref = _with_w_cond(gb.init(conditioned, seed=0))
+    _train(ref, generate, model, _sgd(ref), range(STEPS), lambda batch: batch)
+    owned = gbd.RankOwned(conditioned)
+    local = owned.shard(_with_w_cond(gb.init(conditioned, seed=0)))
+    free_sync = gbd.GradSync(list(local["free"].values()), mesh)
+    generate = lambda g: owned.apply(g, task=1)
+    _train(local, generate, model, _sgd(local), range(STEPS), shard, free_sync.wait)
+    out["conditioned_diff"] = _max_diff(owned.gather(local), ref)
     return out
+
+
+def _with_w_cond(gparams: dict) -> dict:
+    """`gparams` with every `w_cond` drawn (it starts at zero: no gradient into the tasks)."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for leaves in gparams["stacks"].values():
+            leaves["w_cond"].copy_(torch.randn(leaves["w_cond"].shape, generator=gen) / 4)
+    return gparams
 
 
 @pytest.mark.slow
@@ -107,6 +129,7 @@ def test_data_parallel_matches_one_process_on_the_global_batch(tmp_path):
     for r in results:
         assert r["replicated_diff"] < 2e-5, r
         assert r["owned_diff"] < 2e-5, r
+        assert r["conditioned_diff"] < 2e-5, r
         assert r["resumed_digest"] == r["replicated_digest"]  # bitwise the same trajectory
     assert len({r["replicated_digest"] for r in results}) == 1  # bitwise-identical g-nets
     assert len({r["owned_digest"] for r in results}) == 1

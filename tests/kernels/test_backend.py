@@ -197,3 +197,34 @@ def test_gpu_auto_picks_triton_and_compiles_fullgraph():
     assert_trees_close(compiled, eager, "compiled grad", **GRAD_TOLERANCE)
     torch_grads = grad(loss)(gparams, plan, model, "torch", x)
     assert_trees_close(eager, torch_grads, "triton vs torch", **GRAD_TOLERANCE)
+
+
+@settings(max_examples=4, deadline=None)
+@given(genomes(), st.integers(1, 3), st.integers(0, 2**16))
+def test_triton_backend_takes_a_condition_forward_and_backward(genome, width, seed):
+    """A conditioned plan (issue 56) through the kernels: weights and the gradients of every
+    leaf, `w_cond` and the task embeddings included, as on the torch backend."""
+    model = tiny_net()
+    plan = gb.plan(model, condition=width, tasks=2, **genome)
+    gparams = gb.init(plan, seed=seed, device=KERNEL_DEVICE)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for leaves in gparams["stacks"].values():
+            leaves["w_cond"].copy_(torch.randn(leaves["w_cond"].shape, generator=gen))
+    k = gain(gparams)
+
+    def conditioned_loss(gparams: dict, backend: str) -> Tensor:
+        params = gb.apply(gparams, plan, task=1, backend=backend)
+        return functional_call(model, params, (INPUT,)).square().mean()
+
+    assert_trees_close(
+        gb.apply(gparams, plan, task=1, backend="triton"),
+        gb.apply(gparams, plan, task=1, backend="torch"),
+        "weights",
+        atol=2e-6 * k,
+    )
+    got = grad(conditioned_loss)(gparams, "triton")
+    want = grad(conditioned_loss)(gparams, "torch")
+    assert bool(want["tasks"][1].abs().sum() > 0)
+    tolerance = {**GRAD_TOLERANCE, "atol": GRAD_TOLERANCE["atol"] * k}
+    assert_trees_close(got, want, "grad gparams", **tolerance)
