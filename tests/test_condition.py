@@ -286,3 +286,40 @@ def test_task_without_embeddings_asks_for_tasks():
     plan = gb.plan(mlp(), tile=(4, 4), hidden=5, condition=3)
     with pytest.raises(ValueError, match=r"task= needs learned task embeddings"):
         gb.apply(gb.init(plan), plan, task=0)
+
+
+def test_the_dynamic_example_runs_each_input_through_its_own_weights():
+    from examples import dynamic
+
+    model = dynamic.classifier()
+    plan = dynamic.plan_for(model, dynamic.WIDTH)
+    gparams = conditioned(plan)
+    z, x = torch.randn(3, dynamic.WIDTH), torch.rand(3, 1, 8, 8)
+    logits = dynamic.per_input_logits(model, plan, gparams, z, x)
+    for i in range(3):
+        own = functional_call(model, gb.apply(gparams, plan, condition=z[i]), (x[i],))
+        torch.testing.assert_close(logits[i], own)
+    accuracy, params = dynamic.train(dynamic=True, steps=2)
+    assert 0 <= accuracy <= 1
+    assert params == gb.report(plan).stored_params + 64 * dynamic.WIDTH + dynamic.WIDTH
+
+
+def test_bench_condition_times_the_same_weights_and_gradients_both_ways():
+    from benchmarks import bench_condition
+
+    (_, plan), *_ = bench_condition.models().values()
+    gparams = conditioned(plan)
+    zs = torch.randn(4, bench_condition.WIDTH, requires_grad=True)
+    grads = []
+    for name, run in bench_condition.contenders(gparams, plan, zs, backward=True).items():
+        run()
+        grads.append(
+            (name, zs.grad.clone(), [t.grad.clone() for t in gb.trainable_leaves(gparams)])
+        )
+        zs.grad = None
+        for leaf in gb.trainable_leaves(gparams):
+            leaf.grad = None
+    (_, z_vmap, leaves_vmap), (_, z_loop, leaves_loop) = grads
+    torch.testing.assert_close(z_vmap, z_loop, rtol=1e-4, atol=1e-5)
+    for a, b in zip(leaves_vmap, leaves_loop, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
