@@ -9,7 +9,7 @@ g-nets are trained and stored.
     out = torch.func.functional_call(model, params, (x,))
 """
 
-from . import compat as compat, cpu as cpu, memory as memory, optim as optim
+from . import compat as compat, continual as continual, cpu as cpu, memory as memory, optim as optim
 from ._apply import apply as apply
 from ._calibrate import calibrate as calibrate
 from ._checkpoint import (
@@ -61,6 +61,7 @@ __all__ = [
     "apply",
     "calibrate",
     "compat",
+    "continual",
     "cpu",
     "explain",
     "export",

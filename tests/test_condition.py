@@ -323,3 +323,31 @@ def test_bench_condition_times_the_same_weights_and_gradients_both_ways():
     torch.testing.assert_close(z_vmap, z_loop, rtol=1e-4, atol=1e-5)
     for a, b in zip(leaves_vmap, leaves_loop, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_the_continual_penalty_is_zero_at_its_targets_and_pulls_back_to_them():
+    model = mlp()
+    plan = gb.plan(model, tile=(4, 4), hidden=5, condition=3, tasks=3)
+    gparams = conditioned(plan)
+    earlier = gb.continual.targets(gparams, plan, tasks=[0, 1])
+    assert sorted(earlier) == [0, 1]
+    assert gb.continual.penalty(gparams, plan, earlier).detach().item() == 0
+    assert gb.continual.penalty(gparams, plan, {}).detach().item() == 0
+    with torch.no_grad():
+        gparams["tasks"][1] += 0.5
+    moved = gb.continual.penalty(gparams, plan, earlier, strength=2.0)
+    by_hand = sum(
+        (gb.apply(gparams, plan, task=1)[k] - earlier[1][k]).square().sum() for k in earlier[1]
+    )
+    torch.testing.assert_close(moved, 2.0 * by_hand / 2)
+    (g,) = torch.autograd.grad(moved, gparams["tasks"])
+    assert bool(g[1].abs().sum() > 0)
+    assert bool((g[0] == 0).all())
+    assert bool((g[2] == 0).all())
+    with pytest.raises(ValueError, match=r"task ids must be ints in 0\.\.2, got 3"):
+        gb.continual.targets(gparams, plan, tasks=[3])
+    with pytest.raises(ValueError, match="strength"):
+        gb.continual.penalty(gparams, plan, earlier, strength=-1)
+    plain = gb.plan(model, tile=(4, 4), hidden=5, condition=3)
+    with pytest.raises(ValueError, match="no task embeddings"):
+        gb.continual.targets(gb.init(plain), plain, tasks=[0])

@@ -55,7 +55,13 @@ def test_the_api_pages_render_the_bottleneck_constructor_and_every_name(site):
     html = (site / "api" / "gbfunc" / "index.html").read_text()
     assert "plan_options" in html  # gb.Bottleneck.__init__'s arguments, merged into the class
     for name in gb.__all__:
-        assert f'id="gbfunc.{name}"' in html or name in ("optim", "memory", "cpu", "compat")
+        assert f'id="gbfunc.{name}"' in html or name in (
+            "optim",
+            "memory",
+            "cpu",
+            "compat",
+            "continual",
+        )
     dist = (site / "api" / "dist" / "index.html").read_text()
     for name in gbd.__all__:
         assert f'id="gbfunc.dist.{name}"' in dist
