@@ -53,6 +53,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "tables init x0.3": {"table_init": 0.3},
     # every leaf row (tables' tiles, g-nets) of the embeddings at a factor of its rate
     "embeddings x0.1 rate": {"param_rates": {"tok.weight": 0.1, "pos.weight": 0.1}},
+    "embeddings x0.3 rate": {"param_rates": {"tok.weight": 0.3, "pos.weight": 0.3}},
     "embeddings x0.03 rate": {"param_rates": {"tok.weight": 1 / 30, "pos.weight": 1 / 30}},
     "embeddings free": {"plan": {"embeddings": False}},
 }

@@ -6,7 +6,6 @@ optimizer. `train` steps several arms on the same batches and records their curv
 draws them.
 """
 
-import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +38,8 @@ class TrainConfig:
         lr_narrow: Peak learning rate of the narrow equal-parameter arm (default `lr_dense`).
         lr_low_rank: Peak learning rate of the low-rank equal-parameter arm (default
             `lr_dense`).
-        warmup: Linear warmup steps before the cosine decay.
+        warmup: Linear warmup steps before the cosine decay (None: `gb.optim.schedule`'s
+            default, a quarter of the steps).
         eval_every: Steps between validation points on the curves.
         compile: `torch.compile` each arm's loss.
         seed: The (first) seed of the initialisation and of the batches.
@@ -55,7 +55,7 @@ class TrainConfig:
     lr_narrow: float | None = None
     lr_low_rank: float | None = None
     weight_decay: float = 0.0
-    warmup: int = 30
+    warmup: int | None = None
     eval_every: int = 50
     compile: bool = False
     seed: int = 0
@@ -137,9 +137,7 @@ def make_arm(
         return F.cross_entropy(logits.flatten(0, -2), y.flatten())
 
     optimizer = torch.optim.AdamW([g for g in groups if g["params"]], weight_decay=cfg.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, cfg.warmup, cfg.steps)
-    )
+    schedule = gb.optim.schedule(optimizer, cfg.steps, warmup=cfg.warmup)
     # Every arm compiles this same `loss`: without dynamic=False the second arm's shapes would
     # make dynamo recompile it with symbolic sizes, which inductor runs several times slower.
     compiled = torch.compile(loss, dynamic=False) if cfg.compile else loss
@@ -149,14 +147,6 @@ def make_arm(
 def at_rate(tree: Tree, lr: float) -> list[dict]:
     """One parameter group: every leaf of `tree` that requires grad, at peak rate `lr`."""
     return [{"params": [leaf for leaf in tree_leaves(tree) if leaf.requires_grad], "lr": lr}]
-
-
-def lr_factor(step: int, warmup: int, steps: int) -> float:
-    """Linear warmup to 1, then cosine decay to 0.1 at the last step."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
-    return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
 
 
 def dense_and_gb(

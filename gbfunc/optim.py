@@ -1,9 +1,10 @@
 """Optimising gparams: default learning rates, and a functional AdamW for compiled steps.
 
-`param_groups` gives `torch.optim` (Adam/AdamW with warm-up and cosine decay) the g-nets' default
-learning rates, which depend on the genome: g-nets with a bounded activation (tanh) take
-steps ten times larger than unbounded ones (ReLU, GELU, SiLU), which diverge there, and the
-hashed tables theirs (`GNET_LR`, `TABLE_LR`; measured in `benchmarks/results/lr_rule.md`).
+`param_groups` gives `torch.optim` (Adam/AdamW with warm-up and cosine decay, `schedule`) the
+g-nets' default learning rates, which depend on the genome: g-nets with a bounded activation
+(tanh) take steps ten times larger than unbounded ones (ReLU, GELU, SiLU), which diverge
+there, and the hashed tables theirs (`GNET_LR`, `TABLE_LR`; measured in
+`benchmarks/results/lr_rule.md`).
 
 `torch.optim` works on gparams' leaves as on any parameters; the pure AdamW here exists so a
 step (generate, forward, loss, grad, update) can run under `torch.compile(fullgraph=True)`.
@@ -20,6 +21,7 @@ Example:
     >>> gparams, state = gb.optim.adamw_update(gparams, grads, state, lr=1e-3)
 """
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,7 +31,7 @@ from torch.utils._pytree import tree_map
 
 from ._check_gparams import TASKS, check_gparams
 from ._condition import COND_LEAF
-from ._numbers import real
+from ._numbers import integer, real
 from ._plan import Plan, Stack
 
 AdamState = dict[str, Any]
@@ -79,6 +81,45 @@ def param_groups(
         rate = max(gnet_lr(s, COND_LEAF) for s in fed) * scale
         by_rate.setdefault(rate, []).append(gparams[TASKS])
     return [{"params": params, "lr": rate} for rate, params in by_rate.items()]
+
+
+def schedule(
+    optimizer: torch.optim.Optimizer,
+    steps: int,
+    *,
+    warmup: int | None = None,
+    final: float = 0.1,
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up to each group's peak rate, then cosine decay to `final` times it at
+    `steps`: the schedule the default rates were measured with. Call its `.step()` after
+    each optimizer step.
+
+    Args:
+        optimizer: Over `param_groups`' groups (or any).
+        steps: Training steps.
+        warmup: Warm-up steps; default a quarter of `steps`. A short warm-up lets Adam's first
+            updates, taken before its second moments have settled, move a genome's
+            generated embeddings far from their start, which made a transformer genome's
+            result depend on the seed (`benchmarks/results/stability.md`).
+        final: The last step's rate, as a fraction of the peak.
+
+    Example:
+        >>> plan = gb.plan(nn.Linear(8, 2), tile=(4, 4))
+        >>> opt = torch.optim.AdamW(gb.optim.param_groups(gb.init(plan), plan, free_lr=1e-3))
+        >>> sched = gb.optim.schedule(opt, steps=800)  # 200 steps of warm-up
+    """
+    steps = integer("gb.optim.schedule", "steps", steps, minimum=1)
+    warmup = max(1, steps // 4) if warmup is None else warmup
+    warmup = integer("gb.optim.schedule", "warmup", warmup, minimum=1)
+    final = real("gb.optim.schedule", "final", final, minimum=0)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+        return final + (1 - final) / 2 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def _leaves_by_rate(

@@ -1,5 +1,7 @@
 """`gb.optim.param_groups`: the default learning rates by genome, every trainable leaf once."""
 
+import itertools
+
 import pytest
 import torch
 from torch import nn
@@ -103,3 +105,27 @@ def test_a_bottlenecks_groups_hold_its_parameters_at_the_default_rates():
     assert set(by_id) == {id(p) for p in net.parameters()}
     assert by_id == rates(gb.optim.param_groups(net.gparams, net.plan, free_lr=1e-3, scale=0.5))
     assert sorted(set(by_id.values())) == [1e-3, 0.015, 0.15]
+
+
+def test_the_schedule_warms_up_over_a_quarter_then_decays_to_its_final_fraction():
+    plan = gb.plan(nn.Linear(8, 2), tile=(4, 4))
+    opt = torch.optim.SGD(gb.optim.param_groups(gb.init(plan), plan, free_lr=1.0), lr=1.0)
+    peaks = [g["lr"] for g in opt.param_groups]
+    sched = gb.optim.schedule(opt, steps=800)
+    seen = []
+    for _ in range(800):
+        seen.append(opt.param_groups[0]["lr"] / peaks[0])
+        opt.step()
+        sched.step()
+    assert seen[0] == pytest.approx(1 / 200)
+    assert seen[199] == pytest.approx(1.0)
+    assert seen[200] == pytest.approx(1.0)
+    assert seen[-1] == pytest.approx(0.1, abs=1e-4)
+    assert all(a >= b for a, b in itertools.pairwise(seen[200:]))
+    assert opt.param_groups[-1]["lr"] / peaks[-1] == pytest.approx(0.1)  # every group alike
+    short = gb.optim.schedule(
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), 10, warmup=2
+    )
+    assert short.get_last_lr() == [0.5]
+    with pytest.raises(ValueError, match="steps"):
+        gb.optim.schedule(opt, steps=0)
