@@ -1,0 +1,233 @@
+"""Do the default rates hold where nobody tuned them? (issue 54, item 2)
+
+Chosen before any run (2026-11-28, 04:10 UTC), none used by an earlier run here:
+
+- `email` (text, code): the running Python's source of the `email` package, every `.py` file
+  in sorted order (about 380k characters; `lr_rule`'s held-out corpus is five other modules).
+- `package-docs` (text, prose): the descriptions in the installed distributions' `METADATA`
+  (their READMEs), in the order of their names, cut to the main corpus's length.
+- `digits-rows` (image): the digits MLP 64-800-10 (`equal_params`' task) with a genome no
+  sweep here used: ReLU row g-nets, 32x32 tiles, 8 hidden units, 8 weights per evaluation.
+
+For each, over 3 seeds: gbfunc at `gb.optim.param_groups`' default rates times `scale` in
+(1/3, 1/2, 1, 2, 3) (the free tensors at the main job's dense rate), and the narrow model of
+as many parameters at each of its rates (the transformer: 0.03 and 0.06, the best two of
+`equal_params`' sweep; the MLP: `equal_params`' four). The text tasks are the main job's
+character transformer and hashed genome at ~20x, 800 steps, batch 32; every arm warms up
+over a quarter of the steps (`gb.optim.schedule`'s default) on `equal_params`' protocol.
+The report gives each configuration's mean, standard error and seed spread, the default
+against the best scale, and the default against the narrow model at its best rate.
+
+    python -m benchmarks.transfer --tasks digits-rows email package-docs   # 2 processes
+    python -m benchmarks.transfer --report-only
+"""
+
+import argparse
+import dataclasses
+import functools
+import json
+import statistics
+import sysconfig
+from concurrent.futures import ProcessPoolExecutor
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+import gbfunc as gb
+from benchmarks import equal_params as ep, lr_rule
+from benchmarks._meta import RESULTS, header_md, markdown_table
+from examples.data import CharCorpus, pydoc_text
+from examples.tasks import CharLMConfig, MLPConfig
+
+SCALES = (1 / 3, 1 / 2, 1.0, 2.0, 3.0)
+SEEDS = (0, 1, 2)
+NARROW_LRS = {"text": (0.03, 0.06), "image": (0.003, 0.01, 0.03, 0.1)}
+ROWS_GENOME = {"tile": (32, 32), "hidden": 8, "outputs": 8}
+
+
+def email_text() -> str:
+    """The `email` package's source, file by file in sorted order."""
+    root = Path(sysconfig.get_paths()["stdlib"]) / "email"
+    return "\n".join(p.read_text() for p in sorted(root.rglob("*.py")))
+
+
+def package_docs_text() -> str:
+    """The installed distributions' descriptions, by name, cut to the main corpus's length."""
+    dists = sorted(metadata.distributions(), key=lambda d: d.metadata["Name"].lower())
+    text = "\n".join(d.metadata.get_payload() or "" for d in dists)
+    return text[: len(pydoc_text())]
+
+
+@functools.cache
+def corpus(name: str) -> CharCorpus:
+    return CharCorpus.from_text({"email": email_text, "package-docs": package_docs_text}[name]())
+
+
+def text_task(name: str) -> ep.Task:
+    return dataclasses.replace(
+        ep.TASKS["charlm"],
+        name=f"character transformer, {name} corpus",
+        build=lambda width: ep.charlm_model(width, corpus(name)),
+        data=lambda: ep.charlm_data(corpus(name)),
+    )
+
+
+TASKS = {  # name: (kind, task, genome, the free tensors' rate)
+    "email": ("text", "email", lr_rule.TASKS["charlm"].genomes[3][2], CharLMConfig().lr_dense),
+    "package-docs": (
+        "text",
+        "package-docs",
+        lr_rule.TASKS["charlm"].genomes[3][2],
+        CharLMConfig().lr_dense,
+    ),
+    "digits-rows": ("image", "mlp", ROWS_GENOME, MLPConfig().lr_dense),
+}
+
+
+def run(task_name: str, arm: str, value: float, seed: int) -> dict:
+    """One run: `arm` "gbfunc" at `scale=value`, or "narrow" at rate `value`."""
+    torch.set_num_threads(1)
+    kind, base, options, free_lr = TASKS[task_name]
+    task = text_task(base) if kind == "text" else ep.TASKS[base]
+    data = task.data()
+    warmup = max(1, task.steps // 4)
+    if arm == "gbfunc":
+        trained, plan = ep.gbfunc_arm(task, "transfer", options, seed, data)
+        default = lr_rule.rates(trained.tree, plan, "default")
+        scaled = {leaf: rate * value for leaf, rate in default.items()}
+        trained = lr_rule.at_rates(trained, plan, scaled, free_lr)
+        params = gb.report(plan).stored_params
+        loss, acc = ep.train(trained, 1.0, data, task.steps, task.batch, seed, warmup=warmup)
+    else:
+        narrow = ep.arms_at(task, "transfer", options, seed, data)[1]
+        params = narrow.params
+        loss, acc = ep.train(narrow, value, data, task.steps, task.batch, seed, warmup=warmup)
+    return {
+        "task": task_name,
+        "arm": arm,
+        "value": value,
+        "seed": seed,
+        "params": params,
+        "val_loss": loss,
+        "val_acc": acc,
+    }
+
+
+def jobs(task_name: str) -> list[tuple[str, str, float, int]]:
+    kind = TASKS[task_name][0]
+    arms = [("gbfunc", s) for s in SCALES] + [("narrow", lr) for lr in NARROW_LRS[kind]]
+    return [(task_name, arm, value, seed) for arm, value in arms for seed in SEEDS]
+
+
+def summary(rows: list[dict], task_name: str) -> list[dict]:
+    """Per configuration of `task_name`: the score's mean, s.e. and spread over seeds."""
+    metric = "val_loss" if TASKS[task_name][0] == "text" else "val_acc"
+    scale = 1.0 if metric == "val_loss" else 100.0
+    groups: dict[tuple[str, float], list[float]] = {}
+    for r in rows:
+        if r["task"] == task_name:
+            groups.setdefault((r["arm"], r["value"]), []).append(r[metric] * scale)
+    out = []
+    for (arm, value), scores in sorted(groups.items()):
+        sd = statistics.stdev(scores) if len(scores) > 1 else 0.0
+        out.append(
+            {
+                "arm": arm,
+                "value": value,
+                "seeds": len(scores),
+                "mean": statistics.mean(scores),
+                "se": sd / len(scores) ** 0.5,
+                "spread": max(scores) - min(scores),
+                "scores": scores,
+            }
+        )
+    return out
+
+
+def report(rows: list[dict]) -> str:
+    text = header_md("Default rates where nobody tuned them: two corpora and an image genome")
+    text += "\n" + __doc__.split("\n\n", 1)[1].split("    python -m")[0]
+    for task_name in TASKS:
+        found = summary(rows, task_name)
+        if not found:
+            text += f"\n## {task_name}\n\nNot run.\n"
+            continue
+        lower = TASKS[task_name][0] == "text"
+        unit = "nats" if lower else "%"
+        cells = [
+            [
+                r["arm"],
+                f"scale {r['value']:.3g}" if r["arm"] == "gbfunc" else f"rate {r['value']:g}",
+                ", ".join(f"{s:.4f}" if lower else f"{s:.2f}" for s in r["scores"]),
+                f"{r['mean']:.4f}" if lower else f"{r['mean']:.2f}",
+                f"{r['se']:.4f}" if lower else f"{r['se']:.2f}",
+                f"{r['spread']:.4f}" if lower else f"{r['spread']:.2f}",
+            ]
+            for r in found
+        ]
+        columns = [
+            ("arm", "l"),
+            ("setting", "l"),
+            (f"per seed ({unit})", "l"),
+            ("mean", "r"),
+            ("s.e.", "r"),
+            ("spread", "r"),
+        ]
+        text += f"\n## {task_name}\n\n" + markdown_table(columns, cells)
+        text += verdict(found, lower, rows, task_name)
+    return text
+
+
+def verdict(found: list[dict], lower: bool, rows: list[dict], task_name: str) -> str:
+    """The default against the best scale and against the narrow model's best rate."""
+    best = min if lower else max
+    gb_rows = [r for r in found if r["arm"] == "gbfunc"]
+    narrow = [r for r in found if r["arm"] == "narrow"]
+    default = next((r for r in gb_rows if r["value"] == 1.0), None)
+    if default is None:
+        return ""
+    top = best(gb_rows, key=lambda r: r["mean"])
+    lines = [
+        f"\n- the default (scale 1): {default['mean']:.4g} +- {default['se']:.2g} (spread "
+        f"{default['spread']:.3g}); the best scale, {top['value']:.3g}: {top['mean']:.4g} "
+        f"(default - best: {default['mean'] - top['mean']:+.4f})"
+    ]
+    if narrow:
+        rival = best(narrow, key=lambda r: r["mean"])
+        params = {r["arm"]: r["params"] for r in rows if r["task"] == task_name}
+        lines.append(
+            f"- the narrow model at its best rate, {rival['value']:g}: {rival['mean']:.4g} +- "
+            f"{rival['se']:.2g} (spread {rival['spread']:.3g}); gbfunc's default - narrow: "
+            f"{default['mean'] - rival['mean']:+.4f}; trainable parameters gbfunc "
+            f"{params.get('gbfunc', 0):,}, narrow {params.get('narrow', 0):,}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
+    parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--rows", type=Path, default=RESULTS / "transfer.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "transfer.md")
+    parser.add_argument("--report-only", action="store_true")
+    args = parser.parse_args()
+    rows = json.loads(args.rows.read_text()) if args.rows.exists() else []
+    if not args.report_only:
+        done = {(r["task"], r["arm"], r["value"], r["seed"]) for r in rows}
+        todo = [j for t in args.tasks for j in jobs(t) if j not in done]
+        with ProcessPoolExecutor(args.processes) as pool:
+            for row in pool.map(_run, todo):
+                rows.append(row)
+                print(row, flush=True)
+                args.rows.write_text(json.dumps(rows, indent=1) + "\n")
+    args.out.write_text(report(rows))
+
+
+def _run(job: tuple[str, str, float, int]) -> dict:
+    return run(*job)
+
+
+if __name__ == "__main__":
+    main()
