@@ -351,3 +351,22 @@ def test_the_continual_penalty_is_zero_at_its_targets_and_pulls_back_to_them():
     plain = gb.plan(model, tile=(4, 4), hidden=5, condition=3)
     with pytest.raises(ValueError, match="no task embeddings"):
         gb.continual.targets(gb.init(plain), plain, tasks=[0])
+
+
+@needs_loops
+def test_compiled_vmap_over_conditions_gives_each_conditions_weights():
+    """`torch.compile(vmap(gb.apply))` over conditions, for a plan the C loops take, gives
+    each condition's weights. (With leaves that require grad it fails: dynamo's template of
+    the loops' autograd Function has no vmap rule, torch 2.13; a known limit.)"""
+    model = nn.Sequential(nn.Linear(40, 48), nn.ReLU(), nn.Linear(48, 10))
+    plan = gb.plan(model, tile=(16, 16), hidden=8, outputs=16, condition=2)
+    gparams = conditioned(plan)
+    gparams = torch.utils._pytree.tree_map(lambda t: t.detach(), gparams)
+    zs = torch.randn(3, 2)
+
+    def weights(gparams, zs):
+        return vmap(lambda z: gb.apply(gparams, plan, condition=z))(zs)
+
+    got = torch.compile(weights, fullgraph=True)(gparams, zs)
+    for i, z in enumerate(zs):
+        close({k: v[i] for k, v in got.items()}, naive_apply(gparams, plan, z))
