@@ -551,3 +551,43 @@ def test_bench_memory_init_sets_each_inits_peak_beside_its_largest_stack(monkeyp
     assert (label, largest, meta) == ("layer", 1.0, 0.0)  # 512 x 512 in float32; nothing
     assert held < peak < 3 * largest
     assert ratio == pytest.approx(peak / largest, abs=0.01)
+
+
+def test_transfer_reports_the_default_against_the_best_scale_and_the_narrow_model():
+    from benchmarks import transfer
+
+    rows = [
+        {
+            "task": "email",
+            "arm": "gbfunc",
+            "value": v,
+            "seed": s,
+            "params": 100,
+            "val_loss": loss + 0.01 * s,
+            "val_acc": 0.5,
+        }
+        for v, loss in ((1 / 3, 1.9), (1.0, 1.8), (3.0, 1.7))
+        for s in range(3)
+    ] + [
+        {
+            "task": "email",
+            "arm": "narrow",
+            "value": lr,
+            "seed": s,
+            "params": 110,
+            "val_loss": loss,
+            "val_acc": 0.5,
+        }
+        for lr, loss in ((0.03, 1.85), (0.06, 1.75))
+        for s in range(3)
+    ]
+    (default,) = [r for r in transfer.summary(rows, "email") if r["value"] == 1.0]
+    assert default["mean"] == pytest.approx(1.81)
+    assert default["spread"] == pytest.approx(0.02)
+    assert default["se"] == pytest.approx(0.01 / 3**0.5)
+    text = transfer.report(rows)
+    assert "the best scale, 3: 1.71 (default - best: +0.1000)" in text
+    assert "the narrow model at its best rate, 0.06: 1.75" in text
+    assert "gbfunc's default - narrow: +0.0600" in text
+    assert "## digits-rows\n\nNot run." in text
+    assert len(transfer.jobs("email")) == 3 * (5 + 2)
