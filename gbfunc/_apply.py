@@ -49,10 +49,10 @@ def apply(
             seconds; the result is the same either way, to rounding.
 
     Returns:
-        `{name: tensor}` for every parameter, ready for
-        `torch.func.functional_call(model, params, args)`.
+        A dict of every parameter by name, ready for
+            `torch.func.functional_call(model, params, args)`.
 
-    Example:
+    Examples:
         >>> model = nn.Linear(64, 32)
         >>> plan = gb.plan(model, tile=(16, 16))
         >>> params = gb.apply(gb.init(plan), plan)

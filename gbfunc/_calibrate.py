@@ -41,7 +41,7 @@ def calibrate(
     Returns:
         New gparams (the input is not changed), with the same `requires_grad` flags.
 
-    Example:
+    Examples:
         >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
         >>> plan = gb.plan(model, tile="full", biases=True)
         >>> gparams = gb.calibrate(gb.init(plan), plan, model, torch.randn(64, 8))

@@ -93,7 +93,7 @@ def save(
         step: Training step, an int >= 0.
         meta: Anything JSON can hold.
 
-    Example:
+    Examples:
         >>> model = nn.Linear(64, 32)
         >>> plan = gb.plan(model, tile=(16, 16))
         >>> gparams = gb.init(plan)
@@ -188,8 +188,8 @@ def load(
 
     Returns:
         `Checkpoint(gparams, plan, opt_state, step, meta)`; trainable leaves of `gparams`
-        require grad, as from `gb.init`; the plan names `model` as its model, so that
-        `gb.save(path, gparams, plan)` stores `model`'s buffers again.
+            require grad, as from `gb.init`; the plan names `model` as its model, so that
+            `gb.save(path, gparams, plan)` stores `model`'s buffers again.
     """
     ckpt, buffers = read(path, model, "gb.load", device=device)
     restore_buffers(model, buffers, f"gb.load: {os.fspath(path)}")

@@ -398,7 +398,7 @@ def explain(
     each stack if called here and now (device, dtype, grad mode, `torch.func` transforms,
     the CPU loops' state), and why the paths before it were not taken.
 
-    Example:
+    Examples:
         >>> plan = gb.plan(nn.Linear(64, 32), tile=(16, 16))
         >>> gb.explain(gb.init(plan), plan).route.stacks
         ('torch',)

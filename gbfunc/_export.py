@@ -40,7 +40,7 @@ def export(
     Returns:
         `{name: Tensor}`, detached, each parameter in the dtype the p-net had.
 
-    Example:
+    Examples:
         >>> model = nn.Linear(64, 32)
         >>> plan = gb.plan(model, tile=(16, 16))
         >>> sd = gb.export(gb.init(plan), plan, model=model)
@@ -86,7 +86,7 @@ def save_dense(
     `gb.export`. A path no file can have, or one that cannot be written (a missing
     folder, a full disk), raises a `gb.CheckpointError` naming it, as `gb.save` does.
 
-    Example:
+    Examples:
         >>> import safetensors.torch
         >>> model = nn.Linear(64, 32)
         >>> plan = gb.plan(model, tile=(16, 16))

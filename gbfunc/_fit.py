@@ -64,7 +64,7 @@ def fit(
     Returns:
         `Fitted(gparams, errors)`, leaves with the `requires_grad` flags of `gparams`.
 
-    Example:
+    Examples:
         >>> trained = nn.Linear(64, 32)
         >>> plan = gb.plan(trained, tile=(16, 16))
         >>> fitted = gb.fit(gb.init(plan), plan, trained.state_dict(), steps=50)

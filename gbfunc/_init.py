@@ -54,11 +54,11 @@ def init(
             `.backward()`); pass False for purely functional training with `torch.func`.
 
     Returns:
-        `{"stacks": {key: {leaf: Tensor}}, "free": {name: Tensor}, "frozen": {name: Tensor}}`,
-        and `"tasks"`: the task embeddings `(tasks, condition)`, drawn from N(0, 1), where
-        the plan has them (`gb.plan(..., tasks=n)`).
+        The dict `{"stacks": {key: {leaf: Tensor}}, "free": {name: Tensor}, "frozen":
+            {name: Tensor}}`, and `"tasks"` (the task embeddings `(tasks, condition)`, drawn
+            from N(0, 1)) where the plan has them (`gb.plan(..., tasks=n)`).
 
-    Example:
+    Examples:
         >>> gparams = gb.init(gb.plan(nn.Linear(64, 32), tile=(16, 16)), seed=0)
         >>> sorted(gparams)
         ['free', 'frozen', 'stacks']

@@ -127,7 +127,7 @@ class Bottleneck(nn.Module):
     vector in `b.condition`, or of the task embedding `b.task` names (`b.tasks`, a
     parameter); set one before calling, e.g. `b.task = 2`.
 
-    Example:
+    Examples:
         >>> b = gb.Bottleneck(nn.Linear(64, 32), tile=(16, 16))
         >>> b(torch.randn(2, 64)).shape
         torch.Size([2, 32])
@@ -258,7 +258,7 @@ class Bottleneck(nn.Module):
         """`torch.optim` parameter groups of this module at the default learning rates,
         `gb.optim.param_groups(b.gparams, b.plan, free_lr=free_lr, scale=scale)`.
 
-        Example:
+        Examples:
             >>> net = gb.Bottleneck(nn.Linear(64, 32), tile=(16, 16))
             >>> opt = torch.optim.AdamW(net.param_groups(free_lr=1e-3))
         """
@@ -297,7 +297,7 @@ class Bottleneck(nn.Module):
 
         For the optimizer state, step and meta of the same file, read it with `gb.load`.
 
-        Example:
+        Examples:
             >>> model = nn.Linear(64, 32)
             >>> b = gb.Bottleneck(model, tile=(16, 16))
             >>> gb.save("ckpt.safetensors", b.gparams, b.plan)

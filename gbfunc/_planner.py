@@ -122,7 +122,7 @@ def plan(
     Returns:
         A frozen, hashable `Plan`.
 
-    Example:
+    Examples:
         >>> plan = gb.plan(nn.Linear(256, 128), tile=(32, 32))
         >>> plan.stacks[0].num_tiles
         32

@@ -42,7 +42,7 @@ def save_replicated(
         step: As in `gb.save`.
         meta: As in `gb.save`.
 
-    Example:
+    Examples:
         >>> model = nn.Linear(64, 32)
         >>> plan = gb.plan(model, tile=(16, 16))
         >>> gb.dist.save_replicated("ckpt.safetensors", gb.init(plan), plan, step=7)  # every rank

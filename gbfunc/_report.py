@@ -143,7 +143,7 @@ class Report:
 def report(plan: Plan) -> Report:
     """Exact per-parameter accounting of `plan`.
 
-    Example:
+    Examples:
         >>> rep = gb.report(gb.plan(nn.Linear(256, 128), tile=(32, 32)))
         >>> rep.generated_weights, rep.gnet_params
         (32768, 12320)

@@ -61,7 +61,7 @@ def register_rule(module_type: type, rule: Rule) -> None:
         module_type: An `nn.Module` subclass. The most specific registered base wins.
         rule: `rule(module) -> {local_param_name: Layout}`; parameters it leaves out stay free.
 
-    Example:
+    Examples:
         >>> class Bilinear2(nn.Bilinear): ...
         >>> gb.register_rule(Bilinear2, lambda m: {"weight": gb.Layout(init_std=0.1)})
     """

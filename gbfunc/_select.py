@@ -170,7 +170,7 @@ class Selection:
         regions: The regions asked for, by parameter name.
         tiles: `{stack index: tile indices}` that `apply` evaluates.
 
-    Example:
+    Examples:
         >>> model = nn.ModuleDict({"fc": nn.Linear(128, 256)})
         >>> plan = gb.plan(model, tile=(32, 32))
         >>> sel = Selection(plan, {"fc.weight": ((0, 64), (0, 128))})  # the first 64 rows

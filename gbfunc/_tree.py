@@ -23,7 +23,7 @@ def trainable_leaves(gparams: GParams) -> list[Tensor]:
     Returns:
         `[stack leaves..., free leaves...]`.
 
-    Example:
+    Examples:
         >>> gparams = gb.init(gb.plan(nn.Linear(64, 32), tile=(16, 16)))
         >>> opt = torch.optim.AdamW(gb.trainable_leaves(gparams), lr=1e-3)
     """

@@ -65,7 +65,7 @@ class GenomicBottleneck:
         optimizer: `f(leaves) -> torch.optim.Optimizer` for the g-net stacks; default
             `AdamW(lr=lr, betas=(0.9, 0.95), weight_decay=0.1)`, torchGB's.
 
-    Example:
+    Examples:
         >>> gnets = GenomicBottleneck(nn.Linear(256, 256), hidden_dim=32, tile=(64, 64))
         >>> round(gnets.compression(), 1)
         8.8

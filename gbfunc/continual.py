@@ -7,7 +7,7 @@ generates for them where they were (von Oswald et al. 2020, "Continual learning 
 hypernetworks"), so learning task `t` does not overwrite them. Only the genome and the task
 embeddings are stored, whatever the number of tasks.
 
-Example:
+Examples:
     >>> model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 2))
     >>> plan = gb.plan(model, tile="full", hidden=4, condition=4, tasks=3)
     >>> gparams = gb.init(plan)

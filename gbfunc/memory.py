@@ -8,7 +8,7 @@ import torch
 def saved_bytes(fn: Callable[[], object]) -> int:
     """Bytes of distinct tensor storage autograd saves for backward while `fn()` runs.
 
-    Example:
+    Examples:
         >>> x = torch.randn(1000, requires_grad=True)
         >>> gb.memory.saved_bytes(lambda: x.exp())  # exp saves its output
         4000

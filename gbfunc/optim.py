@@ -10,7 +10,7 @@ there, and the hashed tables theirs (`GNET_LR`, `TABLE_LR`; measured in
 step (generate, forward, loss, grad, update) can run under `torch.compile(fullgraph=True)`.
 The `"frozen"` group is carried through unchanged.
 
-Example:
+Examples:
     >>> model = nn.Linear(8, 2)
     >>> plan = gb.plan(model, tile=(4, 4))
     >>> gparams = gb.init(plan)
@@ -62,7 +62,7 @@ def param_groups(
     sweep `scale` (e.g. 1/3, 1, 3). `gparams` may be a rank's shard
     (`gb.dist.RankOwned.shard`, fewer g-nets per stack).
 
-    Example:
+    Examples:
         >>> model = nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 4))
         >>> plan = gb.plan(model, tile="full", hidden=4, hashed=16)
         >>> groups = gb.optim.param_groups(gb.init(plan), plan, free_lr=1e-3)
@@ -103,7 +103,7 @@ def schedule(
             result depend on the seed (`benchmarks/results/stability.md`).
         final: The last step's rate, as a fraction of the peak.
 
-    Example:
+    Examples:
         >>> plan = gb.plan(nn.Linear(8, 2), tile=(4, 4))
         >>> opt = torch.optim.AdamW(gb.optim.param_groups(gb.init(plan), plan, free_lr=1e-3))
         >>> sched = gb.optim.schedule(opt, steps=800)  # 200 steps of warm-up

@@ -49,7 +49,7 @@ def check_plan(plan: Plan, group: dist.ProcessGroup | None = None) -> None:
         plan: This rank's plan.
         group: Process group (default: the world).
 
-    Example:
+    Examples:
         >>> gb.dist.check_plan(plan)  # every rank, under torchrun  # doctest: +SKIP
     """
     if not isinstance(plan, Plan):

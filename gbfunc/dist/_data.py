@@ -30,7 +30,7 @@ def shard_batch(batch: Tensor | Sequence[Tensor], mesh: DeviceMesh) -> Tensor | 
         batch: A tensor or a sequence of tensors sharing dim 0 (inputs, targets, ...).
         mesh: From `init_mesh`.
 
-    Example:
+    Examples:
         64 rows on 4 data-parallel ranks: 16 each.
 
         >>> x, y = gb.dist.shard_batch((x, y), mesh)  # doctest: +SKIP
@@ -69,7 +69,7 @@ def data_loader(
         seed: Shuffle seed.
         **kwargs: Passed to `DataLoader` (`num_workers`, `collate_fn`, ...).
 
-    Example:
+    Examples:
         >>> loader = gb.dist.data_loader(dataset, global_batch_size=64, mesh=mesh)  # doctest: +SKIP
     """
     size = local_batch_size(global_batch_size, mesh, "gb.dist.data_loader")

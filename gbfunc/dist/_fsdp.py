@@ -41,7 +41,7 @@ class ShardedFree:
             them, the g-nets and the optimizer with
             `gb.dist.save_sharded(path, sharded.state(gparams), plan=plan, optimizer=opt)`.
 
-    Example:
+    Examples:
         On every rank, under `torchrun`:
 
         >>> sharded = ShardedFree(plan, model, mesh["dp"])  # doctest: +SKIP

@@ -45,7 +45,7 @@ def mesh_shape(world_size: int, *, dp: int | None = None, tp: int = 1, pp: int =
         tp: Tensor-parallel size.
         pp: Pipeline-parallel size.
 
-    Example:
+    Examples:
         >>> mesh_shape(8, tp=2)
         MeshShape(dp=4, tp=2, pp=1)
     """
@@ -95,7 +95,7 @@ def init_mesh(
     Returns:
         A 3-D `DeviceMesh`; `mesh["dp"]`, `mesh["tp"]` and `mesh["pp"]` are its sub-meshes.
 
-    Example:
+    Examples:
         Under `torchrun --nproc_per_node=4`: dp=2, tp=2.
 
         >>> mesh = gb.dist.init_mesh(tp=2)  # doctest: +SKIP

@@ -70,7 +70,7 @@ def assign(plan: Plan, world_size: int) -> Ownership:
         plan: The plan.
         world_size: Number of ranks.
 
-    Example:
+    Examples:
         >>> model = nn.Sequential(nn.Linear(100, 300), nn.ReLU(), nn.Linear(300, 10))
         >>> plan = gb.plan(model, tile=(64, 64))  # 10 + 5 g-nets of two sizes
         >>> round(assign(plan, 4).imbalance, 3)  # the busiest rank over the mean
@@ -107,7 +107,7 @@ class RankOwned:
         group: Process group of the data-parallel ranks (default: the world). A private copy
             is made so these collectives never interleave with others on `group`.
 
-    Example:
+    Examples:
         Under `torchrun`, on every rank:
 
         >>> owned = RankOwned(plan)  # doctest: +SKIP

@@ -30,7 +30,7 @@ class StageGenerator:
         stage: This stage's module, with real (not meta) parameters named as in the whole
             model (a subset of them, e.g. `blocks.2.mlp.fc1.weight`).
 
-    Example:
+    Examples:
         On each pipeline rank, under `torchrun`:
 
         >>> gen = StageGenerator(plan, stage_module)  # doctest: +SKIP

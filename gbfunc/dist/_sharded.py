@@ -115,9 +115,9 @@ def load_sharded(
         device: Where to put new tensors (default: CPU).
 
     Returns:
-        `Checkpoint(gparams, plan, None, step, meta)`: `into`, or this rank's part of the
-        g-nets (all of them without `owned`) and the free and frozen parameters; the plan
-        names `model`, so that a save with it stores `model`'s buffers again.
+        `Checkpoint(gparams, plan, None, step, meta)`, holding `into`, or this rank's part
+            of the g-nets (all of them without `owned`) and the free and frozen parameters;
+            the plan names `model`, so that a save with it stores `model`'s buffers again.
 
     Raises:
         gb.CheckpointNotFoundError: No manifest at `path`.

@@ -54,7 +54,7 @@ class GradSync:
             pure data parallel over the world.
         bucket_bytes: Target size of one bucket.
 
-    Example:
+    Examples:
         On every rank, under `torchrun`:
 
         >>> sync = GradSync(gb.trainable_leaves(gparams), mesh)  # doctest: +SKIP

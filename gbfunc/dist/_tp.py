@@ -92,7 +92,7 @@ class TensorParallel:
         misaligned: Parameters whose shard edges cut through tiles; those tiles are generated
             on both neighbouring ranks. Choose tiles that divide `dim / tp` to avoid it.
 
-    Example:
+    Examples:
         On every tensor-parallel rank, under `torchrun`:
 
         >>> parallelize_module(model, mesh["tp"], gpt.tp_plan(model))  # doctest: +SKIP

@@ -41,7 +41,7 @@ def spawn(
     Returns:
         Each rank's return value, or `None` for a rank that exited without returning.
 
-    Example:
+    Examples:
         With `check` defined at the top level of a module (the children import it):
 
         >>> def check(rank, world): return dist.get_world_size()  # doctest: +SKIP

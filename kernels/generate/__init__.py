@@ -48,7 +48,7 @@ def generate(terms: Terms, stack: Stack, params: tuple[Generated, ...]) -> Tenso
     Triton kernel forward and backward, with `torch.func.grad` and `vmap` (leading batch dims
     are genomes, launched as one grid). Inputs are made contiguous first.
 
-    Example:
+    Examples:
         >>> from gbfunc.kernels import stack_terms
         >>> plan = gb.plan(nn.Linear(12, 10), tile=(4, 4))
         >>> stack, gparams = plan.stacks[0], gb.init(plan)

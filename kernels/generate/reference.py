@@ -25,7 +25,7 @@ def generate(terms: Terms, stack: Stack, params: tuple[Generated, ...]) -> Tenso
     Returns:
         `(*batch, numel)`: `out[..., offset:offset + p.numel].view(p.shape)` is parameter `p`.
 
-    Example:
+    Examples:
         >>> from gbfunc.kernels import stack_terms
         >>> plan = gb.plan(nn.Linear(12, 10), tile=(4, 4))
         >>> stack, gparams = plan.stacks[0], gb.init(plan)
