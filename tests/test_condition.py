@@ -370,3 +370,23 @@ def test_compiled_vmap_over_conditions_gives_each_conditions_weights():
     got = torch.compile(weights, fullgraph=True)(gparams, zs)
     for i, z in enumerate(zs):
         close({k: v[i] for k, v in got.items()}, naive_apply(gparams, plan, z))
+
+
+def test_a_sharded_checkpoint_keeps_the_task_embeddings_and_their_optimizer_state(tmp_path):
+    import gbfunc.dist as gbd
+
+    model = mlp()
+    plan = gb.plan(model, tile=(4, 4), hidden=5, condition=3, tasks=2)
+    gparams = conditioned(plan)
+    opt = torch.optim.Adam(gb.optim.param_groups(gparams, plan, free_lr=1e-3))
+    functional_call(model, gb.apply(gparams, plan, task=1), (torch.randn(2, 12),)).sum().backward()
+    opt.step()
+    gbd.save_sharded(tmp_path / "ckpt", gparams, plan=plan, optimizer=opt, step=1)
+    fresh = gb.init(plan, seed=5)
+    again = torch.optim.Adam(gb.optim.param_groups(fresh, plan, free_lr=1e-3))
+    loaded = gbd.load_sharded(tmp_path / "ckpt", model, into=fresh, optimizer=again)
+    assert loaded.plan.tasks == 2
+    assert torch.equal(fresh["tasks"], gparams["tasks"].detach())
+    torch.testing.assert_close(
+        again.state[fresh["tasks"]]["exp_avg"], opt.state[gparams["tasks"]]["exp_avg"]
+    )
