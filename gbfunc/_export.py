@@ -34,8 +34,9 @@ def export(
             aliases such as GPT-2's `lm_head.weight`, and buffers copied from `model`), so
             `model.load_state_dict(sd, strict=True)` works; without it, one entry per plan
             parameter.
-        condition, task: For a conditioned plan, the condition (or task) whose weights to
-            export, as in `gb.apply`.
+        condition: For a conditioned plan, the condition whose weights to export, as in
+            `gb.apply`.
+        task: Or the task whose weights to export.
 
     Returns:
         `{name: Tensor}`, detached, each parameter in the dtype the p-net had.
