@@ -38,10 +38,9 @@ from torch.func import vmap
 
 import gbfunc as gb
 from benchmarks._meta import RESULTS, compile_static, recorded
-from gbfunc._evaluate import stack_terms
 from gbfunc._genome import stack_codes
 from gbfunc._select import assemble
-from gbfunc._tilemlp import Terms, activate
+from gbfunc._spec import Terms, activate, stack_terms
 
 
 def best_times(fns: dict[str, Callable[[], object]], budget: float) -> dict[str, float]:

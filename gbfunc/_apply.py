@@ -5,10 +5,11 @@ from torch import Tensor
 from ._backend import fused_weights
 from ._condition import condition_of, conditioned
 from ._dispatch import Context, check_call, route
-from ._evaluate import hashed_tiles, stack_terms
+from ._evaluate import hashed_tiles
 from ._graph import generate
 from ._plan import Plan
 from ._select import Selection, assemble, center_rows, parameters
+from ._spec import stack_terms
 from ._tree import GParams
 
 

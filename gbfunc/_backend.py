@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from ._plan import Plan
-from ._tilemlp import Terms
+from ._spec import Terms
 
 BACKENDS = ("auto", "torch", "triton")
 HAS_TRITON = importlib.util.find_spec("triton") is not None

@@ -4,26 +4,26 @@ This is the pure-torch generation every path shares: `gb.apply`, `gb.init`'s cal
 `Selection`'s tiles and the rank-owned g-nets. Laying the tiles out is `_select`'s job.
 """
 
-import functools
 from collections import Counter
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import TypeVar
 
 import torch
 from torch import Tensor
 
-from ._genome import hash_buckets, stack_codes
 from ._plan import TILE_LEAVES, Stack
-from ._tilemlp import Terms, reads_units_major_columns, reference, tile_mlp
+from ._spec import (
+    HASH_GAIN,
+    bucket_signs,
+    cached,
+    code_tables,
+    packed_tile_hash,
+    per_tile,
+    reference,
+    stack_terms,
+)
+from ._tilemlp import reads_units_major_columns, tile_mlp
 from .cpu._hash_gradient import gathered, signed_gather
-
-Tensors = tuple[Tensor, Tensor]
-Made = TypeVar("Made", Tensor, Tensors)
-# Hashed tables are stored divided by this, so one learning rate suits them and the g-nets:
-# measured on the digits CNN at ~23x, a table at the g-net's Adam rate reached 93.98%, at 10x
-# that rate 97.68% (3 seeds, the variance split evenly between table and g-nets at init).
-HASH_GAIN = 10.0
 
 
 def evaluate_stack(
@@ -121,43 +121,11 @@ def hashed_tiles(stack: Stack, table: Tensor) -> Tensor:
         # index inductor writes for it.
         shared = signed_gather(table.view_as(table), packed) * HASH_GAIN  # backward: in C
     else:
-        bucket, sign = _cached(
-            _tile_hash, positions, stack.genome.hashed, table.dtype, table.device
+        bucket, sign = cached(
+            bucket_signs, positions, stack.genome.hashed, table.dtype, table.device
         )
         shared = gathered(table, bucket, sign * HASH_GAIN)
     return shared.reshape(table.shape[0], stack.tile[0], -1)
-
-
-def cached_tile_hash(positions: int, buckets: int, device: torch.device) -> Tensor:
-    """`_packed_tile_hash`, cached: for code that reads it outside any traced graph (the C
-    loops of `_hash_weights`), where no copy is needed (`_packed_tile_hash_op`'s)."""
-    return _cached(_packed_tile_hash, positions, buckets, device)
-
-
-def stack_terms(stack: Stack, leaves: Mapping[str, Tensor]) -> Terms:
-    """A stack's g-nets as per-tile `Terms`, from its leaves in `gparams["stacks"]`.
-
-    The code tables go through the first layer here (`a`, `b`); `c` is its bias plus the
-    tile embedding when g-nets are shared, and shared g-nets are repeated over their tiles.
-    """
-    w_in = leaves["w_in"]
-    row, col = code_tables(stack, w_in)
-    # One split, not two slices: its backward is one concatenation, where each slice's
-    # allocates and fills a zero gradient of the whole leaf (launches on a GPU).
-    w_row, w_col = w_in.split([stack.row_width, w_in.shape[1] - stack.row_width], dim=1)
-    a = row @ w_row  # (G, TH, H)
-    b = col @ w_col  # (G, Q, H)
-    c = leaves["b_in"]  # (G, H)
-    w_hidden, b_hidden = leaves.get("w_hidden"), leaves.get("b_hidden")
-    w_out, b_out = leaves["w_out"], leaves["b_out"]
-    if stack.genome.share:
-        counts = stack.tiles_per_gnet
-        w_embed = _per_tile(leaves["w_embed"], counts)  # (T, E, H)
-        c = _per_tile(c, counts) + torch.einsum("te,teh->th", leaves["tile_embed"], w_embed)
-        a, b, w_out, b_out = (_per_tile(x, counts) for x in (a, b, w_out, b_out))
-        if w_hidden is not None:
-            w_hidden, b_hidden = _per_tile(w_hidden, counts), _per_tile(b_hidden, counts)
-    return Terms(a, b, c, w_hidden, b_hidden, w_out, b_out)
 
 
 def units_major_columns(stack: Stack, leaves: Mapping[str, Tensor]) -> Tensor:
@@ -166,14 +134,7 @@ def units_major_columns(stack: Stack, leaves: Mapping[str, Tensor]) -> Tensor:
     w_in = leaves["w_in"]
     _, col = code_tables(stack, w_in)
     b_t = w_in[:, stack.row_width :].mT @ col.mT  # (G, H, Q)
-    return _per_tile(b_t, stack.tiles_per_gnet) if stack.genome.share else b_t
-
-
-def code_tables(stack: Stack, w_in: Tensor) -> Tensors:
-    """The stack's row and column code tables, in `w_in`'s dtype and on its device."""
-    return _constant(
-        stack_codes, stack.tile, stack.window, stack.genome, stack.columns, w_in.dtype, w_in.device
-    )
+    return per_tile(b_t, stack.tiles_per_gnet) if stack.genome.share else b_t
 
 
 def _reads_units_major(stack: Stack, w_in: Tensor, compiled: bool) -> bool:
@@ -184,56 +145,17 @@ def _reads_units_major(stack: Stack, w_in: Tensor, compiled: bool) -> bool:
     return stack.one_reduction and wide and (compiled or torch.compiler.is_compiling())
 
 
-def _constant(make: Callable[..., Tensors], *args: Hashable) -> Tensors:
-    """`make(*args)`, tensors fixed by the plan (the code tables), cached per arguments.
-
-    Under `torch.compile` they are traced into the graph and recomputed by each call: a few
-    small kernels for code tables (the hash, which is not small, is an opaque op instead).
-    """
-    if torch.compiler.is_compiling():
-        return make(*args)
-    return _cached(make, *args)
-
-
-@functools.lru_cache(maxsize=256)
-def _cached(make: Callable[..., Made], *args: Hashable) -> Made:
-    # Outside any torch.func transform: made inside one, they would be its wrapped tensors.
-    with torch._C._DisableFuncTorch():
-        return make(*args)
-
-
-def _tile_hash(positions: int, buckets: int, dtype: torch.dtype, device: torch.device) -> Tensors:
-    """`hash_buckets` on `device`, the signs in `dtype`."""
-    bucket, sign = hash_buckets(positions, buckets)
-    return bucket.to(device), sign.to(dtype=dtype, device=device)
-
-
-def _packed_tile_hash(positions: int, buckets: int, device: torch.device) -> Tensor:
-    """`hash_buckets` as one int32 tensor on `device`: `(bucket + 1) * sign`."""
-    bucket, sign = hash_buckets(positions, buckets)
-    return ((bucket + 1) * sign.long()).to(device=device, dtype=torch.int32)
-
-
 @torch.library.custom_op("gbfunc::tile_hash", mutates_args=())
 def _packed_tile_hash_op(positions: int, buckets: int, device: torch.device) -> Tensor:
-    """The cached `_packed_tile_hash` as one opaque operation for `torch.compile`: traced, the
+    """The cached `packed_tile_hash` as one opaque operation for `torch.compile`: traced, the
     hash's argsort and integer arithmetic would run in every compiled step. Returns a copy,
     so that the compiled code may reuse its memory without touching the cache. Packed,
     bucket and sign copy 4 bytes a position, not 12 (int64 and float32), and unpack inside
     the gather's kernel: the MLP's full-tile hashed genome compiled whole peaks at 7.6 MiB
     instead of 11.1 (its step time moved within the benchmark's noise)."""
-    return _cached(_packed_tile_hash, positions, buckets, device).clone()
+    return cached(packed_tile_hash, positions, buckets, device).clone()
 
 
 @_packed_tile_hash_op.register_fake
 def _(positions: int, buckets: int, device: torch.device) -> Tensor:
     return torch.empty(positions, dtype=torch.int32, device=device)
-
-
-def _per_tile(x: Tensor, counts: tuple[int, ...]) -> Tensor:
-    """Repeat each g-net's row of `x` over its (consecutive) tiles: `(G, ...) -> (T, ...)`.
-
-    Built from expands and one cat, so the backward is a sum per g-net; indexing would make
-    it a scatter-add, which inductor's CPU code generation fails on (torch 2.13).
-    """
-    return torch.cat([x[g : g + 1].expand(n, *x.shape[1:]) for g, n in enumerate(counts)])

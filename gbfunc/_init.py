@@ -10,10 +10,10 @@ from torch import Tensor, nn
 
 from ._check_gparams import TASKS
 from ._check_model import check_matches
-from ._evaluate import HASH_GAIN, stack_terms
 from ._numbers import integer
 from ._plan import TILE_LEAVES, Plan, Stack
-from ._tilemlp import CHUNK_ELEMENTS, reference, tile_chunks
+from ._spec import HASH_GAIN, reference, stack_terms
+from ._tilemlp import CHUNK_ELEMENTS, tile_chunks
 from ._tree import GParams
 
 VALUES = ("model", "draw")

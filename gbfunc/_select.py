@@ -16,9 +16,10 @@ from torch import Tensor
 
 from ._condition import condition_of, conditioned
 from ._dispatch import Context, stack_path
-from ._evaluate import HASH_GAIN, evaluate_tile_parts, evaluate_tiles
+from ._evaluate import evaluate_tile_parts, evaluate_tiles
 from ._plan import Free, Generated, Plan, Stack
 from ._realised import realised
+from ._spec import HASH_GAIN
 from ._tree import GParams
 from .cpu import _hash_weights, _relu_rows
 

@@ -21,7 +21,7 @@ and the tile MLP's terms are always computed from the leaves first.
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,7 @@ from torch import Tensor
 
 from ._compiled import CompiledCache
 from ._realised import contiguous_buffer
+from ._spec import Terms, activate, activate_grad, first_layer, plain_eager, tile_rows
 
 if TYPE_CHECKING:
     from ._plan import Stack
@@ -43,70 +44,8 @@ CHUNK_ELEMENTS = 1 << 18
 COMPILED_CHUNK_ELEMENTS = 1 << 20
 
 
-class Terms(NamedTuple):
-    """A stack's g-nets as per-tile terms: the inputs of the tile MLP and of the fused kernels.
-
-    Shapes, after any leading batch (genome) dims: `a` `(T, TH, H)` row terms and `b`
-    `(T, Q, H)` column terms of the separable first layer, `c` `(T, H)` its bias;
-    `w_hidden` `(T, D-1, H, H)` and `b_hidden` `(T, D-1, H)`, or `None` for one hidden layer;
-    `w_out` `(T, H, P)`, `b_out` `(T, P)`. Gradients come back as `Terms` of the same shapes.
-    """
-
-    a: Tensor
-    b: Tensor
-    c: Tensor
-    w_hidden: Tensor | None
-    b_hidden: Tensor | None
-    w_out: Tensor
-    b_out: Tensor | None
-
-    def tiles(self, lo: int, hi: int) -> "Terms":
-        """The terms of tiles `lo:hi` (the first axis)."""
-        return Terms(*(_rows(x, lo, hi) for x in self))
-
-    @property
-    def one_reduction(self) -> bool:
-        """One hidden layer and one output (`Stack.one_reduction`): a single fused reduction
-        over the hidden units, forward and backward."""
-        return self.w_hidden is None and self.w_out.shape[-1] == 1
-
-
-def activate(z: Tensor, activation: str) -> Tensor:
-    """Apply the named activation."""
-    if activation == "relu":
-        return torch.relu(z)
-    if activation == "gelu":
-        return F.gelu(z)
-    if activation == "tanh":
-        return torch.tanh(z)
-    if activation == "silu":
-        return F.silu(z)
-    raise ValueError(f"unknown activation {activation!r}")
-
-
-def activate_grad(z: Tensor, activation: str) -> Tensor:
-    """Derivative of the named activation at `z`."""
-    if activation == "relu":
-        return (z > 0).to(z.dtype)
-    if activation == "gelu":
-        cdf = 0.5 * (1.0 + torch.erf(z * (1.0 / math.sqrt(2.0))))
-        pdf = torch.exp(-0.5 * z * z) * (1.0 / math.sqrt(2.0 * math.pi))
-        return cdf + z * pdf
-    if activation == "tanh":
-        return 1.0 - torch.tanh(z) ** 2
-    if activation == "silu":
-        s = torch.sigmoid(z)
-        return s * (1.0 + z * (1.0 - s))
-    raise ValueError(f"unknown activation {activation!r}")
-
-
-def _first_layer(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
-    # `(a + c) + b`, in that order: `_fused_reductions` tests `b > -(a + c)`, the same sign.
-    return (a + c[:, None])[:, :, None, :] + b[:, None, :, :]  # (T, TH, Q, H)
-
-
 def _first_layer_again(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
-    """`_first_layer` for the backward, bitwise equal (the last addition's operands swapped,
+    """`first_layer` for the backward, bitwise equal (the last addition's operands swapped,
     which IEEE addition ignores) but not the same traced op. A graph that holds forward and
     backward together (AOTAutograd's) would otherwise merge the two as one common
     subexpression and keep the forward's `(T, TH, Q, H)` alive for the backward, instead of
@@ -114,30 +53,12 @@ def _first_layer_again(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
     return b[:, None, :, :] + (a + c[:, None])[:, :, None, :]
 
 
-def reference(terms: Terms, activation: str) -> Tensor:
-    """Outputs of every g-net of a stack at every position of its tile.
-
-    Args:
-        terms: The stack's g-nets, see `Terms`.
-        activation: Name of the activation.
-
-    Returns:
-        `(T, TH, Q, P)`: `out[t, i, q] = mlp_t(code(i, q))`.
-    """
-    a, b, c, w_hidden, b_hidden, w_out, b_out = terms
-    h = activate(_first_layer(a, b, c), activation)
-    for layer in range(0 if w_hidden is None else w_hidden.shape[1]):
-        z = torch.einsum("tiqh,thk->tiqk", h, w_hidden[:, layer]) + b_hidden[:, layer, None, None]
-        h = activate(z, activation)
-    return torch.einsum("tiqh,thp->tiqp", h, w_out) + b_out[:, None, None, :]
-
-
 def _forward_no_save(terms: Terms, activation: str, b_t: Tensor | None = None) -> Tensor:
     a, b, c, _, _, w_out, b_out = terms
     if terms.one_reduction:
         # One hidden layer, one output: a single fused reduction over H.
         if not torch.compiler.is_compiling():
-            h = activate(_first_layer(a, b, c), activation)
+            h = activate(first_layer(a, b, c), activation)
             out = (h * w_out[:, None, None, :, 0]).sum(-1)
         elif b_t is not None and _one_output_in_c(terms, activation):
             out = _relu_loops.relu_one_output(a + c[:, None], b_t, w_out[..., 0])
@@ -244,7 +165,7 @@ def _padded(x: Tensor, axis: int) -> Tensor:
 
 
 def _first_layer_units_major(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
-    """`_first_layer` as `(T, H, Q, TH)`: rows innermost, so that the backward's sums over
+    """`first_layer` as `(T, H, Q, TH)`: rows innermost, so that the backward's sums over
     rows and over columns both keep or reduce a long axis (with the columns innermost,
     inductor's sum over the rows of 8 columns ran many times slower)."""
     row_terms, col_terms = _units_major_terms(a, b, c)
@@ -502,11 +423,6 @@ def _compiled_chunks(terms: Terms) -> list[tuple[int, int]]:
     return tile_chunks(num_tiles, rows * terms.b.shape[1] * hidden, COMPILED_CHUNK_ELEMENTS)
 
 
-def _rows(x: Tensor | None, lo: int, hi: int) -> Tensor | None:
-    """Tiles `lo:hi` of an optional per-tile tensor."""
-    return None if x is None else x[lo:hi]
-
-
 def _joined(parts: list) -> object:
     """One tensor, or one tuple of tensors (None kept), from the results of tile chunks."""
     if len(parts) == 1:
@@ -514,17 +430,6 @@ def _joined(parts: list) -> object:
     if isinstance(parts[0], Tensor):
         return torch.cat(parts)
     return tuple(None if p[0] is None else torch.cat(p) for p in zip(*parts, strict=True))
-
-
-def plain_eager() -> bool:
-    """Neither traced by `torch.compile` nor inside a `torch.func` transform.
-
-    Dynamo refuses to run compiled code under a functorch transform ("Unsupported functorch
-    tracing attempt"), so compiled bodies are only used outside both.
-    """
-    return (
-        not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is None
-    )
 
 
 _BODIES = CompiledCache("the tile MLP")
@@ -571,7 +476,9 @@ class _TileMLP(torch.autograd.Function):
             detached = Terms(*(None if x is None else x.detach() for x in terms))
             b_t = None if b_t is None else b_t.detach()
             outs = [
-                _compiled(_forward_body, *detached.tiles(lo, hi), _rows(b_t, lo, hi), activation)
+                _compiled(
+                    _forward_body, *detached.tiles(lo, hi), tile_rows(b_t, lo, hi), activation
+                )
                 for lo, hi in _compiled_chunks(detached)
             ]
             if all(part is not None for part in outs):
@@ -581,7 +488,7 @@ class _TileMLP(torch.autograd.Function):
             parts = tile_chunks(num_tiles, rows * terms.b.shape[1] * hidden)
             out = _joined(
                 [
-                    _forward_no_save(terms.tiles(lo, hi), activation, _rows(b_t, lo, hi))
+                    _forward_no_save(terms.tiles(lo, hi), activation, tile_rows(b_t, lo, hi))
                     for lo, hi in parts
                 ]
             )

@@ -14,8 +14,7 @@ environment; a launch that cannot run says why (`_runtime.check_runnable`).
 A stack's g-nets reach the kernels as `Terms`, from `stack_terms(stack, leaves)`.
 """
 
-from gbfunc._evaluate import stack_terms as stack_terms
-from gbfunc._tilemlp import Terms as Terms
+from gbfunc._spec import Terms as Terms, stack_terms as stack_terms
 
 from ._runtime import DTYPES as DTYPES, check_runnable as check_runnable
 from .generate import generate as generate

@@ -258,7 +258,8 @@ def test_a_rule_splitting_columns_into_non_square_blocks_matches_the_reference()
 def test_units_major_column_terms_are_the_column_terms_laid_out_units_first(share):
     """What compiled one-output forwards read instead of `b`: the same values, `(T, H, Q)`,
     contiguous (a matmul's own layout, not a strided view), shared g-nets repeated per tile."""
-    from gbfunc._evaluate import stack_terms, units_major_columns
+    from gbfunc._evaluate import units_major_columns
+    from gbfunc._spec import stack_terms
 
     plan = gb.plan(nn.Linear(20, 13), tile=(4, 6), share=share, hidden=5)
     gparams = gb.init(plan, seed=2)

@@ -175,12 +175,12 @@ def test_compiled_grad_of_shared_gnets_matches_eager():
 
 def test_the_compiled_hash_packs_bucket_and_sign_into_one_int32_losslessly():
     """Compiled code copies the hash as `(bucket + 1) * sign` in int32 and unpacks it."""
-    from gbfunc._evaluate import _packed_tile_hash
     from gbfunc._genome import hash_buckets
+    from gbfunc._spec import packed_tile_hash
     from gbfunc.cpu._hash_gradient import unpacked
 
     bucket, sign = hash_buckets(1000, 37)
-    packed = _packed_tile_hash(1000, 37, torch.device("cpu"))
+    packed = packed_tile_hash(1000, 37, torch.device("cpu"))
     assert packed.dtype == torch.int32
     bucket_back, sign_back = unpacked(packed, torch.float64)
     assert torch.equal(bucket_back, bucket)

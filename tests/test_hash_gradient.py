@@ -8,7 +8,7 @@ from torch import nn
 from torch.func import grad, vmap
 
 import gbfunc as gb
-from gbfunc._evaluate import _packed_tile_hash
+from gbfunc._spec import packed_tile_hash
 from gbfunc.cpu._hash_gradient import (
     gradient_reference,
     signed_buckets,
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not usable(torch.float32, "cpu"), reason="no C++
 
 
 def packed_hash(positions, buckets):
-    return _packed_tile_hash(positions, buckets, torch.device("cpu"))
+    return packed_tile_hash(positions, buckets, torch.device("cpu"))
 
 
 @settings(max_examples=40, deadline=None)

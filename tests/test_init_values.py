@@ -230,7 +230,7 @@ def test_hashed_tables_start_standardised_per_tile_from_the_seed_alone(buckets):
     """Each tile's table (stored divided by `HASH_GAIN`) has exactly mean 0 and sample std 1
     when it has two buckets or more, is finite with one, and comes from `seed`'s generator,
     not the global one."""
-    from gbfunc._evaluate import HASH_GAIN
+    from gbfunc._spec import HASH_GAIN
 
     with torch.device("meta"):
         model = nn.Linear(12, 8)

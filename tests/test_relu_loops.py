@@ -7,8 +7,8 @@ import torch
 from hypothesis import example, given, settings, strategies as st
 from threads import on_threads
 
+from gbfunc._spec import Terms
 from gbfunc._tilemlp import (
-    Terms,
     _backward_recompute,
     _fused_reductions,
     reads_units_major_columns,

@@ -14,7 +14,7 @@ from torch.func import functional_call, grad_and_value
 import gbfunc as gb
 from gbfunc import _select
 from gbfunc._dispatch import AUTO_GRAPH_WEIGHTS
-from gbfunc._evaluate import code_tables
+from gbfunc._spec import code_tables
 from gbfunc.cpu import _relu_rows
 from gbfunc.cpu._relu_loops import MIN_UNITS
 

@@ -10,9 +10,9 @@ from torch import nn
 
 import gbfunc as gb
 from gbfunc._check_plan import check_plan
-from gbfunc._evaluate import HASH_GAIN
 from gbfunc._plan import Generated
 from gbfunc._serial import plan_from_json, plan_to_json
+from gbfunc._spec import HASH_GAIN
 
 
 def lm(vocab: int = 24, dim: int = 32) -> nn.Module:

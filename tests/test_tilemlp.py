@@ -6,18 +6,15 @@ import pytest
 import torch
 from hypothesis import example, given, strategies as st
 
+from gbfunc._spec import Terms, activate, activate_grad, reference
 from gbfunc._tilemlp import (
     CHUNK_ELEMENTS,
-    Terms,
     _backward_recompute,
     _compiled_chunks,
     _forward_no_save,
     _fused_reductions,
     _vector_lanes,
     _vectorised_units,
-    activate,
-    activate_grad,
-    reference,
     tile_chunks,
     tile_mlp,
 )

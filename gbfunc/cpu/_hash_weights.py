@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .._evaluate import cached_tile_hash
+from .._spec import cached_tile_hash
 from . import _relu_loops
 from ._build import Loop, compiled_loop, runnable, vectorised_cpu
 from ._hash_gradient import signed_buckets

@@ -37,9 +37,8 @@ import torch
 from torch import Tensor
 from torch._functorch.utils import unwrap_dead_wrappers
 
-from .._evaluate import code_tables
 from .._plan import Generated, Stack, tile_places
-from .._tilemlp import plain_eager
+from .._spec import code_tables, plain_eager
 from . import _relu_loops, _relu_tiles
 from ._build import Loop, compiled_loop, runnable
 

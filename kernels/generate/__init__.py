@@ -4,7 +4,7 @@ import torch
 from torch import Tensor
 
 from gbfunc._plan import Generated, Stack
-from gbfunc._tilemlp import Terms
+from gbfunc._spec import Terms
 
 from .._batching import batch_first
 from .._checks import contiguous

@@ -14,7 +14,7 @@ import triton.language as tl
 from torch import Tensor
 
 from gbfunc._plan import Generated, Stack
-from gbfunc._tilemlp import Terms
+from gbfunc._spec import Terms
 
 from .. import _checks, _gnet, _placement, _runtime
 

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from gbfunc._plan import Generated, Stack
 from gbfunc._select import assemble
-from gbfunc._tilemlp import Terms, reference
+from gbfunc._spec import Terms, reference
 
 
 def generate(terms: Terms, stack: Stack, params: tuple[Generated, ...]) -> Tensor:

@@ -19,7 +19,7 @@ import triton.language as tl
 from torch import Tensor
 
 from gbfunc._plan import Generated, Stack
-from gbfunc._tilemlp import Terms
+from gbfunc._spec import Terms
 
 from .. import _checks, _gnet, _placement, _runtime
 from ..generate.kernel import block_h, block_p, tile_blocks

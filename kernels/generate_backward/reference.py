@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from gbfunc._plan import Generated, Stack
-from gbfunc._tilemlp import Terms
+from gbfunc._spec import Terms
 
 from ..generate import reference
 
