@@ -39,7 +39,7 @@ from torch.func import vmap
 import gbfunc as gb
 from benchmarks._meta import RESULTS, compile_static, recorded
 from gbfunc._genome import stack_codes
-from gbfunc._select import assemble
+from gbfunc._tiling import assemble
 from gbfunc._spec import Terms, activate, stack_terms
 
 

@@ -8,8 +8,9 @@ from ._dispatch import Context, check_call, route
 from ._evaluate import hashed_tiles
 from ._graph import generate
 from ._plan import Plan
-from ._select import Selection, assemble, center_rows, parameters
+from ._select import Selection
 from ._spec import stack_terms
+from ._tiling import assemble, center_rows, parameters
 from ._tree import GParams
 
 

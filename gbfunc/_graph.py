@@ -14,7 +14,8 @@ from torch import Tensor
 from ._check_gparams import TASKS
 from ._compiled import CompiledCache
 from ._plan import Plan
-from ._select import Selection, full_region
+from ._select import Selection
+from ._tiling import full_region
 from ._tree import GParams
 
 # Per plan and stack-leaf names: the plan's generation, compiled, and what it generates.

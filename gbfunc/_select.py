@@ -7,9 +7,7 @@ A tile that straddles a region's edge is generated whole and cut.
 """
 
 import functools
-import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -20,143 +18,18 @@ from ._evaluate import evaluate_tile_parts, evaluate_tiles
 from ._plan import Free, Generated, Plan, Stack
 from ._realised import realised
 from ._spec import HASH_GAIN
+from ._tiling import (
+    Concat,
+    Piece,
+    Region,
+    full_region,
+    lay_out,
+    parameters,
+    piece_tiles,
+    pieces,
+)
 from ._tree import GParams
 from .cpu import _hash_weights, _relu_rows
-
-Region = tuple[tuple[int, int], ...]  # [start, stop) along every dim of a parameter
-
-
-class Concat(NamedTuple):
-    """Several regions of one parameter, joined along `dim`: e.g. a tensor-parallel rank's
-    heads of GPT-2's fused Q/K/V weight, its slice of each of the three matrices."""
-
-    regions: tuple[Region, ...]
-    dim: int
-
-
-def full_region(shape: Sequence[int]) -> Region:
-    """The region covering a whole parameter."""
-    return tuple((0, n) for n in shape)
-
-
-class _Piece(NamedTuple):
-    """The part of a region inside one block: a range of the block's tile grid, then a cut."""
-
-    block: int
-    tile_rows: tuple[int, int]
-    tile_cols: tuple[int, int]
-    cut_rows: tuple[int, int]
-    cut_cols: tuple[int, int]
-
-
-def _pieces(p: Generated, stack: Stack, region: Region) -> list[_Piece]:
-    """The pieces of `region` of `p` (in the matrix view: a bias is one column)."""
-    if any(span != (0, n) for span, n in zip(region[2:], p.shape[2:], strict=True)):
-        raise ValueError(
-            f"gb.dist: {p.name} can only be split along dims 0 and 1, got region {region}."
-        )
-    th, tw = stack.tile
-    pieces, offset = [], 0
-    for index, block in enumerate(p.blocks):
-        # Block `index` covers [offset, offset + size) along split_dim and everything across it.
-        size = block.rows if p.split_dim == 0 else block.cols
-        spans = [list(region[0]), list(region[1] if len(region) > 1 else (0, 1))]
-        lo, hi = spans[p.split_dim]
-        spans[p.split_dim] = [max(lo, offset) - offset, min(hi, offset + size) - offset]
-        offset += size
-        (r0, r1), (c0, c1) = spans
-        if r0 >= r1 or c0 >= c1:
-            continue
-        rows, cols = (r0 // th, -(-r1 // th)), (c0 // tw, -(-c1 // tw))
-        cut_rows = (r0 - rows[0] * th, r1 - rows[0] * th)
-        cut_cols = (c0 - cols[0] * tw, c1 - cols[0] * tw)
-        pieces.append(_Piece(index, rows, cols, cut_rows, cut_cols))
-    return pieces
-
-
-def _piece_tiles(p: Generated, piece: _Piece) -> list[int]:
-    block = p.blocks[piece.block]
-    return [
-        block.first_tile + i * block.grid[1] + j
-        for i in range(*piece.tile_rows)
-        for j in range(*piece.tile_cols)
-    ]
-
-
-def cuts_tiles(p: Generated, stack: Stack, region: Region) -> bool:
-    """Whether an edge of `region` falls inside a tile (which neighbouring regions then share)."""
-    th, tw = stack.tile
-    for piece in _pieces(p, stack, region):
-        block = p.blocks[piece.block]
-        for (t0, _), (cut0, cut1), size, extent in (
-            (piece.tile_rows, piece.cut_rows, th, block.rows),
-            (piece.tile_cols, piece.cut_cols, tw, block.cols),
-        ):
-            stop = t0 * size + cut1
-            if cut0 or (stop % size and stop != extent):
-                return True
-    return False
-
-
-def region_tiles(p: Generated, stack: Stack, region: Region) -> list[int]:
-    """Ascending indices of the stack's tiles that cover `region` of `p`."""
-    return sorted({t for piece in _pieces(p, stack, region) for t in _piece_tiles(p, piece)})
-
-
-def lay_out(
-    p: Generated, stack: Stack, region: Region, pieces: Sequence[_Piece], tiles: Sequence[Tensor]
-) -> Tensor:
-    """`region` of `p` from each piece's tiles `(rows * cols, TH, TW * K)`, row-major in the
-    piece's tile grid: laid out on the grid, cut, joined across blocks, centred and scaled."""
-    th, tw = stack.tile
-    taps = math.prod(stack.window)
-    parts = []
-    for piece, t in zip(pieces, tiles, strict=True):
-        rows, cols = (b - a for a, b in (piece.tile_rows, piece.tile_cols))
-        t = t.reshape(rows, cols, th, tw, taps).permute(0, 2, 1, 3, 4)
-        t = t.reshape(rows * th, cols * tw, taps)
-        if (piece.cut_rows, piece.cut_cols) != ((0, rows * th), (0, cols * tw)):
-            t = t[slice(*piece.cut_rows), slice(*piece.cut_cols)]  # backward: zero-filled
-        parts.append(t)
-    weight = parts[0] if len(parts) == 1 else torch.cat(parts, dim=p.split_dim)
-    return finish(p, weight.reshape(tuple(b - a for a, b in region)))
-
-
-def assemble(p: Generated, stack: Stack, tiles: Tensor) -> Tensor:
-    """The whole parameter `p` from all of its stack's tiles `(T, TH, TW * K)`."""
-    region = full_region(p.shape)
-    pieces = _pieces(p, stack, region)
-    blocks = [p.blocks[piece.block] for piece in pieces]
-    parts = [tiles[b.first_tile : b.first_tile + b.num_tiles] for b in blocks]
-    return lay_out(p, stack, region, pieces, parts)
-
-
-def finish(p: Generated, raw: Tensor) -> Tensor:
-    """A parameter from its laid-out raw values `(rows, ...)`: centred rows if asked, scaled."""
-    return (center_rows(raw) if p.center else raw) * p.scale
-
-
-def center_rows(weight: Tensor) -> Tensor:
-    """`weight` less each row's mean over its inputs (every dimension but the first)."""
-    return weight - weight.mean(dim=tuple(range(1, weight.dim())), keepdim=True)
-
-
-def parameters(
-    params: Iterable[Generated | Free],
-    gparams: GParams,
-    generated: Callable[[Generated], Tensor],
-    cut: Callable[[Free, Tensor], Tensor] | None = None,
-) -> dict[str, Tensor]:
-    """`{name: tensor}` for `params` in order: `generated(p)` for generated ones, the rest from
-    `gparams["free"]` or `gparams["frozen"]`: the leaves themselves, or `cut(p, leaf)`."""
-    out = {}
-    for p in params:
-        if isinstance(p, Generated):
-            out[p.name] = generated(p)
-            continue
-        value = gparams["free" if p.trainable else "frozen"][p.name]
-        out[p.name] = value if cut is None else cut(p, value)
-    return out
 
 
 class Selection:
@@ -189,13 +62,13 @@ class Selection:
         self.regions = dict(regions)
         self._params = {name: params[name] for name in regions}
         needed: dict[int, set[int]] = {}
-        self._pieces: dict[tuple[str, int], list[_Piece]] = {}
+        self._pieces: dict[tuple[str, int], list[Piece]] = {}
         for name, p in self._params.items():
             if isinstance(p, Generated):
                 stack = plan.stacks[p.stack_index]
                 for k, region in enumerate(self._parts[name][0]):
-                    pieces = self._pieces[name, k] = _pieces(p, stack, region)
-                    tiles = (t for piece in pieces for t in _piece_tiles(p, piece))
+                    covering = self._pieces[name, k] = pieces(p, stack, region)
+                    tiles = (t for piece in covering for t in piece_tiles(p, piece))
                     needed.setdefault(p.stack_index, set()).update(tiles)
         self.tiles = {s: sorted(t) for s, t in sorted(needed.items())}  # per stack, evaluated
         self._views = True  # free parameters as views; `whole` hands out the leaves
@@ -289,9 +162,9 @@ class Selection:
         taken apart out of the tile MLP), not sliced."""
         rows_of_stack = [
             rows
-            for (name, _), pieces in self._rows.items()
+            for (name, _), covering in self._rows.items()
             if self._params[name].stack_index == s
-            for rows in pieces
+            for rows in covering
         ]
         if not all(isinstance(rows, slice) for rows in rows_of_stack):
             return None
@@ -343,7 +216,7 @@ class Selection:
         position = {t: i for i, t in enumerate(self.tiles[p.stack_index])}
         rows: list[slice | list[int]] = []
         for piece in self._pieces[key]:
-            at = [position[t] for t in _piece_tiles(p, piece)]
+            at = [position[t] for t in piece_tiles(p, piece)]
             consecutive = at == list(range(at[0], at[0] + len(at)))
             rows.append(slice(at[0], at[0] + len(at)) if consecutive else at)
         return rows

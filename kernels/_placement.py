@@ -4,7 +4,7 @@ The fused kernels write a stack's parameters into one flat buffer: `params` one 
 other, each in its own row-major layout, so `flat[offset:offset + numel].view(shape)` *is*
 the parameter. Tile `t` covers a `(rows, cols)` corner of a `(TH, TW * K)` block starting at
 `flat[base]`, with row stride `ld`; what falls outside the weight (ragged edges) is masked.
-This is `gbfunc._select.assemble` turned into a table: same tiles, same cut, same scale.
+This is `gbfunc._tiling.assemble` turned into a table: same tiles, same cut, same scale.
 """
 
 import functools

@@ -13,7 +13,8 @@ import gbfunc as gb
 import gbfunc.dist as gbd
 from benchmarks.bench_comm import rank_owned_traffic, replicated_traffic, torchgb_traffic
 from examples.gpt import GPT, GPTConfig
-from gbfunc._select import cuts_tiles, evaluate_tiles, full_region, region_tiles
+from gbfunc._select import evaluate_tiles
+from gbfunc._tiling import cuts_tiles, full_region, region_tiles
 
 # ---------------------------------------------------------------- mesh sizes
 
@@ -354,7 +355,7 @@ def test_stage_generator_rejects_misnamed_or_meta_parameters():
 
 
 def test_a_concat_selection_joins_its_regions_of_generated_and_free_parameters():
-    from gbfunc._select import Concat
+    from gbfunc._tiling import Concat
 
     plan = gb.plan(nn.Linear(24, 48), tile=(8, 8))  # the bias stays free
     gparams = gb.init(plan, seed=3)
@@ -437,7 +438,7 @@ def test_gb_apply_lays_out_whole_blocks_from_slices_not_gathers():
     rows = Selection.whole(plan)._rows
     assert rows
     assert all(isinstance(r, slice) for pieces in rows.values() for r in pieces)
-    from gbfunc._select import Concat
+    from gbfunc._tiling import Concat
 
     # Tiles 0 and 3 for the first region, tile 1 for the second: the first gathers.
     regions = Concat((((0, 8), (0, 4)), ((0, 4), (4, 8))), dim=0)

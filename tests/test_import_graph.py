@@ -1,5 +1,6 @@
 """The generation code's imports run one way: the CPU loops and the Triton kernels stand on
-the plan and the specification (`gbfunc._spec`), never on the runners above them.
+the plan, the specification (`gbfunc._spec`) and the tiling (`gbfunc._tiling`: tile-and-cut), never on
+the runners above them.
 
 Read from the source with `ast`, so a new import that runs back up fails here before it
 can make a cycle.
@@ -11,12 +12,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# What the low packages may import from gbfunc: the plan and the specification. The kernels'
-# forward reference still lays its tiles out with `_select.assemble` (issue 55: the layout
-# moves below the runners next).
+# What the low packages may import from gbfunc: the plan, the specification and the tiling
+# (tile-and-cut, which the kernels' forward reference checks their fused layout against).
 ALLOWED = {
     "gbfunc/cpu": {"gbfunc._plan", "gbfunc._spec"},
-    "kernels": {"gbfunc._plan", "gbfunc._spec", "gbfunc._select"},
+    "kernels": {"gbfunc._plan", "gbfunc._spec", "gbfunc._tiling"},
 }
 
 

@@ -240,67 +240,85 @@ FIGURES = [
         "gbfunc 1.5564 ± 0.0062 nats (spread 0.0197)", "0.0197", lambda: main_job("charlm", "gb", 2)
     ),
     Figure(
-        "against 1.6427 ± 0.0090 (spread 0.0310) for the narrow transformer", "1.6427", lambda: main_job("charlm", "narrow", 0)
+        "against 1.6427 ± 0.0090 (spread 0.0310) for the narrow transformer",
+        "1.6427",
+        lambda: main_job("charlm", "narrow", 0),
     ),
     Figure(
-        "against 1.6427 ± 0.0090 (spread 0.0310) for the narrow transformer", "0.0090", lambda: main_job("charlm", "narrow", 1)
+        "against 1.6427 ± 0.0090 (spread 0.0310) for the narrow transformer",
+        "0.0090",
+        lambda: main_job("charlm", "narrow", 1),
     ),
     Figure(
-        "against 1.6427 ± 0.0090 (spread 0.0310) for the narrow transformer", "0.0310", lambda: main_job("charlm", "narrow", 2)
+        "against 1.6427 ± 0.0090 (spread 0.0310) for the narrow transformer",
+        "0.0310",
+        lambda: main_job("charlm", "narrow", 2),
     ),
     Figure(
-        "0.0863 ± 0.0112 nats below it, beyond noise", "0.0863", lambda: main_job("charlm", "gb - narrow", 0)
+        "0.0863 ± 0.0112 nats below it, beyond noise",
+        "0.0863",
+        lambda: main_job("charlm", "gb - narrow", 0),
     ),
     Figure(
-        "0.0863 ± 0.0112 nats below it, beyond noise", "0.0112", lambda: main_job("charlm", "gb - narrow", 1)
+        "0.0863 ± 0.0112 nats below it, beyond noise",
+        "0.0112",
+        lambda: main_job("charlm", "gb - narrow", 1),
+    ),
+    Figure("gbfunc 96.39 ± 0.32% (spread 1.11)", "96.39", lambda: main_job("mlp", "gb", 3)),
+    Figure("gbfunc 96.39 ± 0.32% (spread 1.11)", "0.32", lambda: main_job("mlp", "gb", 4)),
+    Figure("gbfunc 96.39 ± 0.32% (spread 1.11)", "1.11", lambda: main_job("mlp", "gb", 5)),
+    Figure(
+        "against 93.89 ± 0.58% (spread 1.94) for the narrow MLP",
+        "93.89",
+        lambda: main_job("mlp", "narrow", 3),
     ),
     Figure(
-        "gbfunc 96.39 ± 0.32% (spread 1.11)", "96.39", lambda: main_job("mlp", "gb", 3)
+        "against 93.89 ± 0.58% (spread 1.94) for the narrow MLP",
+        "0.58",
+        lambda: main_job("mlp", "narrow", 4),
     ),
     Figure(
-        "gbfunc 96.39 ± 0.32% (spread 1.11)", "0.32", lambda: main_job("mlp", "gb", 4)
+        "against 93.89 ± 0.58% (spread 1.94) for the narrow MLP",
+        "1.94",
+        lambda: main_job("mlp", "narrow", 5),
     ),
     Figure(
-        "gbfunc 96.39 ± 0.32% (spread 1.11)", "1.11", lambda: main_job("mlp", "gb", 5)
+        "2.50 ± 0.42 points above it, beyond noise",
+        "2.50",
+        lambda: main_job("mlp", "gb - narrow", 2),
     ),
     Figure(
-        "against 93.89 ± 0.58% (spread 1.94) for the narrow MLP", "93.89", lambda: main_job("mlp", "narrow", 3)
+        "2.50 ± 0.42 points above it, beyond noise",
+        "0.42",
+        lambda: main_job("mlp", "gb - narrow", 3),
+    ),
+    Figure("gbfunc 98.39 ± 0.32% (spread 1.67)", "98.39", lambda: main_job("digits", "gb", 3)),
+    Figure("gbfunc 98.39 ± 0.32% (spread 1.67)", "0.32", lambda: main_job("digits", "gb", 4)),
+    Figure("gbfunc 98.39 ± 0.32% (spread 1.67)", "1.67", lambda: main_job("digits", "gb", 5)),
+    Figure(
+        "against 98.33 ± 0.20% (spread 1.11) for the narrow CNN",
+        "98.33",
+        lambda: main_job("digits", "narrow", 3),
     ),
     Figure(
-        "against 93.89 ± 0.58% (spread 1.94) for the narrow MLP", "0.58", lambda: main_job("mlp", "narrow", 4)
+        "against 98.33 ± 0.20% (spread 1.11) for the narrow CNN",
+        "0.20",
+        lambda: main_job("digits", "narrow", 4),
     ),
     Figure(
-        "against 93.89 ± 0.58% (spread 1.94) for the narrow MLP", "1.94", lambda: main_job("mlp", "narrow", 5)
+        "against 98.33 ± 0.20% (spread 1.11) for the narrow CNN",
+        "1.11",
+        lambda: main_job("digits", "narrow", 5),
     ),
     Figure(
-        "2.50 ± 0.42 points above it, beyond noise", "2.50", lambda: main_job("mlp", "gb - narrow", 2)
+        "0.06 ± 0.28 points above it, within noise",
+        "0.06",
+        lambda: main_job("digits", "gb - narrow", 2),
     ),
     Figure(
-        "2.50 ± 0.42 points above it, beyond noise", "0.42", lambda: main_job("mlp", "gb - narrow", 3)
-    ),
-    Figure(
-        "gbfunc 98.39 ± 0.32% (spread 1.67)", "98.39", lambda: main_job("digits", "gb", 3)
-    ),
-    Figure(
-        "gbfunc 98.39 ± 0.32% (spread 1.67)", "0.32", lambda: main_job("digits", "gb", 4)
-    ),
-    Figure(
-        "gbfunc 98.39 ± 0.32% (spread 1.67)", "1.67", lambda: main_job("digits", "gb", 5)
-    ),
-    Figure(
-        "against 98.33 ± 0.20% (spread 1.11) for the narrow CNN", "98.33", lambda: main_job("digits", "narrow", 3)
-    ),
-    Figure(
-        "against 98.33 ± 0.20% (spread 1.11) for the narrow CNN", "0.20", lambda: main_job("digits", "narrow", 4)
-    ),
-    Figure(
-        "against 98.33 ± 0.20% (spread 1.11) for the narrow CNN", "1.11", lambda: main_job("digits", "narrow", 5)
-    ),
-    Figure(
-        "0.06 ± 0.28 points above it, within noise", "0.06", lambda: main_job("digits", "gb - narrow", 2)
-    ),
-    Figure(
-        "0.06 ± 0.28 points above it, within noise", "0.28", lambda: main_job("digits", "gb - narrow", 3)
+        "0.06 ± 0.28 points above it, within noise",
+        "0.28",
+        lambda: main_job("digits", "gb - narrow", 3),
     ),
     # Communication, computed from the plan
     Figure("receives 46 MiB per rank", "46", lambda: comm_mib("replicated")),

@@ -14,7 +14,8 @@ p-nets and `StageGenerator` for pipeline stages (their bytes per step:
 """
 
 from .._replicated import save_replicated as save_replicated
-from .._select import Concat as Concat, Selection as Selection
+from .._select import Selection as Selection
+from .._tiling import Concat as Concat
 from ._check import check_plan as check_plan, plan_difference as plan_difference
 from ._data import data_loader as data_loader, shard_batch as shard_batch
 from ._fsdp import ShardedFree as ShardedFree

@@ -16,7 +16,8 @@ from torch.distributed.fsdp import fully_shard
 from .._check_gparams import TASKS
 from .._check_model import check_matches
 from .._plan import Plan
-from .._select import Selection, full_region
+from .._select import Selection
+from .._tiling import full_region
 from .._tree import GParams
 
 

@@ -21,7 +21,7 @@ from .._condition import condition_of, conditioned
 from .._evaluate import evaluate_stack
 from .._numbers import integer
 from .._plan import TILE_LEAVES, Plan, Stack
-from .._select import assemble, parameters
+from .._tiling import assemble, parameters
 from .._tree import GParams
 from ._sync import CollectiveError, failure_message, wait_or_raise
 

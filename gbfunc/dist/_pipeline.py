@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from .._plan import Plan
-from .._select import Selection, full_region
+from .._select import Selection
+from .._tiling import full_region
 from .._tree import GParams
 
 

@@ -21,7 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
 from .._plan import Generated, Plan
-from .._select import Concat, Region, Selection, cuts_tiles, full_region
+from .._select import Selection
+from .._tiling import Concat, Region, cuts_tiles, full_region
 from .._tree import GParams
 
 

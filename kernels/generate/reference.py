@@ -1,7 +1,7 @@
 """The specification of the fused forward: gbfunc's own g-net evaluation, then `assemble`.
 
 Nothing here is new math: `gbfunc._tilemlp.reference` evaluates every tile's g-net and
-`gbfunc._select.assemble` lays the tiles out, cuts and scales them. The kernel must agree.
+`gbfunc._tiling.assemble` lays the tiles out, cuts and scales them. The kernel must agree.
 """
 
 import functools
@@ -9,8 +9,8 @@ import functools
 import torch
 from torch import Tensor
 
+from gbfunc._tiling import assemble
 from gbfunc._plan import Generated, Stack
-from gbfunc._select import assemble
 from gbfunc._spec import Terms, reference
 
 

@@ -18,7 +18,7 @@ from torch.func import grad, vmap
 
 import gbfunc as gb
 from gbfunc import kernels
-from gbfunc._select import assemble
+from gbfunc._tiling import assemble
 from gbfunc.kernels import Terms, _placement, _runtime, stack_terms
 from gbfunc.kernels.generate import kernel as forward_kernel, reference as forward_reference
 from gbfunc.kernels.generate_backward import (
