@@ -150,6 +150,16 @@ class Figure:
     read: Callable[[], float]
 
 
+def main_job_figures(*phrases: tuple[str, str, str, int]) -> list[Figure]:
+    """One `Figure` per number of each `(task, arm, phrase, first)`: the phrase's numbers
+    are numbers `first`, `first + 1`, ... of the arm's line in the main job's output."""
+    return [
+        Figure(phrase, number, lambda t=task, a=arm, i=first + k: main_job(t, a, i))
+        for task, arm, phrase, first in phrases
+        for k, number in enumerate(re.findall(r"\d+\.\d+", phrase))
+    ]
+
+
 FIGURES = [
     # Step time and memory
     Figure("matrix 1.96x as fast as", "1.96", lambda: gpu("67108864 fwd ")),
@@ -229,96 +239,22 @@ FIGURES = [
     Figure("reaches 96.6 ± 0.2% against", "0.2", lambda: mlp("gbfunc", last=True)),
     Figure("against 94.6 ± 1.5% for", "94.6", lambda: mlp("narrow")),
     Figure("against 94.6 ± 1.5% for", "1.5", lambda: mlp("narrow", last=True)),
-    # The main job over seeds
-    Figure(
-        "gbfunc 1.5564 ± 0.0062 nats (spread 0.0197)", "1.5564", lambda: main_job("charlm", "gb", 0)
-    ),
-    Figure(
-        "gbfunc 1.5564 ± 0.0062 nats (spread 0.0197)", "0.0062", lambda: main_job("charlm", "gb", 1)
-    ),
-    Figure(
-        "gbfunc 1.5564 ± 0.0062 nats (spread 0.0197)", "0.0197", lambda: main_job("charlm", "gb", 2)
-    ),
-    Figure(
-        "against 1.6427 ± 0.0090 (spread 0.0310) for the narrow transformer",
-        "1.6427",
-        lambda: main_job("charlm", "narrow", 0),
-    ),
-    Figure(
-        "against 1.6427 ± 0.0090 (spread 0.0310) for the narrow transformer",
-        "0.0090",
-        lambda: main_job("charlm", "narrow", 1),
-    ),
-    Figure(
-        "against 1.6427 ± 0.0090 (spread 0.0310) for the narrow transformer",
-        "0.0310",
-        lambda: main_job("charlm", "narrow", 2),
-    ),
-    Figure(
-        "0.0863 ± 0.0112 nats below it, beyond noise",
-        "0.0863",
-        lambda: main_job("charlm", "gb - narrow", 0),
-    ),
-    Figure(
-        "0.0863 ± 0.0112 nats below it, beyond noise",
-        "0.0112",
-        lambda: main_job("charlm", "gb - narrow", 1),
-    ),
-    Figure("gbfunc 96.39 ± 0.32% (spread 1.11)", "96.39", lambda: main_job("mlp", "gb", 3)),
-    Figure("gbfunc 96.39 ± 0.32% (spread 1.11)", "0.32", lambda: main_job("mlp", "gb", 4)),
-    Figure("gbfunc 96.39 ± 0.32% (spread 1.11)", "1.11", lambda: main_job("mlp", "gb", 5)),
-    Figure(
-        "against 93.89 ± 0.58% (spread 1.94) for the narrow MLP",
-        "93.89",
-        lambda: main_job("mlp", "narrow", 3),
-    ),
-    Figure(
-        "against 93.89 ± 0.58% (spread 1.94) for the narrow MLP",
-        "0.58",
-        lambda: main_job("mlp", "narrow", 4),
-    ),
-    Figure(
-        "against 93.89 ± 0.58% (spread 1.94) for the narrow MLP",
-        "1.94",
-        lambda: main_job("mlp", "narrow", 5),
-    ),
-    Figure(
-        "2.50 ± 0.42 points above it, beyond noise",
-        "2.50",
-        lambda: main_job("mlp", "gb - narrow", 2),
-    ),
-    Figure(
-        "2.50 ± 0.42 points above it, beyond noise",
-        "0.42",
-        lambda: main_job("mlp", "gb - narrow", 3),
-    ),
-    Figure("gbfunc 98.39 ± 0.32% (spread 1.67)", "98.39", lambda: main_job("digits", "gb", 3)),
-    Figure("gbfunc 98.39 ± 0.32% (spread 1.67)", "0.32", lambda: main_job("digits", "gb", 4)),
-    Figure("gbfunc 98.39 ± 0.32% (spread 1.67)", "1.67", lambda: main_job("digits", "gb", 5)),
-    Figure(
-        "against 98.33 ± 0.20% (spread 1.11) for the narrow CNN",
-        "98.33",
-        lambda: main_job("digits", "narrow", 3),
-    ),
-    Figure(
-        "against 98.33 ± 0.20% (spread 1.11) for the narrow CNN",
-        "0.20",
-        lambda: main_job("digits", "narrow", 4),
-    ),
-    Figure(
-        "against 98.33 ± 0.20% (spread 1.11) for the narrow CNN",
-        "1.11",
-        lambda: main_job("digits", "narrow", 5),
-    ),
-    Figure(
-        "0.06 ± 0.28 points above it, within noise",
-        "0.06",
-        lambda: main_job("digits", "gb - narrow", 2),
-    ),
-    Figure(
-        "0.06 ± 0.28 points above it, within noise",
-        "0.28",
-        lambda: main_job("digits", "gb - narrow", 3),
+    # The main job over seeds: each phrase's figures, in order, at these places of its line
+    *main_job_figures(
+        ("charlm", "gb", "gbfunc 1.5564 ± 0.0062 nats (spread 0.0197)", 0),
+        (
+            "charlm",
+            "narrow",
+            "against 1.6427 ± 0.0090 (spread 0.0310) for the narrow transformer",
+            0,
+        ),
+        ("charlm", "gb - narrow", "0.0863 ± 0.0112 nats below it, beyond noise", 0),
+        ("mlp", "gb", "gbfunc 96.39 ± 0.32% (spread 1.11)", 3),
+        ("mlp", "narrow", "against 93.89 ± 0.58% (spread 1.94) for the narrow MLP", 3),
+        ("mlp", "gb - narrow", "2.50 ± 0.42 points above it, beyond noise", 2),
+        ("digits", "gb", "gbfunc 98.39 ± 0.32% (spread 1.67)", 3),
+        ("digits", "narrow", "against 98.33 ± 0.20% (spread 1.11) for the narrow CNN", 3),
+        ("digits", "gb - narrow", "0.06 ± 0.28 points above it, within noise", 2),
     ),
     # Communication, computed from the plan
     Figure("receives 46 MiB per rank", "46", lambda: comm_mib("replicated")),
