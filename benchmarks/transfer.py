@@ -19,6 +19,7 @@ The report gives each configuration's mean, standard error and seed spread, the 
 against the best scale, and the default against the narrow model at its best rate.
 
     python -m benchmarks.transfer --tasks digits-rows email package-docs   # 2 processes
+    python -m benchmarks.transfer --tasks package-docs --scales 1 --lrs 0.06  # a part
     python -m benchmarks.transfer --report-only
 """
 
@@ -212,17 +213,26 @@ def main() -> None:
     parser.add_argument("--rows", type=Path, default=RESULTS / "transfer.json")
     parser.add_argument("--out", type=Path, default=RESULTS / "transfer.md")
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--scales", nargs="+", type=float, help="only these of SCALES")
+    parser.add_argument("--lrs", nargs="+", type=float, help="only these narrow rates")
     args = parser.parse_args()
     rows = json.loads(args.rows.read_text()) if args.rows.exists() else []
     if not args.report_only:
         done = {(r["task"], r["arm"], r["value"], r["seed"]) for r in rows}
-        todo = [j for t in args.tasks for j in jobs(t) if j not in done]
+        todo = [j for t in args.tasks for j in jobs(t) if j not in done and _chosen(j, args)]
         with ProcessPoolExecutor(args.processes) as pool:
             for row in pool.map(_run, todo):
                 rows.append(row)
                 print(row, flush=True)
                 args.rows.write_text(json.dumps(rows, indent=1) + "\n")
     args.out.write_text(report(rows))
+
+
+def _chosen(job: tuple[str, str, float, int], args: argparse.Namespace) -> bool:
+    """Whether `--scales` / `--lrs` keep `job` (a shorter run, said so in the report)."""
+    _, arm, value, _ = job
+    chosen = args.scales if arm == "gbfunc" else args.lrs
+    return chosen is None or any(abs(value - c) < 1e-3 for c in chosen)
 
 
 def _run(job: tuple[str, str, float, int]) -> dict:
