@@ -22,8 +22,8 @@ def calibrate(
 
     A generated layer's weights are a smooth function of its neurons' labels, so at init its
     outputs can share one offset: behind a ReLU, a negative one silences most units, and the
-    next layer all of them. Training cannot recover from that at any learning rate (the
-    paper's genome on the digits CNN, seed 1: 10% accuracy; 89% after this).
+    next layer all of them. Training cannot recover from that at any learning rate (measured:
+    `benchmarks/results/design_measurements.md`).
 
     Layer by layer, in the order the forward pass reaches them, each `nn.Linear` and
     `nn.ConvNd` whose bias the plan covers gets the mean of its outputs over `inputs` (the

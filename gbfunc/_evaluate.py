@@ -151,8 +151,8 @@ def _packed_tile_hash_op(positions: int, buckets: int, device: torch.device) -> 
     hash's argsort and integer arithmetic would run in every compiled step. Returns a copy,
     so that the compiled code may reuse its memory without touching the cache. Packed,
     bucket and sign copy 4 bytes a position, not 12 (int64 and float32), and unpack inside
-    the gather's kernel: the MLP's full-tile hashed genome compiled whole peaks at 7.6 MiB
-    instead of 11.1 (its step time moved within the benchmark's noise)."""
+    the gather's kernel, which lowers a compiled step's peak (measured:
+    `benchmarks/results/design_measurements.md`)."""
     return cached(packed_tile_hash, positions, buckets, device).clone()
 
 

@@ -54,10 +54,9 @@ def fit(
         target: `{name: tensor}` with every generated parameter, e.g. `model.state_dict()`.
         steps: Adam steps.
         lr: Peak learning rate of every g-net leaf, decayed to zero along a cosine; `None`:
-            each leaf at its default for training (`gb.optim.gnet_lr`). 1e-2 is the default
-            because at its training rate (0.3) the paper's tanh genome, fitted to a trained
-            MLP, kept 35% of the dense accuracy against 60%, while the two other genomes
-            measured gained 2-3 points at theirs (`benchmarks/results/fit_trained.md`).
+            each leaf at its default for training (`gb.optim.gnet_lr`). 1e-2 is the default:
+            at its training rate the paper's tanh genome, fitted to a trained MLP, kept far
+            less of the dense accuracy (`benchmarks/results/fit_trained.md`).
         compile: `torch.compile` the loss and its backward (worth it from a few hundred
             steps; the first call compiles).
 

@@ -189,9 +189,8 @@ def _init_stack(stack: Stack, gen: torch.Generator, starts: Tensor) -> dict[str,
     else:
         # Start as HashedNets does, the table carrying the tile's variance (std `start`, 1 but
         # for weights drawn above a fan-in init), and the g-nets at zero output (so
-        # normalising it is moot), to learn what the sharing misses.
-        # Measured on the digits CNN at ~23x (3 seeds): 98.33% against 97.68% for an even
-        # split of the variance.
+        # normalising it is moot), to learn what the sharing misses: better than an even split
+        # of the variance (measured: benchmarks/results/design_measurements.md).
         table = _normal(shapes["tile_hash"], 1.0, gen)
         if table.shape[1] > 1:  # exactly zero mean and unit std per tile, as the g-nets
             table = (table - table.mean(1, keepdim=True)) / table.std(1, keepdim=True)
@@ -212,8 +211,8 @@ def _make_odd(leaves: dict[str, Tensor], row_width: int) -> None:
     their bias, and enter the output with signs (+, -, -, +), so for any activation `f`:
     `f(a+b+c) - f(a-b+c) - f(-a+b+c) + f(-a-b+c)`, which is odd in `a` and in `b`. With
     symmetric codes every row and column of a tile then sums to zero at init. Without it, a
-    tile's weights are mostly additive row + column effects (~90% of the variance at init),
-    whose correlated row sums inflate the p-net's activations (step-0 loss 6% above dense).
+    tile's weights are mostly additive row + column effects at init, whose correlated row
+    sums inflate the p-net's activations (measured: `benchmarks/results/design_measurements.md`).
     A g-net is free to leave this structure as it trains. Only for one hidden layer (deeper
     g-nets mix units again) and non-odd activations (for an odd `f` the four terms cancel).
     """

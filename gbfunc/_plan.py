@@ -124,8 +124,8 @@ class Stack:
     def __post_init__(self) -> None:
         # Counted once, outside the fields (equality, hashing, `asdict` and the plan's JSON
         # ignore it): summed where read, under torch.compile, it made dynamo guard every
-        # element of `tiles_per_gnet` on every call of a compiled step, 2,513 guards and
-        # 0.23 ms a step for `benchmarks/scaling.py`'s width-1024 transformer at 20x.
+        # element of `tiles_per_gnet` on every call of a compiled step (thousands of guards
+        # for a large plan; benchmarks/results/design_measurements.md).
         counts = self.tiles_per_gnet
         valid = isinstance(counts, tuple) and all(isinstance(n, int) for n in counts)
         object.__setattr__(self, "_num_tiles", sum(counts) if valid else 0)  # else: check_plan

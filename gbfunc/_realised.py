@@ -5,9 +5,8 @@ Traced, a generated parameter is a chain of pointwise ops (layout, hashed values
 the g-nets' output. A matmul reads it from a buffer, so inductor computes it into one; a
 pointwise consumer, an embedding lookup, would inline the whole chain, and inductor then
 stores the lookup's result, read by several kernels, rather than recompute it in each:
-activation-sized buffers a plain model's graph does not hold. The main job's transformer
-with its embedding tables generated, compiled step: 76.1 MiB peak, 2.8 MiB above the plain
-model's; 74.2 MiB with the parameters realised.
+activation-sized buffers a plain model's graph does not hold (measured on the main job's
+transformer: `benchmarks/results/design_measurements.md`).
 """
 
 import torch

@@ -196,10 +196,9 @@ def vector_work(
     return total
 
 
-# Under `hashed="auto"` a tile's table grows as (its positions) ** TABLE_EXPONENT. Measured
-# against tables sized by hand (digits, 3 seeds, best of 4 rates; benchmarks/results/recipes.md):
-# 0.5 ties them on the CNN at ~135x and the MLP at ~100x and trails by 1.1 points on the CNN at
-# ~23x; 0.6 wins that back and loses as much at the other two.
+# Under `hashed="auto"` a tile's table grows as (its positions) ** TABLE_EXPONENT: against
+# tables sized by hand, 0.5 ties them on two of three digits genomes and 0.6 on the third
+# (benchmarks/results/design_measurements.md).
 TABLE_EXPONENT = 0.5
 
 

@@ -21,9 +21,9 @@ from ._plan import Stack
 
 Tensors = tuple[Tensor, Tensor]
 Made = TypeVar("Made", Tensor, Tensors)
-# Hashed tables are stored divided by this, so one learning rate suits them and the g-nets:
-# measured on the digits CNN at ~23x, a table at the g-net's Adam rate reached 93.98%, at 10x
-# that rate 97.68% (3 seeds, the variance split evenly between table and g-nets at init).
+# Hashed tables are stored divided by this, so one learning rate suits them and the g-nets: a
+# table learns best at about ten times the g-nets' Adam rate (measured on the digits CNN:
+# benchmarks/results/design_measurements.md).
 HASH_GAIN = 10.0
 
 

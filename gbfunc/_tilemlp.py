@@ -136,10 +136,10 @@ def _one_layer_unrolled(terms: Terms, activation: str) -> Tensor:
     The sum runs over a spare tile, output or column of zeros (the longest of those axes),
     dropped after: inductor stores the sum, too long a chain to inline into the layout, and,
     compiling a training step as one graph, kept that buffer past its last read to reuse it
-    for the backward's tile gradient, which has the same size, across the step's peak (the
-    main job's transformer: 1.5 MiB). With the spare slot the sizes differ, and the buffer is
-    freed after its last read. (The one-output forward's sum was left as it is: padded the
-    same way, some compiled peaks fell and others rose, by up to 1.5 MiB either way.)"""
+    for the backward's tile gradient, which has the same size, across the step's peak. With
+    the spare slot the sizes differ, and the buffer is freed after its last read. (The
+    one-output forward's sum was left as it is: padded the same way, some compiled peaks fell
+    and others rose; `benchmarks/results/design_measurements.md`.)"""
     a, b, c, _, _, w_out, b_out = terms
     row_terms, col_terms = _units_major_terms(a, b, c)  # (T, H, TH), (T, H, Q)
     num_tiles, outputs, cols = a.shape[0], w_out.shape[-1], b.shape[1]
@@ -177,8 +177,8 @@ def _first_layer_units_major_again(a: Tensor, b: Tensor, c: Tensor, grad: Tensor
     computed after `grad` exists. Traced with the forward as one graph (`torch.func.grad`
     under `torch.compile`), inductor otherwise fuses this recomputation, which reads only
     forward inputs, into a forward kernel that reads the same terms, and keeps its
-    `(T, H, Q * TH)` result until the backward: the main job's transformer with its tiled
-    plan, compiled step, 1.5 MiB above the plain model's peak."""
+    `(T, H, Q * TH)` result until the backward, above the plain model's peak
+    (`benchmarks/results/design_measurements.md`)."""
     row_terms, col_terms = _units_major_terms(a, b, c)
     return row_terms[:, :, None, :] + _after(col_terms, grad)[..., None]
 
