@@ -3,7 +3,7 @@
 from torch import Tensor
 
 from ._backend import fused_weights
-from ._condition import condition_of, conditioned
+from ._condition import condition_of, conditioned, without_condition
 from ._dispatch import Context, check_call, route
 from ._evaluate import hashed_tiles
 from ._graph import generate
@@ -63,19 +63,16 @@ def apply(
     """
     check_call(gparams, plan, "gb.apply", backend=backend, compile=compile, values=check)
     z = condition_of(gparams, plan, condition, task, "gb.apply")
-    # The paths run the plan without a condition, `z` folded into the g-nets' first biases;
-    # the graph folds it in itself, so that its inputs stay the leaves.
-    own_plan, own_gparams = plan, gparams
-    if z is not None:
-        gparams, plan = conditioned(gparams, plan, z)
-    stacks = gparams["stacks"]
-    path = route(plan, stacks, Context.now(stacks, backend=backend, compile=compile))
-    if path.plan == "triton":
-        return _through_kernels(gparams, plan)
-    if path.plan == "graph":
-        graph = generate(own_plan, own_gparams, condition, task)
+    routed, stacks = without_condition(plan, gparams["stacks"])
+    path = route(routed, stacks, Context.now(stacks, backend=backend, compile=compile))
+    if path.plan == "graph":  # folds the condition in inside, so that its inputs stay leaves
+        graph = generate(plan, gparams, condition, task)
         if graph is not None:  # None: the compile failed (warned), so op by op
             return parameters(plan.params, gparams, lambda p: graph[p.name])
+    if z is not None:  # the other paths run the plan without a condition, `z` folded in
+        gparams, plan = conditioned(gparams, plan, z)
+    if path.plan == "triton":
+        return _through_kernels(gparams, plan)
     return Selection.whole(plan).apply(gparams, paths=path.stacks)
 
 

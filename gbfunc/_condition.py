@@ -8,6 +8,7 @@ without a condition, unchanged: forward, backward (into `w_cond` and `z`) and un
 """
 
 import functools
+from collections.abc import Mapping
 from dataclasses import replace
 
 import torch
@@ -82,6 +83,18 @@ def _task_embedding(gparams: GParams, plan: Plan, task: int | Tensor, where: str
     if isinstance(task, bool) or not isinstance(task, int) or not 0 <= task < plan.tasks:
         raise ValueError(f"{where}: task must be an int in 0..{plan.tasks - 1}, got {task!r}.")
     return table[task]
+
+
+def without_condition(
+    plan: Plan, stacks: Mapping[str, Mapping[str, Tensor]]
+) -> tuple[Plan, Mapping[str, Mapping[str, Tensor]]]:
+    """The plan and g-net leaves a call is routed on: for a conditioned plan, the plan
+    without its condition and the leaves without `w_cond`, which is what every path runs
+    once the condition is folded in (`conditioned`)."""
+    if not plan.condition:
+        return plan, stacks
+    leaves = {k: {n: t for n, t in v.items() if n != COND_LEAF} for k, v in stacks.items()}
+    return unconditioned(plan), leaves
 
 
 def conditioned(gparams: GParams, plan: Plan, z: Tensor) -> tuple[GParams, Plan]:

@@ -34,7 +34,7 @@ from torch import Tensor
 from ._backend import BACKENDS, HAS_TRITON, check_triton
 from ._check_gparams import check_gparams
 from ._compiled import dynamo_disabled
-from ._condition import COND_LEAF, unconditioned
+from ._condition import without_condition
 from ._plan import Plan, Stack
 from ._tilemlp import fits_graph
 from ._tree import GParams
@@ -404,10 +404,7 @@ def explain(
         ('torch',)
     """
     check_call(gparams, plan, "gb.explain", backend=backend, compile=compile)
-    stacks = gparams["stacks"]
-    if plan.condition:  # `gb.apply` folds the condition in and routes the plan without it
-        plan = unconditioned(plan)
-        stacks = {k: {n: t for n, t in v.items() if n != COND_LEAF} for k, v in stacks.items()}
+    plan, stacks = without_condition(plan, gparams["stacks"])  # routed as `gb.apply` routes
     context = Context.now(stacks, backend=backend, compile=compile)
     chosen, verdicts = _route(plan, stacks, context, detail=True)  # afresh, not the memo
     reasons = {

@@ -92,8 +92,8 @@ def plan(
             in `overrides`) to size the tables so that the plan reaches `compression`.
         condition: Width of a condition vector every g-net reads (`gb.Genome.condition`):
             one genome then generates a weight set per condition, `gb.apply(gparams, plan,
-            condition=z)` or, with learned task embeddings (`gb.init(plan, tasks=n)`),
-            `task=i`. An override `{"condition": 0}` leaves a layer unconditioned.
+            condition=z)` or, with learned task embeddings (`tasks=n` below), `task=i`. An
+            override `{"condition": 0}` leaves a layer unconditioned.
         tasks: Learned task embeddings of width `condition` that `gb.init` draws into
             `gparams["tasks"]` and `gb.apply(..., task=i)` reads (continual or multi-task
             learning: one genome, a weight set per task).

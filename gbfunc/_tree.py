@@ -2,6 +2,8 @@
 
 from torch import Tensor
 
+from ._check_gparams import TASKS
+
 # `{"stacks": {key: {leaf: tensor}}, "free": {name: tensor}, "frozen": {name: tensor}}`, and
 # `"tasks": tensor` where the plan has task embeddings
 GParams = dict[str, dict]
@@ -34,5 +36,5 @@ def trainable_leaves(gparams: GParams) -> list[Tensor]:
             f"['free', 'frozen', 'stacks'], got {got}."
         )
     stacks = [t for leaves in gparams["stacks"].values() for t in leaves.values()]
-    tasks = [gparams["tasks"]] if "tasks" in gparams else []
+    tasks = [gparams[TASKS]] if TASKS in gparams else []
     return [*stacks, *gparams["free"].values(), *tasks]

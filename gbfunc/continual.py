@@ -76,7 +76,7 @@ def penalty(
     ids = list(targets)
     _check_ids(ids, plan, "gb.continual.penalty")
     if not ids:
-        return next(iter(gparams["stacks"].values()))["w_in"].new_zeros(())
+        return gparams["tasks"].new_zeros(())
     index = torch.tensor(ids, device=gparams["tasks"].device)
     now = vmap(lambda t: apply(gparams, plan, task=t))(index)
     total = 0

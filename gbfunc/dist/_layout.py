@@ -86,7 +86,7 @@ def publish(path: Path, folder: str, manifest: str) -> str | None:
             if _FOLDER.fullmatch(entry.name) and entry.name != folder:
                 shutil.rmtree(entry.path, ignore_errors=True)
             elif (
-                _LEFTOVER.fullmatch(entry.name) or legacy and _LEGACY.fullmatch(entry.name)
+                _LEFTOVER.fullmatch(entry.name) or (legacy and _LEGACY.fullmatch(entry.name))
             ) and entry.is_file(follow_symlinks=False):
                 with suppress(OSError):
                     os.unlink(entry.path)
