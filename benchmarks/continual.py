@@ -24,22 +24,19 @@ Target network: the MLP 64-64-64-2 (ReLU) on the flattened pixels, 8,450 paramet
   size of its target network) is scaled down (`HNET`: layers 10,10, chunks of 106, 2,126
   parameters) to just above the gbfunc arm's count. `hypnettorch-lr1e-3`: the same at 1e-3
   (the example says its defaults were not searched; gbfunc's rates were moved too).
-- gbfunc: a task-conditioned genome, `gb.plan(..., condition=8, tasks=5)` (or
-  `gb.init(..., tasks=5)` where the plan does not take it), `gb.apply(gparams, plan,
-  task=t)`, `gb.optim.param_groups`' rates times `scale`, and the output regulariser of
-  hypnettorch's arm: `gb.continual.targets` before each task and
+- gbfunc: a task-conditioned genome, `gb.plan(..., condition=8, tasks=5)`,
+  `gb.apply(gparams, plan, task=t)`, `gb.optim.param_groups`' rates times `scale`, and the
+  output regulariser of hypnettorch's arm: `gb.continual.targets` before each task and
   `gb.continual.penalty(..., strength=0.01)` (for each earlier task the squared difference
   between what the genome generates now and its target, summed over every parameter;
-  averaged over the earlier tasks, as `calc_fix_target_reg`; times beta = 0.01), or this
-  file's own copies of both where gbfunc has no `gb.continual`. The genome is `GB_PLAN`, the
-  paper's (2,117 parameters), at `param_groups`' default rates under `gb.optim.schedule`
-  (warm-up over a quarter of each task's steps, then cosine decay; a fresh optimizer per
-  task), as the library says to train it, where one seed of three collapsed on its first
-  task; `gbfunc-constant-lr`: the same at a constant rate (Adam without warm-up, as the other
-  arms run), where training collapsed on most tasks; `gbfunc-0.1-constant-lr`: at a constant
-  tenth of the default rates, which trained on every seed and task. Where
-  `gb.apply` takes no
-  `task=`, the rows say so.
+  averaged over the earlier tasks, as `calc_fix_target_reg`; times beta = 0.01). The genome
+  is `GB_PLAN`, the paper's (2,117 parameters), at `param_groups`' default rates under
+  `gb.optim.schedule` (warm-up over a quarter of each task's steps, then cosine decay; a
+  fresh optimizer per task), as the library says to train it, where one seed of three
+  collapsed on its first task; `gbfunc-constant-lr`: the same at a constant rate (Adam
+  without warm-up, as the other arms run), where training collapsed on most tasks;
+  `gbfunc-0.1-constant-lr`: at a constant tenth of the default rates, which trained on every
+  seed and task.
 - joint: the finetune MLP trained on all five tasks at once (batches drawn from their
   union, 5x the steps): a shared model's multi-task upper bound, no sequence.
 
@@ -67,7 +64,6 @@ the report (`--out`) is written from all of them.
 
 import argparse
 import functools
-import inspect
 import itertools
 import json
 import math
@@ -84,6 +80,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.nn.functional import cross_entropy
 
+import gbfunc as gb
 from benchmarks._meta import RESULTS, header_md, markdown_table, provenance, write_json
 from examples.data import digits_split
 from examples.models import paper_genome
@@ -297,85 +294,12 @@ def hypnettorch_arm(train, val, steps: int, seed: int, lr: float = HNET_LR):
     return params, accs, after, config
 
 
-# gbfunc's task-conditioned genome, written against the spec of the API being added:
-# gb.plan(..., condition=8) (and tasks=5 where the plan takes it, else gb.init(..., tasks=5)),
-# gb.apply(..., task=t), gb.continual.targets / penalty where they exist.
-
-
-def gbfunc_unavailable() -> str | None:
-    """Why this gbfunc cannot run the arm, or None."""
-    import gbfunc as gb
-
-    missing = [
-        f"{name}({arg}=)"
-        for name, fn, arg in (
-            ("gb.apply", gb.apply, "task"),
-            ("gb.plan", gb.plan, "condition"),
-        )
-        if arg not in inspect.signature(fn).parameters
-    ]
-    if not any("tasks" in inspect.signature(f).parameters for f in (gb.plan, gb.init)):
-        missing.append("gb.plan or gb.init(tasks=)")
-    if missing:
-        return "this gbfunc has no task-conditioned genome yet: no " + ", ".join(missing)
-    return None
-
-
-def gb_targets(gb, gparams: dict, plan, tasks: range) -> dict[int, dict[str, Tensor]]:
-    """`{task: params}`, detached: what the genome generates now for each of `tasks`."""
-    if hasattr(gb, "continual"):
-        return gb.continual.targets(gparams, plan, tasks=tasks)
-    with torch.no_grad():
-        return {
-            j: {k: v.detach().clone() for k, v in gb.apply(gparams, plan, task=j).items()}
-            for j in tasks
-        }
-
-
-def gb_penalty(gb, gparams: dict, plan, targets: dict[int, dict[str, Tensor]]) -> Tensor:
-    """BETA times: for each earlier task the squared difference between what the genome
-    generates now and its target, summed over every parameter; averaged over the tasks
-    (hypnettorch's `calc_fix_target_reg`). `gb.continual.penalty` multiplies by its
-    `strength` itself."""
-    if hasattr(gb, "continual"):
-        if "strength" in inspect.signature(gb.continual.penalty).parameters:
-            return gb.continual.penalty(gparams, plan, targets, strength=BETA)
-        return BETA * gb.continual.penalty(gparams, plan, targets)
-    tasks = sorted(targets)
-    now = torch.func.vmap(lambda j: gb.apply(gparams, plan, task=j))(torch.tensor(tasks))
-    squares = [((now[k] - torch.stack([targets[j][k] for j in tasks])) ** 2).sum() for k in now]
-    return BETA * torch.stack(squares).sum() / len(tasks)
-
-
 def gbfunc_arm(train, val, steps: int, seed: int, scale: float = 1.0, schedule: bool = True):
-    try:
-        import gbfunc as gb
-    except ImportError as error:
-        raise Unavailable(f"gbfunc not importable in {sys.prefix}: {error}") from error
-    why = gbfunc_unavailable()
-    if why:
-        raise Unavailable(why)
     model = mlp()
-    if "tasks" in inspect.signature(gb.plan).parameters:
-        plan = gb.plan(model, **GB_PLAN, tasks=TASKS)
-        gparams = gb.init(plan, seed=seed)
-    else:
-        plan = gb.plan(model, **GB_PLAN)
-        gparams = gb.init(plan, seed=seed, tasks=TASKS)
-    notes = []
-    leaves = list(gb.trainable_leaves(gparams))
-    tasks = gparams["tasks"]
-    if not any(p is tasks for p in leaves):
-        leaves.append(tasks)
-        notes.append("gb.trainable_leaves left out the task embeddings: counted here")
-    params = count(leaves)
+    plan = gb.plan(model, **GB_PLAN, tasks=TASKS)
+    gparams = gb.init(plan, seed=seed)
+    params = count(gb.trainable_leaves(gparams))
     groups = gb.optim.param_groups(gparams, plan, free_lr=MLP_LR, scale=scale)
-    if not any(p is tasks for g in groups for p in g["params"]):
-        groups.append({"params": [tasks], "lr": groups[0]["lr"]})
-        notes.append(
-            f"gb.optim.param_groups left out the task embeddings: added at the g-nets' "
-            f"rate {groups[0]['lr']:g}"
-        )
 
     def forward(x: Tensor, task: int) -> Tensor:
         return functional_call(model, gb.apply(gparams, plan, task=task), (x,))
@@ -383,7 +307,7 @@ def gbfunc_arm(train, val, steps: int, seed: int, scale: float = 1.0, schedule: 
     torch.manual_seed(seed)
     after = []
     for t, (x, y) in enumerate(train):
-        targets = gb_targets(gb, gparams, plan, range(t)) if t > 0 else None
+        targets = gb.continual.targets(gparams, plan, tasks=range(t)) if t > 0 else None
         opt = torch.optim.Adam(groups)
         sched = gb.optim.schedule(opt, steps) if schedule else None
         for idx in batches(len(y), steps, seed, t):
@@ -391,7 +315,7 @@ def gbfunc_arm(train, val, steps: int, seed: int, scale: float = 1.0, schedule: 
             weights = gb.apply(gparams, plan, task=t)
             loss = cross_entropy(functional_call(model, weights, (x[idx],)), y[idx])
             if t > 0:
-                loss = loss + gb_penalty(gb, gparams, plan, targets)
+                loss = loss + gb.continual.penalty(gparams, plan, targets, strength=BETA)
             loss.backward()
             opt.step()
             if sched is not None:
@@ -401,11 +325,7 @@ def gbfunc_arm(train, val, steps: int, seed: int, scale: float = 1.0, schedule: 
     rates = ", ".join(f"{g['lr']:g}" for g in groups)
     how = "gb.optim.schedule per task" if schedule else "constant"
     config = f"{GB_NAME}, {TASKS} tasks, scale {scale:g} (rates {rates}, {how}), beta {BETA:g}"
-    if hasattr(gb, "continual"):
-        notes.append("gb.continual's targets and penalty")
-    else:
-        notes.append("targets and penalty: this file's (gbfunc has no gb.continual)")
-    return params, accs, after, config + "".join(f"; {n}" for n in notes)
+    return params, accs, after, config + "; gb.continual's targets and penalty"
 
 
 RUN: dict[str, Callable] = {
