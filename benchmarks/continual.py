@@ -300,6 +300,7 @@ def gbfunc_arm(train, val, steps: int, seed: int, scale: float = 1.0, schedule: 
     gparams = gb.init(plan, seed=seed)
     params = count(gb.trainable_leaves(gparams))
     groups = gb.optim.param_groups(gparams, plan, free_lr=MLP_LR, scale=scale)
+    rates = ", ".join(f"{g['lr']:g}" for g in groups)  # the peaks: the schedule changes them
 
     def forward(x: Tensor, task: int) -> Tensor:
         return functional_call(model, gb.apply(gparams, plan, task=task), (x,))
@@ -322,7 +323,6 @@ def gbfunc_arm(train, val, steps: int, seed: int, scale: float = 1.0, schedule: 
                 sched.step()
         after.append(evaluate(functools.partial(forward, task=t), val[t]))
     accs = [evaluate(functools.partial(forward, task=t), v) for t, v in enumerate(val)]
-    rates = ", ".join(f"{g['lr']:g}" for g in groups)
     how = "gb.optim.schedule per task" if schedule else "constant"
     config = f"{GB_NAME}, {TASKS} tasks, scale {scale:g} (rates {rates}, {how}), beta {BETA:g}"
     return params, accs, after, config + "; gb.continual's targets and penalty"
