@@ -100,8 +100,10 @@ HNET_LR = 1e-4
 # and 32 hidden units, with and without a condition, seeds 0 and 1) this MLP's training
 # collapsed to a constant output (loss ln 2) in 7 of 8 runs at the default rates (0.3 for
 # tanh g-nets) and 3 of 8 at 1/3 of them. With the schedule (the `gbfunc` row) training is
-# still on the edge at the default rates: of 3 seeds, one collapsed on its first task and one
-# on its fourth; at a constant tenth of them (`gbfunc-0.1-constant-lr`) none did.
+# still on the edge at the default rates: of 3 seeds, one collapsed from its first task on, and
+# seed 0, which trained every task in one run, lost its fourth in another (the same seed does
+# not always end the same there); at a constant tenth of them (`gbfunc-0.1-constant-lr`) none
+# did.
 GB_PLAN: dict[str, Any] = {
     **paper_genome(19, first="0.weight", last="4.*"),
     "condition": 8,
