@@ -40,15 +40,16 @@ def provenance() -> dict[str, Any]:
 
 
 def code_version() -> str:
-    """The repository's commit, marked when tracked files other than the benchmarks' results
-    differ from it (a rerun rewrites its results file); a copy of the tree without `.git` (a
-    device machine's) says so."""
+    """The repository's commit, and the tracked files other than the benchmarks' results that
+    differ from it (a rerun rewrites its results file), so that a result made from an
+    uncommitted tree names what was uncommitted; a copy of the tree without `.git` (a device
+    machine's) says so."""
     root = Path(__file__).resolve().parents[1]
     try:
         head, changes = (
             subprocess.run(
                 ["git", "-C", str(root), *args], capture_output=True, text=True, check=True
-            ).stdout.strip()
+            ).stdout
             for args in (
                 ["rev-parse", "--short", "HEAD"],
                 ["status", "--porcelain", "-uno", "--", ".", ":(exclude)benchmarks/results"],
@@ -56,7 +57,20 @@ def code_version() -> str:
         )
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)"
-    return f"commit {head}" + (" with uncommitted changes" if changes else "")
+    dirty = changed_paths(changes)
+    return f"commit {head.strip()}" + (f" with uncommitted changes to: {dirty}" if dirty else "")
+
+
+def changed_paths(porcelain: str, limit: int = 8) -> str:
+    """The paths named by `git status --porcelain` output, comma-separated: the first `limit`,
+    then how many more ("a.py, b.py and 3 more"); a rename names its new path; "" for none.
+
+    Each porcelain line is two status letters, a space and the path, so `porcelain` must not
+    have been stripped (an unstaged change's line starts with a space).
+    """
+    paths = [line[3:].split(" -> ")[-1] for line in porcelain.splitlines() if line.strip()]
+    more = len(paths) - limit
+    return ", ".join(paths[:limit]) + (f" and {more} more" if more > 0 else "")
 
 
 def cpu_model() -> str:
