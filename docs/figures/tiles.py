@@ -1,6 +1,8 @@
 """Draw the documentation's concept figure: tile-and-cut, writing `docs/figures/tiles.png`.
 
-Three panels, left to right:
+Three panels, drawn 7.2 in wide at 200 dpi (the site shows figures 688 CSS px wide: at that
+width every point size reads at its nominal size, none under 8 pt): panel 1 on top with its
+caption beside it, panels 2 -> 3 below, one matrix unit the same length in both:
 
 1. "one g-net per tile": the g-net as a diagram, an MLP from the binary codes of a position
    (row i, column j) inside a 64 x 64 tile (gbfunc standardises them), through 8 ReLU units,
@@ -39,8 +41,8 @@ HIDDEN = 8
 BITS = 6  # binary code width of a tile-local index 0..63
 EXAMPLE = (37, 12)  # the position (i, j) whose code the g-net diagram shows
 CMAP = "RdBu_r"  # diverging, colour-blind safe
-DPI = 110
-FIGSIZE = (11.0, 4.2)
+DPI = 200  # the site shows the figure at 688 CSS px: sharp on 2x screens
+FIGSIZE = (7.2, 5.6)  # inches: the site's 688 px column at 96 px per inch
 # Faint, distinct outline colours of the 12 tiles (Okabe-Ito palette, repeated).
 TILE_COLOURS = (
     "#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00",
@@ -76,17 +78,17 @@ def generate() -> tuple[np.ndarray, np.ndarray | None]:
     return weight, full
 
 
-def draw_gnet(ax: Axes) -> None:
-    """The g-net: binary codes of (i, j) -> 8 ReLU units -> w[i, j]."""
-    ax.set_xlim(0, 1)
-    ax.set_ylim(0, 1)
-    ax.axis("off")
+def draw_gnet(ax: Axes) -> tuple[float, float]:
+    """The g-net: binary codes of (i, j) -> 8 ReLU units -> w[i, j], drawn in inches (the
+    axes' data units, equal aspect: circles stay round). Returns the output unit's centre."""
     i, j = EXAMPLE
     bits = [int(b) for b in f"{i:0{BITS}b}"] + [int(b) for b in f"{j:0{BITS}b}"]
-    x_in, x_hid, x_out = 0.35, 0.64, 0.89
-    y_in = np.linspace(0.88, 0.22, 2 * BITS) - np.r_[np.zeros(BITS), np.full(BITS, 0.03)]
-    y_hid = np.linspace(0.80, 0.29, HIDDEN)
-    y_out = 0.54
+    x_in, x_hid, x_out = 1.0, 1.95, 2.85
+    step, gap = 0.14, 0.07  # between input units; extra between the two codes
+    y_in = 1.88 - step * np.arange(2 * BITS) - np.r_[np.zeros(BITS), np.full(BITS, gap)]
+    y_mid = (y_in[0] + y_in[-1]) / 2
+    y_hid = y_mid + 0.19 * (np.arange(HIDDEN)[::-1] - (HIDDEN - 1) / 2)
+    y_out = y_mid
     for ya in y_in:
         for yb in y_hid:
             ax.plot([x_in, x_hid], [ya, yb], color="0.8", lw=0.5, zorder=1)
@@ -94,32 +96,23 @@ def draw_gnet(ax: Axes) -> None:
         ax.plot([x_hid, x_out], [yb, y_out], color="0.6", lw=0.7, zorder=1)
     for ya, b in zip(y_in, bits, strict=True):
         ax.add_patch(
-            Circle((x_in, ya), 0.022, fc="0.15" if b else "white", ec="0.15", lw=1, zorder=3)
+            Circle((x_in, ya), 0.045, fc="0.15" if b else "white", ec="0.15", lw=0.9, zorder=3)
         )
-        ax.text(x_in - 0.045, ya, str(b), ha="right", va="center", fontsize=7.5, color="0.3")
+        ax.text(x_in - 0.08, ya, str(b), ha="right", va="center", fontsize=8, color="0.3")
     for yb in y_hid:
-        ax.add_patch(Circle((x_hid, yb), 0.026, fc="#CFE3F3", ec="#0072B2", lw=1.2, zorder=3))
-    ax.add_patch(Circle((x_out, y_out), 0.04, fc="#F4C9B3", ec="#D55E00", lw=1.5, zorder=3))
+        ax.add_patch(Circle((x_hid, yb), 0.055, fc="#CFE3F3", ec="#0072B2", lw=1.1, zorder=3))
+    ax.add_patch(Circle((x_out, y_out), 0.085, fc="#F4C9B3", ec="#D55E00", lw=1.4, zorder=3))
     # braces naming the two codes
     for lo, hi, name in ((y_in[BITS - 1], y_in[0], f"i = {i}"), (y_in[-1], y_in[BITS], f"j = {j}")):
-        xb = x_in - 0.1
-        ax.plot([xb, xb], [lo - 0.02, hi + 0.02], color="0.2", lw=1.2)
-        ax.text(xb - 0.02, (lo + hi) / 2, name, ha="right", va="center", fontsize=9.5)
-    ax.text(x_in - 0.07, 0.96, "code of (i, j)", ha="center", va="center", fontsize=9)
-    ax.text(x_hid, 0.96, f"{HIDDEN} ReLU", ha="center", va="center", fontsize=9)
+        xb = x_in - 0.26
+        ax.plot([xb, xb], [lo - 0.04, hi + 0.04], color="0.2", lw=1.2)
+        ax.text(xb - 0.06, (lo + hi) / 2, name, ha="right", va="center", fontsize=9.5)
+    ax.text(x_in - 0.2, 2.06, "code of (i, j)", ha="center", va="center", fontsize=9)
+    ax.text(x_hid, 2.06, f"{HIDDEN} ReLU", ha="center", va="center", fontsize=9)
     ax.text(
-        x_out, y_out + 0.085, "w[i, j]", ha="center", va="center", fontsize=10.5, fontweight="bold"
+        x_out, y_out + 0.2, "w[i, j]", ha="center", va="center", fontsize=10.5, fontweight="bold"
     )
-    n_params = 2 * BITS * HIDDEN + HIDDEN + HIDDEN + 1
-    ax.text(
-        0.5,
-        0.07,
-        f"{n_params} parameters per g-net, run on\nall {TILE[0]} × {TILE[1]} positions of its tile",
-        ha="center",
-        va="bottom",
-        fontsize=8.5,
-        color="0.25",
-    )
+    return x_out, y_out
 
 
 def draw_tiles(ax: Axes, weight: np.ndarray, full: np.ndarray | None, vmax: float) -> None:
@@ -162,12 +155,12 @@ def draw_tiles(ax: Axes, weight: np.ndarray, full: np.ndarray | None, vmax: floa
                 )
             )
             ax.text(
-                x + 5,
+                x + 5 if not x < COLS < x + 20 else COLS + 5,  # clear of the matrix's edge
                 y + 5,
                 f"g{k + 1}",
                 ha="left",
                 va="top",
-                fontsize=7.5,
+                fontsize=8,
                 zorder=6,
                 bbox=dict(
                     boxstyle="round,pad=0.15", fc="white", ec=TILE_COLOURS[k], lw=1, alpha=0.9
@@ -209,71 +202,115 @@ def draw_weight(fig: Figure, ax: Axes, weight: np.ndarray, vmax: float) -> None:
     pos = ax.get_position()
     cax = fig.add_axes((pos.x1 + 0.008, pos.y0, 0.009, pos.height))
     cb = fig.colorbar(im, cax=cax)
-    cb.ax.tick_params(labelsize=7, length=2)
+    cb.ax.tick_params(labelsize=8, length=2)
     cb.outline.set_linewidth(0.5)
 
 
-def arrow(fig: Figure, x0: float, x1: float, y: float, label: str) -> None:
-    """A labelled arrow between two panels, in figure coordinates."""
+def arrow(fig: Figure, start: tuple[float, float], end: tuple[float, float]) -> None:
+    """An arrow between two panels, in inches from the figure's bottom left."""
     fig.patches.append(
         FancyArrowPatch(
-            (x0, y),
-            (x1, y),
-            transform=fig.transFigure,
+            start,
+            end,
+            transform=fig.dpi_scale_trans,
             arrowstyle="-|>",
             mutation_scale=16,
             lw=1.8,
             color="0.25",
+            shrinkA=0,
+            shrinkB=0,
         )
     )
-    fig.text((x0 + x1) / 2, y + 0.035, label, ha="center", va="bottom", fontsize=8.5, color="0.2")
 
 
 def main(out: Path = OUT) -> None:
-    """Generate the weights, draw the three panels and write them to `out`."""
+    """Generate the weights, draw the three panels and write them to `out`.
+
+    Layout, in inches (the figure is 7.2 in wide: the documentation shows it at 688 CSS px,
+    so its point sizes read at their nominal size): the g-net on top with its caption beside
+    it; below, the tiles generated and, right of them, the p-net's weight."""
     torch.manual_seed(SEED)
     weight, full = generate()
     vmax = float(np.abs(full if full is not None else weight).max())
 
     fig = Figure(figsize=FIGSIZE, dpi=DPI, facecolor="white")  # no pyplot: no GUI backend
     fig_w, fig_h = FIGSIZE
-    # One matrix unit is the same length in both matrix panels.
-    unit = 2.3 / 192  # inches per row / column
-    mid_w, mid_h = 256 * unit / fig_w, 192 * unit / fig_h
-    right_w, right_h = COLS * unit / fig_w, ROWS * unit / fig_h
-    top = 0.80
-    x_mid, x_right = 0.35, 0.725
-    ax_g = fig.add_axes((0.035, 0.04, 0.24, 0.82))
-    ax_t = fig.add_axes((x_mid, top - mid_h, mid_w, mid_h))
-    ax_w = fig.add_axes((x_right, top - right_h, right_w, right_h))
 
-    draw_gnet(ax_g)
-    draw_tiles(ax_t, weight, full, vmax)
-    draw_weight(fig, ax_w, weight, vmax)
+    def place(x: float, y: float, w: float, h: float) -> Axes:
+        return fig.add_axes((x / fig_w, y / fig_h, w / fig_w, h / fig_h))
+
+    def text(x: float, y: float, s: str, **kw) -> None:
+        fig.text(x, y, s, transform=fig.dpi_scale_trans, **kw)
 
     title = dict(fontsize=12, fontweight="bold", ha="center", va="bottom")
-    fig.text(0.155, 0.90, "1. one g-net per tile", **title)
-    fig.text(x_mid + mid_w / 2, 0.90, "2. tiles generated", **title)
-    fig.text(x_right + right_w / 2, 0.90, "3. the p-net's weight", **title)
-    fig.text(
+    note = dict(fontsize=9, color="0.25")
+    # One matrix unit is the same length in both matrix panels.
+    unit = 2.2 / 192  # inches per row / column
+    grid_w, grid_h = 256 * unit, 192 * unit
+    x_mid, y_low = 0.4, 0.5  # panel 2's bottom left
+    top_low = y_low + grid_h  # the matrix panels' top edge
+    x_right = x_mid + grid_w + 0.85
+    # 1. the g-net, drawn in inches, on top
+    gnet_x, gnet_y, gnet_w, gnet_h = 0.1, top_low + 0.45, 3.1, 2.2
+    ax_g = place(gnet_x, gnet_y, gnet_w, gnet_h)
+    ax_g.set_xlim(0, gnet_w)
+    ax_g.set_ylim(0, gnet_h)
+    ax_g.set_aspect("equal")
+    ax_g.axis("off")
+    out_x, out_y = draw_gnet(ax_g)
+    out_x, out_y = gnet_x + out_x, gnet_y + out_y
+    text(gnet_x + 1.45, gnet_y + gnet_h, "1. one g-net per tile", **title)
+    n_params = 2 * BITS * HIDDEN + HIDDEN + HIDDEN + 1
+    text(
+        out_x + 0.55,
+        out_y,
+        f"{n_params} parameters per g-net: the binary\n"
+        f"code of a position (i, j) in its tile in,\n"
+        f"that position's weight out. It runs on\n"
+        f"all {TILE[0]} × {TILE[1]} positions of its tile.",
+        ha="left",
+        va="center",
+        linespacing=1.4,
+        **note,
+    )
+    # 2. the tiles generated, below left
+    ax_t = place(x_mid, y_low, grid_w, grid_h)
+    draw_tiles(ax_t, weight, full, vmax)
+    text(x_mid + grid_w / 2, top_low + 0.27, "2. tiles generated", **title)
+    # 3. the p-net's weight, below right, top-aligned with the tiles
+    right_w, right_h = COLS * unit, ROWS * unit
+    ax_w = place(x_right, top_low - right_h, right_w, right_h)
+    draw_weight(fig, ax_w, weight, vmax)
+    text(x_right + right_w / 2, top_low + 0.27, "3. the p-net's weight", **title)
+    text(
         x_right + right_w / 2,
-        top - right_h - 0.04,
+        top_low - right_h - 0.1,
         f"{ROWS} × {COLS}: stitched and cut to the\nlayer's shape; only the g-nets "
         "are\ntrained and stored",
         ha="center",
         va="top",
-        fontsize=8.5,
-        color="0.25",
+        **note,
     )
-    arrow(fig, 0.278, 0.332, 0.5, "× 12\ntiles")
-    arrow(fig, x_mid + mid_w + 0.012, x_right - 0.012, 0.5, "stitch\n+ cut")
+    # the arrows: g-net -> its 12 tiles; tiles -> the weight
+    arrow(fig, (out_x, out_y - 0.1), (out_x, top_low + 0.05))
+    text(out_x + 0.12, (out_y + top_low) / 2, "× 12 tiles", ha="left", va="center", **note)
+    y_mid = top_low - grid_h / 2
+    arrow(fig, (x_mid + grid_w + 0.08, y_mid), (x_right - 0.38, y_mid))
+    text(
+        (x_mid + grid_w + x_right - 0.3) / 2,
+        y_mid + 0.1,
+        "stitch\n+ cut",
+        ha="center",
+        va="bottom",
+        **note,
+    )
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=DPI, facecolor="white")
     # A 192-colour palette, no dithering: the noisy weight images make a full RGB PNG ~350 kB.
     image = Image.open(buf).convert("RGB")
     image.quantize(colors=192, method=Image.Quantize.FASTOCTREE, dither=Image.Dither.NONE).save(
-        out, optimize=True
+        out, optimize=True, dpi=(DPI, DPI)
     )
     print(f"wrote {out} ({out.stat().st_size} bytes)")
 
