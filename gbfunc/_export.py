@@ -45,7 +45,8 @@ def export(
         >>> model = nn.Linear(64, 32)
         >>> plan = gb.plan(model, tile=(16, 16))
         >>> sd = gb.export(gb.init(plan), plan, model=model)
-        >>> nn.Linear(64, 32).load_state_dict(sd, strict=True)  # an ordinary model again
+        >>> # an ordinary model again
+        >>> nn.Linear(64, 32).load_state_dict(sd, strict=True)
         <All keys matched successfully>
     """
     check_gparams(gparams, plan, "gb.export")

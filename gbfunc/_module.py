@@ -131,7 +131,8 @@ class Bottleneck(nn.Module):
         >>> b = gb.Bottleneck(nn.Linear(64, 32), tile=(16, 16))
         >>> b(torch.randn(2, 64)).shape
         torch.Size([2, 32])
-        >>> opt = torch.optim.AdamW(b.parameters(), lr=1e-3)  # the g-nets and free params
+        >>> # the g-nets and free params
+        >>> opt = torch.optim.AdamW(b.parameters(), lr=1e-3)
     """
 
     def __init__(

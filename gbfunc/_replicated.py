@@ -45,7 +45,8 @@ def save_replicated(
     Examples:
         >>> model = nn.Linear(64, 32)
         >>> plan = gb.plan(model, tile=(16, 16))
-        >>> gb.dist.save_replicated("ckpt.safetensors", gb.init(plan), plan, step=7)  # every rank
+        >>> # every rank
+        >>> gb.dist.save_replicated("ckpt.safetensors", gb.init(plan), plan, step=7)
         >>> gb.load("ckpt.safetensors", model).step  # any rank, afterwards
         7
     """

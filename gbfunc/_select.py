@@ -47,7 +47,8 @@ class Selection:
     Examples:
         >>> model = nn.ModuleDict({"fc": nn.Linear(128, 256)})
         >>> plan = gb.plan(model, tile=(32, 32))
-        >>> sel = Selection(plan, {"fc.weight": ((0, 64), (0, 128))})  # the first 64 rows
+        >>> # the first 64 rows
+        >>> sel = Selection(plan, {"fc.weight": ((0, 64), (0, 128))})
         >>> sel.apply(gb.init(plan))["fc.weight"].shape
         torch.Size([64, 128])
     """

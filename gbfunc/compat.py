@@ -2,16 +2,16 @@
 
 For porting torchGB scripts; the loop stays as it was::
 
-    gnets = GenomicBottleneck(model)             # plain, DDP-wrapped or torch.compile'd
+    gnets = GenomicBottleneck(model)    # plain, DDP-wrapped or torch.compile'd
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for x, y in batches:
         optimizer.zero_grad()
         gnets.zero_grad()
-        gnets.predict_weights()                  # generated weights -> p-net parameters
+        gnets.predict_weights()         # generated weights -> p-net parameters
         loss = criterion(model(x), y)
         loss.backward()
-        gnets.backward()                         # p-net grads -> g-net grads
-        optimizer.step()                         # free parameters only
+        gnets.backward()                # p-net grads -> g-net grads
+        optimizer.step()                # free parameters only
         gnets.step()
 
 What differs from torchGB, on purpose:

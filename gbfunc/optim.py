@@ -15,7 +15,8 @@ Examples:
     >>> plan = gb.plan(model, tile=(4, 4))
     >>> gparams = gb.init(plan)
     >>> def loss_fn(gparams, x):
-    ...     return functional_call(model, gb.apply(gparams, plan), (x,)).square().mean()
+    ...     out = functional_call(model, gb.apply(gparams, plan), (x,))
+    ...     return out.square().mean()
     >>> state = gb.optim.adamw_init(gparams)
     >>> grads = torch.func.grad(loss_fn)(gparams, torch.randn(16, 8))
     >>> gparams, state = gb.optim.adamw_update(gparams, grads, state, lr=1e-3)
@@ -105,7 +106,8 @@ def schedule(
 
     Examples:
         >>> plan = gb.plan(nn.Linear(8, 2), tile=(4, 4))
-        >>> opt = torch.optim.AdamW(gb.optim.param_groups(gb.init(plan), plan, free_lr=1e-3))
+        >>> groups = gb.optim.param_groups(gb.init(plan), plan, free_lr=1e-3)
+        >>> opt = torch.optim.AdamW(groups)
         >>> sched = gb.optim.schedule(opt, steps=800)  # 200 steps of warm-up
     """
     steps = integer("gb.optim.schedule", "steps", steps, minimum=1)

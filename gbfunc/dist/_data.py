@@ -70,7 +70,9 @@ def data_loader(
         **kwargs: Passed to `DataLoader` (`num_workers`, `collate_fn`, ...).
 
     Examples:
-        >>> loader = gb.dist.data_loader(dataset, global_batch_size=64, mesh=mesh)  # doctest: +SKIP
+        >>> loader = gb.dist.data_loader(  # doctest: +SKIP
+        ...     dataset, global_batch_size=64, mesh=mesh
+        ... )
     """
     size = local_batch_size(global_batch_size, mesh, "gb.dist.data_loader")
     seed = integer("gb.dist.data_loader", "seed", seed)

@@ -108,10 +108,10 @@ class RankOwned:
             is made so these collectives never interleave with others on `group`.
 
     Examples:
-        Under `torchrun`, on every rank:
+        Under `torchrun`, on every rank; `local` holds this rank's g-nets only:
 
         >>> owned = RankOwned(plan)  # doctest: +SKIP
-        >>> local = owned.shard(gb.init(plan, seed=0))  # this rank's g-nets only  # doctest: +SKIP
+        >>> local = owned.shard(gb.init(plan, seed=0))  # doctest: +SKIP
         >>> out = functional_call(model, owned.apply(local), (x,))  # doctest: +SKIP
     """
 

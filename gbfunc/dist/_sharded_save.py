@@ -61,8 +61,8 @@ def save_sharded(
     Args:
         path: A directory, on a file system every rank can write.
         local: This rank's gparams.
-        owned: The `RankOwned` that sharded the g-nets; or
-        plan: the plan, for g-nets replicated on every rank of `group` (default: all ranks;
+        owned: The `RankOwned` that sharded the g-nets (or give `plan`).
+        plan: The plan, for g-nets replicated on every rank of `group` (default: all ranks;
             no process group at all: one process writes everything).
         buffers: The p-net's buffers, replicated on every rank, as in `gb.save` (default:
             those of the model the plan was made from, while it is alive).
