@@ -2,9 +2,9 @@
 repository paths, so that the docs link to the committed results instead of copies.
 
 A mounted page's links to files that are not in the site (scripts, tests, the README) become
-plain text naming the path; the docs' own pages keep strict link checking. On every page, a
-`<!-- not run: REASON -->` line above a code block (tests/test_readme.py runs every other
-block) becomes a visible note, so that a reader knows which examples the suite does not run.
+plain text naming the path; the docs' own pages keep strict link checking. The
+`<!-- not run: REASON -->` lines above code blocks are notes for maintainers (tests/test_readme.py
+runs every other block) and stay HTML comments, out of the reader's way.
 """
 
 import re
@@ -16,13 +16,20 @@ from mkdocs.structure.pages import Page
 
 ROOT = Path(__file__).resolve().parents[1]
 MOUNTED = (
+    "CHANGELOG.md",
     "benchmarks/README.md",
     "benchmarks/results/*.md",
     "benchmarks/results/*.png",
     "kernels/README.md",
 )
 _LINK = re.compile(r"(?<!!)\[([^\]]+)\]\(([^)\s]+)\)")
-_NOT_RUN = re.compile(r"^<!-- not run: (.+) -->$", flags=re.M)
+
+
+def on_config(config: MkDocsConfig) -> MkDocsConfig:
+    """The version gbfunc reports (`gbfunc/_version.py`) in every page's footer."""
+    version = re.search(r'__version__ = "([^"]+)"', (ROOT / "gbfunc" / "_version.py").read_text())
+    config["copyright"] = f"gbfunc {version[1]} · MIT licence"
+    return config
 
 
 def on_files(files: Files, config: MkDocsConfig) -> Files:
@@ -34,8 +41,7 @@ def on_files(files: Files, config: MkDocsConfig) -> Files:
 
 
 def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Files) -> str:
-    markdown = _NOT_RUN.sub(r"*Not run by the test suite: \1.*\n", markdown)
-    if not page.file.src_uri.startswith(("benchmarks/", "kernels/")):
+    if not page.file.src_uri.startswith(("benchmarks/", "kernels/", "CHANGELOG")):
         return markdown
     here = Path(page.file.src_uri).parent
 

@@ -4,6 +4,10 @@ API hold.
 - Every ```python block of README.md, benchmarks/README.md and the pages of docs/ runs on its
   own, in a fresh process started in an empty directory, so each carries its own imports and
   setup.
+- A ```python block with a `<!-- run: torchrun --nproc-per-node N FILE.py -->` line (and
+  optionally `--max-restarts M` before FILE.py) just above it is a script for torchrun:
+  tests/test_dist_examples.py writes it to FILE.py, launches it so on gloo ranks on
+  127.0.0.1, and checks its log.
 - ```py blocks (the distributed snippets, which need `torchrun`) are not run; each has a
   `<!-- not run: REASON -->` line just above it, and a test file it names must exist.
 - Excerpts marked `<!-- from FILE -->` are copied from the committed results, unedited.
@@ -30,6 +34,10 @@ READMES = (README, ROOT / "benchmarks" / "README.md")
 DOCS = ROOT / "docs"
 PAGES = tuple(sorted(DOCS.rglob("*.md")))  # site paths: docs/ is the root, as the repository's
 SNIPPET_TIMEOUT_S = 180
+# above a ```python block that runs under torchrun: its launch command, FILE.py the script
+TORCHRUN = re.compile(
+    r"<!-- run: torchrun --nproc-per-node (\d+)(?: --max-restarts (\d+))? (\w+\.py) -->"
+)
 
 
 @dataclass(frozen=True)
@@ -61,8 +69,22 @@ def fenced_blocks(path: Path) -> list[Block]:
     return blocks
 
 
-def python_blocks() -> list[Block]:
+def every_python_block() -> list[Block]:
     return [b for path in READMES + PAGES for b in fenced_blocks(path) if b.lang == "python"]
+
+
+def for_torchrun(block: Block) -> bool:
+    return block.above.strip().startswith("<!-- run:")
+
+
+def python_blocks() -> list[Block]:
+    """The ```python blocks that run on their own, as `python -c`."""
+    return [b for b in every_python_block() if not for_torchrun(b)]
+
+
+def torchrun_blocks() -> list[Block]:
+    """The ```python blocks that are scripts for torchrun (`<!-- run: torchrun ... -->`)."""
+    return [b for b in every_python_block() if for_torchrun(b)]
 
 
 def test_readme_and_docs_have_runnable_python_blocks():
@@ -113,6 +135,17 @@ def test_readme_python_block_runs_on_its_own(block, snippet_runs):
     )
 
 
+def test_torchrun_blocks_name_their_launch():
+    """A `<!-- run: ... -->` line is a launch tests/test_dist_examples.py can reproduce."""
+    blocks = torchrun_blocks()
+    assert blocks
+    for block in blocks:
+        assert TORCHRUN.fullmatch(block.above.strip()), (
+            f"{block}: write `<!-- run: torchrun --nproc-per-node N [--max-restarts M] "
+            f"FILE.py -->`, not {block.above.strip()!r}"
+        )
+
+
 def test_unrun_blocks_say_why():
     """```py blocks are not run: each says so just above it, and names its test if any."""
     blocks = [b for path in READMES + PAGES for b in fenced_blocks(path) if b.lang == "py"]
@@ -137,7 +170,7 @@ def quoted_results(path: Path) -> list[tuple[Path, list[str]]]:
 
     FILE is relative to `path`'s folder, like the markdown links beside it (for a docs page,
     to the repository's root, which is the site's: docs/hooks.py). An excerpt is the fenced
-    block or the markdown table that follows its marker.
+    block, the markdown table or the markdown list that follows its marker.
     """
     base = ROOT if path.is_relative_to(DOCS) else path.parent
     lines = path.read_text().splitlines()
@@ -150,7 +183,8 @@ def quoted_results(path: Path) -> list[tuple[Path, list[str]]]:
         if body[0].startswith("```"):
             quoted = body[1 : body.index("```", 1)]
         else:
-            quoted = list(takewhile(lambda x: x.startswith("|"), body))
+            kind = "|" if body[0].startswith("|") else "- "
+            quoted = list(takewhile(lambda x: x.startswith(kind), body))
         excerpts.append((base / marker[1], quoted))
     return excerpts
 
