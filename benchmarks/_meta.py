@@ -20,6 +20,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
     import gbfunc as gb
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -94,6 +96,26 @@ def provenance_line(p: dict[str, Any] | None = None) -> str:
     """The provenance `p` (default: this run's) in one line, for plot titles and CSV comments."""
     p = provenance() if p is None else p
     return f"{p['command']} | {p['machine']}, torch {p['torch']} | {p['date']}"
+
+
+# The docs site shows a figure 688 CSS px wide (96 px per inch): drawn at most 7.2 in wide, its
+# point sizes read at their nominal size there; at 200 dpi it stays sharp on 2x screens.
+FIGURE_WIDTH = 7.2
+FIGURE_DPI = 200
+
+
+def stamp(fig: "Figure", line: str, chars: int = 115) -> float:
+    """Write the provenance `line` at the foot of `fig` in 7 pt grey, its ` | `-separated
+    parts wrapped to lines of at most `chars` characters (115 fit 7 in); returns the fraction
+    of the figure's height it takes, to keep the plots clear of it."""
+    lines: list[str] = []
+    for part in line.split(" | "):
+        if lines and len(lines[-1]) + 3 + len(part) <= chars:
+            lines[-1] += " | " + part
+        else:
+            lines.append(part)
+    fig.text(0.01, 0.008, "\n".join(lines), fontsize=7, color="0.35", ha="left", va="bottom")
+    return (len(lines) * 7 * 1.3 / 72 + 0.08) / fig.get_figheight()
 
 
 def header_md(title: str) -> str:

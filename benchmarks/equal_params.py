@@ -76,10 +76,13 @@ from torch.utils._pytree import tree_leaves
 
 import gbfunc as gb
 from benchmarks._meta import (
+    FIGURE_DPI,
+    FIGURE_WIDTH,
     RESULTS,
     header_md,
     markdown_table,
     provenance_line,
+    stamp,
     write_csv,
     write_json,
 )
@@ -617,16 +620,37 @@ def _series(row: dict[str, Any]) -> str:
     return f"gbfunc, {HASHED}" if row["arm"] == HASHED else row["family"]
 
 
-def plot(summary: list[dict[str, Any]], path: Path, title: str, stamp: str) -> None:
-    """The score against trainable parameters (log), one line per family; `stamp` in a corner."""
+def _off_scale(values: list[float], keep: list[float]) -> tuple[float, float]:
+    """The y-range that shows `values` close together: extreme points (at most a third of
+    them, from either end, leaving at least 3) whose gap to the rest is over twice the rest's
+    whole span fall outside it. `keep` (the dense line) always stays in the range."""
+    v = sorted(values)
+    lo, hi = 0, len(v)
+    cut = min(len(v) // 3, len(v) - 3)
+    for k in range(1, cut + 1):  # the most points cut below that leave a clear gap
+        if v[k] - v[k - 1] > 2 * (max([v[-1], *keep]) - v[k]):
+            lo = k
+    for k in range(1, cut + 1 - lo):  # the same above
+        if v[-k] - v[-k - 1] > 2 * (v[-k - 1] - min([v[lo], *keep])):
+            hi = len(v) - k
+    return min([v[lo], *keep]), max([v[hi - 1], *keep])
+
+
+def plot(summary: list[dict[str, Any]], path: Path, title: str, stamp_line: str) -> None:
+    """The score against trainable parameters (log), one line per family; `stamp_line` at the
+    foot. The y-range is the points' that lie close together: a point far off it (low rank's
+    collapse) is marked at the axis's edge with its value, so the 1-point gaps stay visible."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+    from matplotlib.transforms import offset_copy
 
     metric = summary[0]["metric"]
     scale = 100 if metric == "val_acc" else 1
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(FIGURE_WIDTH, 4.8), layout="constrained")
+    drawn: list[tuple[float, float, float, str, str]] = []  # x, y, std, series, colour
     for series, color in (
         ("gbfunc", "tab:orange"),
         (f"gbfunc, {HASHED}", "tab:red"),
@@ -648,19 +672,65 @@ def plot(summary: list[dict[str, Any]], path: Path, title: str, stamp: str) -> N
                 label=series,
                 capsize=3,
             )
-    for dense in (s for s in summary if s["family"] == "dense"):
-        ax.axhline(scale * dense["score"], color="gray", ls=":", label="dense, full size")
+            drawn += [
+                (p, scale * s["score"], scale * s["score_std"], series, color) for p, s in points
+            ]
+    dense = [scale * s["score"] for s in summary if s["family"] == "dense"]
+    for y in dense:
+        ax.axhline(y, color="gray", ls=":", label="dense, full size")
+    if drawn:
+        lo, hi = _off_scale([d[1] for d in drawn], dense)
+        shown = [d for d in drawn if lo <= d[1] <= hi]
+        bottom = min([d[1] - d[2] for d in shown] + dense)
+        top = max([d[1] + d[2] for d in shown] + dense)
+        pad = 0.08 * (top - bottom or 1)
+        below = [d for d in drawn if d[1] < lo]
+        above = [d for d in drawn if d[1] > hi]
+        ax.set_ylim(bottom - pad * (2.5 if below else 1), top + pad * (2.5 if above else 1))
     ax.set(
         xscale="log",
-        xlabel="trainable parameters (log)",
+        xlabel="trainable parameters (log scale)",
         ylabel="validation accuracy (%)" if metric == "val_acc" else "validation loss (nats)",
         title=f"{title}: equal-parameter comparison",
     )
+    ax.xaxis.set_major_locator(LogLocator(subs=(1, 2, 3, 5, 7)))
+    ax.xaxis.set_minor_locator(LogLocator(subs=(1, 2, 3, 4, 5, 6, 7, 8, 9)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.grid(alpha=0.3, which="both")
-    ax.legend()
-    fig.text(0.01, 0.01, stamp, fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    if drawn:  # the points off the range: a marker on the edge, labelled with the value
+        x0, x1 = (math.log(x) for x in ax.get_xlim())
+        edge = ax.get_xaxis_transform()  # x in data, y in axes fraction
+        unit = "%" if metric == "val_acc" else " nats"
+        digits = 1 if metric == "val_acc" else 3
+        for x, y, std, series, color in below + above:
+            at, marker, sign = (0.03, "v", "↓") if y < lo else (0.97, "^", "↑")
+            ax.plot([x], [at], marker=marker, ms=9, color=color, transform=edge, clip_on=False)
+            spread = f" ± {std:.{digits}f}" if std else ""
+            right = (math.log(x) - x0) / (x1 - x0) > 0.5
+            ax.annotate(
+                f"{series}: {y:.{digits}f}{spread}{unit} {sign}",
+                (x, at),
+                xycoords=edge,
+                xytext=(-9 if right else 9, 0),
+                textcoords="offset points",
+                ha="right" if right else "left",
+                va="center",
+                fontsize=9,
+                color=color,
+            )
+    below_axis = offset_copy(ax.transAxes, fig, y=-0.55, units="inches")  # under the x label
+    ax.legend(
+        loc="upper center",
+        bbox_to_anchor=(0.5, 0),
+        bbox_transform=below_axis,
+        ncols=3,
+        fontsize=9,
+        frameon=False,
+    )
+    foot = stamp(fig, stamp_line)
+    fig.get_layout_engine().set(rect=(0, foot, 1, 1 - foot))  # left, bottom, width, height
+    fig.savefig(path, dpi=FIGURE_DPI)
     plt.close(fig)
 
 
