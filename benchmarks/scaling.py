@@ -14,9 +14,11 @@ Writes `benchmarks/results/scaling[_quick].{md,json,png}`.
 
     python -m benchmarks.scaling --quick   # compiled steps only, few rounds: a few minutes
     python -m benchmarks.scaling           # eager and compiled, more rounds
+    python -m benchmarks.scaling --replot benchmarks/results/scaling.json   # the plot only
 """
 
 import argparse
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -26,12 +28,15 @@ from tqdm import tqdm
 
 import gbfunc as gb
 from benchmarks._meta import (
+    FIGURE_DPI,
+    FIGURE_WIDTH,
     RESULTS,
     header_md,
     held_bytes,
     markdown_table,
     peak_bytes,
     provenance_line,
+    stamp,
     write_json,
 )
 from benchmarks.bench_step import cross_entropy, dense_steps, gb_steps, median_ms
@@ -113,40 +118,67 @@ def table(rows: list[dict[str, Any]]) -> str:
     return markdown_table(columns, cells)
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """Step time and peak memory vs model parameters, one line per (variant, mode)."""
+def plot(rows: list[dict[str, Any]], path: Path, stamp_line: str) -> None:
+    """Step time, its ratio to dense and peak memory vs model parameters, one line per
+    (variant, mode): a colour per variant, solid compiled, dotted eager; the legend in the
+    fourth cell of the 2 x 2 grid and `stamp_line` at the foot."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    fig, grid = plt.subplots(2, 2, figsize=(FIGURE_WIDTH, 6.4), layout="constrained")
+    time_ax, memory_ax, ratio_ax, legend_ax = grid.flat
+    colours = dict(zip(VARIANTS, ("tab:blue", "tab:orange", "tab:green"), strict=True))
     series = dict.fromkeys((r["variant"], r["mode"]) for r in rows)
     for variant, mode in series:
         group = [r for r in rows if r["variant"] == variant and r["mode"] == mode]
         x = [r["model_params"] for r in group]
         style = {
             "ls": "-" if mode == "compiled" else ":",
-            "marker": "o",
+            "marker": "o" if mode == "compiled" else "s",
+            "mfc": None if mode == "compiled" else "white",
+            "color": colours.get(variant),
             "label": f"{variant}, {mode}",
         }
-        axes[0].plot(x, [r["step_ms"] for r in group], **style)
-        axes[1].plot(x, [r["x_dense_time"] for r in group], **style)
-        axes[2].plot(x, [r["peak_mib"] for r in group], **style)
-    titles = ("step time", "step time / dense step time (same mode)", "peak memory per step")
-    ylabels = ("ms", "x dense", "MiB above the state")
-    for ax, title, ylabel in zip(axes, titles, ylabels, strict=True):
-        ax.set(
-            xscale="log", xlabel="model parameters (widths 128..1024)", ylabel=ylabel, title=title
-        )
+        time_ax.plot(x, [r["step_ms"] for r in group], **style)
+        ratio_ax.plot(x, [r["x_dense_time"] for r in group], **style)
+        memory_ax.plot(x, [r["peak_mib"] for r in group], **style)
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    for ax, title, ylabel in (
+        (time_ax, "step time", "ms (log scale)"),
+        (memory_ax, "peak memory per step", "MiB above the state (log scale)"),
+        (ratio_ax, "step time / dense step time\n(same mode)", "× dense"),
+    ):
+        ax.set(xscale="log", xlabel="model parameters (log scale)", ylabel=ylabel)
+        ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3, which="both")
-    axes[0].set_yscale("log")
-    axes[2].set_yscale("log")
-    axes[1].axhline(1, color="gray", lw=1)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(provenance_line(), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+        ax.tick_params(labelsize=9)
+    for ax in (time_ax, memory_ax):
+        ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(NullFormatter())
+    ratio_ax.axhline(1, color="gray", lw=1)
+    widths = sorted({(r["model_params"], r["width"]) for r in rows})
+    legend_ax.axis("off")
+    legend_ax.legend(
+        *time_ax.get_legend_handles_labels(),
+        loc="upper left",
+        fontsize=9,
+        frameon=False,
+        title="widths "
+        + ", ".join(str(w) for _, w in widths)
+        + ":\n"
+        + ", ".join(f"{p / 1e6:.1f}M" for p, _ in widths)
+        + " parameters",
+        title_fontsize=9,
+        alignment="left",
+    )
+    foot = stamp(fig, stamp_line)
+    fig.get_layout_engine().set(rect=(0, foot, 1, 1 - foot))  # left, bottom, width, height
+    fig.savefig(path, dpi=FIGURE_DPI)
     plt.close(fig)
 
 
@@ -156,7 +188,14 @@ def main() -> None:
     parser.add_argument("--widths", type=int, nargs="+", default=list(WIDTHS))
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--replot", type=Path, metavar="JSON", help="only redraw the plot of a results file"
+    )
     args = parser.parse_args()
+    if args.replot:
+        saved = json.loads(args.replot.read_text())
+        plot(saved["rows"], args.replot.with_suffix(".png"), provenance_line(saved["provenance"]))
+        return
     torch.set_num_threads(args.threads)
     modes = ("compiled",) if args.quick else ("eager", "compiled")
     rounds, inner = (3, 2) if args.quick else (7, 3)
@@ -175,7 +214,7 @@ def main() -> None:
         header_md("Step time and memory vs p-net size") + setup + table(rows)
     )
     write_json(stem.with_suffix(".json"), rows, rounds=rounds, inner=inner)
-    plot(rows, stem.with_suffix(".png"))
+    plot(rows, stem.with_suffix(".png"), provenance_line())
     print(f"wrote {stem}.{{md,json,png}}")
 
 
