@@ -17,6 +17,7 @@ gbfunc strategy against dense DDP and FSDP; writes `results/bench_comm_scale.{md
 
     python -m benchmarks.bench_comm [--world 8]
     python -m benchmarks.bench_comm --scale
+    python -m benchmarks.bench_comm --scale --plot   # only the plot, the .md left as it is
 """
 
 import argparse
@@ -34,7 +35,16 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import gbfunc as gb
 import gbfunc.dist as gbd
-from benchmarks._meta import RESULTS, generation_flops, header_md, markdown_table, provenance_line
+from benchmarks._meta import (
+    FIGURE_DPI,
+    FIGURE_WIDTH,
+    RESULTS,
+    generation_flops,
+    header_md,
+    markdown_table,
+    provenance_line,
+    stamp,
+)
 from examples.gpt import GPT, GPTConfig, loss_fn
 
 DEMO = GPTConfig(vocab=64, dim=64, layers=2, heads=4, seq=32)
@@ -315,7 +325,8 @@ def crossovers(sized: dict[str, Sizes]) -> str:
 
 
 def scale_plot(sized: dict[str, Sizes], path: Path) -> None:
-    """MiB per rank against TP x PP shards per replica (8-way dp), one panel per model.
+    """MiB per rank against TP x PP shards per replica (8-way dp), one panel per model in a
+    2 x 2 grid, the legend in the fourth cell.
 
     Dense strategies are wide dashed lines: rank-owned g-nets lie on dense DDP and torchGB
     on FSDP.
@@ -325,32 +336,48 @@ def scale_plot(sized: dict[str, Sizes], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(sized), figsize=(5 * len(sized), 4), sharey=True)
+    cells = math.ceil((len(sized) + 1) / 2)  # the panels and the legend, two per row
+    fig, grid = plt.subplots(
+        cells, 2, figsize=(FIGURE_WIDTH, 2.75 * cells + 0.4), sharey=True, layout="constrained"
+    )
+    axes = list(grid.flat)
     shards = [2**k for k in range(13)]
-    for ax, (name, sizes) in zip(axes, sized.items(), strict=True):
+    for ax, (name, sizes) in zip(axes, sized.items(), strict=False):
         for strategy in STRATEGIES:
             mib = [per_rank_bytes(strategy, sizes, Mesh(8, tp=k)) / MIB for k in shards]
             if strategy.startswith("dense"):  # wide and pale, under the g-net lines on them
                 ax.plot(shards, mib, "--", label=strategy, linewidth=5, alpha=0.45)
             else:
                 ax.plot(shards, mib, "-", marker="o", label=strategy, markersize=3)
-        ax.set(xscale="log", yscale="log", xlabel="TP x PP shards per replica (dp = 8)")
-        ax.set_title(name)
+        ax.set(xscale="log", yscale="log", xlabel="TP × PP shards per replica (dp = 8)")
+        ax.set_title(name, fontsize=10)
         ax.grid(alpha=0.3, which="both")
-    axes[0].set_ylabel("MiB received per rank per step")
-    axes[0].legend(fontsize=7)
-    fig.text(0.01, 0.01, provenance_line(), fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+        ax.tick_params(labelsize=9, labelleft=True)
+    for ax in axes[::2]:
+        ax.set_ylabel("MiB received per rank per step")
+    for ax in axes[len(sized) :]:
+        ax.axis("off")
+    axes[len(sized)].legend(
+        *axes[0].get_legend_handles_labels(), loc="center left", fontsize=9, frameon=False
+    )
+    foot = stamp(fig, provenance_line())
+    fig.get_layout_engine().set(rect=(0, foot, 1, 1 - foot))  # left, bottom, width, height
+    fig.savefig(path, dpi=FIGURE_DPI)
     plt.close(fig)
 
 
-def scale_report() -> None:
+def scale_sizes() -> dict[str, Sizes]:
+    """The weights of each model at scale under `SCALE_PLAN`, from plans on the meta device."""
     sized = {}
     for name, build in SCALE_MODELS.items():
         with torch.device("meta"):
             model = build()
         sized[name] = Sizes.of(gb.plan(model, **SCALE_PLAN))
+    return sized
+
+
+def scale_report() -> None:
+    sized = scale_sizes()
     sizes_table = markdown_table(
         [("model", "l")] + [(t, "r") for t in ("params", "generated", "g-net", "free")],
         (
@@ -422,7 +449,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, nargs="+", default=[2, 8])
     parser.add_argument("--scale", action="store_true", help="the cost model at scale")
+    parser.add_argument(
+        "--plot",
+        action="store_true",
+        help="with --scale: only redraw its PNG (from the plans, seconds), not its .md",
+    )
     args = parser.parse_args()
+    if args.scale and args.plot:
+        scale_plot(scale_sizes(), RESULTS / "bench_comm_scale.png")
+        return
     if args.scale:
         scale_report()
         return
