@@ -191,6 +191,24 @@ def load(
         `Checkpoint(gparams, plan, opt_state, step, meta)`; trainable leaves of `gparams`
             require grad, as from `gb.init`; the plan names `model` as its model, so that
             `gb.save(path, gparams, plan)` stores `model`'s buffers again.
+
+    Examples:
+        >>> model = nn.Linear(64, 32)
+        >>> plan = gb.plan(model, tile=(16, 16))
+        >>> meta = {"lr": 1e-3}
+        >>> gb.save("ckpt.safetensors", gb.init(plan), plan, step=100, meta=meta)
+        >>> ckpt = gb.load("ckpt.safetensors", model)
+        >>> ckpt.step, ckpt.meta, ckpt.plan == plan
+        (100, {'lr': 0.001}, True)
+        >>> out = torch.func.functional_call(
+        ...     model, gb.apply(ckpt.gparams, ckpt.plan), (torch.randn(2, 64),)
+        ... )
+        >>> try:  # a checkpoint of another model is refused, naming the difference
+        ...     gb.load("ckpt.safetensors", nn.Linear(64, 48))
+        ... except gb.CheckpointMismatchError as e:
+        ...     print(e)
+        gb.load: ckpt.safetensors: parameter 'weight' has shape (32, 64) in the
+        checkpoint but (48, 64) in the model.
     """
     ckpt, buffers = read(path, model, "gb.load", device=device)
     restore_buffers(model, buffers, f"gb.load: {os.fspath(path)}")

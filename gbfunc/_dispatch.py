@@ -381,6 +381,16 @@ class Explanation:
         route: The plan's path and each stack's (`Route`).
         reasons: Per stack key, per path tried before the one taken, why it was not.
         lines: The report's lines: the call's context, then per stack its path and reasons.
+
+    Examples:
+        >>> plan = gb.plan(nn.Linear(64, 32), tile=(16, 16))
+        >>> why = gb.explain(gb.init(plan), plan)
+        >>> why.route
+        Route(plan='stacks', stacks=('torch',))
+        >>> print(why.lines[2])
+        stack s0_16x16: torch
+        >>> sorted(why.reasons["s0_16x16"])  # the paths tried before torch
+        ['compiled-mlp', 'cpu-loops', 'graph', 'triton']
     """
 
     route: Route
@@ -397,6 +407,18 @@ def explain(
     """Which path `gb.apply(gparams, plan, backend=backend, compile=compile)` would take for
     each stack if called here and now (device, dtype, grad mode, `torch.func` transforms,
     the CPU loops' state), and why the paths before it were not taken.
+
+    Args:
+        gparams: From `gb.init(plan)` (or trained from it), as `gb.apply` would be given.
+        plan: The plan that made `gparams`.
+        backend: `backend` of the `gb.apply` call to explain: `"torch"`, `"triton"` or
+            `"auto"` (Triton for CUDA tensors, torch otherwise).
+        compile: `compile` of that call: `None` (compiled code where it pays), `True`
+            (wherever it can) or `False` (never).
+
+    Returns:
+        A `gb.Explanation`: `route` the paths taken, `reasons` why the others were not;
+            `print(explanation)` shows the call's context and each stack's path.
 
     Examples:
         >>> plan = gb.plan(nn.Linear(64, 32), tile=(16, 16))

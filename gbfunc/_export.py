@@ -88,6 +88,19 @@ def save_dense(
     `gb.export`. A path no file can have, or one that cannot be written (a missing
     folder, a full disk), raises a `gb.CheckpointError` naming it, as `gb.save` does.
 
+    Args:
+        path: Target file, conventionally `*.safetensors`.
+        gparams: From `gb.init(plan)` (or trained from it).
+        plan: The plan that made `gparams`.
+        model: The p-net. With it the file holds exactly `model.state_dict()`'s keys (tied
+            aliases as copies, buffers copied from `model`), as `gb.export` returns them;
+            without it, one entry per plan parameter.
+        metadata: Extra `{str: str}` entries for the file's header, beside
+            `{"format": "pt"}`. Default: none.
+        condition: For a conditioned plan, the condition whose weights to write, as in
+            `gb.apply`.
+        task: Or the task whose weights to write.
+
     Examples:
         >>> import safetensors.torch
         >>> model = nn.Linear(64, 32)

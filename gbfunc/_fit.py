@@ -163,6 +163,30 @@ def train_alternating(
 
     Returns:
         The g-nets after the last fit.
+
+    Examples:
+        >>> x = torch.randn(256, 64)
+        >>> y = nn.Linear(64, 32)(x).detach()  # a teacher's outputs to learn
+        >>> model = nn.Linear(64, 32)
+        >>> plan = gb.plan(model, tile=(16, 16))
+        >>> def train_dense(params, generation):  # a few SGD steps on the p-net
+        ...     model.load_state_dict(params)
+        ...     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ...     for _ in range(10):
+        ...         opt.zero_grad()
+        ...         nn.functional.mse_loss(model(x), y).backward()
+        ...         opt.step()
+        ...     return model.state_dict()
+        >>> def loss(gparams):  # of the p-net the g-nets generate
+        ...     params = gb.apply(gparams, plan)
+        ...     out = torch.func.functional_call(model, params, (x,))
+        ...     return nn.functional.mse_loss(out, y).item()
+        >>> start = gb.init(plan)
+        >>> gparams = gb.train_alternating(
+        ...     start, plan, train_dense, generations=2, fit_steps=30
+        ... )
+        >>> loss(gparams) < loss(start)
+        True
     """
     generations = integer("gb.train_alternating", "generations", generations, minimum=1)
     anneal = real("gb.train_alternating", "anneal", anneal, above=0)

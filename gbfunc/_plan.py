@@ -202,6 +202,20 @@ class Plan:
             equality, hashing or checkpoints; kept by pickling.
         tasks: Learned task embeddings, `gparams["tasks"]` of shape `(tasks, condition)`,
             that `gb.apply(..., task=i)` conditions the genome on; 0: none.
+
+    Examples:
+        >>> model = nn.Linear(64, 32)
+        >>> plan = gb.plan(model, tile=(16, 16))
+        >>> [p.name for p in plan.generated], [p.name for p in plan.free]
+        (['weight'], ['bias'])
+        >>> plan.free[0].reason
+        'bias (pass biases=True to generate)'
+        >>> [(s.key, s.num_tiles) for s in plan.stacks]  # eight 16x16 tiles
+        [('s0_16x16', 8)]
+        >>> plan == gb.plan(nn.Linear(64, 32), tile=(16, 16))  # from shapes only
+        True
+        >>> plan.model() is model
+        True
     """
 
     params: tuple[Generated | Free, ...]

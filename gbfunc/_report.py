@@ -44,6 +44,17 @@ class Report:
         rows: One per p-net parameter.
         task_shape: Shape of the learned task embeddings (`gb.plan(..., tasks=n)`), stored
             and trained beside the g-nets; `()` where the plan has none.
+
+    Examples:
+        >>> model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+        >>> report = gb.report(gb.plan(model, tile=(32, 32)))
+        >>> [(row.name, row.kind, row.tiles) for row in report.rows]
+        [('0.weight', 'generated', 64), ('0.bias', 'free', 0),
+         ('2.weight', 'generated', 8), ('2.bias', 'free', 0)]
+        >>> report.dense_params, report.stored_params
+        (68362, 27730)
+        >>> print(f"{report.compression:.1f}x fewer parameters to train and store")
+        2.5x fewer parameters to train and store
     """
 
     rows: tuple[Row, ...]
@@ -142,6 +153,14 @@ class Report:
 
 def report(plan: Plan) -> Report:
     """Exact per-parameter accounting of `plan`.
+
+    Args:
+        plan: From `gb.plan(model, ...)`; counted from its shapes alone, so the model need
+            not be alive.
+
+    Returns:
+        A `gb.Report`: one row per p-net parameter and the totals; `print(report)` shows
+            them as a table.
 
     Examples:
         >>> rep = gb.report(gb.plan(nn.Linear(256, 128), tile=(32, 32)))

@@ -19,7 +19,31 @@ def _entries(plan: Plan) -> list[tuple[str, dict[str, str]]]:
 
 
 def plan_difference(ours: Plan, theirs: Plan) -> str | None:
-    """The first difference between two plans, in words, or `None` when they are equal."""
+    """The first difference between two plans, in words, or `None` when they are equal.
+
+    Parameters are compared in order, then stacks, field by field; `gb.dist.check_plan`
+    names this difference in its error.
+
+    Args:
+        ours: One plan, e.g. rank 0's; its values come first in the result.
+        theirs: The plan to compare it with, e.g. another rank's.
+
+    Returns:
+        The first parameter or stack that differs and the field, with both values (each
+            cut to 120 characters); or the entry one plan has beyond the other's; `None`
+            when the plans are equal.
+
+    Examples:
+        >>> ours = gb.plan(nn.Linear(64, 32), tile=(16, 16))
+        >>> theirs = gb.plan(nn.Linear(64, 32), tile=(16, 16), biases=True)
+        >>> print(gb.dist.plan_difference(ours, theirs))
+        parameter 'bias', field 'kind': Free vs Generated
+        >>> print(gb.dist.plan_difference(ours, gb.plan(nn.Linear(64, 48))))
+        parameter 'weight', field 'shape': (32, 64) vs (48, 64)
+        >>> same = gb.plan(nn.Linear(64, 32), tile=(16, 16))
+        >>> gb.dist.plan_difference(ours, same) is None
+        True
+    """
     a, b = _entries(ours), _entries(theirs)
     for (label_a, fields_a), (label_b, fields_b) in zip(a, b, strict=False):
         if label_a != label_b:

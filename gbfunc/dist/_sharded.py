@@ -126,6 +126,32 @@ def load_sharded(
             made from another plan, or `optimizer` holds other parameters than were saved.
         gb.CheckpointCorruptError: A missing, truncated or altered shard, naming its file and
             entry.
+
+    Examples:
+        One process, no process group: every g-net is read.
+
+        >>> model = nn.Linear(64, 32)
+        >>> plan = gb.plan(model, tile=(16, 16))
+        >>> gb.dist.save_sharded("ckpt", gb.init(plan), plan=plan, step=7)
+        >>> ckpt = gb.dist.load_sharded("ckpt", model)
+        >>> ckpt.step, ckpt.plan == plan
+        (7, True)
+
+        Resuming in place, optimizer included (`into` and `optimizer`):
+
+        >>> gparams = gb.init(plan)
+        >>> opt = torch.optim.AdamW(gb.trainable_leaves(gparams))
+        >>> gb.dist.save_sharded("ckpt", gparams, plan=plan, optimizer=opt, step=8)
+        >>> into = gb.init(plan, seed=1)
+        >>> opt = torch.optim.AdamW(gb.trainable_leaves(into))
+        >>> ckpt = gb.dist.load_sharded("ckpt", model, into=into, optimizer=opt)
+        >>> ckpt.step, ckpt.gparams is into
+        (8, True)
+
+        Under `torchrun`, each rank reading only its own g-nets, at any world size:
+
+        >>> owned = gb.dist.RankOwned(plan)  # doctest: +SKIP
+        >>> local = gb.dist.load_sharded("ckpt", model, owned).gparams  # doctest: +SKIP
     """
     check_module(model, "gb.dist.load_sharded")
     where = f"gb.dist.load_sharded: {os.fspath(path)}"

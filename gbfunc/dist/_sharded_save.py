@@ -77,6 +77,23 @@ def save_sharded(
         TypeError: An argument of the wrong type (e.g. `meta` that JSON cannot hold), named;
             nothing is written.
         ValueError: An argument of the wrong value, named; nothing is written.
+
+    Examples:
+        One process, no process group: g-nets replicated (`plan=`), written whole.
+
+        >>> model = nn.Linear(64, 32)
+        >>> plan = gb.plan(model, tile=(16, 16))
+        >>> gparams = gb.init(plan)
+        >>> opt = torch.optim.AdamW(gb.trainable_leaves(gparams))
+        >>> gb.dist.save_sharded("ckpt", gparams, plan=plan, optimizer=opt, step=7)
+        >>> gb.dist.load_sharded("ckpt", model).step
+        7
+
+        Under `torchrun`, on every rank, each writing its own g-nets:
+
+        >>> owned = gb.dist.RankOwned(plan)  # doctest: +SKIP
+        >>> local = owned.shard(gb.init(plan, seed=0))  # doctest: +SKIP
+        >>> gb.dist.save_sharded("ckpt", local, owned, step=7)  # doctest: +SKIP
     """
     where = "gb.dist.save_sharded"
     group = _group(owned, group)
