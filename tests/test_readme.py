@@ -24,6 +24,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import takewhile
+from operator import methodcaller
 from pathlib import Path
 
 import pytest
@@ -184,7 +185,7 @@ def quoted_results(path: Path) -> list[tuple[Path, list[str]]]:
             quoted = body[1 : body.index("```", 1)]
         else:
             kind = "|" if body[0].startswith("|") else "- "
-            quoted = list(takewhile(lambda x: x.startswith(kind), body))
+            quoted = list(takewhile(methodcaller("startswith", kind), body))
         excerpts.append((base / marker[1], quoted))
     return excerpts
 
