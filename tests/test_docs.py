@@ -107,7 +107,8 @@ def test_the_concept_figure_is_drawn_by_its_script(tmp_path):
 
 
 def test_every_code_block_of_the_site_runs_or_says_why_not():
-    """```python blocks run (tests/test_readme.py); any other block is a quoted result
+    """```python blocks run (tests/test_readme.py; those marked `<!-- run: torchrun ... -->`
+    under torchrun, tests/test_dist_examples.py); any other block is a quoted result
     (`<!-- from FILE -->`) or says why it is not run (a comment for maintainers)."""
     from test_readme import PAGES, fenced_blocks
 
