@@ -36,13 +36,13 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import gbfunc as gb
 import gbfunc.dist as gbd
 from benchmarks._meta import (
-    FIGURE_DPI,
     FIGURE_WIDTH,
     RESULTS,
     generation_flops,
     header_md,
     markdown_table,
     provenance_line,
+    save_figure,
     stamp,
 )
 from examples.gpt import GPT, GPTConfig, loss_fn
@@ -362,7 +362,7 @@ def scale_plot(sized: dict[str, Sizes], path: Path) -> None:
     )
     foot = stamp(fig, provenance_line())
     fig.get_layout_engine().set(rect=(0, foot, 1, 1 - foot))  # left, bottom, width, height
-    fig.savefig(path, dpi=FIGURE_DPI)
+    save_figure(fig, path)
     plt.close(fig)
 
 

@@ -76,12 +76,12 @@ from torch.utils._pytree import tree_leaves
 
 import gbfunc as gb
 from benchmarks._meta import (
-    FIGURE_DPI,
     FIGURE_WIDTH,
     RESULTS,
     header_md,
     markdown_table,
     provenance_line,
+    save_figure,
     stamp,
     write_csv,
     write_json,
@@ -730,7 +730,7 @@ def plot(summary: list[dict[str, Any]], path: Path, title: str, stamp_line: str)
     )
     foot = stamp(fig, stamp_line)
     fig.get_layout_engine().set(rect=(0, foot, 1, 1 - foot))  # left, bottom, width, height
-    fig.savefig(path, dpi=FIGURE_DPI)
+    save_figure(fig, path)
     plt.close(fig)
 
 

@@ -28,7 +28,6 @@ from tqdm import tqdm
 
 import gbfunc as gb
 from benchmarks._meta import (
-    FIGURE_DPI,
     FIGURE_WIDTH,
     RESULTS,
     header_md,
@@ -36,6 +35,7 @@ from benchmarks._meta import (
     markdown_table,
     peak_bytes,
     provenance_line,
+    save_figure,
     stamp,
     write_json,
 )
@@ -178,7 +178,7 @@ def plot(rows: list[dict[str, Any]], path: Path, stamp_line: str) -> None:
     )
     foot = stamp(fig, stamp_line)
     fig.get_layout_engine().set(rect=(0, foot, 1, 1 - foot))  # left, bottom, width, height
-    fig.savefig(path, dpi=FIGURE_DPI)
+    save_figure(fig, path)
     plt.close(fig)
 
 

@@ -1,6 +1,6 @@
 """Draw the documentation's concept figure: tile-and-cut, writing `docs/figures/tiles.png`.
 
-Three panels, drawn 7.2 in wide at 200 dpi (the site shows figures 688 CSS px wide: at that
+Three panels, drawn 7.15 in wide at 200 dpi (the site shows figures 688 CSS px wide: at that
 width every point size reads at its nominal size, none under 8 pt): panel 1 on top with its
 caption beside it, panels 2 -> 3 below, one matrix unit the same length in both:
 
@@ -42,7 +42,9 @@ BITS = 6  # binary code width of a tile-local index 0..63
 EXAMPLE = (37, 12)  # the position (i, j) whose code the g-net diagram shows
 CMAP = "RdBu_r"  # diverging, colour-blind safe
 DPI = 200  # the site shows the figure at 688 CSS px: sharp on 2x screens
-FIGSIZE = (7.2, 5.6)  # inches: the site's 688 px column at 96 px per inch
+# Inches: the site's 688 px column at 96 px per inch is 7.2 in; 7.15 because a PNG records whole
+# pixels per metre, and 1440 px at 200 dpi would read back as 7.20001 in.
+FIGSIZE = (7.15, 5.6)
 # Faint, distinct outline colours of the 12 tiles (Okabe-Ito palette, repeated).
 TILE_COLOURS = (
     "#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00",
@@ -226,7 +228,7 @@ def arrow(fig: Figure, start: tuple[float, float], end: tuple[float, float]) -> 
 def main(out: Path = OUT) -> None:
     """Generate the weights, draw the three panels and write them to `out`.
 
-    Layout, in inches (the figure is 7.2 in wide: the documentation shows it at 688 CSS px,
+    Layout, in inches (the figure is 7.15 in wide: the documentation shows it at 688 CSS px,
     so its point sizes read at their nominal size): the g-net on top with its caption beside
     it; below, the tiles generated and, right of them, the p-net's weight."""
     torch.manual_seed(SEED)
