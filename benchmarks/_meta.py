@@ -131,6 +131,21 @@ def save_figure(fig: "Figure", path: Path) -> None:
     palette.save(path, optimize=True, dpi=(FIGURE_DPI, FIGURE_DPI))
 
 
+NOTES = "## Notes (moved from benchmarks/README.md)"
+
+
+def write_results(path: Path, text: str) -> None:
+    """Write a results file, keeping the hand-written notes at its end (from the `NOTES`
+    heading on): a rerun replaces what the script printed, not the history kept beside it."""
+    notes = ""
+    if path.is_file():
+        old = path.read_text()
+        at = old.find(f"\n{NOTES}\n")
+        notes = old[at:] if at >= 0 else ""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text.rstrip("\n") + "\n" + notes if notes else text)
+
+
 def header_md(title: str) -> str:
     """A markdown title followed by the provenance lines."""
     p = provenance()
@@ -267,5 +282,6 @@ def recorded(path: Path, title: str) -> Iterator[None]:
     tee = _Tee(sys.stdout)
     with contextlib.redirect_stdout(tee):
         yield
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(header_md(title) + "\n```\n" + tee.buffer.getvalue().strip("\n") + "\n```\n")
+    write_results(
+        path, header_md(title) + "\n```\n" + tee.buffer.getvalue().strip("\n") + "\n```\n"
+    )

@@ -28,7 +28,7 @@ from torch import Tensor
 from torch.func import functional_call
 
 import gbfunc as gb
-from benchmarks._meta import RESULTS, header_md, markdown_table
+from benchmarks._meta import RESULTS, header_md, markdown_table, write_results
 from benchmarks.equal_params import TASKS, gbfunc_arm, train
 from examples.models import paper_genome
 
@@ -124,7 +124,7 @@ def main() -> None:
     print("\n" + table)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / ("alternating" + ("_quick" if args.quick else "") + ".md")
-    path.write_text(text)
+    write_results(path, text)
     print(f"wrote {path}")
 
 

@@ -15,7 +15,7 @@ With `--scale`, the cost model at scale (`Sizes`, `per_rank_bytes`, `generation_
 GPT-2 1.5B and Llama-shaped 7B and 70B models, DP x TP x PP meshes up to 1024 ranks, each
 gbfunc strategy against dense DDP and FSDP; writes `results/bench_comm_scale.{md,png}`.
 
-    python -m benchmarks.bench_comm [--world 8]
+    python -m benchmarks.bench_comm [--world 8]   # writes results/bench_comm.md
     python -m benchmarks.bench_comm --scale
     python -m benchmarks.bench_comm --scale --plot   # only the plot, the .md left as it is
 """
@@ -42,8 +42,10 @@ from benchmarks._meta import (
     header_md,
     markdown_table,
     provenance_line,
+    recorded,
     save_figure,
     stamp,
+    write_results,
 )
 from examples.gpt import GPT, GPTConfig, loss_fn
 
@@ -400,7 +402,7 @@ def scale_report() -> None:
     text += "\n## Where each strategy wins\n\n" + crossovers(sized) + "\n"
     print(text)
     path = RESULTS / "bench_comm_scale.md"
-    path.write_text(text)
+    write_results(path, text)
     scale_plot(sized, path.with_suffix(".png"))
 
 
@@ -461,6 +463,13 @@ def main() -> None:
     if args.scale:
         scale_report()
         return
+    with recorded(RESULTS / "bench_comm.md", "Bytes per training step, per strategy"):
+        step_report(args.world)
+
+
+def step_report(worlds: list[int]) -> None:
+    """Print, per plan and world size, the bytes each strategy hands to collectives in one
+    step and what a rank receives: the demo GPT (also measured) and GPT-2 small's shapes."""
     with torch.device("meta"):
         demo, gpt2 = GPT(DEMO), GPT(GPT2_SMALL)
     demo_plan = gb.plan(demo, tile=(32, 32))
@@ -491,7 +500,7 @@ def main() -> None:
             f"{name}: {report.dense_params:,} p-net params, {report.gnet_params:,} g-net params, "
             f"{report.free_params:,} free, {sum(s.num_tiles for s in plan.stacks):,} tiles"
         )
-        for world in args.world:
+        for world in worlds:
             table += rows(name, plan, world, model)
     widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
     print()

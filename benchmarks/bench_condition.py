@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.func import vmap
 
 import gbfunc as gb
-from benchmarks._meta import RESULTS, header_md, markdown_table, write_json
+from benchmarks._meta import RESULTS, header_md, markdown_table, write_json, write_results
 from examples.dynamic import WIDTH, classifier, plan_for
 
 CONDITIONS = 64
@@ -117,8 +117,7 @@ def main() -> None:
     title = f"{CONDITIONS} conditions' weight sets: one vmapped gb.apply against {CONDITIONS} calls"
     text = header_md(title)
     text += "\n" + markdown_table(columns, shown) + "\n"
-    with open(args.out, "w") as f:
-        f.write(text)
+    write_results(args.out, text)
     write_json(RESULTS / "bench_condition.json", rows)
 
 

@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import gbfunc as gb
 import gbfunc.dist as gbd
-from benchmarks._meta import RESULTS, header_md, markdown_table
+from benchmarks._meta import RESULTS, header_md, markdown_table, write_results
 from examples.gpt import GPT, GPTConfig, loss_fn
 from gbfunc.dist.testing import spawn
 
@@ -158,7 +158,7 @@ def main() -> None:
         )
     )
     print(text)
-    args.out.write_text(text)
+    write_results(args.out, text)
     print(f"wrote {args.out}")
 
 

@@ -81,7 +81,14 @@ from torch.func import functional_call
 from torch.nn.functional import cross_entropy
 
 import gbfunc as gb
-from benchmarks._meta import RESULTS, header_md, markdown_table, provenance, write_json
+from benchmarks._meta import (
+    RESULTS,
+    header_md,
+    markdown_table,
+    provenance,
+    write_json,
+    write_results,
+)
 from examples.data import digits_split
 from examples.models import paper_genome
 
@@ -508,7 +515,7 @@ def main() -> None:
     title = "Continual learning: 5 split-digits tasks, task-incremental (MLP 64-64-64-2)"
     text = report(rows, title)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    write_results(out, text)
     print(text)
 
 

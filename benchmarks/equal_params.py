@@ -85,6 +85,7 @@ from benchmarks._meta import (
     stamp,
     write_csv,
     write_json,
+    write_results,
 )
 from examples.baselines import factor_budget, hashed, low_rank, tree_count, weight_matrices
 from examples.data import CharCorpus, char_batch, char_windows, digits_split, pydoc_text
@@ -852,7 +853,7 @@ def main() -> None:
     seconds = time.perf_counter() - started
     text = _report(task, seeds, steps, args.distill, seconds, summary, families)
     print("\n" + table(summary) + "\n" + findings(summary, families))
-    stem.with_suffix(".md").write_text(text)
+    write_results(stem.with_suffix(".md"), text)
     write_json(stem.with_suffix(".json"), rows, summary=summary)
     write_csv(stem.with_suffix(".csv"), rows)
     plot(summary, stem.with_suffix(".png"), task.name, provenance_line())

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 import gbfunc as gb
-from benchmarks._meta import RESULTS, header_md, markdown_table
+from benchmarks._meta import RESULTS, header_md, markdown_table, write_results
 from examples.data import digits_split
 from examples.models import digits_mlp, paper_genome
 
@@ -108,7 +108,7 @@ def main() -> None:
         + markdown_table(columns, rows)
     )
     print(text)
-    (args.out / "fit_trained.md").write_text(text)
+    write_results(args.out / "fit_trained.md", text)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,14 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 import gbfunc as gb
-from benchmarks._meta import RESULTS, header_md, markdown_table, peak_bytes, write_json
+from benchmarks._meta import (
+    RESULTS,
+    header_md,
+    markdown_table,
+    peak_bytes,
+    write_json,
+    write_results,
+)
 from benchmarks.bench_step import (
     Step,
     cross_entropy,
@@ -222,8 +229,8 @@ def main() -> None:
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
     title = "One training step: gbfunc vs hypernetwork peers (MLP 784-512-512-10, batch 128)"
-    (args.out / "peers.md").write_text(
-        header_md(title) + f"- rounds: {rounds} x {inner} steps\n\n" + table
+    write_results(
+        args.out / "peers.md", header_md(title) + f"- rounds: {rounds} x {inner} steps\n\n" + table
     )
     records = [
         {

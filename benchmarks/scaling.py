@@ -38,6 +38,7 @@ from benchmarks._meta import (
     save_figure,
     stamp,
     write_json,
+    write_results,
 )
 from benchmarks.bench_step import cross_entropy, dense_steps, gb_steps, median_ms
 from examples.models import CharTransformer
@@ -210,8 +211,9 @@ def main() -> None:
         f"- p-net: CharTransformer(vocab {VOCAB}, context {CONTEXT}, depth {DEPTH}, heads {HEADS}),"
         f" batch {BATCH}x{CONTEXT}; rounds {rounds} x {inner}\n\n"
     )
-    stem.with_suffix(".md").write_text(
-        header_md("Step time and memory vs p-net size") + setup + table(rows)
+    write_results(
+        stem.with_suffix(".md"),
+        header_md("Step time and memory vs p-net size") + setup + table(rows),
     )
     write_json(stem.with_suffix(".json"), rows, rounds=rounds, inner=inner)
     plot(rows, stem.with_suffix(".png"), provenance_line())

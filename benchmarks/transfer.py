@@ -37,7 +37,7 @@ import torch
 
 import gbfunc as gb
 from benchmarks import equal_params as ep, lr_rule
-from benchmarks._meta import RESULTS, header_md, markdown_table
+from benchmarks._meta import RESULTS, header_md, markdown_table, write_results
 from examples.data import CharCorpus, pydoc_text
 from examples.tasks import CharLMConfig, MLPConfig
 
@@ -225,7 +225,7 @@ def main() -> None:
                 rows.append(row)
                 print(row, flush=True)
                 args.rows.write_text(json.dumps(rows, indent=1) + "\n")
-    args.out.write_text(report(rows))
+    write_results(args.out, report(rows))
 
 
 def _chosen(job: tuple[str, str, float, int], args: argparse.Namespace) -> bool:

@@ -11,7 +11,7 @@ import torch
 
 import gbfunc as gb
 from benchmarks import peers, scaling
-from benchmarks._meta import recorded
+from benchmarks._meta import NOTES, recorded, write_results
 from gbfunc.cpu._relu_loops import sums_usable
 
 
@@ -26,6 +26,20 @@ def test_recorded_writes_what_was_printed_under_the_provenance(tmp_path, capsys)
     for field in ("- command: `python ", "- code: ", "- machine: ", "torch ", "- date: 20"):
         assert field in text
     assert text.endswith("```\n| a | b |\nrow 2\n```\n")
+
+
+def test_a_rerun_keeps_the_notes_kept_at_the_end_of_a_results_file(tmp_path):
+    path = tmp_path / "result.md"
+    with recorded(path, "A title"):
+        print("first run")
+    path.write_text(path.read_text() + f"\n{NOTES}\n\n- what the first run showed\n")
+    with recorded(path, "A title"):
+        print("second run")
+    text = path.read_text()
+    assert "second run" in text and "first run" not in text.split(NOTES)[0]
+    assert text.endswith(f"```\n\n{NOTES}\n\n- what the first run showed\n")
+    write_results(tmp_path / "new.md", "# fresh\n")  # a file without notes: as given
+    assert (tmp_path / "new.md").read_text() == "# fresh\n"
 
 
 def test_peers_table_reports_failures_and_fallbacks():
