@@ -29,6 +29,7 @@ import functools
 import json
 import statistics
 import sysconfig
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from importlib import metadata
 from pathlib import Path
@@ -115,10 +116,27 @@ def run(task_name: str, arm: str, value: float, seed: int) -> dict:
     }
 
 
-def jobs(task_name: str) -> list[tuple[str, str, float, int]]:
+def jobs(task_name: str, seeds: Sequence[int] = SEEDS) -> list[tuple[str, str, float, int]]:
     kind = TASKS[task_name][0]
     arms = [("gbfunc", s) for s in SCALES] + [("narrow", lr) for lr in NARROW_LRS[kind]]
-    return [(task_name, arm, value, seed) for arm, value in arms for seed in SEEDS]
+    return [(task_name, arm, value, seed) for arm, value in arms for seed in seeds]
+
+
+def paired_gap(rows: list[dict], task_name: str, a: float, b: float) -> tuple[float, float, int]:
+    """gbfunc at scale `a` minus scale `b` over the seeds both ran (the same init and batches
+    at a seed, so the seed's own luck cancels): the mean difference, its standard error and
+    the number of seeds."""
+    metric = "val_loss" if TASKS[task_name][0] == "text" else "val_acc"
+    unit = 1.0 if metric == "val_loss" else 100.0
+    by = {
+        (r["value"], r["seed"]): r[metric] * unit
+        for r in rows
+        if r["task"] == task_name and r["arm"] == "gbfunc"
+    }
+    diffs = [by[a, s] - by[b, s] for v, s in by if v == a and (b, s) in by]
+    if len(diffs) < 2:
+        return float("nan"), float("nan"), len(diffs)
+    return statistics.mean(diffs), statistics.stdev(diffs) / len(diffs) ** 0.5, len(diffs)
 
 
 def summary(rows: list[dict], task_name: str) -> list[dict]:
@@ -191,9 +209,17 @@ def verdict(found: list[dict], lower: bool, rows: list[dict], task_name: str) ->
     top = best(gb_rows, key=lambda r: r["mean"])
     lines = [
         f"\n- the default (scale 1): {default['mean']:.4g} +- {default['se']:.2g} (spread "
-        f"{default['spread']:.3g}); the best scale, {top['value']:.3g}: {top['mean']:.4g} "
-        f"(default - best: {default['mean'] - top['mean']:+.4f})"
+        f"{default['spread']:.3g}, {default['seeds']} seeds); the best scale, "
+        f"{top['value']:.3g}: {top['mean']:.4g} (default - best: "
+        f"{default['mean'] - top['mean']:+.4f})"
     ]
+    if top["value"] != 1.0:
+        gap, se, n = paired_gap(rows, task_name, 1.0, top["value"])
+        noise = "beyond noise" if abs(gap) > 2 * se else "within noise"
+        lines.append(
+            f"- paired over the {n} seeds both ran: default - scale {top['value']:.3g} = "
+            f"{gap:+.4f} +- {se:.4f} ({noise}: |gap| against 2 s.e.)"
+        )
     if narrow:
         rival = best(narrow, key=lambda r: r["mean"])
         params = {r["arm"]: r["params"] for r in rows if r["task"] == task_name}
@@ -215,11 +241,16 @@ def main() -> None:
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--scales", nargs="+", type=float, help="only these of SCALES")
     parser.add_argument("--lrs", nargs="+", type=float, help="only these narrow rates")
+    parser.add_argument(
+        "--seeds", nargs="+", type=int, default=list(SEEDS), help="seeds to run (adds to --rows)"
+    )
     args = parser.parse_args()
     rows = json.loads(args.rows.read_text()) if args.rows.exists() else []
     if not args.report_only:
         done = {(r["task"], r["arm"], r["value"], r["seed"]) for r in rows}
-        todo = [j for t in args.tasks for j in jobs(t) if j not in done and _chosen(j, args)]
+        todo = [
+            j for t in args.tasks for j in jobs(t, args.seeds) if j not in done and _chosen(j, args)
+        ]
         with ProcessPoolExecutor(args.processes) as pool:
             for row in pool.map(_run, todo):
                 rows.append(row)
