@@ -64,8 +64,8 @@ class CharLMConfig(TrainConfig):
     heads: int = 4
     eval_windows: int = 96  # validation windows per curve point; the final score uses all
     # 3 seeds of gb and of the narrow transformer, 1 of dense and of low rank: those two arms
-    # are 0.35 and 0.9 nats from gb on one seed (benchmarks/results/main_job.md), where gb's
-    # seeds spread by ~0.1, and each costs as much as gb's three seeds of the narrow arm; at 3
+    # are 0.33 and 0.99 nats from gb's mean (benchmarks/results/main_job.md), where gb's
+    # seeds spread by 0.02, and each costs as much as gb's three seeds of the narrow arm; at 3
     # seeds each the job would take ~1.5x the 1-seed job's single-thread work per core, not 1x
     # (`--seeds 3` trains every arm 3 times).
     arm_seeds: Mapping[str, int] = field(default_factory=lambda: {"dense": 1, "low rank": 1})
