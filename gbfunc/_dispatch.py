@@ -38,15 +38,7 @@ from ._condition import without_condition
 from ._plan import Plan, Stack
 from ._tilemlp import fits_graph
 from ._tree import GParams
-from .cpu import (
-    _hash_weights,
-    _relu_loops,
-    _relu_rows,
-    loops_state,
-    missing_compiler,
-    mode,
-    unavailable_reason,
-)
+from .cpu import loops_state, missing_compiler, mode, refusal, unavailable_reason
 
 # `compile=None` compiles a plan's graph from this many generated weights on: the MLP
 # 784-512-512-10 (669k) pays back its compile (~10-15 s on 2 cores) in a few thousand steps;
@@ -202,31 +194,6 @@ def _verdicts(call: _Call) -> dict[str, str | None]:
     return {name: _RULES[name](call) for name in PATHS}
 
 
-def _loops_refused(call: _Call) -> str | None:
-    """Why the C loops cannot generate the stack whatever the call (None: they can): its
-    g-nets, dtype, device, or the loops' build."""
-    stack, w_out = call.stack, call.leaves["w_out"]
-    if not _relu_rows.suits(stack):
-        return "its g-nets are not one-layer ReLU row or one-output g-nets, one per tile"
-    dtype, device = w_out.dtype, w_out.device.type
-    units, outputs = stack.genome.hidden, stack.outputs
-    hashed_ok = not stack.genome.hashed or _hash_weights.usable(dtype, device)
-    if hashed_ok and _relu_rows.usable(units, outputs, dtype, device, stack.columns):
-        return None
-    if not call.detail:
-        return "no C loops for these g-nets here"
-    if device != "cpu" or dtype != torch.float32:
-        return f"the loops take CPU float32; the g-nets are {dtype} on {device}"
-    reason = unavailable_reason()
-    if reason:
-        return f"the CPU loops are off: {reason}"
-    return (
-        f"no loops for {units} units and {outputs} outputs (row g-nets: "
-        f"{_relu_loops.MIN_UNITS}-{_relu_rows.MAX_UNITS} units, up to {_relu_rows.MAX_OUTPUTS} "
-        "outputs)"
-    )
-
-
 def compiling_asked(plan: Plan, context: Context) -> bool:
     """Whether an eager call compiles (or takes the loops) for `plan`: `compile=True`; with
     `None`, plans of `AUTO_GRAPH_WEIGHTS` weights, and with gradients on also plans with a
@@ -296,10 +263,11 @@ def _cpu_loops(call: _Call) -> str | None:
     if not call.placed:
         return "its parameters are selected in parts, or centred (center=True)"
     if context.eager and context.device == "cpu" and (missing := _missing_compiler(call)):
-        return missing  # (traced: `_loops_refused` asks the loops, which know it too)
+        return missing  # (traced: `refusal` asks the loops, which know it too)
     if call.plan is not None and _centred(call.plan, call.index):
         return "a parameter it generates is centred (center=True reads whole rows first)"
-    return _loops_refused(call)
+    w_out = call.leaves["w_out"]
+    return refusal(call.stack, w_out.dtype, w_out.device.type, detail=call.detail)
 
 
 @_path("graph")

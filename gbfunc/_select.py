@@ -29,7 +29,7 @@ from ._tiling import (
     pieces,
 )
 from ._tree import GParams
-from .cpu import _hash_weights, _relu_rows
+from .cpu import Placement, add_hash, placement, weights
 
 
 class Selection:
@@ -121,10 +121,10 @@ class Selection:
                 path = stack_path(stack, leaves, context, placed=placed)
             if path == "cpu-loops":
                 names, where = self._placements[s]
-                weights = _relu_rows.generate(stack, leaves, where)
+                generated = weights(stack, leaves, where)
                 if stack.genome.hashed:
-                    weights = _with_hashed(stack, leaves["tile_hash"], where, weights)
-                direct.update(zip(names, weights, strict=True))
+                    generated = _with_hashed(stack, leaves["tile_hash"], where, generated)
+                direct.update(zip(names, generated, strict=True))
                 continue
             compiled = path == "compiled-mlp"
             spans = self._splits[s]
@@ -174,18 +174,16 @@ class Selection:
         covers = [start for start, _ in ordered] == stops[:-1] and stops[-1] == len(self.tiles[s])
         return ordered if covers else None
 
-    def _placement(self, s: int) -> tuple[list[str], "_relu_rows.Placement"] | None:
-        """Where stack `s`'s tiles land, for `_relu_rows`, where its g-nets suit the loops
-        and the selection takes every parameter of the stack whole."""
+    def _placement(self, s: int) -> tuple[list[str], Placement] | None:
+        """Where stack `s`'s tiles land, for the CPU loops, where its g-nets suit them and
+        the selection takes every parameter of the stack whole."""
         stack = self.plan.stacks[s]
-        if not _relu_rows.suits(stack):
-            return None
         params = [p for p in self.plan.generated if p.stack_index == s]
         whole = all(
             p.name in self._params and self._parts[p.name][0] == (full_region(p.shape),)
             for p in params
         )
-        where = _relu_rows.placement(stack, params) if whole else None
+        where = placement(stack, params) if whole else None
         return None if where is None else ([p.name for p in params], where)
 
     def _split(self, s: int, stack_tiles: Tensor) -> dict[tuple[int, int] | None, Tensor]:
@@ -236,12 +234,12 @@ class Selection:
 
 
 def _with_hashed(
-    stack: Stack, table: Tensor, where: "_relu_rows.Placement", weights: Sequence[Tensor]
+    stack: Stack, table: Tensor, where: Placement, base: Sequence[Tensor]
 ) -> list[Tensor]:
-    """A hashed stack's weights: its g-nets' (from `_relu_rows`) plus its table's, also
-    written where they land (`_hash_weights`)."""
+    """A hashed stack's weights: its g-nets' (the loops' `weights`) plus its table's, also
+    written where they land (`add_hash`)."""
     positions, rows = stack.tile_positions, stack.tile[0]
-    hashed = _hash_weights.generate(weights, table, positions, rows, where, HASH_GAIN)
+    hashed = add_hash(base, table, positions, rows, where, HASH_GAIN)
     return list(hashed)
 
 

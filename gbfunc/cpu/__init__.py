@@ -3,8 +3,9 @@
 Each loop (`csrc/*.cpp`) sits beside its pure-torch specification (`_relu_loops`,
 `_relu_rows`, `_relu_tiles`, `_hash_weights`, `_hash_gradient`), runs as a custom op with
 fake, vmap and autograd rules, and is built on first use into a private per-user cache
-(`_build`, `_cache`). Which stacks take them is decided in one place, `gbfunc._dispatch`;
-`gb.explain` shows it.
+(`_build`, `_cache`). Which stacks take them is decided in one place, `gbfunc._dispatch`,
+which asks `refusal`; a stack taken runs through `weights` (and `add_hash` for a hashed
+table) where `placement` says its weights land. `gb.explain` shows the decision.
 
 `GBFUNC_CPU_LOOPS=off|portable|auto` (or `set_mode`) chooses whether and how they are built;
 without a C++ compiler, on other platforms, or with `off`, every call runs through pure torch
@@ -22,16 +23,24 @@ from ._build import (
     unavailable_reason,
 )
 from ._cache import CACHE_VARIABLE, cache_root
+from ._hash_weights import generate as add_hash
+from ._relu_rows import Placement, generate as weights
+from ._stacks import placement, refusal
 
 __all__ = [
     "CACHE_VARIABLE",
     "MODES",
     "MODE_VARIABLE",
+    "Placement",
+    "add_hash",
     "cache_root",
     "compiler",
     "loops_state",
     "missing_compiler",
     "mode",
+    "placement",
+    "refusal",
     "set_mode",
     "unavailable_reason",
+    "weights",
 ]

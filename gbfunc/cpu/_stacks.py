@@ -1,0 +1,42 @@
+"""What the loops offer a stack of g-nets: whether they can generate it here (and if not,
+why), and where its weights land.
+
+The dispatcher's `cpu-loops` path (`gbfunc.generate.cpu_loops`) asks these two through
+`gbfunc.cpu`'s public names, so that nothing above this package reads its modules' limits.
+"""
+
+import torch
+
+from .._plan import Generated, Stack
+from . import _hash_weights, _relu_loops, _relu_rows
+from ._build import unavailable_reason
+
+
+def refusal(stack: Stack, dtype: torch.dtype, device_type: str, *, detail: bool) -> str | None:
+    """Why the loops cannot generate `stack` from leaves of `dtype` on `device_type` (None:
+    they can): its g-nets, the dtype or device, or the loops' build. `detail`: the exact
+    reason, where otherwise a fixed string is enough (the hot path and traced code)."""
+    if not _relu_rows.suits(stack):
+        return "its g-nets are not one-layer ReLU row or one-output g-nets, one per tile"
+    units, outputs = stack.genome.hidden, stack.outputs
+    hashed_ok = not stack.genome.hashed or _hash_weights.usable(dtype, device_type)
+    if hashed_ok and _relu_rows.usable(units, outputs, dtype, device_type, stack.columns):
+        return None
+    if not detail:
+        return "no C loops for these g-nets here"
+    if device_type != "cpu" or dtype != torch.float32:
+        return f"the loops take CPU float32; the g-nets are {dtype} on {device_type}"
+    reason = unavailable_reason()
+    if reason:
+        return f"the CPU loops are off: {reason}"
+    return (
+        f"no loops for {units} units and {outputs} outputs (row g-nets: "
+        f"{_relu_loops.MIN_UNITS}-{_relu_rows.MAX_UNITS} units, up to {_relu_rows.MAX_OUTPUTS} "
+        "outputs)"
+    )
+
+
+def placement(stack: Stack, params: list[Generated]) -> _relu_rows.Placement | None:
+    """Where the loops write `stack`'s weights `params` (the parameters it generates, each
+    whole); None where its g-nets are not what the loops compute or a parameter is centred."""
+    return _relu_rows.placement(stack, params) if _relu_rows.suits(stack) else None
