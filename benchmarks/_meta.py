@@ -131,7 +131,7 @@ def save_figure(fig: "Figure", path: Path) -> None:
     palette.save(path, optimize=True, dpi=(FIGURE_DPI, FIGURE_DPI))
 
 
-NOTES = "## Notes (moved from benchmarks/README.md)"
+NOTES = "## Notes"  # the heading (and its suffix, e.g. "(moved from benchmarks/README.md)")
 
 
 def write_results(path: Path, text: str) -> None:
@@ -140,7 +140,7 @@ def write_results(path: Path, text: str) -> None:
     notes = ""
     if path.is_file():
         old = path.read_text()
-        at = old.find(f"\n{NOTES}\n")
+        at = old.find(f"\n{NOTES}")
         notes = old[at:] if at >= 0 else ""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text.rstrip("\n") + "\n" + notes if notes else text)
