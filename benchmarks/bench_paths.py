@@ -1,5 +1,5 @@
 """Each generation path of the dispatcher against the one it would fall back to: does it earn
-its keep? (`gbfunc/_dispatch.py`; `gb.explain` names the paths.)
+its keep? (`gbfunc/generate/`, one module per path; `gb.explain` names the paths.)
 
     python -m benchmarks.bench_paths      # results/bench_paths.md
 
@@ -19,9 +19,8 @@ import torch
 import gbfunc as gb
 from benchmarks._meta import cpu_benchmark_args, recorded
 from benchmarks.bench_step import HASHED_20X, median_ms, mlp
-from gbfunc import _graph
 from gbfunc._select import Selection
-from gbfunc._tilemlp import fits_graph
+from gbfunc.generate import graph
 
 GENOMES = {
     "default genome (torchGB), tile 128": {"tile": (128, 128)},
@@ -37,11 +36,10 @@ def generation(plan: gb.Plan, path: str, weights: dict) -> Callable[[], None] | 
     """One forward and backward of the generation on `path` for every stack, or None where
     `path` cannot generate this plan."""
     gparams = gb.init(plan)
-    stacks = gparams["stacks"]
     reasons = gb.explain(gparams, plan, compile=True).reasons
     if path == "cpu-loops" and any("cpu-loops" in r for r in reasons.values()):
         return None
-    if path == "graph" and not all(fits_graph(s) for s in plan.stacks):
+    if path == "graph" and not all(graph.fits_graph(s) for s in plan.stacks):
         return None
     paths = (path,) * len(plan.stacks)
 
@@ -49,7 +47,7 @@ def generation(plan: gb.Plan, path: str, weights: dict) -> Callable[[], None] | 
         if path == "torch":
             return gb.apply(gparams, plan, compile=False)
         if path == "graph":
-            return _graph.generate(plan, stacks)
+            return graph.generate(plan, gparams, None, None, Selection.generated(plan).apply)
         return Selection.whole(plan).apply(gparams, paths=paths)
 
     def run() -> None:

@@ -2,16 +2,12 @@
 
 from torch import Tensor
 
-from ._backend import fused_weights
 from ._condition import condition_of, conditioned, without_condition
 from ._dispatch import Context, check_call, route
-from ._evaluate import hashed_tiles
-from ._graph import generate
 from ._plan import Plan
 from ._select import Selection
-from ._spec import stack_terms
-from ._tiling import assemble, center_rows, parameters
 from ._tree import GParams
+from .generate import graph, triton
 
 
 def apply(
@@ -43,12 +39,13 @@ def apply(
             interpreter on CPU) or `"auto"`: Triton for CUDA tensors, torch otherwise.
         compile: Whether an eager call may generate through compiled code of gbfunc's own
             (the plan compiled as one graph, a stack's tile MLP compiled, or the CPU's C
-            loops; `gbfunc._dispatch` has the rules and `gb.explain` shows them). `None`:
-            where it pays (plans of `AUTO_GRAPH_WEIGHTS` weights or more; stacks of
-            `AUTO_COMPILE_ELEMENTS` hidden activations); with gradients off, only the C
-            loops, never a graph. `False`: never (for debugging, and for double backward,
-            which the compiled graph does not support). The first compiling call takes
-            seconds; the result is the same either way, to rounding.
+            loops; each path's rule is in its module of `gbfunc.generate`, `gbfunc._dispatch`
+            applies them and `gb.explain` shows them). `None`: where it pays (plans of
+            `AUTO_GRAPH_WEIGHTS` weights or more; stacks of `AUTO_COMPILE_ELEMENTS` hidden
+            activations); with gradients off, only the C loops, never a graph. `False`: never
+            (for debugging, and for double backward, which the compiled graph does not
+            support). The first compiling call takes seconds; the result is the same either
+            way, to rounding.
 
     Returns:
         A dict of every parameter by name, ready for
@@ -65,28 +62,12 @@ def apply(
     z = condition_of(gparams, plan, condition, task, "gb.apply")
     routed, stacks = without_condition(plan, gparams["stacks"])
     path = route(routed, stacks, Context.now(stacks, backend=backend, compile=compile))
-    if path.plan == "graph":  # folds the condition in inside, so that its inputs stay leaves
-        graph = generate(plan, gparams, condition, task)
-        if graph is not None:  # None: the compile failed (warned), so op by op
-            return parameters(plan.params, gparams, lambda p: graph[p.name])
+    if path.plan == graph.NAME:  # folds the condition in inside, so that its inputs stay leaves
+        params = graph.generate(plan, gparams, condition, task, Selection.generated(plan).apply)
+        if params is not None:  # None: the compile failed (warned), so op by op
+            return params
     if z is not None:  # the other paths run the plan without a condition, `z` folded in
         gparams, plan = conditioned(gparams, plan, z)
-    if path.plan == "triton":
-        return _through_kernels(gparams, plan)
-    return Selection.whole(plan).apply(gparams, paths=path.stacks)
-
-
-def _through_kernels(gparams: GParams, plan: Plan) -> dict[str, Tensor]:
-    """Every parameter, the generated ones by the fused Triton kernels."""
-    stacks = gparams["stacks"]
-    generated = fused_weights(plan, [stack_terms(s, stacks[s.key]) for s in plan.stacks])
-    hashed = {  # linear in the tiles, so laid out on its own and added to the kernels'
-        s.key: hashed_tiles(s, stacks[s.key]["tile_hash"]) for s in plan.stacks if s.genome.hashed
-    }
-    for p in plan.generated:  # the kernels scale; centring reads whole rows, done here
-        stack = plan.stacks[p.stack_index]
-        if p.center:
-            generated[p.name] = center_rows(generated[p.name])
-        if stack.key in hashed:
-            generated[p.name] = generated[p.name] + assemble(p, stack, hashed[stack.key])
-    return parameters(plan.params, gparams, lambda p: generated[p.name])
+    if path.plan == triton.NAME:
+        return triton.generate(gparams, plan)
+    return Selection.whole(plan).apply(gparams, paths=path.stacks)  # each stack's runner

@@ -71,17 +71,6 @@ def evaluate_parts(
     return tuple(out)
 
 
-def evaluate_tiles(
-    stack: Stack, leaves: Mapping[str, Tensor], tiles: Sequence[int], *, compiled: bool = False
-) -> Tensor:
-    """Tiles `tiles` (ascending indices into the stack) of a stack, `(len(tiles), TH, TW * K)`.
-
-    Only the g-nets of those tiles run; gradients flow back into their rows of `leaves`.
-    """
-    (out,) = evaluate_tile_parts(stack, leaves, tiles, None, compiled=compiled)
-    return out
-
-
 def evaluate_tile_parts(
     stack: Stack,
     leaves: Mapping[str, Tensor],
@@ -90,8 +79,10 @@ def evaluate_tile_parts(
     *,
     compiled: bool = False,
 ) -> tuple[Tensor, ...]:
-    """`evaluate_tiles` cut into `spans`, consecutive ranges of positions in `tiles`, each
-    part with a gradient of its own (`evaluate_parts`)."""
+    """Tiles `tiles` (ascending indices into the stack) of a stack, `(len(tiles), TH, TW * K)`,
+    cut into `spans`, consecutive ranges of positions in `tiles` (None: one part), each part
+    with a gradient of its own (`evaluate_parts`). Only the g-nets of those tiles run;
+    gradients flow back into their rows of `leaves`."""
     if list(tiles) == list(range(stack.num_tiles)):
         return evaluate_parts(stack, leaves, spans, compiled=compiled)
     device = leaves["w_in"].device

@@ -14,10 +14,8 @@ from torch import Tensor
 
 from ._condition import condition_of, conditioned
 from ._dispatch import Context, stack_path
-from ._evaluate import evaluate_tile_parts, evaluate_tiles
 from ._plan import Free, Generated, Plan, Stack
 from ._realised import realised
-from ._spec import HASH_GAIN
 from ._tiling import (
     Concat,
     Piece,
@@ -29,7 +27,8 @@ from ._tiling import (
     pieces,
 )
 from ._tree import GParams
-from .cpu import Placement, add_hash, placement, weights
+from .cpu import Placement, placement
+from .generate import compiled_mlp, cpu_loops, torch_ops
 
 
 class Selection:
@@ -83,6 +82,12 @@ class Selection:
         """Every parameter of `plan`, whole, in plan order: what `gb.apply` generates."""
         return _whole_plan(plan) if torch.compiler.is_compiling() else _cached_whole(plan)
 
+    @staticmethod
+    @functools.lru_cache(maxsize=64)
+    def generated(plan: Plan) -> "Selection":
+        """Every generated parameter of `plan`, whole: what the `graph` path compiles."""
+        return Selection(plan, {p.name: full_region(p.shape) for p in plan.generated})
+
     @property
     def num_tiles(self) -> int:
         """Tiles evaluated per call."""
@@ -101,8 +106,8 @@ class Selection:
 
         Each stack takes its path from `paths` (per stack of the plan, `gbfunc._dispatch`'s
         `route`; `graph` there means its compile failed: op by op), else from the dispatcher
-        with `compile` as `gb.apply`'s. A conditioned plan takes `condition` or `task` as
-        `gb.apply` does.
+        with `compile` as `gb.apply`'s, and runs that path's runner (`gbfunc.generate`). A
+        conditioned plan takes `condition` or `task` as `gb.apply` does.
         """
         z = condition_of(gparams, self.plan, condition, task, "the selection's apply")
         if z is not None:
@@ -119,22 +124,20 @@ class Selection:
                     context = Context.now(gparams["stacks"], backend="torch", compile=compile)
                 placed = self._placements[s] is not None
                 path = stack_path(stack, leaves, context, placed=placed)
-            if path == "cpu-loops":
+            if path == cpu_loops.NAME:
                 names, where = self._placements[s]
-                generated = weights(stack, leaves, where)
-                if stack.genome.hashed:
-                    generated = _with_hashed(stack, leaves["tile_hash"], where, generated)
-                direct.update(zip(names, generated, strict=True))
+                direct.update(zip(names, cpu_loops.generate(stack, leaves, where), strict=True))
                 continue
-            compiled = path == "compiled-mlp"
+            runner = compiled_mlp if path == compiled_mlp.NAME else torch_ops  # `graph`: failed
             spans = self._splits[s]
             if spans is not None and _parts_from_tile_mlp(stack) and torch.compiler.is_compiling():
                 # Traced, the parts come apart out of the tile MLP: the backward then never
                 # assembles the stack's gradient (`tile_mlp`).
-                parts = evaluate_tile_parts(stack, leaves, indices, spans, compiled=compiled)
+                parts = runner.tiles(stack, leaves, indices, spans)
                 tiles[s] = dict(zip(spans, parts, strict=True))
                 continue
-            tiles[s] = self._split(s, evaluate_tiles(stack, leaves, indices, compiled=compiled))
+            (evaluated,) = runner.tiles(stack, leaves, indices, None)
+            tiles[s] = self._split(s, evaluated)
         return parameters(
             self._params.values(),
             gparams,
@@ -231,16 +234,6 @@ class Selection:
                 for rows in self._rows[name, k]
             ]
         return self._index[key]
-
-
-def _with_hashed(
-    stack: Stack, table: Tensor, where: Placement, base: Sequence[Tensor]
-) -> list[Tensor]:
-    """A hashed stack's weights: its g-nets' (the loops' `weights`) plus its table's, also
-    written where they land (`add_hash`)."""
-    positions, rows = stack.tile_positions, stack.tile[0]
-    hashed = add_hash(base, table, positions, rows, where, HASH_GAIN)
-    return list(hashed)
 
 
 def _parts_from_tile_mlp(stack: Stack) -> bool:

@@ -21,7 +21,6 @@ and the tile MLP's terms are always computed from the leaves first.
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -30,9 +29,6 @@ from torch import Tensor
 from ._compiled import CompiledCache
 from ._realised import contiguous_buffer
 from ._spec import Terms, activate, activate_grad, first_layer, plain_eager, tile_rows
-
-if TYPE_CHECKING:
-    from ._plan import Stack
 from .cpu import _relu_loops
 
 # Eager evaluation is chunked over tiles so that the transient (chunk, TH, Q, H) tensor stays
@@ -394,13 +390,6 @@ def _vector_lanes(dtype: torch.dtype, device_type: str) -> int:
 
 # Vector width per `torch.backends.cpu.get_cpu_capability()`; other capabilities: none.
 _VECTOR_BITS = {"AVX512": 512, "AVX2": 256, "SVE256": 256, "SVE128": 128}
-
-
-def fits_graph(stack: "Stack") -> bool:
-    """Whether one compiled graph may hold a stack's tile MLP whole: inductor fuses it into
-    reductions (one hidden layer, one output), or its transient `(T, TH, Q, H)` is no larger
-    than one compiled chunk (`COMPILED_CHUNK_ELEMENTS`)."""
-    return stack.one_reduction or stack.hidden_elements <= COMPILED_CHUNK_ELEMENTS
 
 
 def tile_chunks(

@@ -388,7 +388,8 @@ def runs_as_graph(plan: gb.Plan, compile: bool | None) -> bool:
 
 def test_plans_run_as_one_graph_where_it_pays_and_holds_no_large_transient(monkeypatch):
     from gbfunc import _tilemlp
-    from gbfunc._dispatch import AUTO_GRAPH_WEIGHTS, fits_graph
+    from gbfunc.generate._policy import AUTO_GRAPH_WEIGHTS
+    from gbfunc.generate.graph import fits_graph
 
     with torch.device("meta"):
         big = nn.Sequential(nn.Linear(784, 512), nn.Linear(512, 512))  # 663,552 weights
@@ -430,8 +431,9 @@ def test_eager_graph_checks_only_its_tensors_and_torchs_global_state(monkeypatch
     """Dynamo checks a compiled function's guards on every call. gb.apply's graph had 436 on
     the MLP with row g-nets, most on the plan's layout, which its cache key fixes (0.2 ms a
     step); only those on the g-nets' tensors and on global state (grad mode...) are kept."""
-    from gbfunc import _compiled, _graph
+    from gbfunc import _compiled
     from gbfunc._compiled import CompiledCache
+    from gbfunc.generate import graph as _graph
 
     kept, dropped = [], []
 
@@ -455,7 +457,8 @@ def test_eager_graph_checks_only_its_tensors_and_torchs_global_state(monkeypatch
     assert tensors == {f"stacks[{s!r}][{k!r}]" for s, stack in leaves for k in stack}
     assert {"GRAD_MODE", "GLOBAL_STATE", "DEFAULT_DEVICE"} <= {e.guard_type for e in kept}
     assert all(not e.name or e.guard_type in _compiled._TENSOR_GUARDS for e in kept)
-    assert any(e.name.startswith("selection") for e in dropped)
+    # the selection's layout, whose `apply` the graph holds
+    assert any(e.name.startswith("op_by_op.__self__.") for e in dropped)
     # What is still checked still works: under no_grad the graph is traced again, without
     # autograd, and the first graph serves the next call with gradients.
     with torch.no_grad():
@@ -519,8 +522,9 @@ def test_eager_compiles_fuse_multiply_adds_without_touching_inductors_settings(m
 
 
 def test_a_plan_that_fails_to_compile_warns_once_and_runs_op_by_op(monkeypatch):
-    from gbfunc import _compiled as _compiled_module, _graph
+    from gbfunc import _compiled as _compiled_module
     from gbfunc._compiled import CompiledCache
+    from gbfunc.generate import graph as _graph
 
     calls = []
 
@@ -555,8 +559,9 @@ def test_a_plan_that_fails_to_compile_warns_once_and_runs_op_by_op(monkeypatch):
 def test_eager_apply_runs_op_by_op_while_dynamo_is_switched_off(monkeypatch):
     """`torch._dynamo.config.disable` (a debugging setting) made gb.apply's compiled graph
     raise "found no compiled frames"; it now runs op by op, with no warning."""
-    from gbfunc import _graph, _tilemlp
+    from gbfunc import _tilemlp
     from gbfunc._compiled import CompiledCache
+    from gbfunc.generate import graph as _graph
 
     monkeypatch.setattr(_graph, "_GRAPHS", CompiledCache("gb.apply's graph"))
     monkeypatch.setattr(_tilemlp, "_BODIES", CompiledCache("the tile MLP"))
@@ -612,7 +617,7 @@ def test_compiled_bodies_of_a_multi_output_stack_run_in_balanced_chunks(monkeypa
 
 
 def test_apply_compiles_only_stacks_large_enough_to_pay_by_default():
-    from gbfunc._dispatch import AUTO_COMPILE_ELEMENTS, compiles_eagerly
+    from gbfunc.generate._policy import AUTO_COMPILE_ELEMENTS, compiles_eagerly
 
     with torch.device("meta"):
         big, small = nn.Linear(2048, 2048), nn.Linear(64, 64)

@@ -13,8 +13,8 @@ import gbfunc as gb
 import gbfunc.dist as gbd
 from benchmarks.bench_comm import rank_owned_traffic, replicated_traffic, torchgb_traffic
 from examples.gpt import GPT, GPTConfig
-from gbfunc._select import evaluate_tiles
 from gbfunc._tiling import cuts_tiles, full_region, region_tiles
+from gbfunc.generate import torch_ops
 
 # ---------------------------------------------------------------- mesh sizes
 
@@ -159,15 +159,16 @@ def test_selection_hands_out_views_of_free_parameters_and_gb_apply_the_leaves():
 @pytest.mark.parametrize(
     "options", [{}, {"share": True}, {"hashed": 5}, {"share": True, "hashed": 5}]
 )
-def test_evaluate_tiles_picks_rows_of_the_whole_stack(options):
+def test_the_torch_path_picks_rows_of_the_whole_stack(options):
     plan = gb.plan(nn.Linear(40, 24), tile=(8, 8), **options)
     stack = plan.stacks[0]
     leaves = gb.init(plan, seed=0)["stacks"][stack.key]
     if "tile_hash" in leaves:  # the g-nets start at zero output beside a table: wake them
         leaves["w_out"] = torch.randn(leaves["w_out"].shape)
     picked = [1, 4, 5, 14]
-    everything = evaluate_tiles(stack, leaves, range(stack.num_tiles))
-    torch.testing.assert_close(evaluate_tiles(stack, leaves, picked), everything[picked])
+    (everything,) = torch_ops.tiles(stack, leaves, range(stack.num_tiles), None)
+    (some,) = torch_ops.tiles(stack, leaves, picked, None)
+    torch.testing.assert_close(some, everything[picked])
 
 
 def test_region_tiles_and_alignment():

@@ -12,7 +12,7 @@ from torch import nn
 from torch.func import functional_call, grad
 
 import gbfunc as gb
-from gbfunc.cpu import _hash_weights, _relu_rows
+from gbfunc.cpu import _hash_weights, _relu_rows, _stacks
 from gbfunc.cpu._relu_loops import MIN_UNITS
 
 pytestmark = pytest.mark.skipif(
@@ -100,7 +100,9 @@ def test_eager_apply_writes_the_tables_in_c_with_plain_torchs_gradients(outputs)
     ops = []
     forward, backward = _hash_weights.hash_weights, _hash_weights.hash_weights_backward
     with (
-        mock.patch("gbfunc._apply.generate", side_effect=AssertionError("compiled a graph")),
+        mock.patch(
+            "gbfunc.generate.graph.generate", side_effect=AssertionError("compiled a graph")
+        ),
         mock.patch.object(
             _hash_weights, "hash_weights", lambda *a: ops.append("forward") or forward(*a)
         ),
@@ -182,5 +184,6 @@ def test_without_the_loops_hashed_stacks_keep_the_tile_mlp(monkeypatch):
     _, plan = hashed_plan([30, 20, 5], (8, 8), 7)
     gparams = gb.init(plan)
     assert set(gb.explain(gparams, plan, compile=True).route.stacks) == {"cpu-loops"}
-    monkeypatch.setattr(_hash_weights, "usable", lambda dtype, device_type: False)
+    # where `gbfunc.cpu.refusal` asks whether the table's loops run
+    monkeypatch.setattr(_stacks, "table_usable", lambda dtype, device_type: False)
     assert "cpu-loops" not in gb.explain(gparams, plan, compile=True).route.stacks

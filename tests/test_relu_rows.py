@@ -13,10 +13,10 @@ from torch.func import functional_call, grad_and_value
 
 import gbfunc as gb
 from gbfunc import _select
-from gbfunc._dispatch import AUTO_GRAPH_WEIGHTS
 from gbfunc._spec import code_tables
 from gbfunc.cpu import _relu_rows
 from gbfunc.cpu._relu_loops import MIN_UNITS
+from gbfunc.generate._policy import AUTO_GRAPH_WEIGHTS
 
 pytestmark = pytest.mark.skipif(
     not _relu_rows.usable(MIN_UNITS, 8, torch.float32, "cpu"), reason="no C++ compiler"
@@ -167,7 +167,9 @@ def test_eager_apply_runs_the_loops_with_the_gradients_of_plain_torch(monkeypatc
     want_loss, want = loss(False)
     want_grads = torch.autograd.grad(want_loss, leaves)
     calls = counting(monkeypatch)
-    with mock.patch("gbfunc._apply.generate", side_effect=AssertionError("compiled a graph")):
+    with mock.patch(
+        "gbfunc.generate.graph.generate", side_effect=AssertionError("compiled a graph")
+    ):
         got_loss, got = loss(True)
         got_grads = torch.autograd.grad(got_loss, leaves)
     assert calls == ["_forward"] * len(plan.stacks) + ["_backward"] * len(plan.stacks)
@@ -191,7 +193,9 @@ def test_evaluation_of_a_large_plan_runs_the_forward_loop_and_no_graph(monkeypat
         calls.clear()
         with (
             torch.no_grad(),
-            mock.patch("gbfunc._apply.generate", side_effect=AssertionError("compiled a graph")),
+            mock.patch(
+                "gbfunc.generate.graph.generate", side_effect=AssertionError("compiled a graph")
+            ),
         ):
             got = gb.apply(gparams, each)
         assert calls == loops

@@ -25,9 +25,9 @@ import torch
 from torch import Tensor
 
 from .._spec import cached_tile_hash
-from . import _relu_loops
 from ._build import Loop, compiled_loop, runnable, vectorised_cpu
 from ._hash_gradient import signed_buckets
+from ._relu_loops import splits_added, threads_and_splits
 from ._relu_rows import (
     Placement,
     batched,
@@ -173,7 +173,7 @@ def hash_weights_backward(
     packed = cached_tile_hash(positions, buckets, present[0].device)
     table_of, tile_scales = placement_tables(placement, gain)
     num_tiles = table_of.shape[0]
-    threads, splits = _relu_loops.threads_and_splits(num_tiles, tile_rows)
+    threads, splits = threads_and_splits(num_tiles, tile_rows)
     partials = present[0].new_empty(num_tiles, splits, buckets)
     runnable(_BACKWARD, 1)(
         pointers(grads),
@@ -188,7 +188,7 @@ def hash_weights_backward(
         splits,
         threads,
     )
-    return _relu_loops.splits_added(partials)
+    return splits_added(partials)
 
 
 @hash_weights_backward.register_fake

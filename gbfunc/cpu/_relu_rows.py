@@ -39,8 +39,9 @@ from torch._functorch.utils import unwrap_dead_wrappers
 
 from .._plan import Generated, Stack, tile_places
 from .._spec import code_tables, plain_eager
-from . import _relu_loops, _relu_tiles
 from ._build import Loop, compiled_loop, runnable
+from ._relu_loops import splits_added, supported, threads_and_splits
+from ._relu_tiles import BACKWARD as TILES_BACKWARD, BLOCK_ROWS, FORWARD as TILES_FORWARD
 
 _FORWARD = Loop("relu_rows_forward", "relu_rows.cpp", pointers=9, sizes=4)
 _BACKWARD = Loop("relu_rows_backward", "relu_rows.cpp", pointers=12, sizes=5)
@@ -125,10 +126,10 @@ def usable(
     outputs, with both loops compiled."""
     if units > MAX_UNITS or not 1 <= outputs <= MAX_OUTPUTS:
         return False
-    if not _relu_loops.supported(units, dtype, device_type):
+    if not supported(units, dtype, device_type):
         return False
     one_output = columns > 1
-    loops = (_relu_tiles.FORWARD, _relu_tiles.BACKWARD) if one_output else (_FORWARD, _BACKWARD)
+    loops = (TILES_FORWARD, TILES_BACKWARD) if one_output else (_FORWARD, _BACKWARD)
     return all(compiled_loop(loop, units, outputs) is not None for loop in loops)
 
 
@@ -264,10 +265,10 @@ def _forward(row_code, col_code, w_in, b_in, w_out, b_out, where: Placement) -> 
         loop = runnable(_FORWARD, units, outputs)
         loop(*tables, pointers(weights), w_in.shape[0], *widths, torch.get_num_threads())
         return weights
-    loop = runnable(_relu_tiles.FORWARD, units)
+    loop = runnable(TILES_FORWARD, units)
     tile_rows, row_width, col_width = widths
-    blocks = -(-tile_rows // _relu_tiles.BLOCK_ROWS)
-    threads, splits = _relu_loops.threads_and_splits(w_in.shape[0], blocks)
+    blocks = -(-tile_rows // BLOCK_ROWS)
+    threads, splits = threads_and_splits(w_in.shape[0], blocks)
     loop(
         *tables,
         pointers(weights),
@@ -315,7 +316,7 @@ def _backward(grads, row_code, col_code, w_in, b_in, w_out, where: Placement) ->
     table, tile_scales = placement_tables(where.encoded)
     num_tiles, width, units = w_in.shape
     outputs, tile_rows = w_out.shape[-1], row_code.shape[0]
-    threads, splits = _relu_loops.threads_and_splits(num_tiles, tile_rows)
+    threads, splits = threads_and_splits(num_tiles, tile_rows)
     partials = (
         w_in.new_empty(num_tiles, splits, width, units),
         w_in.new_empty(num_tiles, splits, units),
@@ -324,7 +325,7 @@ def _backward(grads, row_code, col_code, w_in, b_in, w_out, where: Placement) ->
     )
     columns = col_code.shape[0]
     sizes = (num_tiles, tile_rows) + ((columns,) if columns > 1 else ())
-    loop = runnable(_relu_tiles.BACKWARD if columns > 1 else _BACKWARD, units, outputs)
+    loop = runnable(TILES_BACKWARD if columns > 1 else _BACKWARD, units, outputs)
     loop(
         pointers(grads),
         *(x.data_ptr() for x in inputs),
@@ -337,7 +338,7 @@ def _backward(grads, row_code, col_code, w_in, b_in, w_out, where: Placement) ->
         splits,
         threads,
     )
-    return tuple(_relu_loops.splits_added(x) for x in partials)
+    return tuple(splits_added(x) for x in partials)
 
 
 @relu_rows_backward.register_fake

@@ -8,19 +8,28 @@ The dispatcher's `cpu-loops` path (`gbfunc.generate.cpu_loops`) asks these two t
 import torch
 
 from .._plan import Generated, Stack
-from . import _hash_weights, _relu_loops, _relu_rows
 from ._build import unavailable_reason
+from ._hash_weights import usable as table_usable
+from ._relu_loops import MIN_UNITS
+from ._relu_rows import (
+    MAX_OUTPUTS,
+    MAX_UNITS,
+    Placement,
+    placement as rows_placement,
+    suits,
+    usable,
+)
 
 
 def refusal(stack: Stack, dtype: torch.dtype, device_type: str, *, detail: bool) -> str | None:
     """Why the loops cannot generate `stack` from leaves of `dtype` on `device_type` (None:
     they can): its g-nets, the dtype or device, or the loops' build. `detail`: the exact
     reason, where otherwise a fixed string is enough (the hot path and traced code)."""
-    if not _relu_rows.suits(stack):
+    if not suits(stack):
         return "its g-nets are not one-layer ReLU row or one-output g-nets, one per tile"
     units, outputs = stack.genome.hidden, stack.outputs
-    hashed_ok = not stack.genome.hashed or _hash_weights.usable(dtype, device_type)
-    if hashed_ok and _relu_rows.usable(units, outputs, dtype, device_type, stack.columns):
+    hashed_ok = not stack.genome.hashed or table_usable(dtype, device_type)
+    if hashed_ok and usable(units, outputs, dtype, device_type, stack.columns):
         return None
     if not detail:
         return "no C loops for these g-nets here"
@@ -31,12 +40,11 @@ def refusal(stack: Stack, dtype: torch.dtype, device_type: str, *, detail: bool)
         return f"the CPU loops are off: {reason}"
     return (
         f"no loops for {units} units and {outputs} outputs (row g-nets: "
-        f"{_relu_loops.MIN_UNITS}-{_relu_rows.MAX_UNITS} units, up to {_relu_rows.MAX_OUTPUTS} "
-        "outputs)"
+        f"{MIN_UNITS}-{MAX_UNITS} units, up to {MAX_OUTPUTS} outputs)"
     )
 
 
-def placement(stack: Stack, params: list[Generated]) -> _relu_rows.Placement | None:
+def placement(stack: Stack, params: list[Generated]) -> Placement | None:
     """Where the loops write `stack`'s weights `params` (the parameters it generates, each
     whole); None where its g-nets are not what the loops compute or a parameter is centred."""
-    return _relu_rows.placement(stack, params) if _relu_rows.suits(stack) else None
+    return rows_placement(stack, params) if suits(stack) else None

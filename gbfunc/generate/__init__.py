@@ -1,0 +1,10 @@
+"""The generation paths: one module per path, each owning its rule and its runner.
+
+In the order the dispatcher (`gbfunc._dispatch`) tries them: `triton`, `cpu_loops`, `graph`,
+`compiled_mlp`, `torch_ops`. Each has `NAME` (as `gb.explain` prints it), `refuses(call)`
+(why the path does not generate the call's stack; None where it does) and its runner. What
+several rules read, the call and the policy of gbfunc's own compiles, is in `_policy`.
+These modules stand on the plan, the specification, the tiling, `gbfunc.cpu`,
+`gbfunc.kernels` and the torch implementation (`_evaluate`, `_tilemlp`), never on the
+dispatcher or `gb.apply` (`tests/test_import_graph.py`).
+"""

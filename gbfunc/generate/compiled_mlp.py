@@ -1,0 +1,47 @@
+"""The `compiled-mlp` path: a stack's tile MLP compiled once per signature, run in chunks
+(`_tilemlp.tile_mlp` with `compiled=True`).
+
+Taken eagerly, outside a graph: `compile=True`, or `compile=None` on stacks of
+`AUTO_COMPILE_ELEMENTS` hidden activations (`compiles_eagerly`).
+"""
+
+from collections.abc import Mapping, Sequence
+
+from torch import Tensor
+
+from .._evaluate import evaluate_tile_parts
+from .._plan import Stack
+from ._policy import (
+    AUTO_COMPILE_ELEMENTS,
+    Call,
+    compiler_missing,
+    compiles_eagerly,
+    own_compile_refused,
+)
+
+NAME = "compiled-mlp"
+
+
+def refuses(call: Call) -> str | None:
+    """Why the stack's tile MLP does not run compiled (None: it does)."""
+    context = call.context
+    if refused := own_compile_refused(context):
+        return refused
+    if not compiles_eagerly(call.stack, context.compile):
+        if context.compile is False:
+            return "compile=False"
+        return f"compile=None and the stack is small (< {AUTO_COMPILE_ELEMENTS} activations)"
+    if context.device == "cpu" and (missing := compiler_missing(call)):
+        return missing
+    return None
+
+
+def tiles(
+    stack: Stack,
+    leaves: Mapping[str, Tensor],
+    indices: Sequence[int],
+    spans: Sequence[tuple[int, int]] | None,
+) -> tuple[Tensor, ...]:
+    """Tiles `indices` of `stack`, `(len(indices), TH, TW * K)`, through its compiled tile
+    MLP, cut into `spans` (consecutive ranges of positions in `indices`; None: one part)."""
+    return evaluate_tile_parts(stack, leaves, indices, spans, compiled=True)

@@ -1,0 +1,111 @@
+"""The `graph` path: a plan's generation, every stack's g-nets and their layout, compiled once
+per plan as one graph, forward and backward.
+
+Called op by op, a genome of cheap g-nets (row g-nets, small hidden layers) spends most of
+its step laying tiles out on each weight's grid, cutting them, and in the backward of both;
+compiled as one graph (AOTAutograd) those become a few fused kernels, and the tile MLP inside
+runs as under an outer `torch.compile` (the `cpu-loops` stacks run their loops inside it).
+Taken eagerly where compiling is asked for with gradients on and every stack fits one graph.
+The graph's backward cannot be differentiated again: double backward needs
+`gb.apply(..., compile=False)`.
+"""
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+import gbfunc._tilemlp as _tilemlp  # read at call time: one chunk size, tuned in one place
+
+from .._check_gparams import TASKS
+from .._compiled import CompiledCache
+from .._plan import Plan, Stack
+from .._tiling import parameters
+from .._tree import GParams
+from . import cpu_loops
+from ._policy import (
+    AUTO_COMPILE_ELEMENTS,
+    AUTO_GRAPH_WEIGHTS,
+    Call,
+    compiler_missing,
+    compiling_asked,
+    own_compile_refused,
+)
+
+NAME = "graph"
+
+# Per plan and stack-leaf names: the plan's generation, compiled.
+_GRAPHS = CompiledCache("gb.apply's graph")
+
+
+def refuses(call: Call) -> str | None:
+    """Why the plan of the call is not compiled as one graph (None: it is)."""
+    context, plan = call.context, call.plan
+    if plan is None:
+        return "a selection of a plan is not compiled as one graph"
+    if refused := own_compile_refused(context):
+        return refused
+    if context.compile is None and not context.grad:
+        return "evaluation (gradients off, compile=None) compiles no graph"
+    if not compiling_asked(plan, context):
+        return (
+            f"compile=None and the plan is small (< {AUTO_GRAPH_WEIGHTS} weights, no stack of "
+            f"{AUTO_COMPILE_ELEMENTS} hidden activations)"
+            if context.compile is None
+            else "compile=False"
+        )
+    if context.device == "cpu" and (missing := compiler_missing(call)):
+        return missing
+    unfit = [s.key for s in plan.stacks if not fits_graph(s)]
+    if unfit:
+        return f"stacks {unfit} hold too many hidden activations for one graph"
+    loops = (cpu_loops.refuses(call._replace(stack=s, index=i)) for i, s in enumerate(plan.stacks))
+    if all(refused is None for refused in loops):
+        return "every stack runs the C loops: nothing left to compile"
+    return None
+
+
+def fits_graph(stack: Stack) -> bool:
+    """Whether one compiled graph may hold a stack's tile MLP whole: inductor fuses it into
+    reductions (one hidden layer, one output), or its transient `(T, TH, Q, H)` is no larger
+    than one compiled chunk (`_tilemlp.COMPILED_CHUNK_ELEMENTS`)."""
+    return stack.one_reduction or stack.hidden_elements <= _tilemlp.COMPILED_CHUNK_ELEMENTS
+
+
+def generate(
+    plan: Plan,
+    gparams: GParams,
+    condition: Tensor | None,
+    task: int | Tensor | None,
+    op_by_op: Callable[..., dict[str, Tensor]],
+) -> dict[str, Tensor] | None:
+    """Every parameter of `plan` from `gparams` (for `condition` or `task` where the plan
+    reads one, as `gb.apply` takes them), the generated ones through the plan's compiled graph
+    (the first call compiles: seconds). `op_by_op` is what the graph holds: the plan's
+    generated parameters op by op (`Selection.apply` of them, which asks the dispatcher for
+    each stack's path at trace time). The condition is folded in inside the graph, whose
+    inputs are the leaves, and a task id enters as a tensor (one graph for every task).
+    Returns None, having warned once, where the plan cannot be compiled (e.g. no C++
+    compiler): run it op by op."""
+    stacks = gparams["stacks"]
+    key = (plan, tuple((k, tuple(v)) for k, v in stacks.items()))
+    tasks = gparams.get(TASKS) if task is not None else None
+    task = torch.tensor(task) if isinstance(task, int) else task
+    graph = _GRAPHS.call(key, _generated, op_by_op, stacks, tasks, condition, task)
+    if graph is None:
+        return None
+    return parameters(plan.params, gparams, lambda p: graph[p.name])
+
+
+def _generated(
+    op_by_op: Callable[..., dict[str, Tensor]],
+    stacks: dict[str, dict[str, Tensor]],
+    tasks: Tensor | None,
+    condition: Tensor | None,
+    task: Tensor | None,
+) -> dict[str, Tensor]:
+    """The generated parameters `op_by_op` gives, from the g-nets `stacks`."""
+    gparams = {"stacks": stacks, "free": {}, "frozen": {}}
+    if tasks is not None:
+        gparams[TASKS] = tasks
+    return op_by_op(gparams, condition=condition, task=task, compile=False)
