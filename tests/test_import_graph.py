@@ -1,6 +1,7 @@
 """The generation code's imports run one way: the CPU loops and the Triton kernels stand on
-the plan, the specification (`gbfunc._spec`) and the tiling (`gbfunc._tiling`: tile-and-cut), never on
-the runners above them.
+the plan, the specification (`gbfunc._spec`) and the tiling (`gbfunc._tiling`: tile-and-cut),
+never on the runners above them; the paths (`gbfunc/generate/`) stand below the dispatcher
+and `gb.apply`, and the dispatcher reads only what the runners make public.
 
 Read from the source with `ast`, so a new import that runs back up fails here before it
 can make a cycle.
@@ -18,6 +19,8 @@ ALLOWED = {
     "gbfunc/cpu": {"gbfunc._plan", "gbfunc._spec"},
     "kernels": {"gbfunc._plan", "gbfunc._spec", "gbfunc._tiling"},
 }
+# The modules of `gbfunc/generate/`, one per path, in the dispatcher's order.
+PATHS = ("triton", "cpu_loops", "graph", "compiled_mlp", "torch_ops")
 
 
 def gbfunc_imports(path: Path, package: str) -> set[str]:
@@ -26,14 +29,31 @@ def gbfunc_imports(path: Path, package: str) -> set[str]:
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
-            parts = package.split(".")
-            base = ".".join(parts[: len(parts) - node.level + 1]) if node.level else ""
-            base = ".".join(p for p in (base, node.module) if p)
+            base = _resolved(node, package)
             names = [base] if node.module else [f"{base}.{a.name}" for a in node.names]
             found.update(n for n in names if n.startswith("gbfunc"))
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("gbfunc"))
     return found
+
+
+def gbfunc_names(path: Path, package: str) -> set[str]:
+    """Every `gbfunc` name `path` imports, dotted: `from m import a` gives `m.a` (a module or
+    a name in it), `import m` gives `m`."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            found.update(f"{_resolved(node, package)}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {name for name in found if name.startswith("gbfunc")}
+
+
+def _resolved(node: ast.ImportFrom, package: str) -> str:
+    """The module `node` imports from, its relative form resolved from `package`."""
+    parts = package.split(".")
+    base = ".".join(parts[: len(parts) - node.level + 1]) if node.level else ""
+    return ".".join(p for p in (base, node.module) if p)
 
 
 @pytest.mark.parametrize("folder", sorted(ALLOWED))
@@ -48,8 +68,58 @@ def test_the_loops_and_kernels_import_only_the_plan_and_the_specification(folder
     assert not offenders, f"imports above the plan and the specification: {offenders}"
 
 
+# Above the paths: what no module of `gbfunc/generate/` may import.
+ABOVE_THE_PATHS = ("gbfunc._dispatch", "gbfunc._apply")
+# The runners, whose private names (and private modules) the dispatcher may not read.
+RUNNERS = (
+    "gbfunc.cpu",
+    "gbfunc.kernels",
+    "gbfunc._tilemlp",
+    "gbfunc._evaluate",
+    "gbfunc._select",
+    *(f"gbfunc.generate.{path}" for path in PATHS),
+)
+
+
+def test_the_paths_stand_below_the_dispatcher_and_gb_apply():
+    offenders = {}
+    for path in sorted((ROOT / "gbfunc" / "generate").glob("*.py")):
+        package = "gbfunc.generate"
+        up = {m for m in gbfunc_imports(path, package) if m.startswith(ABOVE_THE_PATHS)}
+        if up:
+            offenders[str(path.relative_to(ROOT))] = sorted(up)
+    assert not offenders, f"paths importing the dispatcher or gb.apply: {offenders}"
+
+
+def test_the_dispatcher_reads_no_private_name_of_a_runner():
+    private = set()
+    for name in gbfunc_names(ROOT / "gbfunc" / "_dispatch.py", "gbfunc"):
+        for runner in RUNNERS:
+            rest = name.removeprefix(runner)
+            if (
+                rest != name
+                and rest.startswith(".")
+                and any(part.startswith("_") for part in rest.split(".")[1:])
+            ):
+                private.add(name)
+    assert not private, f"the dispatcher reads runners' private names: {sorted(private)}"
+
+
+def test_the_generate_package_holds_one_module_per_path():
+    from gbfunc import _dispatch
+
+    assert tuple(p.__name__.removeprefix("gbfunc.generate.") for p in _dispatch.PATHS) == PATHS
+    assert _dispatch.NAMES == ("triton", "cpu-loops", "graph", "compiled-mlp", "torch")
+
+
 def test_the_import_reader_resolves_relative_imports():
     path = ROOT / "gbfunc" / "cpu" / "_relu_rows.py"
     assert gbfunc_imports(path, "gbfunc.cpu") >= {"gbfunc._spec", "gbfunc.cpu._relu_loops"}
     kernel = ROOT / "kernels" / "generate" / "kernel.py"
     assert "gbfunc.kernels._gnet" in gbfunc_imports(kernel, "gbfunc.kernels.generate")
+    names = gbfunc_names(ROOT / "gbfunc" / "_dispatch.py", "gbfunc")
+    assert {"gbfunc.generate.triton", "gbfunc.cpu.loops_state"} <= names
+    graph = ROOT / "gbfunc" / "generate" / "graph.py"
+    assert {"gbfunc._tilemlp", "gbfunc.generate.cpu_loops"} <= gbfunc_imports(
+        graph, "gbfunc.generate"
+    )
