@@ -4,8 +4,9 @@ Each loop (`csrc/*.cpp`) sits beside its pure-torch specification (`_relu_loops`
 `_relu_rows`, `_relu_tiles`, `_hash_weights`, `_hash_gradient`), runs as a custom op with
 fake, vmap and autograd rules, and is built on first use into a private per-user cache
 (`_build`, `_cache`). Which stacks take them is decided in one place, `gbfunc._dispatch`,
-which asks `refusal`; a stack taken runs through `weights` (and `add_hash` for a hashed
-table) where `placement` says its weights land. `gb.explain` shows the decision.
+by the `cpu-loops` path's rule (`gbfunc.generate.cpu_loops`), which asks `refusal`; a stack
+taken runs through `weights` (and `add_hash` for a hashed table) where `placement` says its
+weights land. `gb.explain` shows the decision.
 
 `GBFUNC_CPU_LOOPS=off|portable|auto` (or `set_mode`) chooses whether and how they are built;
 without a C++ compiler, on other platforms, or with `off`, every call runs through pure torch
