@@ -22,7 +22,8 @@ from ._spec import (
     reference,
     stack_terms,
 )
-from ._tilemlp import reads_units_major_columns, tile_mlp
+from ._tilemlp import tile_mlp
+from ._tilemlp_forward import reads_units_major_columns
 from .cpu._hash_gradient import gathered, signed_gather
 
 

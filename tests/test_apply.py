@@ -277,7 +277,7 @@ def test_units_major_column_terms_go_only_to_compiled_one_output_forwards_of_wid
     narrower (inductor forks threads inside a serial loop there), deeper or multi-output
     g-nets, and uncompiled eager code, get none."""
     from gbfunc._evaluate import _reads_units_major
-    from gbfunc._tilemlp import _vector_lanes, reads_units_major_columns
+    from gbfunc._tilemlp_forward import _vector_lanes, reads_units_major_columns
 
     lanes = _vector_lanes(torch.float32, "cpu")
     assert reads_units_major_columns(lanes, torch.float32, torch.device("cpu"))
@@ -310,11 +310,11 @@ def test_traced_one_output_forwards_of_wide_tiles_read_the_units_major_column_te
     """What `torch.compile` traces: `evaluate_stack` hands `units_major_columns` to the tile
     MLP, whose forward sums from them (`_one_output_by_columns`, or for ReLU on CPU the C loop
     `relu_one_output`); the weights are unchanged."""
-    from gbfunc import _tilemlp
+    from gbfunc import _tilemlp_forward
     from gbfunc._evaluate import evaluate_stack, units_major_columns
     from gbfunc.cpu import _relu_loops
 
-    lanes = _tilemlp._vector_lanes(torch.float32, "cpu")
+    lanes = _tilemlp_forward._vector_lanes(torch.float32, "cpu")
     plan = gb.plan(nn.Linear(2 * lanes, 3 * lanes), tile=(lanes, lanes), hidden=5)
     (stack,) = plan.stacks
     leaves = gb.init(plan, seed=4)["stacks"][stack.key]
@@ -328,7 +328,8 @@ def test_traced_one_output_forwards_of_wide_tiles_read_the_units_major_column_te
 
         return reading
 
-    monkeypatch.setattr(_tilemlp, "_one_output_by_columns", spy(_tilemlp._one_output_by_columns))
+    forward = _tilemlp_forward._one_output_by_columns
+    monkeypatch.setattr(_tilemlp_forward, "_one_output_by_columns", spy(forward))
     monkeypatch.setattr(_relu_loops, "relu_one_output", spy(_relu_loops.relu_one_output))
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     got = evaluate_stack(stack, leaves)

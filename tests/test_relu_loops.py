@@ -8,12 +8,9 @@ from hypothesis import example, given, settings, strategies as st
 from threads import on_threads
 
 from gbfunc._spec import Terms
-from gbfunc._tilemlp import (
-    _backward_recompute,
-    _fused_reductions,
-    reads_units_major_columns,
-    tile_mlp,
-)
+from gbfunc._tilemlp import tile_mlp
+from gbfunc._tilemlp_backward import _backward_recompute, _fused_reductions
+from gbfunc._tilemlp_forward import reads_units_major_columns
 from gbfunc.cpu import _relu_loops
 from gbfunc.cpu._relu_loops import (
     MIN_UNITS,

@@ -7,17 +7,9 @@ import torch
 from hypothesis import example, given, strategies as st
 
 from gbfunc._spec import Terms, activate, activate_grad, reference
-from gbfunc._tilemlp import (
-    CHUNK_ELEMENTS,
-    _backward_recompute,
-    _compiled_chunks,
-    _forward_no_save,
-    _fused_reductions,
-    _vector_lanes,
-    _vectorised_units,
-    tile_chunks,
-    tile_mlp,
-)
+from gbfunc._tilemlp import CHUNK_ELEMENTS, _compiled_chunks, tile_chunks, tile_mlp
+from gbfunc._tilemlp_backward import _backward_recompute, _fused_reductions
+from gbfunc._tilemlp_forward import _forward_no_save, _vector_lanes, _vectorised_units
 
 ACTIVATIONS = ["relu", "gelu", "tanh", "silu"]
 
@@ -107,11 +99,11 @@ def test_traced_forwards_unroll_one_layer_of_at_most_16_outputs_and_32_units(
     hidden, depth, outputs, unrolled
 ):
     """The rule `_unrolls` states, read from the outputs' axis of `w_out` `(T, H, P)`."""
-    import gbfunc._tilemlp as tilemlp
+    import gbfunc._tilemlp_forward as forward
 
     terms = inputs(2, 3, 2, hidden, depth, outputs, seed=0)
     calls = []
-    real = tilemlp._one_layer_unrolled
+    real = forward._one_layer_unrolled
 
     def spy(*args):
         calls.append(args)
@@ -119,7 +111,7 @@ def test_traced_forwards_unroll_one_layer_of_at_most_16_outputs_and_32_units(
 
     with (
         mock.patch.object(torch.compiler, "is_compiling", return_value=True),
-        mock.patch.object(tilemlp, "_one_layer_unrolled", spy),
+        mock.patch.object(forward, "_one_layer_unrolled", spy),
     ):
         out = _forward_no_save(terms, "relu")
     assert bool(calls) == unrolled
@@ -459,9 +451,9 @@ def test_the_unrolled_sum_over_a_spare_slot_of_any_axis_equals_the_reference(til
     """`_one_layer_unrolled` pads its longest outer axis (tiles, outputs, columns: one case
     each), then drops the spare slot: the outputs are the reference's."""
     terms = inputs(tiles=tiles, rows=8, cols=cols, hidden=8, depth=1, outputs=outputs, seed=0)
-    import gbfunc._tilemlp as tilemlp
+    import gbfunc._tilemlp_forward as forward
 
-    got = tilemlp._one_layer_unrolled(terms, "relu")
+    got = forward._one_layer_unrolled(terms, "relu")
     torch.testing.assert_close(got, reference(terms, "relu"))
 
 
