@@ -1,0 +1,306 @@
+"""Every generation path against the specification and the per-tile reference (issue 55: the
+tests mirror the paths).
+
+Each path of `gbfunc/generate/` is forced through `gb.apply`'s own knobs, never by calling its
+runner: `torch` with `compile=False`; `cpu-loops`, `graph` and `compiled-mlp` with
+`compile=True`, eagerly, gradients on (which of them a stack takes depends on its genome, and
+`compiled-mlp` on the stack not fitting one graph); `triton` with `backend="triton"`. Every
+example first asks `gb.explain` that each stack takes the path under test, then checks that
+the path's weights equal `tests/naive.py`'s (one position and one tile at a time, in float64)
+and the specification's `reference` laid out by tile-and-cut, and that its gradient of a
+scalar loss with respect to every g-net leaf equals the `torch` path's (and, on the `torch`
+path itself, the naive reference's).
+
+The compiled paths cost seconds per new graph (about 15 s per plan on 2 busy cores), so they
+draw their plans from a few fixed ones, each an explicit example, and only the values of the
+leaves freely; the uncompiled paths draw the shapes too.
+"""
+
+import itertools
+
+import pytest
+import torch
+from devices import KERNEL_DEVICE
+from hypothesis import assume, example, given, settings, strategies as st
+from naive import naive_apply
+from torch import Tensor, nn
+from torch.utils._pytree import tree_map
+
+import gbfunc as gb
+from gbfunc import _tilemlp
+from gbfunc._evaluate import hashed_tiles
+from gbfunc._spec import reference, stack_terms
+from gbfunc._tiling import assemble
+from gbfunc.cpu import _build, missing_compiler
+from gbfunc.cpu._relu_loops import MIN_UNITS
+from gbfunc.generate.triton import HAS_TRITON
+
+needs_loops = pytest.mark.skipif(
+    _build.flavour() is None or _build.compiler() is None,
+    reason="the loops are not built on this machine (mode, platform or compiler)",
+)
+needs_compiler = pytest.mark.skipif(
+    missing_compiler(warn=False) is not None, reason="no C++ compiler: nothing compiles on CPU"
+)
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+
+# Weights against the float64 reference (as tests/test_condition.py), gradients against the
+# torch path's (tests/kernels/test_backend.py's GRAD_TOLERANCE): float32 sums in different
+# orders on the two sides; both absolute tolerances scale with `gain`.
+WEIGHT_TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
+GRAD_TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
+
+
+def mlp(widths: list[int]) -> nn.Module:
+    """Linear layers of `widths`, ReLUs between (weights `(out, in)`: ragged against tiles)."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(a, b) for a, b in itertools.pairwise(widths)]
+    return nn.Sequential(*itertools.chain(*((layer, nn.ReLU()) for layer in layers)))
+
+
+def init(plan: gb.Plan, seed: int, device: torch.device | str = "cpu") -> dict:
+    """`gb.init(plan, seed=seed)`, hashed stacks' g-nets woken: they start at zero output
+    beside their table (as tests/test_apply.py does), which would hide their gradients."""
+    gparams = gb.init(plan, seed=seed, device=device)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for leaves in gparams["stacks"].values():
+            if "tile_hash" in leaves:
+                w_out = leaves["w_out"]
+                w_out.copy_(0.5 * torch.randn(w_out.shape, generator=gen))
+    return gparams
+
+
+def gain(gparams: dict) -> float:
+    """How far the g-nets amplify rounding (tests/kernels/test_backend.py's `gain`): the
+    largest output-layer weight of any g-net over 8."""
+    largest = max(float(s["w_out"].detach().abs().max()) for s in gparams["stacks"].values())
+    return max(1.0, largest / 8)
+
+
+def spec_apply(gparams: dict, plan: gb.Plan) -> dict[str, Tensor]:
+    """Every generated parameter from the specification: `reference` on each stack's terms,
+    its hashed table added, laid out by tile-and-cut."""
+    out = {}
+    for p in plan.generated:
+        stack = plan.stacks[p.stack_index]
+        leaves = gparams["stacks"][stack.key]
+        tiles = reference(stack_terms(stack, leaves), stack.genome.activation)
+        tiles = tiles.reshape(stack.num_tiles, stack.tile[0], -1)  # (T, TH, TW * K)
+        if stack.genome.hashed:
+            tiles = tiles + hashed_tiles(stack, leaves["tile_hash"])
+        out[p.name] = assemble(p, stack, tiles)
+    return out
+
+
+def leaves_of(gparams: dict) -> list[Tensor]:
+    return [x for leaves in gparams["stacks"].values() for x in leaves.values()]
+
+
+def generate(gparams: dict, plan: gb.Plan, apply, seed: int) -> tuple[dict, list[Tensor]]:
+    """`apply(gparams, plan)`'s generated weights and the gradient of a scalar loss of them
+    (each weight against a fixed random tensor) with respect to every g-net leaf."""
+    weights = apply(gparams, plan)
+    gen = torch.Generator().manual_seed(seed)
+    loss = sum(
+        (weights[p.name] * torch.randn(p.shape, generator=gen).to(weights[p.name])).sum()
+        for p in plan.generated
+    )
+    grads = torch.autograd.grad(loss, leaves_of(gparams))
+    return {p.name: weights[p.name].detach() for p in plan.generated}, list(grads)
+
+
+def torch_path(gparams, plan):
+    return gb.apply(gparams, plan, compile=False)
+
+
+def compiled(gparams, plan):
+    return gb.apply(gparams, plan, compile=True)
+
+
+def triton_path(gparams, plan):
+    return gb.apply(gparams, plan, backend="triton")
+
+
+def assert_weights(got: dict, gparams: dict, plan: gb.Plan) -> None:
+    """`got` equals the naive reference's weights and the specification's."""
+    cpu = tree_map(lambda x: x.detach().cpu(), gparams)
+    k = gain(gparams)
+    tolerance = {**WEIGHT_TOLERANCE, "atol": WEIGHT_TOLERANCE["atol"] * k}
+    naive = naive_apply(cpu, plan)
+    spec = spec_apply(cpu, plan)
+    for name, weight in got.items():
+        w = weight.cpu()
+        torch.testing.assert_close(w, naive[name], **tolerance, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(w, spec[name], **tolerance, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def assert_grads(got: list[Tensor], want: list[Tensor], gparams: dict) -> None:
+    tolerance = {**GRAD_TOLERANCE, "atol": GRAD_TOLERANCE["atol"] * gain(gparams)}
+    names = [f"{key}.{leaf}" for key, leaves in gparams["stacks"].items() for leaf in leaves]
+    assert len(got) == len(want) == len(names)
+    for name, g, w in zip(names, got, want, strict=True):
+        torch.testing.assert_close(g, w.to(g), **tolerance, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def assert_route(gparams: dict, plan: gb.Plan, stacks: tuple[str, ...], **knobs) -> None:
+    route = gb.explain(gparams, plan, **knobs).route
+    assert route.stacks == stacks, gb.explain(gparams, plan, **knobs)
+
+
+TILES = [(2, 3), (4, 4), (3, 5)]
+
+
+@st.composite
+def plans(draw, *, widest: int = 11, loops: bool = False) -> gb.Plan:
+    """A small plan over an MLP of 1 or 2 ragged layers: any genome of the issue's range, or
+    (`loops`) one-layer ReLU g-nets, one per tile, row or one-output, that the loops take."""
+    sizes = [draw(st.integers(2, widest)) for _ in range(draw(st.integers(2, 3)))]
+    tile = draw(st.sampled_from(TILES))
+    rows = min(tile[1], *sizes[:-1])  # row g-nets: a tile row per evaluation
+    genome = {
+        "tile": tile,
+        "hashed": draw(st.sampled_from([0, 3])),
+        "outputs": draw(st.sampled_from([1, rows] if loops else [1, 2, rows])),
+    }
+    if loops:
+        genome["hidden"] = draw(st.sampled_from([MIN_UNITS, 7]))
+    else:
+        genome["hidden"] = draw(st.sampled_from([2, 5]))
+        genome["depth"] = draw(st.integers(1, 2))
+        genome["activation"] = draw(st.sampled_from(["relu", "tanh"]))
+        genome["share"] = draw(st.booleans())
+    return gb.plan(mlp(sizes), **genome)
+
+
+SEEDS = st.integers(0, 2**16)
+
+
+@settings(max_examples=15, deadline=None)
+@given(plans(), SEEDS)
+@example(  # ragged, two layers of tanh, row g-nets, shared, hashed
+    gb.plan(
+        mlp([9, 7, 3]),
+        tile=(3, 5),
+        depth=2,
+        activation="tanh",
+        outputs=5,
+        hidden=5,
+        share=True,
+        hashed=3,
+    ),
+    1,
+)
+def test_the_torch_path_equals_the_references(plan, seed):
+    """`compile=False`: op by op; its gradients equal autograd through the naive reference."""
+    gparams = init(plan, seed)
+    assert_route(gparams, plan, ("torch",) * len(plan.stacks), compile=False)
+    weights, grads = generate(gparams, plan, torch_path, seed)
+    assert_weights(weights, gparams, plan)
+    _, want = generate(gparams, plan, naive_apply, seed)
+    assert_grads(grads, want, gparams)
+
+
+@needs_loops
+@settings(max_examples=15, deadline=None)
+@given(plans(loops=True), SEEDS)
+@example(gb.plan(mlp([10, 7, 3]), tile=(4, 4), hidden=6, hashed=3), 2)  # one output
+@example(gb.plan(mlp([9, 8, 5]), tile=(4, 4), hidden=4, outputs=4), 3)  # row g-nets
+def test_the_cpu_loops_path_equals_the_references(plan, seed):
+    """`compile=True` on one-layer ReLU g-nets, eagerly: the C loops, forward and backward."""
+    gparams = init(plan, seed)
+    route = gb.explain(gparams, plan, compile=True).route
+    assume(route.stacks == ("cpu-loops",) * len(plan.stacks))  # else a graph would compile
+    weights, grads = generate(gparams, plan, compiled, seed)
+    assert_weights(weights, gparams, plan)
+    assert_grads(grads, generate(gparams, plan, torch_path, seed)[1], gparams)
+
+
+# The graph path's plans, each compiled once (the graph is cached per plan): a ReLU stack
+# the loops take inside the graph beside a shared, hashed, two-layer tanh stack of row
+# g-nets; and one-layer tanh g-nets of one output, the form inductor fuses into reductions.
+GRAPH_PLANS = {
+    "mixed": (
+        gb.plan(
+            mlp([10, 7, 3]),
+            tile=(4, 4),
+            hidden=6,
+            hashed=3,
+            overrides={"2.*": {"activation": "tanh", "depth": 2, "share": True, "outputs": 2}},
+        ),
+        ("cpu-loops", "graph"),
+    ),
+    "one-output": (
+        gb.plan(mlp([9, 6, 4]), tile=(3, 5), hidden=5, activation="tanh"),
+        ("graph",),
+    ),
+}
+
+
+@needs_compiler
+@pytest.mark.slow
+@settings(max_examples=4, deadline=None)
+@given(st.sampled_from(list(GRAPH_PLANS)), SEEDS)
+@example("mixed", 4)
+@example("one-output", 5)
+def test_the_graph_path_equals_the_references(name, seed):
+    """`compile=True` with gradients on: the plan's generation as one compiled graph."""
+    plan, stacks = GRAPH_PLANS[name]
+    if "cpu-loops" in stacks and (_build.flavour() is None or _build.compiler() is None):
+        pytest.skip("the loops are not built on this machine")
+    gparams = init(plan, seed)
+    assert_route(gparams, plan, stacks, compile=True)
+    assert gb.explain(gparams, plan, compile=True).route.plan == "graph"
+    weights, grads = generate(gparams, plan, compiled, seed)
+    assert_weights(weights, gparams, plan)
+    assert_grads(grads, generate(gparams, plan, torch_path, seed)[1], gparams)
+
+
+# Two stacks of two-layer g-nets with several outputs, hashed: matmul operands, which run
+# compiled in chunks where a stack's transient exceeds `COMPILED_CHUNK_ELEMENTS`; lowered
+# below every stack's, no stack fits one graph and each stack's tile MLP runs compiled alone.
+MLP_PLAN = gb.plan(mlp([9, 7, 3]), tile=(4, 4), depth=2, hidden=5, outputs=2, hashed=3)
+
+
+@needs_compiler
+@pytest.mark.slow
+@settings(max_examples=3, deadline=None)
+@given(SEEDS)
+@example(6)
+def test_the_compiled_mlp_path_equals_the_references(seed):
+    """`compile=True` on stacks too large for one graph: each tile MLP compiled, in chunks."""
+    plan = MLP_PLAN
+    gparams = init(plan, seed)
+    with pytest.MonkeyPatch.context() as patch:
+        smallest = min(s.hidden_elements for s in plan.stacks)
+        patch.setattr(_tilemlp, "COMPILED_CHUNK_ELEMENTS", smallest // 2)
+        assert_route(gparams, plan, ("compiled-mlp",) * len(plan.stacks), compile=True)
+        weights, grads = generate(gparams, plan, compiled, seed)
+    assert_weights(weights, gparams, plan)
+    assert_grads(grads, generate(gparams, plan, torch_path, seed)[1], gparams)
+
+
+@needs_triton
+@settings(max_examples=10, deadline=None)
+@given(plans(widest=6), SEEDS)
+@example(
+    gb.plan(
+        mlp([5, 4, 3]),
+        tile=(2, 3),
+        depth=2,
+        activation="tanh",
+        outputs=3,
+        hidden=4,
+        share=True,
+        hashed=3,
+    ),
+    7,
+)
+def test_the_triton_path_equals_the_references(plan, seed):
+    """`backend="triton"`: the fused kernels (Triton's interpreter on CPU, tests/conftest.py)."""
+    gparams = init(plan, seed, device=KERNEL_DEVICE)
+    assert_route(gparams, plan, ("triton",) * len(plan.stacks), backend="triton")
+    assert gb.explain(gparams, plan, backend="triton").route.plan == "triton"
+    weights, grads = generate(gparams, plan, triton_path, seed)
+    assert_weights(weights, gparams, plan)
+    assert_grads(grads, generate(gparams, plan, torch_path, seed)[1], gparams)
