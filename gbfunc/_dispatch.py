@@ -4,7 +4,9 @@ A call of `gb.apply` is described by a `Context` (device, dtype, `backend=`, `co
 whether `torch.compile` traces it or a `torch.func` transform wraps it, grad mode, what the
 machine offers), read once. Each path is a module of `gbfunc.generate` that owns its rule,
 `refuses(call)` (why it does not apply; None: it does), and its runner; a stack takes the
-first path that applies, in the order of `PATHS`, and `gb.explain` prints the verdicts.
+first path that applies, in the order of `PATHS`, and `gb.explain` prints the verdicts, and
+the variant of that path (`_VARIANTS`: the form of the tile MLP it runs, chosen from the same
+context and the stack) beside it.
 
 - `triton` (`generate/triton.py`): fused Triton kernels, g-nets to weights, forward and
   backward. CUDA tensors with `triton` installed, or `backend="triton"` (on CPU: Triton's
@@ -25,7 +27,7 @@ Where a compile fails (e.g. no C++ compiler for inductor) the compiled paths fal
 `torch` with one warning; the weights are the same on every path, to rounding.
 """
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -64,11 +66,13 @@ def check_call(
 
 
 class Route(NamedTuple):
-    """The paths of a call: the plan's (`triton`, `graph`, or `stacks`: each its own) and
-    each stack's, in plan order."""
+    """The paths of a call: the plan's (`triton`, `graph`, or `stacks`: each its own), each
+    stack's, in plan order, and each stack's variant of its path (`variant` of the path's
+    module: `torch`, `compiled-mlp`, `graph`; None for `triton` and `cpu-loops`)."""
 
     plan: str
     stacks: tuple[str, ...]
+    variants: tuple[str | None, ...]
 
 
 def route(plan: Plan, stacks: Mapping[str, Mapping[str, Tensor]], context: Context) -> Route:
@@ -100,13 +104,15 @@ def _route(
     detail: bool = False,
 ) -> tuple[Route, list[dict[str, str | None]]]:
     """The route, and per stack the verdicts it was chosen from (`detail`: exact reasons)."""
-    verdicts = [
-        _verdicts(Call(plan, s, stacks, context, True, detail=detail, index=i))
+    calls = [
+        Call(plan, s, stacks, context, True, detail=detail, index=i)
         for i, s in enumerate(plan.stacks)
     ]
+    verdicts = [_verdicts(call) for call in calls]
     chosen = tuple(_first(v) for v in verdicts)
+    variants = tuple(_variant(c, name) for c, name in zip(calls, chosen, strict=True))
     whole = next((p.NAME for p in (triton, graph) if p.NAME in chosen), "stacks")
-    return Route(whole, chosen), verdicts
+    return Route(whole, chosen, variants), verdicts
 
 
 def stack_path(
@@ -128,6 +134,20 @@ def _verdicts(call: Call) -> dict[str, str | None]:
     return {path.NAME: path.refuses(call) for path in PATHS}
 
 
+def _variant(call: Call, name: str) -> str | None:
+    """The variant of path `name` that generates the call's stack (None: it has none)."""
+    variant = _VARIANTS.get(name)
+    return None if variant is None else variant(call)
+
+
+# The paths that come in variants, and the rule that picks one.
+_VARIANTS: dict[str, Callable[[Call], str]] = {
+    torch_ops.NAME: torch_ops.variant,
+    compiled_mlp.NAME: compiled_mlp.variant,
+    graph.NAME: graph.variant,
+}
+
+
 def _first(verdicts: Mapping[str, str | None]) -> str:
     return next(name for name, reason in verdicts.items() if reason is None)
 
@@ -145,9 +165,9 @@ class Explanation:
         >>> plan = gb.plan(nn.Linear(64, 32), tile=(16, 16))
         >>> why = gb.explain(gb.init(plan), plan)
         >>> why.route
-        Route(plan='stacks', stacks=('torch',))
+        Route(plan='stacks', stacks=('torch',), variants=('eager-recompute',))
         >>> print(why.lines[2])
-        stack s0_16x16: torch
+        stack s0_16x16: torch (eager-recompute)
         >>> sorted(why.reasons["s0_16x16"])  # the paths tried before torch
         ['compiled-mlp', 'cpu-loops', 'graph', 'triton']
     """
@@ -201,8 +221,8 @@ def explain(
         f"plan path: {chosen.plan}; CPU loops: mode {mode()!r}, "
         + (unavailable_reason() or "available"),
     ]
-    for stack, taken in zip(plan.stacks, chosen.stacks, strict=True):
-        lines.append(f"stack {stack.key}: {taken}")
+    for stack, taken, form in zip(plan.stacks, chosen.stacks, chosen.variants, strict=True):
+        lines.append(f"stack {stack.key}: {taken}" + ("" if form is None else f" ({form})"))
         for name in NAMES[: NAMES.index(taken)]:
             lines.append(f"    not {name}: {reasons[stack.key][name]}")
     return Explanation(chosen, reasons, tuple(lines))

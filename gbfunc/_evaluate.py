@@ -23,7 +23,7 @@ from ._spec import (
     stack_terms,
 )
 from ._tilemlp import tile_mlp
-from ._tilemlp_forward import reads_units_major_columns
+from ._tilemlp_forward import forward_form, reads_units_major_columns
 from .cpu._hash_gradient import gathered, signed_gather
 
 
@@ -56,7 +56,8 @@ def evaluate_parts(
     terms = stack_terms(stack, leaves)
     spans = None if spans is None else tuple(spans)
     if recompute:
-        units_major = _reads_units_major(stack, leaves["w_in"], compiled)
+        traced = compiled or torch.compiler.is_compiling()
+        units_major = _reads_units_major(stack, leaves["w_in"], traced)
         b_t = units_major_columns(stack, leaves) if units_major else None
         parts = tile_mlp(terms, stack.genome.activation, compiled, b_t, spans)  # (T, TH, Q, P)
     else:
@@ -129,12 +130,30 @@ def units_major_columns(stack: Stack, leaves: Mapping[str, Tensor]) -> Tensor:
     return per_tile(b_t, stack.tiles_per_gnet) if stack.genome.share else b_t
 
 
-def _reads_units_major(stack: Stack, w_in: Tensor, compiled: bool) -> bool:
+def _reads_units_major(stack: Stack, w_in: Tensor, traced: bool) -> bool:
     """Whether the tile MLP's forward runs as compiled code that reads `units_major_columns`:
-    one hidden layer and one output (a fused reduction), traced or compiled eagerly, on tiles
-    wide enough for it (`reads_units_major_columns`)."""
+    one hidden layer and one output (a fused reduction), `traced` (by `torch.compile`, or
+    compiled eagerly), on tiles wide enough for it (`reads_units_major_columns`)."""
     wide = reads_units_major_columns(stack.columns, w_in.dtype, w_in.device)
-    return stack.one_reduction and wide and (compiled or torch.compiler.is_compiling())
+    return stack.one_reduction and wide and traced
+
+
+def tile_form(stack: Stack, w_in: Tensor, *, traced: bool, exporting: bool) -> str:
+    """The form of the tile MLP's forward (`forward_form`) that `evaluate_parts` runs for
+    `stack` with first layers `w_in`: `traced` by `torch.compile` or in gbfunc's compiled
+    bodies (`compiled=True`, never exporting)."""
+    genome = stack.genome
+    return forward_form(
+        one_layer=genome.depth == 1,
+        hidden=genome.hidden,
+        outputs=stack.outputs,
+        activation=genome.activation,
+        dtype=w_in.dtype,
+        device_type=w_in.device.type,
+        traced=traced,
+        exporting=exporting,
+        units_major_columns=_reads_units_major(stack, w_in, traced),
+    )
 
 
 @torch.library.custom_op("gbfunc::tile_hash", mutates_args=())

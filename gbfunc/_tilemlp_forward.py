@@ -19,33 +19,93 @@ from ._spec import Terms, activate, first_layer
 from .cpu import _relu_loops
 
 
+# The forms of the tile MLP's forward (`forward_form`), as `gb.explain` names them.
+EAGER = "eager-recompute"  # eagerly: fused reduction or units-major matmuls, in chunks
+C_LOOPS = "c-loops"  # traced, ReLU in float32 on CPU: the C loops' sub-ops
+BY_COLUMNS = "by-columns"  # traced, one output: a sum with the columns as the vector axis
+BY_UNITS = "by-units"  # traced, one output, narrow tiles: the units as the vector axis
+UNROLLED = "unrolled"  # traced, one layer, few outputs: a written-out sum over the units
+UNITS_MAJOR = "units-major"  # traced, hidden layers or many outputs: units-major matmuls
+FORMS = (EAGER, C_LOOPS, BY_COLUMNS, BY_UNITS, UNROLLED, UNITS_MAJOR)
+
+
+def forward_form(
+    *,
+    one_layer: bool,
+    hidden: int,
+    outputs: int,
+    activation: str,
+    dtype: torch.dtype,
+    device_type: str,
+    traced: bool,
+    exporting: bool,
+    units_major_columns: bool,
+) -> str:
+    """Which form of the forward runs (one of `FORMS`), for g-nets of one hidden layer or
+    more (`one_layer`), `hidden` units and `outputs`: `EAGER` unless `traced` (by
+    `torch.compile`, or inside gbfunc's compiled bodies); traced, the C loops where they
+    apply (not `exporting`: exported graphs hold standard ops only), else the form written
+    for inductor. `units_major_columns`: a one-output forward is given `b_t` (`tile_mlp`).
+    The one decision the forward's bodies and `gb.explain` (`generate.torch_ops`) share."""
+    if not traced:
+        return EAGER
+    relu_c = activation == "relu" and not exporting
+    if one_layer and outputs == 1:
+        if not units_major_columns:
+            return BY_UNITS
+        usable = relu_c and _relu_loops.one_output_usable(hidden, dtype, device_type)
+        return C_LOOPS if usable else BY_COLUMNS
+    if not one_layer or not _unrolls(hidden, outputs):
+        return UNITS_MAJOR
+    usable = relu_c and _relu_loops.layer_usable(hidden, outputs, dtype, device_type)
+    return C_LOOPS if usable else UNROLLED
+
+
+def _form(terms: Terms, activation: str, b_t: Tensor | None) -> str:
+    """`forward_form` of these terms, traced or not as the caller is."""
+    a = terms.a
+    return forward_form(
+        one_layer=terms.w_hidden is None,
+        hidden=a.shape[-1],
+        outputs=terms.w_out.shape[-1],
+        activation=activation,
+        dtype=a.dtype,
+        device_type=a.device.type,
+        traced=torch.compiler.is_compiling(),
+        exporting=torch.compiler.is_exporting(),
+        units_major_columns=b_t is not None,
+    )
+
+
 def _forward_no_save(terms: Terms, activation: str, b_t: Tensor | None = None) -> Tensor:
     a, b, c, _, _, w_out, b_out = terms
+    form = _form(terms, activation, b_t)
     if terms.one_reduction:
         # One hidden layer, one output: a single fused reduction over H.
-        if not torch.compiler.is_compiling():
+        if form == EAGER:
             h = activate(first_layer(a, b, c), activation)
             out = (h * w_out[:, None, None, :, 0]).sum(-1)
-        elif b_t is not None and _one_output_in_c(terms, activation):
+        elif form == C_LOOPS:
             out = _relu_loops.relu_one_output(a + c[:, None], b_t, w_out[..., 0])
-        elif b_t is not None:
+        elif form == BY_COLUMNS:
             out = _one_output_by_columns(a + c[:, None], b_t, w_out[..., 0], activation)
         else:
             out = _one_output_by_units(a + c[:, None], b, w_out[..., 0], activation)
         return out[..., None] + b_out[:, None, None, :]
-    return _forward_units_major(terms, activation)
+    return _forward_units_major(terms, activation, form)
 
 
-def _forward_units_major(terms: Terms, activation: str) -> Tensor:
+def _forward_units_major(terms: Terms, activation: str, form: str) -> Tensor:
     """`reference` with the hidden activations laid out units-major, `(T, H, Q * TH)`, so that
     each layer is a `(T, K, H) @ (T, H, Q * TH)` matmul: the positions are its long output
     axis instead of its contraction's partner, which MKL runs much faster for few hidden
-    units and outputs. Returns `(T, TH, Q, P)`, a transposed view."""
+    units and outputs. Returns `(T, TH, Q, P)`, a transposed view. `form`: `forward_form`'s
+    (`C_LOOPS` and `UNROLLED` run their own forms)."""
     a, b, c, w_hidden, b_hidden, w_out, b_out = terms
     num_tiles, rows, hidden = a.shape
-    if _in_c(terms, activation):
+    if form == C_LOOPS:
         return _relu_loops.relu_layer_forward(a + c[:, None], b, w_out, b_out)
-    if w_hidden is None and torch.compiler.is_compiling() and _unrolls(hidden, w_out.shape[-1]):
+    if form == UNROLLED:
         return _one_layer_unrolled(terms, activation)
     h = activate(_first_layer_units_major(a, b, c), activation).reshape(num_tiles, hidden, -1)
     for layer in range(0 if w_hidden is None else w_hidden.shape[1]):
@@ -69,29 +129,7 @@ def _unrolls(hidden: int, outputs: int) -> bool:
 def _in_c(terms: Terms, activation: str) -> bool:
     """Whether traced code runs a one-layer ReLU g-net with few outputs (`_unrolls`) through
     the C loops of `_relu_loops`, forward and backward (CPU, float32: `layer_usable`)."""
-    hidden, outputs = terms.a.shape[-1], terms.w_out.shape[-1]
-    return (
-        terms.w_hidden is None
-        and activation == "relu"
-        and torch.compiler.is_compiling()
-        and not torch.compiler.is_exporting()
-        and _unrolls(hidden, outputs)
-        and _relu_loops.layer_usable(hidden, outputs, terms.a.dtype, terms.a.device.type)
-    )
-
-
-def _one_output_in_c(terms: Terms, activation: str) -> bool:
-    """Whether traced code runs a one-output ReLU g-net's forward through the C loop
-    `_relu_loops.relu_one_output` (CPU, float32: `one_output_usable`) rather than inductor's
-    sum (`_one_output_by_columns`): the loop holds four rows' sums in registers and loads each
-    unit's column terms once for the four. Inductor fused the tiles' layout into its own
-    sum; the layout now reads the loop's output."""
-    a = terms.a
-    return (
-        activation == "relu"
-        and not torch.compiler.is_exporting()  # exported graphs hold standard ops only
-        and _relu_loops.one_output_usable(a.shape[-1], a.dtype, a.device.type)
-    )
+    return not terms.one_reduction and _form(terms, activation, None) == C_LOOPS
 
 
 def _one_layer_unrolled(terms: Terms, activation: str) -> Tensor:

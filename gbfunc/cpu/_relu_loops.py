@@ -9,7 +9,7 @@
   sums in registers, vectorised over the units, and adds the same selected gradient into the
   columns' sums, which stay in L1. Four rows at a time share each load of `b` and each
   update of the columns' sums.
-- `relu_one_output`, for the forward of one-output g-nets (`_tilemlp_forward._one_output_in_c`):
+- `relu_one_output`, for the forward of one-output g-nets (`_tilemlp_forward.forward_form`):
   inductor's sum over the units, vectorised over the columns, reloads each unit's column
   terms for every row; the loop holds four rows' sums in registers, so one load serves the
   four.

@@ -2,14 +2,15 @@
 (`_tilemlp.tile_mlp` with `compiled=True`).
 
 Taken eagerly, outside a graph: `compile=True`, or `compile=None` on stacks of
-`AUTO_COMPILE_ELEMENTS` hidden activations (`compiles_eagerly`).
+`AUTO_COMPILE_ELEMENTS` hidden activations (`compiles_eagerly`). Its variants are the
+traced forms of the `torch` path's (`variant`): the compiled bodies are traced code.
 """
 
 from collections.abc import Mapping, Sequence
 
 from torch import Tensor
 
-from .._evaluate import evaluate_tile_parts
+from .._evaluate import evaluate_tile_parts, tile_form
 from .._plan import Stack
 from ._policy import (
     AUTO_COMPILE_ELEMENTS,
@@ -34,6 +35,11 @@ def refuses(call: Call) -> str | None:
     if context.device == "cpu" and (missing := compiler_missing(call)):
         return missing
     return None
+
+
+def variant(call: Call) -> str:
+    """The form its compiled bodies run for the call's stack (`_tilemlp_forward.forward_form`)."""
+    return tile_form(call.stack, call.leaves["w_in"], traced=True, exporting=False)
 
 
 def tiles(

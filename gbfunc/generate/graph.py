@@ -19,6 +19,7 @@ import gbfunc._tilemlp as _tilemlp  # read at call time: one chunk size, tuned i
 
 from .._check_gparams import TASKS
 from .._compiled import CompiledCache
+from .._evaluate import tile_form
 from .._plan import Plan, Stack
 from .._tiling import parameters
 from .._tree import GParams
@@ -70,6 +71,12 @@ def fits_graph(stack: Stack) -> bool:
     reductions (one hidden layer, one output), or its transient `(T, TH, Q, H)` is no larger
     than one compiled chunk (`_tilemlp.COMPILED_CHUNK_ELEMENTS`)."""
     return stack.one_reduction or stack.hidden_elements <= _tilemlp.COMPILED_CHUNK_ELEMENTS
+
+
+def variant(call: Call) -> str:
+    """The form the stack's tile MLP takes inside the graph: the `torch` path's, traced
+    (`_tilemlp_forward.forward_form`)."""
+    return tile_form(call.stack, call.leaves["w_in"], traced=True, exporting=False)
 
 
 def generate(
