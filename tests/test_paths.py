@@ -11,6 +11,9 @@ and the specification's `reference` laid out by tile-and-cut, and that its gradi
 scalar loss with respect to every g-net leaf equals the `torch` path's (and, on the `torch`
 path itself, the naive reference's).
 
+The variants of the tile MLP (the forms of its forward, docs/design.md) each run on a plan
+that takes them, where `gb.explain` must name the variant that the bodies run.
+
 The compiled paths cost seconds per new graph (about 15 s per plan on 2 busy cores), so they
 draw their plans from a few fixed ones, each an explicit example, and only the values of the
 leaves freely; the uncompiled paths draw the shapes too.
@@ -27,7 +30,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
 import gbfunc as gb
-from gbfunc import _tilemlp
+from gbfunc import _tilemlp, _tilemlp_forward
 from gbfunc._evaluate import hashed_tiles
 from gbfunc._spec import reference, stack_terms
 from gbfunc._tiling import assemble
@@ -304,3 +307,47 @@ def test_the_triton_path_equals_the_references(plan, seed):
     weights, grads = generate(gparams, plan, triton_path, seed)
     assert_weights(weights, gparams, plan)
     assert_grads(grads, generate(gparams, plan, torch_path, seed)[1], gparams)
+
+
+# One plan per variant of the tile MLP (docs/design.md's table), on CPU in float32, each of
+# whose stacks takes that variant, eagerly or as traced (`torch.compiler.is_compiling` made
+# to say so: the traced forms then run op by op, where the recorder below may see them;
+# tests/test_tilemlp.py compiles them). The one-output ReLU g-nets are shared, which keeps
+# them off the `cpu-loops` path and on the `torch` path's `c-loops`.
+VARIANT_PLANS = {
+    "eager-recompute": (gb.plan(mlp([9, 6, 4]), tile=(3, 5), hidden=5, depth=2), False),
+    "c-loops": (gb.plan(mlp([16, 8]), tile=(4, 16), hidden=6, share=True), True),
+    "by-columns": (gb.plan(mlp([16, 8]), tile=(4, 16), hidden=5, activation="tanh"), True),
+    "by-units": (gb.plan(mlp([9, 6]), tile=(3, 5), hidden=5, activation="tanh"), True),
+    "unrolled": (gb.plan(mlp([9, 6]), tile=(4, 4), hidden=5, outputs=2, activation="tanh"), True),
+    "units-major": (gb.plan(mlp([9, 6]), tile=(3, 5), hidden=5, depth=2), True),
+}
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [pytest.param(v, marks=[needs_loops] if v == "c-loops" else []) for v in VARIANT_PLANS],
+)
+def test_each_variant_runs_where_gb_explain_names_it_and_equals_the_references(
+    variant, monkeypatch
+):
+    """`gb.explain` names `variant` for every stack, the forward's bodies run that form and
+    no other (`forward_form` recorded), and its weights and gradients equal the references'."""
+    plan, traced = VARIANT_PLANS[variant]
+    seed = 8
+    gparams = init(plan, seed)
+    ran = []
+    form = _tilemlp_forward.forward_form
+
+    def recorded_form(**kwargs) -> str:
+        ran.append(form(**kwargs))
+        return ran[-1]
+
+    monkeypatch.setattr(_tilemlp_forward, "forward_form", recorded_form)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: traced)
+    report = str(gb.explain(gparams, plan, compile=False))
+    assert report.count(f": torch ({variant})\n") == len(plan.stacks), report
+    weights, grads = generate(gparams, plan, torch_path, seed)
+    assert set(ran) == {variant}
+    assert_weights(weights, gparams, plan)
+    assert_grads(grads, generate(gparams, plan, naive_apply, seed)[1], gparams)
