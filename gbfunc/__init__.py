@@ -9,7 +9,14 @@ g-nets are trained and stored.
     out = torch.func.functional_call(model, params, (x,))
 """
 
-from . import compat as compat, continual as continual, cpu as cpu, memory as memory, optim as optim
+from . import (
+    _environ,  # first: it notes the environment before the modules below load
+    compat as compat,
+    continual as continual,
+    cpu as cpu,
+    memory as memory,
+    optim as optim,
+)
 from ._apply import apply as apply
 from ._calibrate import calibrate as calibrate
 from ._checkpoint import (
@@ -39,6 +46,8 @@ from ._report import Report as Report, report as report
 from ._rules import Layout as Layout, register_rule as register_rule
 from ._tree import trainable_leaves as trainable_leaves
 from ._version import __version__ as __version__
+
+_environ.restore()  # what torch._dynamo's import wrote (see gbfunc/_environ.py)
 
 # The public API: each name has an entry in docs/api/gbfunc.md (tests/test_docs.py).
 __all__ = [
