@@ -3,10 +3,10 @@
 A call of `gb.apply` is described by a `Context` (device, dtype, `backend=`, `compile=`,
 whether `torch.compile` traces it or a `torch.func` transform wraps it, grad mode, what the
 machine offers), read once. Each path is a module of `gbfunc.generate` that owns its rule,
-`refuses(call)` (why it does not apply; None: it does), and its runner; a stack takes the
-first path that applies, in the order of `PATHS`, and `gb.explain` prints the verdicts, and
-the variant of that path (`_VARIANTS`: the form of the tile MLP it runs, chosen from the same
-context and the stack) beside it.
+`refuses(call)` (why it does not apply; None: it does), its `variant(call)` (the form of the
+tile MLP it runs, chosen from the same context and the stack; None: it has one form) and its
+runner; a stack takes the first path that applies, in the order of `PATHS`, and
+`gb.explain` prints the verdicts, and the path's variant beside it.
 
 - `triton` (`generate/triton.py`): fused Triton kernels, g-nets to weights, forward and
   backward. CUDA tensors with `triton` installed, or `backend="triton"` (on CPU: Triton's
@@ -27,7 +27,7 @@ Where a compile fails (e.g. no C++ compiler for inductor) the compiled paths fal
 `torch` with one warning; the weights are the same on every path, to rounding.
 """
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -45,6 +45,7 @@ BACKENDS = ("auto", "torch", "triton")
 # The paths in the order they are tried; `torch` always applies.
 PATHS = (triton, cpu_loops, graph, compiled_mlp, torch_ops)
 NAMES = tuple(path.NAME for path in PATHS)
+_BY_NAME = {path.NAME: path for path in PATHS}
 
 
 def check_call(
@@ -110,7 +111,7 @@ def _route(
     ]
     verdicts = [_verdicts(call) for call in calls]
     chosen = tuple(_first(v) for v in verdicts)
-    variants = tuple(_variant(c, name) for c, name in zip(calls, chosen, strict=True))
+    variants = tuple(_BY_NAME[name].variant(c) for c, name in zip(calls, chosen, strict=True))
     whole = next((p.NAME for p in (triton, graph) if p.NAME in chosen), "stacks")
     return Route(whole, chosen, variants), verdicts
 
@@ -132,20 +133,6 @@ def _verdicts(call: Call) -> dict[str, str | None]:
     """Per path, in order, why it does not generate the call's stack (None: it may); the
     first None wins."""
     return {path.NAME: path.refuses(call) for path in PATHS}
-
-
-def _variant(call: Call, name: str) -> str | None:
-    """The variant of path `name` that generates the call's stack (None: it has none)."""
-    variant = _VARIANTS.get(name)
-    return None if variant is None else variant(call)
-
-
-# The paths that come in variants, and the rule that picks one.
-_VARIANTS: dict[str, Callable[[Call], str]] = {
-    torch_ops.NAME: torch_ops.variant,
-    compiled_mlp.NAME: compiled_mlp.variant,
-    graph.NAME: graph.variant,
-}
 
 
 def _first(verdicts: Mapping[str, str | None]) -> str:

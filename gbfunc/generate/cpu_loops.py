@@ -43,6 +43,11 @@ def refuses(call: Call) -> str | None:
     return refusal(call.stack, w_out.dtype, w_out.device.type, detail=call.detail)
 
 
+def variant(call: Call) -> None:
+    """None: the loops have one form (`gbfunc.cpu` picks its loop by the g-nets' shape)."""
+    return None
+
+
 def generate(stack: Stack, leaves: Mapping[str, Tensor], where: Placement) -> list[Tensor]:
     """The weights of `stack` (matrices `(rows, columns)`, in the order `where` places them)
     from its leaves, written by the loops where they land; a hashed stack's table is added

@@ -40,6 +40,11 @@ def refuses(call: Call) -> str | None:
     return None
 
 
+def variant(call: Call) -> None:
+    """None: the kernels have one form."""
+    return None
+
+
 def _check_runnable(key: str, leaves: Mapping[str, Tensor]) -> None:
     """Raise where the kernels cannot generate the stack `key` from its `leaves` (the rule has
     chosen them: CUDA tensors with `backend="auto"`, or `backend="triton"`).
