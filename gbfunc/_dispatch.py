@@ -67,9 +67,10 @@ def check_call(
 
 
 class Route(NamedTuple):
-    """The paths of a call: the plan's (`triton`, `graph`, or `stacks`: each its own), each
-    stack's, in plan order, and each stack's variant of its path (`variant` of the path's
-    module: `torch`, `compiled-mlp`, `graph`; None for `triton` and `cpu-loops`)."""
+    """The paths of a call: the plan's (`triton`: every stack's, `graph`, or `stacks`: each its
+    own, the kernels' included), each stack's, in plan order, and each stack's variant of its
+    path (`variant` of the path's module: `torch`, `compiled-mlp`, `graph`; None for `triton`
+    and `cpu-loops`)."""
 
     plan: str
     stacks: tuple[str, ...]
@@ -112,7 +113,10 @@ def _route(
     verdicts = [_verdicts(call) for call in calls]
     chosen = tuple(_first(v) for v in verdicts)
     variants = tuple(_BY_NAME[name].variant(c) for c, name in zip(calls, chosen, strict=True))
-    whole = next((p.NAME for p in (triton, graph) if p.NAME in chosen), "stacks")
+    if all(name == triton.NAME for name in chosen):
+        whole = triton.NAME
+    else:  # a stack the kernels cannot take sends the plan stack by stack (`triton.refuses`)
+        whole = graph.NAME if graph.NAME in chosen else "stacks"
     return Route(whole, chosen, variants), verdicts
 
 
@@ -193,14 +197,21 @@ def explain(
     """
     check_call(gparams, plan, "gb.explain", backend=backend, compile=compile)
     plan, stacks = without_condition(plan, gparams["stacks"])  # routed as `gb.apply` routes
-    context = Context.now(stacks, backend=backend, compile=compile)
+    return explanation(plan, stacks, Context.now(stacks, backend=backend, compile=compile))
+
+
+def explanation(
+    plan: Plan, stacks: Mapping[str, Mapping[str, Tensor]], context: Context
+) -> Explanation:
+    """`gb.explain`'s report of the route of `plan`'s stacks in `context` (any context: the
+    tests build a CUDA call's on CPU)."""
     chosen, verdicts = _route(plan, stacks, context, detail=True)  # afresh, not the memo
     reasons = {
         s.key: {name: reason for name, reason in v.items() if reason is not None}
         for s, v in zip(plan.stacks, verdicts, strict=True)
     }
     lines = [
-        f"gb.apply(backend={backend!r}, compile={compile!r}) on {context.device} "
+        f"gb.apply(backend={context.backend!r}, compile={context.compile!r}) on {context.device} "
         f"{str(context.dtype).removeprefix('torch.')}, gradients "
         f"{'on' if context.grad else 'off'}"
         + (", traced by torch.compile" if context.compiling else "")

@@ -28,7 +28,7 @@ from ._tiling import (
 )
 from ._tree import GParams
 from .cpu import Placement, placement
-from .generate import compiled_mlp, cpu_loops, torch_ops
+from .generate import compiled_mlp, cpu_loops, torch_ops, triton
 
 
 class Selection:
@@ -127,6 +127,9 @@ class Selection:
             if path == cpu_loops.NAME:
                 names, where = self._placements[s]
                 direct.update(zip(names, cpu_loops.generate(stack, leaves, where), strict=True))
+                continue
+            if path == triton.NAME:  # a whole plan's stack, beside stacks the kernels refused
+                direct.update(triton.stack_weights(self.plan, s, leaves))
                 continue
             runner = compiled_mlp if path == compiled_mlp.NAME else torch_ops  # `graph`: failed
             spans = self._splits[s]

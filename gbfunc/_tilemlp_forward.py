@@ -18,7 +18,6 @@ from ._realised import contiguous_buffer
 from ._spec import Terms, activate, first_layer
 from .cpu import _relu_loops
 
-
 # The forms of the tile MLP's forward (`forward_form`), as `gb.explain` names them.
 EAGER = "eager-recompute"  # eagerly: fused reduction or units-major matmuls, in chunks
 C_LOOPS = "c-loops"  # traced, ReLU in float32 on CPU: the C loops' sub-ops

@@ -5,6 +5,7 @@ inputs contiguous first, so these checks guard direct launcher calls and the lib
 invariants alike.
 """
 
+import torch
 from torch import Tensor
 
 from gbfunc._plan import Generated, Stack
@@ -45,7 +46,8 @@ def check_launch(
             f"{where}: params must be a tuple of gb.Generated (the stack's, in plan order), "
             f"got {params!r}."
         )
-    _check_genome(where, stack)
+    if (beyond := _beyond_limits(stack)) is not None:
+        raise ValueError(f"{where}: stack {stack.key!r} has {beyond}. Use backend='torch'.")
     _, _, numel = _placement.placement(stack, params)
     shapes = expected_shapes(stack, numel)
     first = tensors["a"]
@@ -82,18 +84,29 @@ def check_launch(
     return batch, numel
 
 
-def _check_genome(where: str, stack: Stack) -> None:
+def refusal(stack: Stack, dtype: torch.dtype) -> str | None:
+    """Why the kernels cannot generate `stack` in `dtype` (None: they can).
+
+    The one statement of the kernels' limits: `gb.apply`'s Triton rule reads it to send such
+    a stack to torch (`backend="auto"`), and the launchers (`check_launch`) to refuse it.
+    """
+    if (beyond := _beyond_limits(stack)) is not None:
+        return beyond
+    if dtype not in _runtime.DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in _runtime.DTYPES)
+        return f"dtype {str(dtype).removeprefix('torch.')}; the kernels take {names} here"
+    return None
+
+
+def _beyond_limits(stack: Stack) -> str | None:
     if stack.genome.hidden > _runtime.MAX_HIDDEN:
-        raise ValueError(
-            f"{where}: stack {stack.key!r} has genome.hidden={stack.genome.hidden}; the kernels "
-            f"keep a block of hidden units in registers and take at most {_runtime.MAX_HIDDEN}. "
-            "Use backend='torch'."
+        return (
+            f"genome.hidden={stack.genome.hidden} > {_runtime.MAX_HIDDEN} (the kernels keep a "
+            "block of hidden units in registers)"
         )
     if stack.outputs > _runtime.MAX_OUTPUTS:
-        raise ValueError(
-            f"{where}: stack {stack.key!r} emits {stack.outputs} outputs per evaluation; the "
-            f"kernels take at most {_runtime.MAX_OUTPUTS}. Use backend='torch'."
-        )
+        return f"{stack.outputs} outputs > {_runtime.MAX_OUTPUTS} per evaluation"
+    return None
 
 
 def contiguous(x: Tensor | None) -> Tensor | None:

@@ -23,7 +23,7 @@ from .._evaluate import tile_form
 from .._plan import Plan, Stack
 from .._tiling import parameters
 from .._tree import GParams
-from . import cpu_loops
+from . import cpu_loops, triton
 from ._policy import (
     AUTO_COMPILE_ELEMENTS,
     AUTO_GRAPH_WEIGHTS,
@@ -46,6 +46,9 @@ def refuses(call: Call) -> str | None:
         return "a selection of a plan is not compiled as one graph"
     if refused := own_compile_refused(context):
         return refused
+    kernels = [s.key for i, s in enumerate(plan.stacks) if _on_kernels(call, i, s)]
+    if kernels:
+        return f"stacks {kernels} run the Triton kernels"
     if context.compile is None and not context.grad:
         return "evaluation (gradients off, compile=None) compiles no graph"
     if not compiling_asked(plan, context):
@@ -64,6 +67,14 @@ def refuses(call: Call) -> str | None:
     if all(refused is None for refused in loops):
         return "every stack runs the C loops: nothing left to compile"
     return None
+
+
+def _on_kernels(call: Call, index: int, stack: Stack) -> bool:
+    """Whether stack `index` of the call's plan takes the Triton kernels, which no graph of
+    ours holds."""
+    if call.context.backend == "torch":
+        return False
+    return triton.refuses(call._replace(stack=stack, index=index)) is None
 
 
 def fits_graph(stack: Stack) -> bool:

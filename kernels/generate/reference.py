@@ -9,9 +9,9 @@ import functools
 import torch
 from torch import Tensor
 
-from gbfunc._tiling import assemble
 from gbfunc._plan import Generated, Stack
 from gbfunc._spec import Terms, reference
+from gbfunc._tiling import assemble
 
 
 def generate(terms: Terms, stack: Stack, params: tuple[Generated, ...]) -> Tensor:

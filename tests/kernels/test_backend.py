@@ -12,6 +12,9 @@ from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_map
 
 import gbfunc as gb
+from gbfunc._dispatch import Route, explanation
+from gbfunc._select import Selection
+from gbfunc.generate._policy import Context
 
 requires_gpu = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA (compiled Triton kernels)"
@@ -50,10 +53,10 @@ def node_names(t: Tensor) -> set[str]:
     seen, todo = set(), [t.grad_fn]
     while todo:
         node = todo.pop()
-        if node is not None and node.name() not in seen:
-            seen.add(node.name())
+        if node is not None and node not in seen:
+            seen.add(node)
             todo.extend(n for n, _ in node.next_functions)
-    return seen
+    return {node.name() for node in seen}
 
 
 # Gradients are float32 sums over every tile and position, in different orders on the two
@@ -172,7 +175,9 @@ class TestBadInput:
     def test_dtype_the_kernels_lack(self):
         gparams = gb.init(self.plan, dtype=torch.float64, device=KERNEL_DEVICE)
         with pytest.raises(
-            TypeError, match=r"has dtype torch.float64; backend='triton' takes float32, float16"
+            TypeError,
+            match=r"\['s0_3x2k3x3'\] has dtype float64; the kernels take float32, float16.* Use "
+            "backend='torch'",
         ):
             gb.apply(gparams, self.plan, backend="triton")
 
@@ -182,6 +187,88 @@ class TestBadInput:
         compiled = torch.compile(lambda g: gb.apply(g, self.plan, backend="triton"), fullgraph=True)
         with pytest.raises(Exception, match=r"backend='triton' on CPU runs Triton's interpreter"):
             compiled(gparams)
+
+
+def cuda_call(backend: str, **grad: bool) -> Context:
+    """The context of a `gb.apply` call on CUDA float32 tensors, eager, built on any machine."""
+    return Context(
+        device="cuda",
+        dtype=torch.float32,
+        backend=backend,
+        compile=None,
+        compiling=False,
+        exporting=False,
+        transformed=False,
+        grad=grad.get("grad", True),
+        dynamo_off=False,
+        dispatch_mode=False,
+    )
+
+
+def limit_plan(hidden: int, outputs: int) -> gb.Plan:
+    """Two stacks: the first with `hidden` units and `outputs` per evaluation, the second a
+    small one the kernels always take."""
+    model = nn.Sequential(nn.Linear(256, 4), nn.Linear(4, 4))
+    return gb.plan(
+        model,
+        tile=(4, 4),
+        hidden=4,
+        overrides={"0.weight": {"hidden": hidden, "outputs": outputs, "tile": (2, 256)}},
+        free=["*.bias"],
+    )
+
+
+@pytest.mark.parametrize(
+    ("hidden", "outputs", "reason"),
+    [
+        (256, 128, None),
+        (257, 1, "genome.hidden=257 > 256"),
+        (512, 1, "genome.hidden=512 > 256"),
+        (8, 256, "256 outputs > 128 per evaluation"),
+    ],
+)
+def test_auto_on_cuda_sends_what_the_kernels_cannot_take_to_torch(hidden, outputs, reason):
+    """The Triton rule reads the kernels' own limits (`kernels.refusal`): with
+    `backend="auto"` a stack beyond them goes to torch, with the reason in `gb.explain`'s
+    report, and the other stacks keep the kernels; `backend="triton"` raises for it."""
+    plan = limit_plan(hidden, outputs)
+    stacks = gb.init(plan)["stacks"]
+    wide, small = plan.stacks
+    why = explanation(plan, stacks, cuda_call("auto"))
+    if reason is None:
+        assert why.route == Route("triton", ("triton", "triton"), (None, None))
+        return
+    assert why.route.plan == "stacks"  # stack by stack: the kernels' stack beside torch's
+    assert why.route.stacks == ("torch", "triton")
+    assert why.reasons[wide.key]["triton"].startswith(reason)
+    assert any(line.startswith(f"    not triton: {reason}") for line in why.lines)
+    assert "triton" not in why.reasons[small.key]
+    assert "stacks ['s1" in why.reasons[wide.key]["graph"]  # no graph beside the kernels
+    with pytest.raises(ValueError, match=rf"{wide.key!r}\] has {reason}.*Use backend='torch'"):
+        explanation(plan, stacks, cuda_call("triton"))
+
+
+def test_a_stack_beyond_the_kernels_limits_is_generated_beside_the_kernels_stacks():
+    """The runner of a mixed route: the kernels generate their stack inside the plan's
+    selection, the torch path the other, and together they equal the torch path's weights
+    and gradients (on CPU through Triton's interpreter)."""
+    plan = limit_plan(8, 256)
+    gparams = gb.init(plan, device=KERNEL_DEVICE)
+    mixed = Selection.whole(plan)
+
+    def total(gparams: dict, paths: tuple[str, ...] | None) -> Tensor:
+        if paths is None:
+            weights = gb.apply(gparams, plan, backend="torch")
+        else:
+            weights = mixed.apply(gparams, paths=paths)
+        return sum((w.square().sum() for w in weights.values()), torch.zeros(()))
+
+    weights = mixed.apply(gparams, paths=("torch", "triton"))
+    assert "_GenerateBackward" in node_names(weights["1.weight"])  # the kernels' stack
+    assert "_GenerateBackward" not in node_names(weights["0.weight"])
+    mixed_grads = grad(total)(gparams, ("torch", "triton"))
+    torch_grads = grad(total)(gparams, None)
+    assert_trees_close(mixed_grads, torch_grads, "mixed route", **GRAD_TOLERANCE)
 
 
 @pytest.mark.gpu

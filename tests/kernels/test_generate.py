@@ -420,7 +420,7 @@ class TestErrors:
         wide = Case("linear", (2, 2), 1, (2, 2), 300, 1, "relu", 1, "code", 0)
         stack, params, _ = wide.stack()
         with pytest.raises(
-            ValueError, match=r"genome.hidden=300; .* at most 256\. Use backend='torch'"
+            ValueError, match=r"has genome.hidden=300 > 256 \(.*\)\. Use backend='torch'"
         ):
             forward_kernel.generate(Terms(**wide.terms(torch.float32)), stack, params)
 
