@@ -1,79 +1,167 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, as one script for the day a session is lent one (a CUDA machine
-# that already has torch, triton, pytest, pytest-xdist and hypothesis; no network needed):
-#   1. the kernel tests with the Triton kernels compiled for the GPU (the `gpu`-marked ones
-#      included), with torch.compile(fullgraph=True) through the kernels and a whole training
-#      step compiled by default and with mode="reduce-overhead" (tests/kernels);
-#   2. bench_generation's GPU half;
-#   3. gpu_step: a training step, plain against gbfunc at ~10x and ~100x, eager and compiled,
+# that already has torch, triton, pytest, pytest-xdist and hypothesis; no network needed).
+# The parts run in the order of what a run cut short should already have told us:
+#   a. the compile tests through the Triton kernels (tests/kernels/test_compiled_step.py: a
+#      whole training step with torch.compile(fullgraph=True), by default and with
+#      mode="reduce-overhead"; test_backend.py: grad through the kernels compiled fullgraph),
+#      once per kernel wrapper (GBFUNC_KERNEL_WRAPPER=function and =triton_op, the two side by
+#      side), then the rest of the kernel tests once (the `gpu`-marked ones included);
+#   b. gpu_step: a training step, plain against gbfunc at ~10x and ~100x, eager and compiled,
 #      on the MLP and on GPT-2 small's shapes;
-#   4. bench_overhead: gb.apply's time per call on a 10-stack plan of tiny weights, kernels
+#   c. bench_generation's GPU half;
+#   d. peers: the same step against hyper-nn and hypnettorch (benchmarks/peers.py --device
+#      cuda), the two installed from the wheels in .whl/ (bash benchmarks/gpu_wheels.sh
+#      downloads them; the device tool carries .whl) into a folder of their own on PYTHONPATH,
+#      never into the environment: both ship a top-level `tests` package;
+#   e. bench_overhead: gb.apply's time per call on a 10-stack plan of tiny weights, kernels
 #      launched and not (the work around them, against 50 µs).
-# Each part has a time limit, so that the whole fits in 10 minutes of device time; a part
-# that fails does not stop the others.
+# Each part has a time limit (the T_ values below; their sum fits in 10 minutes of device
+# time with the installs), writes its results file as it goes or at its end, and what the
+# benchmarks print goes to gpu_check.log as they print it, so that a part cut short still
+# leaves its numbers; a part that fails does not stop the others.
 #
 #   bash benchmarks/gpu_check.sh [RESULTS_DIR]            # default: benchmarks/results
 #   bash benchmarks/gpu_check.sh --dry-run RESULTS_DIR    # CPU, tiny shapes: every part runs
 #
-# Writes gpu_tests.log, bench_generation_gpu.md, gpu_step.md and bench_overhead_gpu.md into
-# RESULTS_DIR.
+# Writes into RESULTS_DIR: gpu_tests.log (versions, one summary line per wrapper, the rest of
+# the kernel tests), gpu_tests_function.log and gpu_tests_triton_op.log (the compile tests per
+# wrapper), gpu_step.md, bench_generation_gpu.md, peers_gpu.md and peers_gpu.json,
+# bench_overhead_gpu.md, and gpu_check.log. The peers' wheels are read from .whl/, or from
+# the folder GBFUNC_PEER_WHEELS names; with none there, peers.py runs without them and says
+# "not installed" in their rows (the dry run in the test suite installs a stand-in wheel).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+
+# Time limits in seconds, in the order the parts run: 555 s in all (a: 225, b: 170, c: 60,
+# d: 75, e: 25), which leaves 45 s of the 10 minutes for gbfunc's install and the start.
+T_COMPILE=130     # a. each wrapper's compile tests (the two run at the same time)
+T_KERNELS=95      # a. the rest of the kernel tests
+T_STEP=170        # b. gpu_step
+T_GENERATION=60   # c. bench_generation
+T_WHEELS=15       # d. installing the peers' wheels
+T_PEERS=60        # d. peers.py
+T_OVERHEAD=25     # e. bench_overhead
+
 dry=0
 if [ "${1:-}" = "--dry-run" ]; then
     dry=1
     shift
+    # CPU: slower, and the dry run is not timed; the limits only catch a hang.
+    T_COMPILE=300 T_KERNELS=120 T_STEP=300 T_GENERATION=120 T_WHEELS=60 T_PEERS=300
+    T_OVERHEAD=60
 fi
 results=${1:-benchmarks/results}
 mkdir -p "$results"
+log="$results/gpu_check.log"  # started by the header below
 export PYTHONUNBUFFERED=1
 if [ $dry = 0 ]; then
     # gbfunc.kernels is the folder kernels/ (pyproject's package-dir): an editable install maps it.
     python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
 fi
+part() {  # a part's heading on a line of its own (the last output may lack its newline)
+    printf '\n== %s, %s\n' "$*" "$(date -u '+%H:%M:%S UTC')" | tee -a "$log"
+}
 {
     echo "# bash benchmarks/gpu_check.sh $([ $dry = 1 ] && echo --dry-run), $(date -u '+%Y-%m-%d %H:%M UTC')"
     [ $dry = 1 ] || nvidia-smi -L
     python3 -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__)"
-} | tee "$results/gpu_tests.log"
+} | tee "$results/gpu_tests.log" "$log"
 
-if [ $dry = 1 ]; then  # one test of each file, through Triton's interpreter
-    TRITON_INTERPRET=1 timeout 300 python3 -m pytest -q -p no:randomly \
+# a. The compile tests, once per kernel wrapper, both at once (tests, not timings: they share
+# the GPU and the cores), each into its own log as it goes; then one summary line each.
+part "a. compile tests, GBFUNC_KERNEL_WRAPPER=function and =triton_op"
+COMPILE_TESTS=(tests/kernels/test_compiled_step.py tests/kernels/test_backend.py -k compiles)
+compile_tests() {  # $1: the wrapper
+    if [ $dry = 1 ]; then  # on CPU the compiled step runs the torch path; the kernels interpreted
+        export TRITON_INTERPRET=1
+    else
+        COMPILE_TESTS+=(-n 3)
+    fi
+    GBFUNC_KERNEL_WRAPPER=$1 timeout -k 5 $T_COMPILE python3 -m pytest -q -p no:randomly \
+        -p no:benchmark --durations=5 "${COMPILE_TESTS[@]}" >"$results/gpu_tests_$1.log" 2>&1
+}
+compile_tests function &
+function_pid=$!
+compile_tests triton_op &
+triton_op_pid=$!
+wait $function_pid
+function_tests=$?
+wait $triton_op_pid
+triton_op_tests=$?
+for wrapper in function triton_op; do
+    code=${wrapper}_tests
+    # pytest's last line ("1 failed, 2 passed in 50.10s"); none when the limit cut it short
+    outcome=$(grep -E '^(=+ )?[0-9]+ [a-z]+.* in [0-9.]+s' "$results/gpu_tests_$wrapper.log" | tail -1)
+    case ${!code} in
+        124 | 137) outcome="cut short at its limit, $T_COMPILE s${outcome:+; $outcome}" ;;
+    esac
+    echo "GBFUNC_KERNEL_WRAPPER=$wrapper: exit ${!code}: ${outcome:-no summary}" \
+        | tee -a "$results/gpu_tests.log" "$log"
+done
+
+part "a. the rest of the kernel tests"
+if [ $dry = 1 ]; then  # one test, through Triton's interpreter
+    TRITON_INTERPRET=1 timeout -k 5 $T_KERNELS python3 -m pytest -q -p no:randomly \
         "tests/kernels/test_generate.py::test_the_backward_kernel_starts_its_own_sums" \
-        "tests/kernels/test_compiled_step.py" \
         2>&1 | tee -a "$results/gpu_tests.log"
 else
-    timeout 220 python3 -m pytest -q -n 8 -p no:randomly -p no:benchmark --durations=5 \
-        tests/kernels \
+    timeout -k 5 $T_KERNELS python3 -m pytest -q -n 8 -p no:randomly -p no:benchmark \
+        --durations=5 tests/kernels -k "not compiles" \
         tests/test_labels_biases.py::test_centred_rows_sum_to_zero_on_both_backends \
         tests/test_labels_biases.py::test_generated_biases_get_gradients_and_match_the_triton_kernels \
         2>&1 | tee -a "$results/gpu_tests.log"
 fi
 tests=${PIPESTATUS[0]}
 
+part "b. gpu_step"
+timeout -k 5 $T_STEP python3 -m benchmarks.gpu_step $([ $dry = 1 ] && echo --dry-run) \
+    --out "$results/gpu_step.md" 2>&1 | tee -a "$log"
+step=${PIPESTATUS[0]}
+
+part "c. bench_generation"
 if [ $dry = 1 ]; then
-    timeout 120 python3 -m benchmarks.bench_generation --sizes 64 --budget 0.05 --repeats 1 \
-        --out "$results/bench_generation_gpu.md"
+    timeout -k 5 $T_GENERATION python3 -m benchmarks.bench_generation --sizes 64 --budget 0.05 \
+        --repeats 1 --out "$results/bench_generation_gpu.md" 2>&1 | tee -a "$log"
 else
-    timeout 120 python3 -m benchmarks.bench_generation --skip-cpu --gpu-sizes 1024 8192 \
-        --out "$results/bench_generation_gpu.md"
+    timeout -k 5 $T_GENERATION python3 -m benchmarks.bench_generation --skip-cpu \
+        --gpu-sizes 1024 8192 --out "$results/bench_generation_gpu.md" 2>&1 | tee -a "$log"
 fi
-generation=$?
+generation=${PIPESTATUS[0]}
 
-timeout 200 python3 -m benchmarks.gpu_step $([ $dry = 1 ] && echo --dry-run) \
-    --out "$results/gpu_step.md"
-step=$?
+part "d. peers"
+wheels=${GBFUNC_PEER_WHEELS:-.whl}
+site=$(mktemp -d)
+trap 'rm -rf "$site"' EXIT
+if compgen -G "$wheels/*.whl" >/dev/null; then
+    {
+        echo "installing into $site, on PYTHONPATH for peers.py alone:" "$wheels"/*.whl
+        timeout -k 5 $T_WHEELS python3 -m pip install -q --no-index --no-deps --no-compile \
+            --no-cache-dir --target "$site" "$wheels"/*.whl
+        echo "installed: $(cd "$site" && ls -d -- *.dist-info 2>/dev/null | tr '\n' ' ')"
+    } 2>&1 | tee -a "$log"
+else
+    echo "no wheels in $wheels (bash benchmarks/gpu_wheels.sh downloads them): the peers run" \
+        "without hyper-nn and hypnettorch unless this python has them" | tee -a "$log"
+fi
+PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" timeout -k 5 $T_PEERS python3 -m benchmarks.peers \
+    $([ $dry = 1 ] && echo --dry-run || echo --device cuda) --out "$results" --name peers_gpu \
+    2>&1 | tee -a "$log"
+peers=${PIPESTATUS[0]}
 
+part "e. bench_overhead"
 if [ $dry = 1 ]; then
-    timeout 60 python3 -m benchmarks.bench_overhead --rounds 2 --inner 2 \
-        --out "$results/bench_overhead_gpu.md"
+    timeout -k 5 $T_OVERHEAD python3 -m benchmarks.bench_overhead --rounds 2 --inner 2 \
+        --out "$results/bench_overhead_gpu.md" 2>&1 | tee -a "$log"
 else
-    timeout 60 python3 -m benchmarks.bench_overhead --device cuda \
-        --out "$results/bench_overhead_gpu.md"
+    timeout -k 5 $T_OVERHEAD python3 -m benchmarks.bench_overhead --device cuda \
+        --out "$results/bench_overhead_gpu.md" 2>&1 | tee -a "$log"
 fi
-overhead=$?
+overhead=${PIPESTATUS[0]}
 
-echo "tests exit $tests, bench_generation exit $generation, gpu_step exit $step, bench_overhead exit $overhead"
-for code in $tests $generation $step $overhead; do
+echo "compile tests: function exit $function_tests, triton_op exit $triton_op_tests;" \
+    "kernel tests exit $tests, gpu_step exit $step, bench_generation exit $generation," \
+    "peers exit $peers, bench_overhead exit $overhead" | tee -a "$log"
+for code in $function_tests $triton_op_tests $tests $step $generation $peers $overhead; do
     [ "$code" = 0 ] || exit "$code"
 done

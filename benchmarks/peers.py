@@ -19,10 +19,13 @@ step (`torch.func.grad_and_value` + `gb.optim.adamw_update`) under
 `torch.compile(fullgraph=True)`, the same code for every contender. Times are medians over
 interleaved rounds, as ratios to the plain model in the same mode. Peak memory is the peak of
 torch's CPU allocator during one step above what was held before it (`torch.profiler` memory
-events, `benchmarks/_meta.py`). A peer whose step does not compile with `fullgraph=True` is
-timed with `torch.compile` of its forward + loss instead (graph breaks allowed; eager backward
-and AdamW), marked `*`, with the reason under the table; a peer that is not installed, or
-fails even so, gets the reason instead of numbers.
+events, `benchmarks/_meta.py`); with `--device cuda`, the peak of the CUDA caching
+allocator's allocated bytes (`torch.cuda.reset_peak_memory_stats`,
+`torch.cuda.max_memory_allocated`), and every timed span ends with `torch.cuda.synchronize()`.
+A peer whose step does not compile with `fullgraph=True` is timed with `torch.compile` of its
+forward + loss instead (graph breaks allowed; eager backward and AdamW), marked `*`, with the
+reason under the table; a peer that is not installed, or fails even so, gets the reason
+instead of numbers.
 
 The peers are not gbfunc dependencies, and no extra installs them: both ship a top-level
 `tests` package, which would become importable beside gbfunc in the project's venv. Install
@@ -34,6 +37,12 @@ imported, so it goes in without dependencies):
     pip install --no-deps hyper-nn
     python -m benchmarks.peers            # about 3 minutes on 2 CPU cores
     python -m benchmarks.peers --quick    # fewer rounds
+
+On a GPU (`bash benchmarks/gpu_check.sh` runs it so, the peers installed from wheels that
+`bash benchmarks/gpu_wheels.sh` downloads, on `PYTHONPATH` only, never into a venv):
+
+    python -m benchmarks.peers --device cuda    # writes peers_gpu.md and peers_gpu.json
+    python -m benchmarks.peers --dry-run        # one round of one step, one gbfunc genome
 """
 
 import argparse
@@ -41,6 +50,7 @@ import math
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -86,24 +96,27 @@ class Contender:
     fallback: Callable[[], Step] | None = None  # a compiled step allowing graph breaks
 
 
-def plain(batch: tuple[Tensor, Tensor]) -> Contender:
-    model = mlp()
+def plain(batch: tuple[Tensor, Tensor], device: torch.device) -> Contender:
+    model = mlp().to(device)
     row = Contender("plain MLP", sum(p.numel() for p in model.parameters()))
     row.loss0 = cross_entropy(model(batch[0]), batch[1]).item()
     row.steps = dict(zip(MODES, dense_steps(model, batch, cross_entropy), strict=True))
     return row
 
 
-def gbfunc_row(name: str, options: dict, batch: tuple[Tensor, Tensor]) -> Contender:
-    model = mlp()
+def gbfunc_row(
+    name: str, options: dict, batch: tuple[Tensor, Tensor], device: torch.device
+) -> Contender:
+    model = mlp().to(device)
     plan = gb.plan(model, **options)
     rep = gb.report(plan)
     row = Contender(f"{name} ({rep.generated_compression:.1f}x generated)")
     row.params = rep.gnet_params + rep.free_params
     with torch.no_grad():
-        params = gb.apply(gb.init(plan), plan)
+        params = gb.apply(gb.init(plan, device=device), plan)
         row.loss0 = cross_entropy(functional_call(model, params, (batch[0],)), batch[1]).item()
-    row.steps = dict(zip(MODES, gb_steps(model, plan, batch, cross_entropy), strict=True))
+    steps = gb_steps(model, plan, batch, cross_entropy, device=device)
+    row.steps = dict(zip(MODES, steps, strict=True))
     return row
 
 
@@ -137,19 +150,36 @@ def hyper_nn() -> nn.Module:
     return TorchLinearHyperNetwork(mlp(), embedding_dim=8, num_embeddings=90)
 
 
-def peer_row(name: str, build: Callable[[], nn.Module], batch: tuple[Tensor, Tensor]) -> Contender:
-    """A peer as one module `x -> logits` holding exactly its trainable parameters."""
-    row = Contender(name)
+def peer_name(distribution: str, what: str) -> str:
+    """`"NAME VERSION, what"`, the version as installed (without one when it is not)."""
     try:
-        model = build()
+        return f"{distribution} {metadata.version(distribution)}, {what}"
+    except metadata.PackageNotFoundError:
+        return f"{distribution}, {what}"
+
+
+def peer_row(
+    name: str,
+    build: Callable[[], nn.Module],
+    batch: tuple[Tensor, Tensor],
+    device: torch.device,
+    module: str,
+) -> Contender:
+    """A peer as one module `x -> logits` holding exactly its trainable parameters; `module`
+    is the peer's top-level package (missing: "not installed")."""
+    row = Contender(name)
+    build_on = lambda: build().to(device)
+    try:
+        model = build_on()
     except Exception as error:  # not installed, or fails on this torch
-        row.failed = dict.fromkeys(MODES, _why(error))
+        missing = isinstance(error, ModuleNotFoundError) and error.name == module
+        row.failed = dict.fromkeys(MODES, ("not installed: " if missing else "") + _why(error))
         return row
     row.params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     with torch.no_grad():
         row.loss0 = cross_entropy(model(batch[0]), batch[1]).item()
     row.steps = dict(zip(MODES, dense_steps(model, batch, cross_entropy), strict=True))
-    row.fallback = lambda: compiled_loss_step(build(), batch)
+    row.fallback = lambda: compiled_loss_step(build_on(), batch)
     return row
 
 
@@ -175,24 +205,27 @@ def _why(error: BaseException) -> str:
     return text if len(text) < 300 else text[:297] + "..."
 
 
-def warm_up(rows: list[Contender]) -> None:
-    """Run every step once (compiling it). A compiled step that raises is replaced by the
-    row's fallback when it has one; a step that still raises is moved to `failed`."""
+def warm_up(rows: list[Contender], sync: Callable[[], None] = lambda: None) -> None:
+    """Run every step once (compiling it; `sync` waits for the device, so that a kernel's
+    error is the step's). A compiled step that raises is replaced by the row's fallback when
+    it has one; a step that still raises is moved to `failed`."""
     for row in rows:
         for mode, step in list(row.steps.items()):
             try:
                 step()
+                sync()
             except Exception as error:
                 del row.steps[mode]
                 row.failed[mode] = _why(error)
                 if mode == "compiled" and row.fallback is not None:
-                    _try_fallback(row, mode)
+                    _try_fallback(row, mode, sync)
 
 
-def _try_fallback(row: Contender, mode: str) -> None:
+def _try_fallback(row: Contender, mode: str, sync: Callable[[], None]) -> None:
     try:
         step = row.fallback()
         step()
+        sync()
     except Exception as error:
         row.failed[mode] += f" / with graph breaks: {_why(error)}"
         return
@@ -203,34 +236,74 @@ def _try_fallback(row: Contender, mode: str) -> None:
     )
 
 
+def cuda_peak_bytes(fn: Callable[[], object]) -> int:
+    """Peak bytes the CUDA caching allocator had allocated while `fn()` ran, above what was
+    allocated before it: `fn` runs once to reach its steady state (the CPU measure does the
+    same), then once measured between `reset_peak_memory_stats` and `max_memory_allocated`."""
+    fn()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="one round of one step and only the first gbfunc genome: checks that it runs",
+    )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="the folder to write into")
+    parser.add_argument(
+        "--name",
+        help="the results' file name, without .md/.json (default: peers, on cuda peers_gpu)",
+    )
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device")
+    device = torch.device(args.device)
+    name = args.name or ("peers_gpu" if device.type == "cuda" else "peers")
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    batch = (torch.randn(128, 784), torch.randint(0, 10, (128,)))
-    rows = [plain(batch)]
-    for name, options in GB_GENOMES.items():
+    batch = (torch.randn(128, 784).to(device), torch.randint(0, 10, (128,)).to(device))
+    rows = [plain(batch, device)]
+    genomes = list(GB_GENOMES.items())[: 1 if args.dry_run else None]
+    for genome, options in genomes:
         torch.manual_seed(0)
-        rows.append(gbfunc_row(name, options, batch))
+        rows.append(gbfunc_row(genome, options, batch, device))
     torch.manual_seed(0)
-    rows.append(peer_row("hyper-nn 0.2.2, TorchLinearHyperNetwork", hyper_nn, batch))
+    name_of = peer_name("hyper-nn", "TorchLinearHyperNetwork")
+    rows.append(peer_row(name_of, hyper_nn, batch, device, "hypernn"))
     torch.manual_seed(0)
-    rows.append(peer_row("hypnettorch 0.0.4, ChunkedHMLP", HypnettorchMLP, batch))
-    warm_up(rows)
-    peaks = {(r.name, m): peak_bytes(s) / 2**20 for r in rows for m, s in r.steps.items()}
-    rounds, inner = (7, 5) if args.quick else (25, 10)
+    name_of = peer_name("hypnettorch", "ChunkedHMLP")
+    rows.append(peer_row(name_of, HypnettorchMLP, batch, device, "hypnettorch"))
+    warm_up(rows, sync)
+    measure = cuda_peak_bytes if device.type == "cuda" else peak_bytes
+    peaks = {(r.name, m): measure(s) / 2**20 for r in rows for m, s in r.steps.items()}
+    rounds, inner = (1, 1) if args.dry_run else (7, 5) if args.quick else (25, 10)
     steps = {(r.name, m): s for r in rows for m, s in r.steps.items()}
-    times, _ = median_ms({f"{k[0]}|{k[1]}": s for k, s in steps.items()}, rounds, inner)
+    times, _ = median_ms({f"{k[0]}|{k[1]}": s for k, s in steps.items()}, rounds, inner, sync)
     table = render(rows, times, peaks)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
     title = "One training step: gbfunc vs hypernetwork peers (MLP 784-512-512-10, batch 128)"
+    if device.type == "cuda":
+        title = title.replace("One training step", "One training step on a GPU")
+        gpu = torch.cuda.get_device_name()
+        where = f"- device: {gpu}, CUDA {torch.version.cuda}; peak: CUDA allocator\n"
+        extra = {"device": gpu}
+    else:
+        where, extra = "", {}
     write_results(
-        args.out / "peers.md", header_md(title) + f"- rounds: {rounds} x {inner} steps\n\n" + table
+        args.out / f"{name}.md",
+        header_md(title) + where + f"- rounds: {rounds} x {inner} steps\n\n" + table,
     )
     records = [
         {
@@ -244,7 +317,7 @@ def main() -> None:
         }
         for r in rows
     ]
-    write_json(args.out / "peers.json", records, rounds=rounds, inner=inner)
+    write_json(args.out / f"{name}.json", records, rounds=rounds, inner=inner, **extra)
 
 
 def render(

@@ -492,31 +492,91 @@ def test_tile_choice_baselines_train_a_narrow_and_a_low_rank_arm_at_the_plans_co
     assert abs(int(narrow.split(" | ")[3].replace(",", "")) / count.stored_params - 1) < 0.1
 
 
+def _stand_in_wheel(folder: Path) -> Path:
+    """A pure-Python wheel of one empty package, `gbfunc_wheel_probe`, built without pip."""
+    import base64
+    import hashlib
+    import zipfile
+
+    info = "gbfunc_wheel_probe-0.0.0.dist-info"
+    files = {
+        "gbfunc_wheel_probe/__init__.py": "",
+        f"{info}/METADATA": "Metadata-Version: 2.1\nName: gbfunc-wheel-probe\nVersion: 0.0.0\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+        "Tag: py3-none-any\n",
+    }
+    digest = lambda text: base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest())
+    record = "".join(
+        f"{name},sha256={digest(text).decode().rstrip('=')},{len(text.encode())}\n"
+        for name, text in files.items()
+    )
+    folder.mkdir()
+    wheel = folder / "gbfunc_wheel_probe-0.0.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, text in {**files, f"{info}/RECORD": record + f"{info}/RECORD,,\n"}.items():
+            archive.writestr(name, text)
+    return wheel
+
+
 @pytest.mark.slow
 def test_the_gpu_script_runs_every_part_on_cpu_in_a_dry_run(tmp_path):
-    """`gpu_check.sh --dry-run`: the kernel tests it names, bench_generation, gpu_step and
-    bench_overhead all run (tiny, on CPU) and write their files, so a lent GPU's minutes go
-    to measuring."""
+    """`gpu_check.sh --dry-run`: the compile tests once per kernel wrapper, the rest of the
+    kernel tests it names, gpu_step, bench_generation, the peers (their wheels installed from
+    a folder, here a stand-in's) and bench_overhead all run (tiny, on CPU), in that order, and
+    write their files, so a lent GPU's minutes go to measuring."""
     root = Path(__file__).resolve().parents[1]
     environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    environment["GBFUNC_PEER_WHEELS"] = str(_stand_in_wheel(tmp_path / "wheels").parent)
+    results = tmp_path / "results"
     done = subprocess.run(
-        ["bash", str(root / "benchmarks" / "gpu_check.sh"), "--dry-run", str(tmp_path)],
+        ["bash", str(root / "benchmarks" / "gpu_check.sh"), "--dry-run", str(results)],
         env=environment,
         capture_output=True,
         text=True,
         timeout=900,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "tests exit 0, bench_generation exit 0, gpu_step exit 0, bench_overhead exit 0" in (
-        done.stdout
-    )
-    assert " passed" in (tmp_path / "gpu_tests.log").read_text()
-    steps = (tmp_path / "gpu_step.md").read_text()
+    assert (
+        "compile tests: function exit 0, triton_op exit 0; kernel tests exit 0, gpu_step exit 0, "
+        "bench_generation exit 0, peers exit 0, bench_overhead exit 0"
+    ) in done.stdout
+    parts = [line[3:5] for line in done.stdout.splitlines() if line.startswith("== ")]
+    assert parts == ["a.", "a.", "b.", "c.", "d.", "e."]
+    summary = (results / "gpu_tests.log").read_text()
+    for wrapper in ("function", "triton_op"):
+        assert f"GBFUNC_KERNEL_WRAPPER={wrapper}: exit 0: " in summary
+        assert " passed" in (results / f"gpu_tests_{wrapper}.log").read_text()
+    assert " passed" in summary.split("GBFUNC_KERNEL_WRAPPER=triton_op")[1]  # the rest
+    steps = (results / "gpu_step.md").read_text()
     assert "## GPT-2 small's shapes" in steps
     assert "gbfunc" in steps
     assert "compiled" in steps
-    assert (tmp_path / "bench_generation_gpu.md").exists()
-    assert "| triton, no launch | forward |" in (tmp_path / "bench_overhead_gpu.md").read_text()
+    assert (results / "bench_generation_gpu.md").exists()
+    log = (results / "gpu_check.log").read_text()
+    assert "installed: gbfunc_wheel_probe-0.0.0.dist-info" in log
+    table = (results / "peers_gpu.md").read_text()
+    assert "- rounds: 1 x 1 steps" in table
+    for row in ("| plain MLP |", "| gbfunc, torchGB genome", "| hyper-nn", "| hypnettorch"):
+        assert row in table
+    rows = json.loads((results / "peers_gpu.json").read_text())["rows"]
+    assert rows[1]["compiled_ms"] > 0
+    assert "| triton, no launch | forward |" in (results / "bench_overhead_gpu.md").read_text()
+
+
+def test_the_gpu_scripts_time_limits_fit_ten_minutes_of_device_time():
+    """The parts' limits, without the dry run's, sum to at most 560 s: the installs and start
+    fit in the rest of the 600 s a lent GPU gives one command."""
+    import re
+
+    script = (Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.sh").read_text()
+    gpu = script.split('if [ "${1:-}" = "--dry-run" ]')[0]
+    limits = {name: int(s) for name, s in re.findall(r"^(T_[A-Z]+)=(\d+)", gpu, re.M)}
+    assert set(limits) == {
+        "T_COMPILE", "T_KERNELS", "T_STEP", "T_GENERATION", "T_WHEELS", "T_PEERS", "T_OVERHEAD"
+    }  # fmt: skip
+    assert sum(limits.values()) <= 560
+    for name in limits:
+        assert f"${name} " in script  # each is used
 
 
 def test_lr_sensitivity_is_what_the_committed_sweeps_say(tmp_path):
