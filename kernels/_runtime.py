@@ -6,6 +6,7 @@ configs, the device check and the backward's parallelism follow from it.
 """
 
 import os
+from collections.abc import Callable
 
 import torch
 import triton
@@ -13,6 +14,17 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+# How the ops' `autograd.Function`s launch the kernels: `function`, themselves; `triton_op`,
+# through the `torch.library.triton_op` ops of `_ops` (filling `OP_LAUNCHERS`). Both run the
+# same kernels; a GPU run's compile tests decide which one stays (benchmarks/gpu_check.sh).
+WRAPPERS = ("function", "triton_op")
+WRAPPER = os.environ.get("GBFUNC_KERNEL_WRAPPER", "function")
+if WRAPPER not in WRAPPERS:
+    raise ValueError(
+        f"gbfunc.kernels: GBFUNC_KERNEL_WRAPPER is {WRAPPER!r}; expected one of {WRAPPERS}."
+    )
+OP_LAUNCHERS: dict[str, Callable] = {}
 # Triton's own library (tl.sum, ...) is interpreted only if the variable was set before
 # triton was first imported (torch.compile imports it, for one).
 _LIBRARY_INTERPRETED = isinstance(tl.sum, InterpretedFunction)

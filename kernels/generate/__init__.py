@@ -6,6 +6,7 @@ from torch import Tensor
 from gbfunc._plan import Generated, Stack
 from gbfunc._spec import Terms
 
+from .. import _runtime
 from .._batching import batch_first
 from .._checks import contiguous
 from ..generate_backward import generate_backward
@@ -18,7 +19,8 @@ class _Generate(torch.autograd.Function):
     @staticmethod
     def forward(*inputs):
         *flat, stack, params = inputs
-        return kernel.generate(Terms(*(contiguous(x) for x in flat)), stack, params)
+        launch = _runtime.OP_LAUNCHERS["generate"] if _runtime.WRAPPER == "triton_op" else None
+        return (launch or kernel.generate)(Terms(*(contiguous(x) for x in flat)), stack, params)
 
     @staticmethod
     def setup_context(ctx, inputs, output):

@@ -7,6 +7,7 @@ them; positions past a ragged edge are masked. Nothing but the weights is writte
 """
 
 import math
+from collections.abc import Callable
 
 import torch
 import triton
@@ -121,28 +122,49 @@ def _generate_kernel(
     )
 
 
-def generate(terms: Terms, stack: Stack, params: tuple[Generated, ...]) -> Tensor:
-    """Launch `_generate_kernel`; same contract as `reference.generate`, contiguous inputs only."""
+def generate(
+    terms: Terms, stack: Stack, params: tuple[Generated, ...], run: Callable | None = None
+) -> Tensor:
+    """Launch `_generate_kernel`; same contract as `reference.generate`, contiguous inputs only.
+
+    `run`: what launches it on the checked inputs, `launch`'s arguments but `wrap` (default:
+    `launch`; the `triton_op` wrapper passes its op).
+    """
+    _, numel = _checks.check_launch("kernels.generate", stack, params, terms._asdict())
+    places, scales = _placement.placement_tensors(stack, params, terms.a.device)
+    return (run or launch)(terms, places, scales, numel, stack.outputs, stack.genome.activation)
+
+
+def launch(
+    terms: Terms,
+    places: Tensor,
+    scales: Tensor,
+    numel: int,
+    outputs: int,
+    activation: str,
+    wrap: Callable = lambda kernel: kernel,
+) -> Tensor:
+    """`_generate_kernel` on checked inputs, the stack read from the tensors' shapes and the
+    placement (`_placement.placement_tensors`): what the `triton_op` wrapper traces, with
+    `wrap=torch.library.wrap_triton`."""
     a, b, c, w_hidden, b_hidden, w_out, b_out = terms
-    batch, numel = _checks.check_launch("kernels.generate", stack, params, terms._asdict())
-    places, scales = _placement.placement_tensors(stack, params, a.device)
+    *batch, num_tiles, th, hidden = a.shape
+    depth = 1 if w_hidden is None else w_hidden.shape[-3] + 1
+    q = b.shape[-2]
     out = torch.empty((*batch, numel), dtype=a.dtype, device=a.device)
-    num_tiles, depth, hidden, outputs = (
-        stack.num_tiles, stack.genome.depth, stack.genome.hidden, stack.outputs
-    )  # fmt: skip
     grid = lambda meta: (
         math.prod(batch)
         * num_tiles
-        * triton.cdiv(stack.tile[0], meta["BLOCK_I"])
-        * triton.cdiv(stack.columns, meta["BLOCK_Q"]),
+        * triton.cdiv(th, meta["BLOCK_I"])
+        * triton.cdiv(q, meta["BLOCK_Q"]),
     )
-    _generate_kernel[grid](
+    wrap(_generate_kernel)[grid](
         a, b, c, w_hidden, b_hidden, w_out, b_out,
         places, scales, out,
-        num_tiles, numel, stack.tile[0], stack.columns, hidden,
+        num_tiles, numel, th, q, hidden,
         P=outputs,
         DEPTH=depth,
-        ACTIVATION=_gnet.ACTIVATIONS[stack.genome.activation],
+        ACTIVATION=_gnet.ACTIVATIONS[activation],
         PRECISION=_runtime.dot_precision(a.dtype),
         BLOCK_H=block_h(hidden, depth, outputs),
         BLOCK_P=block_p(outputs),

@@ -6,6 +6,7 @@ from torch import Tensor
 from gbfunc._plan import Generated, Stack
 from gbfunc._spec import Terms
 
+from .. import _runtime
 from .._batching import batch_first
 from .._checks import contiguous
 from . import kernel, reference
@@ -19,7 +20,10 @@ class _GenerateGrad(torch.autograd.Function):
     def forward(*inputs):
         grad, *flat, stack, params = inputs
         terms = Terms(*(contiguous(x) for x in flat), None)
-        return tuple(kernel.generate_backward(contiguous(grad), terms, stack, params))
+        launch = (
+            _runtime.OP_LAUNCHERS["generate_backward"] if _runtime.WRAPPER == "triton_op" else None
+        )
+        return tuple((launch or kernel.generate_backward)(contiguous(grad), terms, stack, params))
 
     @staticmethod
     def setup_context(ctx, inputs, output):

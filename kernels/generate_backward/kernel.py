@@ -12,6 +12,7 @@ launcher adds the S partials. S > 1 only when there are too few tiles to fill th
 """
 
 import math
+from collections.abc import Callable
 
 import torch
 import triton
@@ -219,16 +220,43 @@ def splits_for(device: torch.device, genome_tiles: int, rows: int) -> int:
 
 
 def generate_backward(
-    grad: Tensor, terms: Terms, stack: Stack, params: tuple[Generated, ...]
+    grad: Tensor,
+    terms: Terms,
+    stack: Stack,
+    params: tuple[Generated, ...],
+    run: Callable | None = None,
 ) -> Terms:
-    """Launch `_generate_backward_kernel`; same contract as `reference.generate_backward`."""
+    """Launch `_generate_backward_kernel`; same contract as `reference.generate_backward`.
+
+    `run`: what launches it on the checked inputs, `launch`'s arguments but `wrap` (default:
+    `launch`; the `triton_op` wrapper passes its op).
+    """
     a, b, c, w_hidden, b_hidden, w_out, _ = terms
     tensors = {"a": a, "grad": grad, "b": b, "c": c, "w_out": w_out}
     tensors |= {"w_hidden": w_hidden, "b_hidden": b_hidden}
-    batch, numel = _checks.check_launch("kernels.generate_backward", stack, params, tensors)
+    _, numel = _checks.check_launch("kernels.generate_backward", stack, params, tensors)
     places, scales = _placement.placement_tensors(stack, params, a.device)
-    th, q, hidden, outputs = stack.tile[0], stack.columns, stack.genome.hidden, stack.outputs
-    depth, num_tiles = stack.genome.depth, stack.num_tiles
+    genome = stack.genome
+    return (run or launch)(grad, terms, places, scales, numel, stack.outputs, genome.activation)
+
+
+def launch(
+    grad: Tensor,
+    terms: Terms,
+    places: Tensor,
+    scales: Tensor,
+    numel: int,
+    outputs: int,
+    activation: str,
+    wrap: Callable = lambda kernel: kernel,
+) -> Terms:
+    """`_generate_backward_kernel` on checked inputs, the stack read from the tensors' shapes
+    and the placement: what the `triton_op` wrapper traces, with
+    `wrap=torch.library.wrap_triton`. `terms.b_out` is not read (`None` is fine)."""
+    a, b, c, w_hidden, b_hidden, w_out, _ = terms
+    *batch, num_tiles, th, hidden = a.shape
+    depth = 1 if w_hidden is None else w_hidden.shape[-3] + 1
+    q = b.shape[-2]
     genome_tiles = math.prod(batch) * num_tiles
     splits = splits_for(a.device, genome_tiles, th)
     # float32 accumulators; sums over rows are per-split partials, zeroed by the kernel.
@@ -241,14 +269,14 @@ def generate_backward(
         g_b_hidden = torch.empty(splits, genome_tiles, depth - 1, hidden, **f32)
     g_w_out = torch.empty(splits, genome_tiles, hidden, outputs, **f32)
     g_b_out = torch.empty(splits, genome_tiles, outputs, **f32)
-    _generate_backward_kernel[(genome_tiles, splits)](
+    wrap(_generate_backward_kernel)[(genome_tiles, splits)](
         grad, a, b, c, w_hidden, b_hidden, w_out,
         places, scales,
         g_a, g_b, g_w_hidden, g_b_hidden, g_w_out, g_b_out,
         num_tiles, numel, th, q, hidden,
         P=outputs,
         DEPTH=depth,
-        ACTIVATION=_gnet.ACTIVATIONS[stack.genome.activation],
+        ACTIVATION=_gnet.ACTIVATIONS[activation],
         PRECISION=_runtime.dot_precision(a.dtype),
         BLOCK_H=block_h(hidden, depth, outputs),
         BLOCK_P=block_p(outputs),
