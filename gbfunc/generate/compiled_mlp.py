@@ -6,12 +6,9 @@ Taken eagerly, outside a graph: `compile=True`, or `compile=None` on stacks of
 traced forms of the `torch` path's (`variant`): the compiled bodies are traced code.
 """
 
-from collections.abc import Mapping, Sequence
-
-from torch import Tensor
+from functools import partial
 
 from .._evaluate import evaluate_tile_parts, tile_form
-from .._plan import Stack
 from ._policy import (
     AUTO_COMPILE_ELEMENTS,
     Call,
@@ -42,12 +39,6 @@ def variant(call: Call) -> str:
     return tile_form(call.stack, call.leaves["w_in"], traced=True, exporting=False)
 
 
-def tiles(
-    stack: Stack,
-    leaves: Mapping[str, Tensor],
-    indices: Sequence[int],
-    spans: Sequence[tuple[int, int]] | None,
-) -> tuple[Tensor, ...]:
-    """Tiles `indices` of `stack`, `(len(indices), TH, TW * K)`, through its compiled tile
-    MLP, cut into `spans` (consecutive ranges of positions in `indices`; None: one part)."""
-    return evaluate_tile_parts(stack, leaves, indices, spans, compiled=True)
+# The runner: tiles `indices` of a stack, `(len(indices), TH, TW * K)`, through its compiled
+# tile MLP, cut into `spans` (`evaluate_tile_parts`).
+tiles = partial(evaluate_tile_parts, compiled=True)

@@ -10,12 +10,7 @@ over the columns or over the units) and `unrolled` or `units-major` (a written-o
 the units for one layer and few outputs, else matmuls).
 """
 
-from collections.abc import Mapping, Sequence
-
-from torch import Tensor
-
 from .._evaluate import evaluate_tile_parts, tile_form
-from .._plan import Stack
 from ._policy import Call
 
 NAME = "torch"
@@ -33,12 +28,6 @@ def variant(call: Call) -> str:
     return tile_form(call.stack, w_in, traced=context.compiling, exporting=context.exporting)
 
 
-def tiles(
-    stack: Stack,
-    leaves: Mapping[str, Tensor],
-    indices: Sequence[int],
-    spans: Sequence[tuple[int, int]] | None,
-) -> tuple[Tensor, ...]:
-    """Tiles `indices` of `stack`, `(len(indices), TH, TW * K)`, op by op, cut into `spans`
-    (consecutive ranges of positions in `indices`; None: one part)."""
-    return evaluate_tile_parts(stack, leaves, indices, spans)
+# The runner: tiles `indices` of a stack, `(len(indices), TH, TW * K)`, op by op, cut into
+# `spans` (`evaluate_tile_parts`).
+tiles = evaluate_tile_parts
