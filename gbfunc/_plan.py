@@ -20,6 +20,14 @@ from ._genome import Genome, labels_width
 TILE_LEAVES = ("tile_embed", "tile_hash")  # stack leaves with a row per tile, not per g-net
 
 
+class Shaped:
+    """A mixin for what has a `shape` (a plan's parameter, a report's row): its size."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
 @dataclass(frozen=True)
 class Block:
     """A rectangular region of a generated parameter, tiled by consecutive tiles of a stack.
@@ -42,7 +50,7 @@ class Block:
 
 
 @dataclass(frozen=True)
-class Generated:
+class Generated(Shaped):
     """A parameter produced by g-nets: `scale * raw` where `raw` has std `start` at init.
 
     `scale * start` is the std the weight starts at (its model tensor's own); `scale`, the
@@ -71,13 +79,9 @@ class Generated:
         """The std the generated weight starts at."""
         return self.scale * self.start
 
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
 
 @dataclass(frozen=True)
-class Free:
+class Free(Shaped):
     """A parameter trained (or frozen) as it is; `init` says how `gb.init` draws it."""
 
     name: str
@@ -89,10 +93,6 @@ class Free:
     init: tuple[str, float] = field(compare=False)
     trainable: bool
     reason: str = field(compare=False)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)

@@ -5,11 +5,11 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ._plan import Free, Generated, Plan
+from ._plan import Free, Generated, Plan, Shaped
 
 
 @dataclass(frozen=True)
-class Row:
+class Row(Shaped):
     """One parameter of the p-net.
 
     Attributes:
@@ -30,10 +30,6 @@ class Row:
     gnet_params: int
     ratio: float
     note: str
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -72,7 +68,7 @@ class Report:
 
     @property
     def generated_weights(self) -> int:
-        return sum(r.numel for r in self.rows if r.kind == "generated")
+        return self._numel("generated")
 
     @property
     def gnet_params(self) -> int:
@@ -81,17 +77,21 @@ class Report:
 
     @property
     def free_params(self) -> int:
-        return sum(r.numel for r in self.rows if r.kind == "free")
+        return self._numel("free")
 
     @property
     def frozen_params(self) -> int:
-        return sum(r.numel for r in self.rows if r.kind == "frozen")
+        return self._numel("frozen")
 
     @property
     def stored_params(self) -> int:
         """What a compressed checkpoint holds: g-nets, free and frozen parameters, task
         embeddings."""
         return self.gnet_params + self.free_params + self.frozen_params + self.task_params
+
+    def _numel(self, kind: str) -> int:
+        """Elements of the rows of `kind`."""
+        return sum(r.numel for r in self.rows if r.kind == kind)
 
     @property
     def generated_compression(self) -> float:
