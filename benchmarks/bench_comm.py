@@ -138,17 +138,9 @@ def torchgb_traffic(plan: gb.Plan, world_size: int, itemsize: int = 4) -> Traffi
 # ---------------------------------------------------------------- the cost model at scale
 
 
-@dataclass(frozen=True)
-class Mesh:
-    """Data-, tensor- and pipeline-parallel degrees; ranks = dp * tp * pp."""
-
-    dp: int
-    tp: int = 1
-    pp: int = 1
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp * self.pp
+class Mesh(gbd.MeshShape):
+    """Data-, tensor- and pipeline-parallel degrees (`gbd.MeshShape`), and what the cost model
+    reads of them."""
 
     @property
     def shards(self) -> int:
@@ -199,7 +191,7 @@ def per_rank_bytes(strategy: str, sizes: Sizes, mesh: Mesh, itemsize: int = 4) -
     With `mesh.shards == 1` these are `replicated_traffic(...).per_rank` and the others of
     this file, whose payloads the tests check against bytes measured on gloo.
     """
-    dp, world, k = mesh.dp, mesh.world, mesh.shards
+    dp, world, k = mesh.dp, mesh.world_size, mesh.shards
     shard, generated, free = sizes.params / k, sizes.generated / k, sizes.free / k
     if strategy == "dense DDP":
         total = _ring("all_reduce", dp) * shard
@@ -224,7 +216,7 @@ def generation_share(strategy: str, sizes: Sizes, mesh: Mesh, tokens_per_rank: i
     """
     if strategy.startswith("dense"):
         return 0.0
-    owners = mesh.shards if strategy == "replicated g-nets" else mesh.world
+    owners = mesh.shards if strategy == "replicated g-nets" else mesh.world_size
     generation = 3 * sizes.generation_flops / owners
     model = 6 * sizes.params / mesh.shards * tokens_per_rank
     return generation / model
@@ -288,7 +280,7 @@ def scale_rows(name: str, sizes: Sizes) -> list[list[str]]:
             rows.append(
                 [
                     name,
-                    f"{mesh.dp}x{mesh.tp}x{mesh.pp} ({mesh.world})",
+                    f"{mesh.dp}x{mesh.tp}x{mesh.pp} ({mesh.world_size})",
                     strategy + (" (fewest bytes)" if strategy == best else ""),
                     f"{mib:,.0f}",
                     f"{100 * share:.2f}%" if share else "-",
