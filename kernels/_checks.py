@@ -31,11 +31,12 @@ def expected_shapes(stack: Stack, numel: int) -> dict[str, tuple[int, ...] | Non
 
 def check_launch(
     where: str, stack: object, params: object, tensors: dict[str, Tensor | None]
-) -> tuple[tuple[int, ...], int]:
+) -> tuple[Tensor, Tensor, int]:
     """Raise unless `stack`, `params` and `tensors` fit together and this device.
 
     Returns:
-        The tensors' common batch shape, and the size of the stack's flat output.
+        The placement of `params` as tensors on the tensors' device (`(T, 4)` places, `(T,)`
+        scales: `_placement.placement_tensors`), and the size of the stack's flat output.
     """
     if not isinstance(stack, Stack):
         raise TypeError(
@@ -81,7 +82,7 @@ def check_launch(
                 f"{where}: {name} is not contiguous (strides {x.stride()}); pass "
                 f"{name}.contiguous(), or call gbfunc.kernels.generate, which does."
             )
-    return batch, numel
+    return (*_placement.placement_tensors(stack, params, first.device), numel)
 
 
 def refusal(stack: Stack, dtype: torch.dtype) -> str | None:

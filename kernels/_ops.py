@@ -41,75 +41,60 @@ def generate_backward(
 
 
 def _run_generate(terms: Terms, *launch: object) -> Tensor:
-    return _generate(*terms, *launch)
+    return _generate(list(terms), *launch)
 
 
 def _run_backward(grad: Tensor, terms: Terms, *launch: object) -> Terms:
-    grads = _generate_backward(grad, *terms[:-1], *launch)
+    grads = _generate_backward(grad, list(terms[:-1]), *launch)
     absent = terms.w_hidden is None  # the op returns empty tensors for absent hidden layers
     return Terms(*(None if absent and i in (3, 4) else g for i, g in enumerate(grads)))
 
 
+# Both ops take a stack's g-net terms as a list in `Terms` order (`b_out` left out of the
+# backward's), `None` for absent hidden layers, then `launch`'s arguments.
+
+
 @triton_op("gbfunc::generate", mutates_args=())
 def _generate(
-    a: Tensor,
-    b: Tensor,
-    c: Tensor,
-    w_hidden: Tensor | None,
-    b_hidden: Tensor | None,
-    w_out: Tensor,
-    b_out: Tensor,
+    terms: list[Tensor | None],
     places: Tensor,
     scales: Tensor,
     numel: int,
     outputs: int,
     activation: str,
 ) -> Tensor:
-    terms = Terms(a, b, c, w_hidden, b_hidden, w_out, b_out)
-    return forward_kernel.launch(
-        terms, places, scales, numel, outputs, activation, wrap=wrap_triton
-    )
+    launch = forward_kernel.launch
+    return launch(Terms(*terms), places, scales, numel, outputs, activation, wrap=wrap_triton)
 
 
 @_generate.register_fake
-def _(a, b, c, w_hidden, b_hidden, w_out, b_out, places, scales, numel, outputs, activation):
+def _(terms, places, scales, numel, outputs, activation):
+    a = terms[0]
     return a.new_empty((*a.shape[:-3], numel))
 
 
 @triton_op("gbfunc::generate_backward", mutates_args=())
 def _generate_backward(
     grad: Tensor,
-    a: Tensor,
-    b: Tensor,
-    c: Tensor,
-    w_hidden: Tensor | None,
-    b_hidden: Tensor | None,
-    w_out: Tensor,
+    terms: list[Tensor | None],
     places: Tensor,
     scales: Tensor,
     numel: int,
     outputs: int,
     activation: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    terms = Terms(a, b, c, w_hidden, b_hidden, w_out, None)
+    given = Terms(*terms, None)
     grads = backward_kernel.launch(
-        grad, terms, places, scales, numel, outputs, activation, wrap=wrap_triton
+        grad, given, places, scales, numel, outputs, activation, wrap=wrap_triton
     )
-    return tuple(a.new_empty(0) if g is None else g for g in grads)
+    return tuple(given.a.new_empty(0) if g is None else g for g in grads)
 
 
 @_generate_backward.register_fake
-def _(grad, a, b, c, w_hidden, b_hidden, w_out, places, scales, numel, outputs, activation):
-    hidden = (
-        (a.new_empty(0),) * 2
-        if w_hidden is None
-        else (torch.empty_like(w_hidden), torch.empty_like(b_hidden))
-    )
-    b_out = a.new_empty((*a.shape[:-2], outputs))
-    return (
-        torch.empty_like(a), torch.empty_like(b), torch.empty_like(c), *hidden,
-        torch.empty_like(w_out), b_out,
-    )  # fmt: skip
+def _(grad, terms, places, scales, numel, outputs, activation):
+    a = terms[0]
+    like = [a.new_empty(0) if x is None else torch.empty_like(x) for x in terms]
+    return (*like, a.new_empty((*a.shape[:-2], outputs)))
 
 
 def _below_autograd(op: torch._ops.OpOverload):

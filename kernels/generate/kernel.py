@@ -8,6 +8,7 @@ them; positions past a ragged edge are masked. Nothing but the weights is writte
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import triton
@@ -17,7 +18,7 @@ from torch import Tensor
 from gbfunc._plan import Generated, Stack
 from gbfunc._spec import Terms
 
-from .. import _checks, _gnet, _placement, _runtime
+from .. import _checks, _gnet, _runtime
 
 
 def block_sizes(args: dict) -> dict[str, int]:
@@ -130,8 +131,7 @@ def generate(
     `run`: what launches it on the checked inputs, `launch`'s arguments but `wrap` (default:
     `launch`; the `triton_op` wrapper passes its op).
     """
-    _, numel = _checks.check_launch("kernels.generate", stack, params, terms._asdict())
-    places, scales = _placement.placement_tensors(stack, params, terms.a.device)
+    places, scales, numel = _checks.check_launch("kernels.generate", stack, params, terms._asdict())
     return (run or launch)(terms, places, scales, numel, stack.outputs, stack.genome.activation)
 
 
@@ -147,26 +147,47 @@ def launch(
     """`_generate_kernel` on checked inputs, the stack read from the tensors' shapes and the
     placement (`_placement.placement_tensors`): what the `triton_op` wrapper traces, with
     `wrap=torch.library.wrap_triton`."""
-    a, b, c, w_hidden, b_hidden, w_out, b_out = terms
-    *batch, num_tiles, th, hidden = a.shape
-    depth = 1 if w_hidden is None else w_hidden.shape[-3] + 1
-    q = b.shape[-2]
-    out = torch.empty((*batch, numel), dtype=a.dtype, device=a.device)
+    size = sizes(terms)
+    out = torch.empty((*size.batch, numel), dtype=terms.a.dtype, device=terms.a.device)
     grid = lambda meta: (
-        math.prod(batch)
-        * num_tiles
-        * triton.cdiv(th, meta["BLOCK_I"])
-        * triton.cdiv(q, meta["BLOCK_Q"]),
+        math.prod(size.batch)
+        * size.num_tiles
+        * triton.cdiv(size.th, meta["BLOCK_I"])
+        * triton.cdiv(size.q, meta["BLOCK_Q"]),
     )
     wrap(_generate_kernel)[grid](
-        a, b, c, w_hidden, b_hidden, w_out, b_out,
-        places, scales, out,
-        num_tiles, numel, th, q, hidden,
-        P=outputs,
-        DEPTH=depth,
-        ACTIVATION=_gnet.ACTIVATIONS[activation],
-        PRECISION=_runtime.dot_precision(a.dtype),
-        BLOCK_H=block_h(hidden, depth, outputs),
-        BLOCK_P=block_p(outputs),
+        *terms, places, scales, out,
+        size.num_tiles, numel, size.th, size.q, size.hidden,
+        **meta_parameters(size, outputs, activation, terms.a.dtype),
     )  # fmt: skip
     return out
+
+
+class Sizes(NamedTuple):
+    """A stack's sizes, read from its terms' shapes (`sizes`)."""
+
+    batch: tuple[int, ...]  # leading genome dims
+    num_tiles: int
+    th: int  # tile rows
+    q: int  # evaluation columns
+    hidden: int
+    depth: int
+
+
+def sizes(terms: Terms) -> Sizes:
+    """The sizes of the stack whose g-net `terms` these are (`Terms`' shapes)."""
+    *batch, num_tiles, th, hidden = terms.a.shape
+    depth = 1 if terms.w_hidden is None else terms.w_hidden.shape[-3] + 1
+    return Sizes(tuple(batch), num_tiles, th, terms.b.shape[-2], hidden, depth)
+
+
+def meta_parameters(size: Sizes, outputs: int, activation: str, dtype: torch.dtype) -> dict:
+    """The meta-parameters both kernels take for a stack of `size` (all but the tuned blocks)."""
+    return {
+        "P": outputs,
+        "DEPTH": size.depth,
+        "ACTIVATION": _gnet.ACTIVATIONS[activation],
+        "PRECISION": _runtime.dot_precision(dtype),
+        "BLOCK_H": block_h(size.hidden, size.depth, outputs),
+        "BLOCK_P": block_p(outputs),
+    }

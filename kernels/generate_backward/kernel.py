@@ -22,8 +22,8 @@ from torch import Tensor
 from gbfunc._plan import Generated, Stack
 from gbfunc._spec import Terms
 
-from .. import _checks, _gnet, _placement, _runtime
-from ..generate.kernel import block_h, block_p, tile_blocks
+from .. import _checks, _gnet, _runtime
+from ..generate.kernel import meta_parameters, sizes, tile_blocks
 
 
 @triton.jit
@@ -234,8 +234,9 @@ def generate_backward(
     a, b, c, w_hidden, b_hidden, w_out, _ = terms
     tensors = {"a": a, "grad": grad, "b": b, "c": c, "w_out": w_out}
     tensors |= {"w_hidden": w_hidden, "b_hidden": b_hidden}
-    _, numel = _checks.check_launch("kernels.generate_backward", stack, params, tensors)
-    places, scales = _placement.placement_tensors(stack, params, a.device)
+    places, scales, numel = _checks.check_launch(
+        "kernels.generate_backward", stack, params, tensors
+    )
     genome = stack.genome
     return (run or launch)(grad, terms, places, scales, numel, stack.outputs, genome.activation)
 
@@ -253,16 +254,14 @@ def launch(
     """`_generate_backward_kernel` on checked inputs, the stack read from the tensors' shapes
     and the placement: what the `triton_op` wrapper traces, with
     `wrap=torch.library.wrap_triton`. `terms.b_out` is not read (`None` is fine)."""
-    a, b, c, w_hidden, b_hidden, w_out, _ = terms
-    *batch, num_tiles, th, hidden = a.shape
-    depth = 1 if w_hidden is None else w_hidden.shape[-3] + 1
-    q = b.shape[-2]
-    genome_tiles = math.prod(batch) * num_tiles
-    splits = splits_for(a.device, genome_tiles, th)
+    size = sizes(terms)
+    a, hidden, depth = terms.a, size.hidden, size.depth
+    genome_tiles = math.prod(size.batch) * size.num_tiles
+    splits = splits_for(a.device, genome_tiles, size.th)
     # float32 accumulators; sums over rows are per-split partials, zeroed by the kernel.
     f32 = {"dtype": torch.float32, "device": a.device}
-    g_a = torch.empty(genome_tiles, th, hidden, **f32)
-    g_b = torch.empty(splits, genome_tiles, q, hidden, **f32)
+    g_a = torch.empty(genome_tiles, size.th, hidden, **f32)
+    g_b = torch.empty(splits, genome_tiles, size.q, hidden, **f32)
     g_w_hidden = g_b_hidden = None
     if depth > 1:
         g_w_hidden = torch.empty(splits, genome_tiles, depth - 1, hidden, hidden, **f32)
@@ -270,16 +269,11 @@ def launch(
     g_w_out = torch.empty(splits, genome_tiles, hidden, outputs, **f32)
     g_b_out = torch.empty(splits, genome_tiles, outputs, **f32)
     wrap(_generate_backward_kernel)[(genome_tiles, splits)](
-        grad, a, b, c, w_hidden, b_hidden, w_out,
+        grad, *terms[:-1],
         places, scales,
         g_a, g_b, g_w_hidden, g_b_hidden, g_w_out, g_b_out,
-        num_tiles, numel, th, q, hidden,
-        P=outputs,
-        DEPTH=depth,
-        ACTIVATION=_gnet.ACTIVATIONS[activation],
-        PRECISION=_runtime.dot_precision(a.dtype),
-        BLOCK_H=block_h(hidden, depth, outputs),
-        BLOCK_P=block_p(outputs),
+        size.num_tiles, numel, size.th, size.q, hidden,
+        **meta_parameters(size, outputs, activation, a.dtype),
     )  # fmt: skip
 
     def total(partials: Tensor | None, like: Tensor | None) -> Tensor | None:
@@ -289,10 +283,10 @@ def launch(
     g_a = g_a.reshape(a.shape)
     return Terms(
         g_a.to(a.dtype),
-        total(g_b, b),
+        total(g_b, terms.b),
         g_a.sum(-2).to(a.dtype),  # c is added at every row: its gradient sums a's
-        total(g_w_hidden, w_hidden),
-        total(g_b_hidden, b_hidden),
-        total(g_w_out, w_out),
-        g_b_out.sum(0).reshape(*batch, num_tiles, outputs).to(a.dtype),
+        total(g_w_hidden, terms.w_hidden),
+        total(g_b_hidden, terms.b_hidden),
+        total(g_w_out, terms.w_out),
+        g_b_out.sum(0).reshape(*size.batch, size.num_tiles, outputs).to(a.dtype),
     )
