@@ -179,21 +179,24 @@ def plans(draw, *, widest: int = 11, loops: bool = False) -> gb.Plan:
 SEEDS = st.integers(0, 2**16)
 
 
-@settings(max_examples=15, deadline=None)
-@given(plans(), SEEDS)
-@example(  # ragged, two layers of tanh, row g-nets, shared, hashed
-    gb.plan(
-        mlp([9, 7, 3]),
-        tile=(3, 5),
+def tanh_rows(widths: list[int], tile: tuple[int, int], hidden: int) -> gb.Plan:
+    """A ragged MLP's plan of shared, hashed, two-layer tanh row g-nets (a tile row per
+    evaluation): the example the torch and Triton paths always run beside the drawn ones."""
+    return gb.plan(
+        mlp(widths),
+        tile=tile,
         depth=2,
         activation="tanh",
-        outputs=5,
-        hidden=5,
+        outputs=tile[1],
+        hidden=hidden,
         share=True,
         hashed=3,
-    ),
-    1,
-)
+    )
+
+
+@settings(max_examples=15, deadline=None)
+@given(plans(), SEEDS)
+@example(tanh_rows([9, 7, 3], (3, 5), hidden=5), 1)
 def test_the_torch_path_equals_the_references(plan, seed):
     """`compile=False`: op by op; its gradients equal autograd through the naive reference."""
     gparams = init(plan, seed)
@@ -286,19 +289,7 @@ def test_the_compiled_mlp_path_equals_the_references(seed):
 @needs_triton
 @settings(max_examples=10, deadline=None)
 @given(plans(widest=6), SEEDS)
-@example(
-    gb.plan(
-        mlp([5, 4, 3]),
-        tile=(2, 3),
-        depth=2,
-        activation="tanh",
-        outputs=3,
-        hidden=4,
-        share=True,
-        hashed=3,
-    ),
-    7,
-)
+@example(tanh_rows([5, 4, 3], (2, 3), hidden=4), 7)
 def test_the_triton_path_equals_the_references(plan, seed):
     """`backend="triton"`: the fused kernels (Triton's interpreter on CPU, tests/conftest.py)."""
     gparams = init(plan, seed, device=KERNEL_DEVICE)
