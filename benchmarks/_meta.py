@@ -169,15 +169,21 @@ def markdown_table(columns: Sequence[tuple[str, str]], rows: Iterable[Sequence[s
     return "\n".join(lines) + "\n"
 
 
-def cpu_benchmark_args(doc: str, out: str, **switches: str) -> argparse.Namespace:
-    """The command line of a one-machine CPU benchmark (`--threads`, `--out`, default
-    `RESULTS / out`, and a `--NAME` flag with its help per switch), with torch set to those
-    threads."""
+def benchmark_parser(doc: str, **switches: str) -> argparse.ArgumentParser:
+    """A benchmark's command line, described by `doc`'s first line: `--threads` (default 2)
+    and a `--NAME` flag (underscores written as hyphens) with its help per switch."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=RESULTS / out)
     for name, text in switches.items():
-        parser.add_argument(f"--{name}", action="store_true", help=text)
+        parser.add_argument(f"--{name.replace('_', '-')}", action="store_true", help=text)
+    return parser
+
+
+def cpu_benchmark_args(doc: str, out: str, **switches: str) -> argparse.Namespace:
+    """The command line of a one-machine CPU benchmark (`benchmark_parser`'s and `--out`,
+    default `RESULTS / out`), with torch set to its threads."""
+    parser = benchmark_parser(doc, **switches)
+    parser.add_argument("--out", type=Path, default=RESULTS / out)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     return args

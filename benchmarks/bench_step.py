@@ -16,7 +16,6 @@ same rounds.
 Writes what it prints to `benchmarks/results/bench_step.md` under the command, machine and date.
 """
 
-import argparse
 import gc
 import statistics
 import time
@@ -29,7 +28,7 @@ from torch import nn
 from torch.func import functional_call, grad_and_value
 
 import gbfunc as gb
-from benchmarks._meta import RESULTS, compile_static, recorded
+from benchmarks._meta import RESULTS, benchmark_parser, compile_static, recorded
 from examples.models import CharTransformer
 from examples.tasks import CharLMConfig
 
@@ -270,9 +269,7 @@ TILED_PLAN = {"tile": (64, 64), "hidden": 8, "outputs": 8, "overrides": {"head.w
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer rounds")
-    parser.add_argument("--threads", type=int, default=2)
+    parser = benchmark_parser(__doc__, quick="fewer rounds")
     parser.add_argument("--out", type=Path, default=RESULTS / "bench_step.md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -45,7 +45,6 @@ On a GPU (`bash benchmarks/gpu_check.sh` runs it so, the peers installed from wh
     python -m benchmarks.peers --dry-run        # one round of one step, one gbfunc genome
 """
 
-import argparse
 import math
 import traceback
 from collections.abc import Callable
@@ -60,6 +59,7 @@ from torch.func import functional_call
 import gbfunc as gb
 from benchmarks._meta import (
     RESULTS,
+    benchmark_parser,
     header_md,
     markdown_table,
     peak_bytes,
@@ -250,15 +250,12 @@ def cuda_peak_bytes(fn: Callable[[], object]) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer rounds")
-    parser.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="one round of one step and only the first gbfunc genome: checks that it runs",
+    parser = benchmark_parser(
+        __doc__,
+        quick="fewer rounds",
+        dry_run="one round of one step and only the first gbfunc genome: checks that it runs",
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS, help="the folder to write into")
     parser.add_argument(
         "--name",

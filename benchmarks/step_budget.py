@@ -16,7 +16,6 @@ generation code of the same arithmetic; "none left" that the rest of the step al
 Writes what it prints to `benchmarks/results/step_budget.md` under the command, machine and date.
 """
 
-import argparse
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 from torch.func import grad
 
 import gbfunc as gb
-from benchmarks._meta import RESULTS, compile_static, generation_flops, recorded
+from benchmarks._meta import RESULTS, benchmark_parser, compile_static, generation_flops, recorded
 from benchmarks.bench_step import (
     MLP_GENOMES,
     Timing,
@@ -130,9 +129,7 @@ def run(labels: list[str], rounds: int, inner: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer rounds")
-    parser.add_argument("--threads", type=int, default=2)
+    parser = benchmark_parser(__doc__, quick="fewer rounds")
     parser.add_argument("--genome", action="append", choices=list(MLP_GENOMES), dest="genomes")
     parser.add_argument("--out", type=Path, default=RESULTS / "step_budget.md")
     args = parser.parse_args()

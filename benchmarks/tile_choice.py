@@ -22,7 +22,6 @@ Writes what it prints to `benchmarks/results/tile_choice.md` (`--baselines`:
 `tile_choice_baselines.md`).
 """
 
-import argparse
 import contextlib
 import statistics
 from collections.abc import Iterator
@@ -33,7 +32,7 @@ from torch import nn
 
 import gbfunc as gb
 from benchmarks import equal_params
-from benchmarks._meta import RESULTS, recorded
+from benchmarks._meta import RESULTS, benchmark_parser, recorded
 from benchmarks.bench_step import (
     Timing,
     cross_entropy,
@@ -181,14 +180,11 @@ def _best(task: equal_params.Task, scores: dict[float, list[float]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="speed only, fewer rounds")
-    parser.add_argument(
-        "--baselines",
-        action="store_true",
-        help="only a narrower model and low rank at the searched plans' parameter counts",
+    parser = benchmark_parser(
+        __doc__,
+        quick="speed only, fewer rounds",
+        baselines="only a narrower model and low rank at the searched plans' parameter counts",
     )
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, help="default: results/tile_choice[_baselines].md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
