@@ -1,5 +1,5 @@
-"""What the torchrun examples share: their common arguments, this rank's device, an endless
-stream of this rank's batches, and the training loop."""
+"""What the torchrun examples share: their common arguments, their small GPT and its plan, this
+rank's device, an endless stream of this rank's batches, and the training loop."""
 
 import argparse
 import itertools
@@ -9,8 +9,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+import gbfunc as gb
 import gbfunc.dist as gbd
-from examples.gpt import GPTConfig, counting_data
+from examples.gpt import GPT, GPTConfig, counting_data
 
 
 def parser(doc: str) -> argparse.ArgumentParser:
@@ -19,6 +20,18 @@ def parser(doc: str) -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--global-batch", type=int, default=32)
     return parser
+
+
+def small_gpt(layers: int = 2) -> tuple[GPTConfig, GPT, gb.Plan]:
+    """The examples' GPT of `layers` blocks (64 tokens, width 64, 4 heads, 32 positions): its
+    config, the model on the meta device (shapes only: every weight is passed in by
+    `functional_call`) and its plan of (32, 32) tiles, checked to be the same on every rank."""
+    cfg = GPTConfig(vocab=64, dim=64, layers=layers, heads=4, seq=32)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    plan = gb.plan(model, tile=(32, 32))
+    gbd.check_plan(plan)
+    return cfg, model, plan
 
 
 def local_device() -> torch.device:

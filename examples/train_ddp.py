@@ -16,7 +16,7 @@ from torch.func import functional_call
 import gbfunc as gb
 import gbfunc.dist as gbd
 from examples import launch
-from examples.gpt import GPT, GPTConfig, loss_fn
+from examples.gpt import loss_fn
 
 
 def main() -> None:
@@ -26,11 +26,7 @@ def main() -> None:
 
     mesh = gbd.init_mesh()
     device = launch.local_device()
-    cfg = GPTConfig(vocab=64, dim=64, layers=2, heads=4, seq=32)
-    with torch.device("meta"):
-        model = GPT(cfg)  # shapes only: every weight is passed in by functional_call
-    plan = gb.plan(model, tile=(32, 32))
-    gbd.check_plan(plan)
+    cfg, model, plan = launch.small_gpt()  # the model on meta: weights come from gparams
     gparams = gb.init(plan, seed=0, device=device)  # bitwise identical on every rank
 
     if args.strategy == "replicated":

@@ -17,7 +17,7 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 import gbfunc as gb
 import gbfunc.dist as gbd
 from examples import launch
-from examples.gpt import GPT, GPTConfig, loss_fn
+from examples.gpt import GPT, loss_fn
 
 
 def main() -> None:
@@ -28,10 +28,7 @@ def main() -> None:
 
     mesh = gbd.init_mesh(pp=args.pp)
     device = launch.local_device()
-    cfg = GPTConfig(vocab=64, dim=64, layers=4, heads=4, seq=32)
-    with torch.device("meta"):
-        plan = gb.plan(GPT(cfg), tile=(32, 32))  # the whole model's plan, on every stage
-    gbd.check_plan(plan)
+    cfg, _, plan = launch.small_gpt(layers=4)  # the whole model's plan, on every stage
     index = mesh.get_local_rank("pp")
     with torch.device(device):
         module = GPT(cfg, stage=(index, args.pp))  # this stage's blocks only

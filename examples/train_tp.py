@@ -19,7 +19,7 @@ from torch.func import functional_call
 import gbfunc as gb
 import gbfunc.dist as gbd
 from examples import launch
-from examples.gpt import GPT, GPTConfig, loss_fn, tp_plan
+from examples.gpt import loss_fn, tp_plan
 
 
 def main() -> None:
@@ -29,11 +29,7 @@ def main() -> None:
 
     mesh = gbd.init_mesh(tp=args.tp)
     device = launch.local_device()
-    cfg = GPTConfig(vocab=64, dim=64, layers=2, heads=4, seq=32)
-    with torch.device("meta"):
-        model = GPT(cfg)
-    plan = gb.plan(model, tile=(32, 32))  # the unsharded model's plan: same on every rank
-    gbd.check_plan(plan)
+    cfg, model, plan = launch.small_gpt()  # the unsharded model's plan: same on every rank
     parallelize_module(model, mesh["tp"], tp_plan(model))
     shards = gbd.TensorParallel(plan, model, mesh["tp"])
     if shards.misaligned and dist.get_rank() == 0:
