@@ -16,16 +16,7 @@ from ._check_model import check_matches
 from ._entries import check_labels
 from ._genome import Genome
 from ._numbers import as_finite, as_integer
-from ._plan import (
-    Block,
-    Free,
-    Generated,
-    Plan,
-    Stack,
-    block_shapes,
-    stack_geometry,
-    tile_grid,
-)
+from ._plan import Block, Free, Generated, Plan, Stack, block_shapes, stack_geometry, tile_grid
 
 # What `gb.init` can draw a free tensor by (`free_init`).
 FREE_INITS = ("zeros", "ones", "uniform", "normal", "normal_padded")
