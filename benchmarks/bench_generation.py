@@ -39,8 +39,8 @@ from torch.func import vmap
 import gbfunc as gb
 from benchmarks._meta import RESULTS, compile_static, recorded
 from gbfunc._genome import stack_codes
-from gbfunc._tiling import assemble
 from gbfunc._spec import Terms, activate, stack_terms
+from gbfunc._tiling import assemble
 
 
 def best_times(fns: dict[str, Callable[[], object]], budget: float) -> dict[str, float]:

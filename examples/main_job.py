@@ -451,9 +451,7 @@ def finish(
     if "low rank" not in names:
         smallest = smallest_low_rank(setup.arms[0].model, weight_matrices(setup.arms[0].model))
         missing = f"; no low rank: rank 1 for every weight needs {smallest:,}"
-    print(
-        f"[{task}] trainable parameters: {sizes} (narrow: the width nearest gb's count{missing})"
-    )
+    print(f"[{task}] trainable parameters: {sizes} (narrow: the width nearest gb's count{missing})")
     saved = (
         f"checkpoint {checkpoint} (seed {first['gb'].seed}; "
         f"{checkpoint.stat().st_size / 2**20:.2f} MiB; dense fp32 "

@@ -7,6 +7,8 @@ anything imports the kernels.
 
 import importlib.util
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -110,3 +112,21 @@ def loops_off(monkeypatch) -> pytest.MonkeyPatch:
 
     monkeypatch.setattr(_build, "_mode", "off")
     return monkeypatch
+
+
+@pytest.fixture(scope="session")
+def site(tmp_path_factory) -> Path:
+    """The documentation site, built once per test process by `mkdocs build --strict`."""
+    pytest.importorskip("mkdocs", reason="needs the docs extra (the README's test command)")
+    out = tmp_path_factory.mktemp("site")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}  # mkdocs-material's banner about 2.0
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+        cwd=Path(__file__).resolve().parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stderr[-4000:]}"
+    return out

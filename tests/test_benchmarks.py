@@ -37,7 +37,8 @@ def test_a_rerun_keeps_the_notes_kept_at_the_end_of_a_results_file(tmp_path):
     with recorded(path, "A title"):
         print("second run")
     text = path.read_text()
-    assert "second run" in text and "first run" not in text.split(NOTES)[0]
+    assert "second run" in text
+    assert "first run" not in text.split(NOTES)[0]
     assert text.endswith(f"```\n\n{notes}")
     write_results(tmp_path / "new.md", "# fresh\n")  # a file without notes: as given
     assert (tmp_path / "new.md").read_text() == "# fresh\n"

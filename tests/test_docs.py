@@ -25,23 +25,6 @@ def entries(page: str) -> set[str]:
     return set(re.findall(r"^::: (\S+)$", (API / page).read_text(), flags=re.M))
 
 
-@pytest.fixture(scope="module")
-def site(tmp_path_factory) -> Path:
-    pytest.importorskip("mkdocs", reason="needs the docs extra (the README's test command)")
-    out = tmp_path_factory.mktemp("site")
-    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}  # mkdocs-material's banner about 2.0
-    result = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stderr[-4000:]}"
-    return out
-
-
 @pytest.mark.slow
 def test_the_site_builds_in_strict_mode_with_every_page(site):
     for page in ("index.html", "concepts/index.html", "troubleshooting/index.html"):

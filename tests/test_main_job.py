@@ -45,7 +45,8 @@ def test_stat_and_paired_gap() -> None:
     assert (stat.spread, stat.n) == (3.0, 3)
     # Paired by seed: a constant difference is beyond noise, however spread the arms are.
     gap = paired_gap([1.0, 5.0, 9.0], [0.9, 4.9, 8.9])
-    assert gap.mean == pytest.approx(0.1) and gap.se == pytest.approx(0, abs=1e-12)
+    assert gap.mean == pytest.approx(0.1)
+    assert gap.se == pytest.approx(0, abs=1e-12)
     assert gap.label == "beyond noise"
     assert Stat.of([0.1, -0.1]).label == "within noise"
     assert paired_gap([2.0, 3.0, 4.0], [1.0]).n == 1  # only the seeds both arms have
@@ -101,8 +102,11 @@ def test_charlm_writes_checkpoint_plot_and_table(tmp_path: Path, capsys) -> None
     summary = out[out.index("\nsummary:") :]
     # Loss and accuracy, vs dense and low rank; the summary's the loss's.
     assert out.count("not ranked (one seed)") - summary.count("not ranked (one seed)") == 4
-    assert "charlm" in summary and "2 seeds where not said" in summary
-    assert "gb vs dense" in summary and "vs narrow" in summary and "noise" in summary
+    assert "charlm" in summary
+    assert "2 seeds where not said" in summary
+    assert "gb vs dense" in summary
+    assert "vs narrow" in summary
+    assert "noise" in summary
 
     # The checkpoint loads for the same model, with the plan and vocabulary it was trained with.
     corpus = CharCorpus.from_text(pydoc_text())
