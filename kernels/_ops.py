@@ -113,6 +113,6 @@ for _op in (torch.ops.gbfunc.generate.default, torch.ops.gbfunc.generate_backwar
     with warnings.catch_warnings():  # replacing `triton_op`'s own autograd kernel is the point
         warnings.filterwarnings("ignore", "Warning only once for all operators")
         name = _op.__name__.split(".")[0]
-        _LIBRARY.impl(name, _below_autograd(_op), "Autograd", with_keyset=True)
+        _LIBRARY.impl(name, _below_autograd(_op), "Autograd", with_keyset=True, allow_override=True)
 
 _runtime.OP_LAUNCHERS.update(generate=generate, generate_backward=generate_backward)
