@@ -8,6 +8,8 @@ zero-padded: their weights load as zero, so they never reach a real output or gr
 import triton
 import triton.language as tl
 
+from . import _interpreter  # noqa: F401  (Triton 3.6's interpreter, fixed before a kernel runs)
+
 RELU, GELU, TANH, SILU = range(4)
 ACTIVATIONS = {"relu": RELU, "gelu": GELU, "tanh": TANH, "silu": SILU}
 
