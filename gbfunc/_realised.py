@@ -11,7 +11,8 @@ transformer: `benchmarks/results/design_measurements.md`).
 
 import torch
 from torch import Tensor
-from torch._prims_common import make_contiguous_strides_for
+
+from ._tracing import exporting
 
 
 def realised(weight: Tensor) -> Tensor:
@@ -58,11 +59,22 @@ def contiguous_buffer(x: Tensor) -> Tensor:
     if compiling_a_buffer() and not torch.is_grad_enabled():
         from torch._inductor import inductor_prims  # noqa: F401 (registers the prim)
 
-        return torch.ops.prims.inductor_force_stride_order(x, make_contiguous_strides_for(x.shape))
+        return torch.ops.prims.inductor_force_stride_order(x, _contiguous_strides(x.shape))
     return x.contiguous()
+
+
+def _contiguous_strides(shape: torch.Size) -> list[int]:
+    """The strides of a contiguous tensor of `shape`, as `torch._prims_common`'s
+    `make_contiguous_strides_for` gives them: written here because dynamo up to torch 2.11
+    at least refuses to trace that one (it calls `is_nested_int`, marked as skipped)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step = step * max(size, 1)
+    return strides[::-1]
 
 
 def compiling_a_buffer() -> bool:
     """Compiling (inductor's prims apply), not exporting (an exported graph keeps only
     standard ops)."""
-    return torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+    return torch.compiler.is_compiling() and not exporting()

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import _tracing
 from ._realised import contiguous_buffer
 from ._spec import Terms, activate, first_layer
 from .cpu import _relu_loops
@@ -71,7 +72,7 @@ def _form(terms: Terms, activation: str, b_t: Tensor | None) -> str:
         dtype=a.dtype,
         device_type=a.device.type,
         traced=torch.compiler.is_compiling(),
-        exporting=torch.compiler.is_exporting(),
+        exporting=_tracing.exporting(),
         units_major_columns=b_t is not None,
     )
 
