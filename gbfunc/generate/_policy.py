@@ -13,6 +13,7 @@ from torch import Tensor
 
 from .._compiled import dynamo_disabled
 from .._plan import Plan, Stack
+from .._tracing import exporting
 from ..cpu import missing_compiler
 
 # `compile=None` compiles a plan's graph from this many generated weights on: the MLP
@@ -52,7 +53,7 @@ class Context(NamedTuple):
             backend=backend,
             compile=compile,
             compiling=torch.compiler.is_compiling(),
-            exporting=torch.compiler.is_exporting(),
+            exporting=exporting(),
             transformed=torch._C._functorch.peek_interpreter_stack() is not None,
             grad=torch.is_grad_enabled(),
             dynamo_off=dynamo_disabled(),
