@@ -6,7 +6,7 @@ On CPU the Triton backend runs through Triton's interpreter, so the model stays 
 import pytest
 import torch
 from devices import KERNEL_DEVICE
-from hypothesis import example, given, settings, strategies as st
+from hypothesis import assume, example, given, settings, strategies as st
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_map
@@ -312,6 +312,7 @@ def test_triton_backend_takes_a_condition_forward_and_backward(genome, width, se
     )
     got = grad(conditioned_loss)(gparams, "triton")
     want = grad(conditioned_loss)(gparams, "torch")
-    assert bool(want["tasks"][1].abs().sum() > 0)
+    # A draw whose ReLU g-nets are dead for task 1 has no gradient to compare: drawn again.
+    assume(bool(want["tasks"][1].abs().sum() > 0))
     tolerance = {**GRAD_TOLERANCE, "atol": GRAD_TOLERANCE["atol"] * k}
     assert_trees_close(got, want, "grad gparams", **tolerance)
