@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _tracing
 from ._realised import contiguous_buffer
 from ._spec import Terms, activate, first_layer
+from ._tracing import exporting
 from .cpu import _relu_loops
 
 # The forms of the tile MLP's forward (`forward_form`), as `gb.explain` names them.
@@ -72,7 +72,7 @@ def _form(terms: Terms, activation: str, b_t: Tensor | None) -> str:
         dtype=a.dtype,
         device_type=a.device.type,
         traced=torch.compiler.is_compiling(),
-        exporting=_tracing.exporting(),
+        exporting=exporting(),
         units_major_columns=b_t is not None,
     )
 
