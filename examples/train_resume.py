@@ -75,6 +75,7 @@ def main() -> None:
         if (step + 1) % args.every == 0:
             gbd.save_replicated(last, gparams, plan, opt_state=opt.state_dict(), step=step + 1)
     gbd.save_replicated(args.dir / "final.safetensors", gparams, plan, step=args.steps)
+    dist.barrier()  # every rank done before any tears down (see launch.train)
     dist.destroy_process_group()
 
 
