@@ -5,6 +5,8 @@ inputs contiguous first, so these checks guard direct launcher calls and the lib
 invariants alike.
 """
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -29,15 +31,23 @@ def expected_shapes(stack: Stack, numel: int) -> dict[str, tuple[int, ...] | Non
     }
 
 
+class Launch(NamedTuple):
+    """What a kernel launch takes beside the g-net tensors: where each tile lands (`(T, 4)`
+    places, `(T,)` scales: `_placement.placement_tensors`), the size of the stack's flat
+    output, and its g-nets' outputs per evaluation and activation."""
+
+    places: Tensor
+    scales: Tensor
+    numel: int
+    outputs: int
+    activation: str
+
+
 def check_launch(
     where: str, stack: object, params: object, tensors: dict[str, Tensor | None]
-) -> tuple[Tensor, Tensor, int]:
-    """Raise unless `stack`, `params` and `tensors` fit together and this device.
-
-    Returns:
-        The placement of `params` as tensors on the tensors' device (`(T, 4)` places, `(T,)`
-        scales: `_placement.placement_tensors`), and the size of the stack's flat output.
-    """
+) -> Launch:
+    """Raise unless `stack`, `params` and `tensors` fit together and this device; what the
+    launch takes beside the tensors."""
     if not isinstance(stack, Stack):
         raise TypeError(
             f"{where}: stack must be a gb.Stack (from plan.stacks), got {type(stack).__name__}."
@@ -82,7 +92,8 @@ def check_launch(
                 f"{where}: {name} is not contiguous (strides {x.stride()}); pass "
                 f"{name}.contiguous(), or call gbfunc.kernels.generate, which does."
             )
-    return (*_placement.placement_tensors(stack, params, first.device), numel)
+    places, scales = _placement.placement_tensors(stack, params, first.device)
+    return Launch(places, scales, numel, stack.outputs, stack.genome.activation)
 
 
 def refusal(stack: Stack, dtype: torch.dtype) -> str | None:

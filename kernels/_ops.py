@@ -24,6 +24,7 @@ from gbfunc._plan import Generated, Stack
 from gbfunc._spec import Terms
 
 from . import _runtime
+from ._checks import Launch
 from .generate import kernel as forward_kernel
 from .generate_backward import kernel as backward_kernel
 
@@ -40,18 +41,18 @@ def generate_backward(
     return backward_kernel.generate_backward(grad, terms, stack, params, run=_run_backward)
 
 
-def _run_generate(terms: Terms, *launch: object) -> Tensor:
-    return _generate(list(terms), *launch)
+def _run_generate(terms: Terms, checked: Launch) -> Tensor:
+    return _generate(list(terms), *checked)
 
 
-def _run_backward(grad: Tensor, terms: Terms, *launch: object) -> Terms:
-    grads = _generate_backward(grad, list(terms[:-1]), *launch)
+def _run_backward(grad: Tensor, terms: Terms, checked: Launch) -> Terms:
+    grads = _generate_backward(grad, list(terms[:-1]), *checked)
     absent = terms.w_hidden is None  # the op returns empty tensors for absent hidden layers
     return Terms(*(None if absent and i in (3, 4) else g for i, g in enumerate(grads)))
 
 
 # Both ops take a stack's g-net terms as a list in `Terms` order (`b_out` left out of the
-# backward's), `None` for absent hidden layers, then `launch`'s arguments.
+# backward's), `None` for absent hidden layers, then a `Launch`'s fields.
 
 
 @triton_op("gbfunc::generate", mutates_args=())
@@ -64,7 +65,8 @@ def _generate(
     activation: str,
 ) -> Tensor:
     launch = forward_kernel.launch
-    return launch(Terms(*terms), places, scales, numel, outputs, activation, wrap=wrap_triton)
+    checked = Launch(places, scales, numel, outputs, activation)
+    return launch(Terms(*terms), checked, wrap=wrap_triton)
 
 
 @_generate.register_fake
@@ -85,7 +87,7 @@ def _generate_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     given = Terms(*terms, None)
     grads = backward_kernel.launch(
-        grad, given, places, scales, numel, outputs, activation, wrap=wrap_triton
+        grad, given, Launch(places, scales, numel, outputs, activation), wrap=wrap_triton
     )
     return tuple(given.a.new_empty(0) if g is None else g for g in grads)
 

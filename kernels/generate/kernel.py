@@ -19,6 +19,7 @@ from gbfunc._plan import Generated, Stack
 from gbfunc._spec import Terms
 
 from .. import _checks, _gnet, _runtime
+from .._checks import Launch
 
 
 def block_sizes(args: dict) -> dict[str, int]:
@@ -131,22 +132,15 @@ def generate(
     `run`: what launches it on the checked inputs, `launch`'s arguments but `wrap` (default:
     `launch`; the `triton_op` wrapper passes its op).
     """
-    places, scales, numel = _checks.check_launch("kernels.generate", stack, params, terms._asdict())
-    return (run or launch)(terms, places, scales, numel, stack.outputs, stack.genome.activation)
+    checked = _checks.check_launch("kernels.generate", stack, params, terms._asdict())
+    return (run or launch)(terms, checked)
 
 
-def launch(
-    terms: Terms,
-    places: Tensor,
-    scales: Tensor,
-    numel: int,
-    outputs: int,
-    activation: str,
-    wrap: Callable = lambda kernel: kernel,
-) -> Tensor:
-    """`_generate_kernel` on checked inputs, the stack read from the tensors' shapes and the
-    placement (`_placement.placement_tensors`): what the `triton_op` wrapper traces, with
+def launch(terms: Terms, checked: Launch, wrap: Callable = lambda kernel: kernel) -> Tensor:
+    """`_generate_kernel` on checked inputs (`checked`: `_checks.check_launch`'s), the stack's
+    sizes read from the tensors' shapes: what the `triton_op` wrapper traces, with
     `wrap=torch.library.wrap_triton`."""
+    places, scales, numel, outputs, activation = checked
     size = sizes(terms)
     out = torch.empty((*size.batch, numel), dtype=terms.a.dtype, device=terms.a.device)
     grid = lambda meta: (

@@ -23,6 +23,7 @@ from gbfunc._plan import Generated, Stack
 from gbfunc._spec import Terms
 
 from .. import _checks, _gnet, _runtime
+from .._checks import Launch
 from ..generate.kernel import meta_parameters, sizes, tile_blocks
 
 
@@ -234,26 +235,17 @@ def generate_backward(
     a, b, c, w_hidden, b_hidden, w_out, _ = terms
     tensors = {"a": a, "grad": grad, "b": b, "c": c, "w_out": w_out}
     tensors |= {"w_hidden": w_hidden, "b_hidden": b_hidden}
-    places, scales, numel = _checks.check_launch(
-        "kernels.generate_backward", stack, params, tensors
-    )
-    genome = stack.genome
-    return (run or launch)(grad, terms, places, scales, numel, stack.outputs, genome.activation)
+    checked = _checks.check_launch("kernels.generate_backward", stack, params, tensors)
+    return (run or launch)(grad, terms, checked)
 
 
 def launch(
-    grad: Tensor,
-    terms: Terms,
-    places: Tensor,
-    scales: Tensor,
-    numel: int,
-    outputs: int,
-    activation: str,
-    wrap: Callable = lambda kernel: kernel,
+    grad: Tensor, terms: Terms, checked: Launch, wrap: Callable = lambda kernel: kernel
 ) -> Terms:
-    """`_generate_backward_kernel` on checked inputs, the stack read from the tensors' shapes
-    and the placement: what the `triton_op` wrapper traces, with
+    """`_generate_backward_kernel` on checked inputs (`checked`: `_checks.check_launch`'s),
+    the stack's sizes read from the tensors' shapes: what the `triton_op` wrapper traces, with
     `wrap=torch.library.wrap_triton`. `terms.b_out` is not read (`None` is fine)."""
+    places, scales, numel, outputs, activation = checked
     size = sizes(terms)
     a, hidden, depth = terms.a, size.hidden, size.depth
     genome_tiles = math.prod(size.batch) * size.num_tiles
