@@ -667,3 +667,38 @@ def test_transfer_reports_the_default_against_the_best_scale_and_the_narrow_mode
     assert "gbfunc's default - narrow: +0.0600" in text
     assert "## digits-rows\n\nNot run." in text
     assert len(transfer.jobs("email")) == 3 * (5 + 2)
+
+
+def test_bench_paths_forces_each_neighbour_of_a_variant_and_checks_it_equals_the_variant(
+    monkeypatch,
+):
+    """The variants section on tiny g-nets, traced op by op (as tests/test_paths.py has it)
+    instead of compiled: each forced neighbour runs, alone, and equals the chosen variant;
+    the library's `forward_form` and `reads_units_major_columns` are restored after."""
+    from torch import nn
+
+    from benchmarks.bench_paths import VariantCase, compare_variants
+    from gbfunc import _evaluate, _tilemlp_forward
+    from gbfunc.cpu._relu_loops import layer_usable
+
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    saved = _tilemlp_forward.forward_form, _evaluate.reads_units_major_columns
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    tanh = {"hidden": 5, "activation": "tanh"}
+    many_units = {"tile": (4, 4), "outputs": 2, **tanh, "hidden": 40}
+    cases = [
+        VariantCase("by-columns", "wide", {"tile": (4, 16), **tanh}, ("by-units",)),
+        VariantCase("by-units", "narrow", {"tile": (4, 2), **tanh}, ("by-columns",)),
+        VariantCase("unrolled", "few", {"tile": (4, 4), "outputs": 2, **tanh}, ("units-major",)),
+        VariantCase("units-major", "many units", many_units, ("unrolled",)),
+    ]
+    if layer_usable(8, 2, torch.float32, "cpu"):  # the C loops built
+        relu = {"tile": (4, 4), "outputs": 2, "hidden": 8}
+        cases.append(VariantCase("c-loops", "relu", relu, ("unrolled", "units-major")))
+    for case in cases:
+        timings, differences = compare_variants(case, model, 1, 1, compiler=lambda fn: fn)
+        assert list(timings) == [case.variant, *case.neighbours]
+        assert timings[case.variant].ratios == [1.0]
+        assert differences[case.variant] == (0.0, 0.0)
+        assert all(max(d) <= 1e-4 for d in differences.values())
+    assert (_tilemlp_forward.forward_form, _evaluate.reads_units_major_columns) == saved
