@@ -25,6 +25,14 @@ if WRAPPER not in WRAPPERS:
         f"gbfunc.kernels: GBFUNC_KERNEL_WRAPPER is {WRAPPER!r}; expected one of {WRAPPERS}."
     )
 OP_LAUNCHERS: dict[str, Callable] = {}
+
+
+def launcher(name: str, own: Callable) -> Callable:
+    """What launches op `name` under the chosen wrapper: `own` (the kernel's launcher) or,
+    with `triton_op`, the op's."""
+    return OP_LAUNCHERS[name] if WRAPPER == "triton_op" else own
+
+
 # Triton's own library (tl.sum, ...) is interpreted only if the variable was set before
 # triton was first imported (torch.compile imports it, for one).
 _LIBRARY_INTERPRETED = isinstance(tl.sum, InterpretedFunction)

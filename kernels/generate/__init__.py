@@ -19,8 +19,8 @@ class _Generate(torch.autograd.Function):
     @staticmethod
     def forward(*inputs):
         *flat, stack, params = inputs
-        launch = _runtime.OP_LAUNCHERS["generate"] if _runtime.WRAPPER == "triton_op" else None
-        return (launch or kernel.generate)(Terms(*(contiguous(x) for x in flat)), stack, params)
+        launch = _runtime.launcher("generate", kernel.generate)
+        return launch(Terms(*(contiguous(x) for x in flat)), stack, params)
 
     @staticmethod
     def setup_context(ctx, inputs, output):

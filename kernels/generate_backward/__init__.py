@@ -20,10 +20,8 @@ class _GenerateGrad(torch.autograd.Function):
     def forward(*inputs):
         grad, *flat, stack, params = inputs
         terms = Terms(*(contiguous(x) for x in flat), None)
-        launch = (
-            _runtime.OP_LAUNCHERS["generate_backward"] if _runtime.WRAPPER == "triton_op" else None
-        )
-        return tuple((launch or kernel.generate_backward)(contiguous(grad), terms, stack, params))
+        launch = _runtime.launcher("generate_backward", kernel.generate_backward)
+        return tuple(launch(contiguous(grad), terms, stack, params))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
