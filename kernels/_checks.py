@@ -31,6 +31,10 @@ def expected_shapes(stack: Stack, numel: int) -> dict[str, tuple[int, ...] | Non
     }
 
 
+# The dtypes the kernels take here, as errors name them.
+_DTYPES = ", ".join(str(d).removeprefix("torch.") for d in _runtime.DTYPES)
+
+
 class Launch(NamedTuple):
     """What a kernel launch takes beside the g-net tensors: where each tile lands (`(T, 4)`
     places, `(T,)` scales: `_placement.placement_tensors`), the size of the stack's flat
@@ -65,8 +69,7 @@ def check_launch(
     if not isinstance(first, Tensor):
         raise TypeError(f"{where}: a must be a Tensor, got {type(first).__name__}.")
     if first.dtype not in _runtime.DTYPES:
-        names = ", ".join(str(d).removeprefix("torch.") for d in _runtime.DTYPES)
-        raise TypeError(f"{where}: a has dtype {first.dtype}; the kernels take {names} here.")
+        raise TypeError(f"{where}: a has dtype {first.dtype}; the kernels take {_DTYPES} here.")
     _runtime.check_runnable(where, first.device)
     batch = tuple(first.shape[:-3])
     for name, x in tensors.items():
@@ -105,8 +108,7 @@ def refusal(stack: Stack, dtype: torch.dtype) -> str | None:
     if (beyond := _beyond_limits(stack)) is not None:
         return beyond
     if dtype not in _runtime.DTYPES:
-        names = ", ".join(str(d).removeprefix("torch.") for d in _runtime.DTYPES)
-        return f"dtype {str(dtype).removeprefix('torch.')}; the kernels take {names} here"
+        return f"dtype {str(dtype).removeprefix('torch.')}; the kernels take {_DTYPES} here"
     return None
 
 
