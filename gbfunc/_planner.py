@@ -31,7 +31,7 @@ from ._plan import (
     tile_grid,
 )
 from ._rules import free_init, step_scale
-from ._search import SCOPES, UnreachableError, search_tile, size_tables
+from ._search import SCOPES, Goal, UnreachableError, search_tile, size_tables
 
 
 def plan(
@@ -231,12 +231,13 @@ def _compress(
                 "gb.plan: hashed='auto' sizes the tables to reach compression=; pass "
                 "compression=, or give hashed= a number of buckets."
             )
+        goal = Goal(entries, flags, compression, scope)
         if tile_given:
-            return size_tables(entries, options, compression, flags, scope)
+            return size_tables(goal, options)
         for tile in TABLE_TILES:  # the first tile whose tables can reach the target
             tiled = [o if o.get("explicit_tile") else {**o, "tile": tile} for o in options]
             try:
-                return size_tables(entries, tiled, compression, flags, scope)
+                return size_tables(goal, tiled)
             except UnreachableError as e:
                 unreachable = e
         raise unreachable
@@ -244,7 +245,7 @@ def _compress(
         return options
     if tile_given:
         raise ValueError("gb.plan: pass either tile or compression, not both.")
-    return search_tile(entries, options, compression, flags, scope)
+    return search_tile(Goal(entries, flags, compression, scope), options)
 
 
 def _build(entries: list[Entry], options: list[dict[str, object]], flags: dict[str, bool]) -> Plan:

@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable
 from typing import NamedTuple
 
-from ._advice import advice
+from ._advice import Reach, advice
 from ._entries import (
     Entry,
     block_cost,
@@ -28,6 +28,27 @@ SCOPES = ("model", "generated")  # what `compression=` counts, see the module do
 
 class UnreachableError(ValueError):
     """No tile or table size reaches `compression=` within 10%."""
+
+
+class Goal(NamedTuple):
+    """What `compression=` asks of a plan: the ratio `target` of `scope` (one of `SCOPES`)
+    over its `entries`, with its `flags`."""
+
+    entries: list[Entry]
+    flags: dict[str, bool]
+    target: float
+    scope: str
+
+    def unreachable(
+        self, options: list[dict[str, object]], reach: Reach, found: str, otherwise: str
+    ) -> UnreachableError:
+        """The error for a target that `options` miss: the ratios they give (`found`), then
+        `advice` on options that would reach it, then what else to change (`otherwise`)."""
+        return UnreachableError(
+            f"gb.plan: compression={self.target} cannot be reached within 10% {found}."
+            + advice(self.entries, options, self.flags, self.target, self.scope, reach)
+            + f" Otherwise {otherwise}."
+        )
 
 
 class _Ratio:
@@ -58,14 +79,8 @@ class _Scan(NamedTuple):
         return self.nearest is not None and self.nearest[0] <= 0.10
 
 
-def search_tile(
-    entries: list[Entry],
-    options: list[dict[str, object]],
-    target: float,
-    flags: dict[str, bool],
-    scope: str = "model",
-) -> list[dict[str, object]]:
-    """Pick a `(TH, TW)` whose ratio (of `scope`) is within 2% of `target` (else the
+def search_tile(goal: Goal, options: list[dict[str, object]]) -> list[dict[str, object]]:
+    """Pick a `(TH, TW)` whose ratio is within 2% of the goal's target (else the
     closest): the squarest, unless one about as square has its g-nets
     evaluate at least 5% fewer vectors (`vector_work`); then the one that evaluates fewest.
 
@@ -73,18 +88,18 @@ def search_tile(
     tiles (sizes that split some weight dimension evenly, powers of two and multiples of
     `VECTOR_LANES`) takes well under a second even for GPT-2-sized plans.
     """
-    scan = _scan_tiles(entries, options, target, flags, scope)
+    scan = _scan_tiles(goal, options)
     if not scan.reached:
 
         def reach(opts: list[dict[str, object]], fl: dict[str, bool]) -> tuple[float, float, bool]:
-            found = _scan_tiles(entries, opts, target, fl, scope)
+            found = _scan_tiles(goal._replace(flags=fl), opts)
             return found.lo, found.hi, found.reached
 
-        raise UnreachableError(
-            f"gb.plan: compression={target} cannot be reached within 10% with these g-nets: tiles "
-            f"give {scan.lo:.2f}x to {scan.hi:.2f}x."
-            + advice(entries, options, flags, target, scope, reach)
-            + " Otherwise change hidden/depth, or pass tile= directly."
+        raise goal.unreachable(
+            options,
+            reach,
+            f"with these g-nets: tiles give {scan.lo:.2f}x to {scan.hi:.2f}x",
+            "change hidden/depth, or pass tile= directly",
         )
     tile = scan.nearest[1]
     if scan.close:
@@ -95,14 +110,9 @@ def search_tile(
     return [o if o.get("explicit_tile") else {**o, "tile": tile, "searched": True} for o in options]
 
 
-def _scan_tiles(
-    entries: list[Entry],
-    options: list[dict[str, object]],
-    target: float,
-    flags: dict[str, bool],
-    scope: str,
-) -> _Scan:
-    """The ratio (of `scope`) of every candidate tile, against `target`."""
+def _scan_tiles(goal: Goal, options: list[dict[str, object]]) -> _Scan:
+    """The ratio of every candidate tile, against the goal's target."""
+    entries, flags, target, scope = goal
     fixed_weights, fixed = 0, 0  # weights and g-net parameters of tiles the caller fixed
     kept = 0  # parameters that stay free whatever the tile
     searched: dict[tuple, int] = {}  # (genome, window, block shapes) -> parameters like it
@@ -202,15 +212,9 @@ def vector_work(
 TABLE_EXPONENT = 0.5
 
 
-def size_tables(
-    entries: list[Entry],
-    options: list[dict[str, object]],
-    target: float,
-    flags: dict[str, bool],
-    scope: str = "model",
-) -> list[dict[str, object]]:
-    """Buckets for every `hashed="auto"` parameter, so that the plan's ratio (of `scope`) is
-    near `target`.
+def size_tables(goal: Goal, options: list[dict[str, object]]) -> list[dict[str, object]]:
+    """Buckets for every `hashed="auto"` parameter, so that the plan's ratio is near the
+    goal's target.
 
     A tile's table gets `round(k * positions ** TABLE_EXPONENT)` buckets (the square root;
     at least one, at most one per position), one factor `k` for the whole plan, found by
@@ -218,20 +222,21 @@ def size_tables(
     layer: small layers get more buckets per weight than large ones, and equal tiles get
     equal tables.
     """
-    ratio, auto, top = _tables(entries, options, flags, scope)
+    target = goal.target
+    ratio, auto, top = _tables(goal, options)
     if not _tables_reach(ratio, top, target):
 
         def reach(opts: list[dict[str, object]], fl: dict[str, bool]) -> tuple[float, float, bool]:
-            their_ratio, _, their_top = _tables(entries, opts, fl, scope)
+            their_ratio, _, their_top = _tables(goal._replace(flags=fl), opts)
             reached = _tables_reach(their_ratio, their_top, target)
             return their_ratio(their_top), their_ratio(0.0), reached
 
-        raise UnreachableError(
-            f"gb.plan: compression={target} cannot be reached within 10% by sizing the hashed "
-            f"tables: they give {ratio(top):.2f}x (a bucket per position) to {ratio(0.0):.2f}x "
-            "(one per tile)."
-            + advice(entries, options, flags, target, scope, reach)
-            + " Otherwise change hidden/tile, or give hashed= a number of buckets."
+        raise goal.unreachable(
+            options,
+            reach,
+            f"by sizing the hashed tables: they give {ratio(top):.2f}x (a bucket per position) "
+            f"to {ratio(0.0):.2f}x (one per tile)",
+            "change hidden/tile, or give hashed= a number of buckets",
         )
     lo, hi = 0.0, top
     for _ in range(60):  # the largest k whose ratio stays at or above the target
@@ -254,11 +259,12 @@ def _tables_reach(ratio: Callable[[float], float], top: float, target: float) ->
 
 
 def _tables(
-    entries: list[Entry], options: list[dict[str, object]], flags: dict[str, bool], scope: str
+    goal: Goal, options: list[dict[str, object]]
 ) -> tuple[Callable[[float], float], list[tuple[int, int, int]], float]:
-    """The plan's ratio (of `scope`) as a function of the table factor `k`, the `hashed="auto"`
-    tables as `(entry index, tiles, positions per tile)`, and the `k` of one bucket per
-    position."""
+    """The plan's ratio (of the goal's scope) as a function of the table factor `k`, the
+    `hashed="auto"` tables as `(entry index, tiles, positions per tile)`, and the `k` of one
+    bucket per position."""
+    entries, flags, _, scope = goal
     weights, spent = 0, 0  # generated weights, and g-net parameters other than auto tables
     kept = 0  # parameters that stay free
     auto: list[tuple[int, int, int]] = []  # (entry index, tiles, positions per tile)
