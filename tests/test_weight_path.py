@@ -1,0 +1,72 @@
+"""benchmarks/weight_path.py: the way of one eager `gb.apply` call through gbfunc's modules,
+read back against what the script reports. Not the issue's target: the numbers move with the
+refactoring; only what holds of any way is asserted."""
+
+from itertools import pairwise
+
+from benchmarks.weight_path import (
+    LEAF_UTILITIES,
+    ROOT,
+    VIEWS,
+    Entry,
+    Way,
+    import_graph,
+    measure,
+    module_name,
+    report,
+)
+
+
+def test_the_eager_torch_path_way_is_what_the_report_says():
+    row = measure("tile 16x16", "eager")
+    assert "stack s0_16x16: torch" in row["route"]
+    everything = row["all"]
+    steps = everything["steps"]
+    assert steps[0]["module"] == "gbfunc._apply"
+    assert steps[0]["caller"] is None
+    assert all(step["caller"] is not None for step in steps[1:])  # one entry from outside
+    modules = set(everything["entries_per_module"])
+    assert everything["modules"] == len(modules) >= 3
+    assert {step["module"] for step in steps} == modules
+    assert everything["entries"] == len(steps) == sum(everything["entries_per_module"].values())
+    assert everything["chain"].startswith("_apply(")
+    graph = import_graph()
+    for view in VIEWS:
+        kinds = [step["kind"] for step in row[view]["steps"]]
+        assert row[view]["climbs"] == kinds.count("climb")
+        assert row[view]["sideways"] == kinds.count("sideways")
+        assert ("↑" in row[view]["chain"]) == (row[view]["climbs"] > 0)  # repeats are folded
+        for step in row[view]["steps"]:
+            if step["kind"] == "climb":  # the callee imports the caller, edge by edge
+                imports = step["imports"]
+                assert imports[0] == step["module"]
+                assert imports[-1] == step["caller"]
+                assert all(b in graph[a] for a, b in pairwise(imports))
+    left = row["excluding_leaf_utilities"]
+    assert not set(left["entries_per_module"]) & LEAF_UTILITIES.keys()
+    assert set(left["entries_per_module"]) <= modules
+    text = report([row])
+    assert f"| eager | {row['paths']} | {everything['modules']} | {everything['climbs']} |" in text
+
+
+def test_leaving_modules_out_gives_their_calls_to_the_frame_below():
+    way = Way(
+        (
+            Entry("gbfunc._apply", "apply", None),
+            Entry("gbfunc._plan", "num_tiles", 0),
+            Entry("gbfunc._apply", "helper", 1),  # called back from the plan: folds into apply
+            Entry("gbfunc._spec", "tiles", 1),
+        )
+    )
+    left = way.without({"gbfunc._plan"})
+    assert left.entries == (
+        Entry("gbfunc._apply", "apply", None),
+        Entry("gbfunc._spec", "tiles", 0),
+    )
+
+
+def test_modules_are_named_as_installed():
+    assert module_name(str(ROOT / "gbfunc" / "cpu" / "_relu_rows.py")) == "gbfunc.cpu._relu_rows"
+    assert module_name(str(ROOT / "gbfunc" / "generate" / "__init__.py")) == "gbfunc.generate"
+    assert module_name(str(ROOT / "kernels" / "_checks.py")) == "gbfunc.kernels._checks"
+    assert module_name("/nowhere/gbfunc/_plan.py") is None
