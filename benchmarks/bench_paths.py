@@ -18,8 +18,8 @@ names): for each, on genomes of the same MLP where it is chosen, the generation 
 (`torch.compile(fullgraph=True)`: `gb.apply`'s weights and a fixed linear function of them,
 every stack on the `torch` path, then the backward) with that variant and with each
 neighbour that could serve the same stacks, forced within this script only (`Forced`:
-`_tilemlp_forward.forward_form` replaced while the compiled code is traced and run; a
-one-output neighbour that reads units-major column terms, `by-columns` or `c-loops` on
+`_evaluate.forward_form`, which the route reads, replaced while the compiled code is traced
+and run; a one-output neighbour that reads units-major column terms, `by-columns` or `c-loops` on
 tiles narrower than a vector register, is given them too). Each forced neighbour's weights
 and gradients are checked equal to the variant's (to rounding) before it is timed. Ratios
 are the variant's time over a neighbour's, per interleaved round: the median and the
@@ -157,7 +157,7 @@ class Forced:
             return taken
 
         self.replacements: list[tuple[object, str, Callable]] = [
-            (_tilemlp_forward, "forward_form", forward_form)
+            (_evaluate, "forward_form", forward_form)
         ]
         if form in ("by-columns", "c-loops"):
             self.replacements.append((_evaluate, "reads_units_major_columns", lambda *_: True))

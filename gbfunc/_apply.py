@@ -69,5 +69,5 @@ def apply(
     if z is not None:  # the other paths run the plan without a condition, `z` folded in
         gparams, plan = conditioned(gparams, plan, z)
     if path.plan == triton.NAME:
-        return triton.generate(gparams, plan)
-    return Selection.whole(plan).apply(gparams, paths=path.stacks)  # each stack's runner
+        return triton.generate(gparams, plan, path.traced)
+    return Selection.whole(plan).apply(gparams, route=path)  # each stack's runner

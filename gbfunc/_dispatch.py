@@ -68,13 +68,15 @@ def check_call(
 
 class Route(NamedTuple):
     """The paths of a call: the plan's (`triton`: every stack's, `graph`, or `stacks`: each its
-    own, the kernels' included), each stack's, in plan order, and each stack's variant of its
-    path (`variant` of the path's module: `torch`, `compiled-mlp`, `graph`; None for `triton`
-    and `cpu-loops`)."""
+    own, the kernels' included), each stack's, in plan order, each stack's variant of its
+    path (`variant` of the path's module; None for `triton`), and whether the call is traced
+    by `torch.compile`: what the runners are given, so that none of them reads the context
+    again."""
 
     plan: str
     stacks: tuple[str, ...]
     variants: tuple[str | None, ...]
+    traced: bool
 
 
 def route(plan: Plan, stacks: Mapping[str, Mapping[str, Tensor]], context: Context) -> Route:
@@ -117,20 +119,32 @@ def _route(
         whole = triton.NAME
     else:  # a stack the kernels cannot take sends the plan stack by stack (`triton.refuses`)
         whole = graph.NAME if graph.NAME in chosen else "stacks"
-    return Route(whole, chosen, variants), verdicts
+    return Route(whole, chosen, variants, context.compiling), verdicts
 
 
 def stack_path(
-    stack: Stack, leaves: Mapping[str, Tensor], context: Context, *, placed: bool
-) -> str:
-    """The path of one stack outside a plan graph (`Selection.apply`): `cpu-loops`,
-    `compiled-mlp` or `torch`. `placed`: its parameters are selected whole (the loops write
-    whole weights)."""
+    stack: Stack,
+    leaves: Mapping[str, Tensor],
+    context: Context,
+    *,
+    placed: bool,
+    path: str | None = None,
+) -> tuple[str, str | None]:
+    """The path of one stack outside a plan graph (`Selection.apply`), `cpu-loops`,
+    `compiled-mlp` or `torch` (or `path`, where the caller names it), and its variant.
+    `placed`: its parameters are selected whole (the loops write whole weights)."""
     call = Call(None, stack, {stack.key: leaves}, context, placed)
-    for path in (cpu_loops, compiled_mlp):
-        if path.refuses(call) is None:
-            return path.NAME
-    return torch_ops.NAME
+    if path is None:
+        first = (p for p in (cpu_loops, compiled_mlp) if p.refuses(call) is None)
+        path = next(first, torch_ops).NAME
+    return path, _BY_NAME[path].variant(call)
+
+
+def torch_variant(stack: Stack, leaves: Mapping[str, Tensor]) -> str:
+    """The `torch` path's variant for a stack evaluated here and now, outside `gb.apply`
+    (the rank-owned g-nets of `gbfunc.dist`)."""
+    context = Context.now({stack.key: leaves}, backend="torch", compile=False)
+    return stack_path(stack, leaves, context, placed=False, path=torch_ops.NAME)[1]
 
 
 def _verdicts(call: Call) -> dict[str, str | None]:
@@ -155,8 +169,8 @@ class Explanation:
     Examples:
         >>> plan = gb.plan(nn.Linear(64, 32), tile=(16, 16))
         >>> why = gb.explain(gb.init(plan), plan)
-        >>> why.route
-        Route(plan='stacks', stacks=('torch',), variants=('eager-recompute',))
+        >>> why.route.plan, why.route.stacks, why.route.variants
+        ('stacks', ('torch',), ('eager-recompute',))
         >>> print(why.lines[2])
         stack s0_16x16: torch (eager-recompute)
         >>> sorted(why.reasons["s0_16x16"])  # the paths tried before torch

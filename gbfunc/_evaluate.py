@@ -23,12 +23,22 @@ from ._spec import (
     stack_terms,
 )
 from ._tilemlp import tile_mlp
-from ._tilemlp_forward import forward_form, reads_units_major_columns
+from ._tilemlp_forward import (
+    EAGER,
+    ONE_OUTPUT_UNITS_MAJOR,
+    forward_form,
+    reads_units_major_columns,
+)
 from .cpu._hash_gradient import gathered, signed_gather
 
 
 def evaluate_stack(
-    stack: Stack, leaves: Mapping[str, Tensor], *, recompute: bool = True, compiled: bool = False
+    stack: Stack,
+    leaves: Mapping[str, Tensor],
+    *,
+    recompute: bool = True,
+    form: str = EAGER,
+    compiled: bool = False,
 ) -> Tensor:
     """Every tile of a stack, `(T, TH, TW * K)`: one batched g-net evaluation.
 
@@ -36,9 +46,12 @@ def evaluate_stack(
         stack: The stack's description.
         leaves: Its parameters, `gparams["stacks"][stack.key]`.
         recompute: Use the recomputing backward (`tile_mlp`); False runs plain autograd.
-        compiled: Run `tile_mlp` eagerly through compiled code (see `gb.apply`).
+        form: The tile MLP's form (`tile_form`): `EAGER`, or traced by `torch.compile`.
+        compiled: Run `tile_mlp` eagerly through compiled code in `form` (see `gb.apply`).
     """
-    (tiles,) = evaluate_parts(stack, leaves, None, recompute=recompute, compiled=compiled)
+    (tiles,) = evaluate_parts(
+        stack, leaves, None, recompute=recompute, form=form, compiled=compiled
+    )
     return tiles
 
 
@@ -48,6 +61,7 @@ def evaluate_parts(
     spans: Sequence[tuple[int, int]] | None,
     *,
     recompute: bool = True,
+    form: str = EAGER,
     compiled: bool = False,
 ) -> tuple[Tensor, ...]:
     """`evaluate_stack` cut into the consecutive tile ranges `spans` (None: one part, the
@@ -56,16 +70,17 @@ def evaluate_parts(
     terms = stack_terms(stack, leaves)
     spans = None if spans is None else tuple(spans)
     if recompute:
-        traced = compiled or torch.compiler.is_compiling()
-        units_major = _reads_units_major(stack, leaves["w_in"], traced)
-        b_t = units_major_columns(stack, leaves) if units_major else None
-        parts = tile_mlp(terms, stack.genome.activation, compiled, b_t, spans)  # (T, TH, Q, P)
+        reads_b_t = stack.one_reduction and form in ONE_OUTPUT_UNITS_MAJOR
+        b_t = units_major_columns(stack, leaves) if reads_b_t else None
+        activation = stack.genome.activation
+        parts = tile_mlp(terms, activation, form=form, compiled=compiled, b_t=b_t, spans=spans)
     else:
         y = reference(terms, stack.genome.activation)
         parts = y if spans is None else tuple(y[lo:hi] for lo, hi in spans)
     parts = (parts,) if spans is None else parts
     ranges = spans or ((0, stack.num_tiles),)
-    hashed = hashed_tiles(stack, leaves["tile_hash"]) if stack.genome.hashed else None
+    traced = form != EAGER and not compiled  # compiled bodies hold the tile MLP alone
+    hashed = hashed_tiles(stack, leaves["tile_hash"], traced) if stack.genome.hashed else None
     out = []
     for y, (lo, hi) in zip(parts, ranges, strict=True):
         y = y.reshape(y.shape[0], y.shape[1], -1)
@@ -79,6 +94,7 @@ def evaluate_tile_parts(
     tiles: Sequence[int],
     spans: Sequence[tuple[int, int]] | None,
     *,
+    form: str = EAGER,
     compiled: bool = False,
 ) -> tuple[Tensor, ...]:
     """Tiles `tiles` (ascending indices into the stack) of a stack, `(len(tiles), TH, TW * K)`,
@@ -86,7 +102,7 @@ def evaluate_tile_parts(
     with a gradient of its own (`evaluate_parts`). Only the g-nets of those tiles run;
     gradients flow back into their rows of `leaves`."""
     if list(tiles) == list(range(stack.num_tiles)):
-        return evaluate_parts(stack, leaves, spans, compiled=compiled)
+        return evaluate_parts(stack, leaves, spans, form=form, compiled=compiled)
     device = leaves["w_in"].device
     owner = stack.gnet_of_tile
     per_gnet = Counter(owner[t] for t in tiles)
@@ -97,16 +113,18 @@ def evaluate_tile_parts(
     sub = {
         k: v.index_select(0, by_tile if k in TILE_LEAVES else by_gnet) for k, v in leaves.items()
     }
-    return evaluate_parts(replace(stack, tiles_per_gnet=counts), sub, spans, compiled=compiled)
+    sub_stack = replace(stack, tiles_per_gnet=counts)
+    return evaluate_parts(sub_stack, sub, spans, form=form, compiled=compiled)
 
 
-def hashed_tiles(stack: Stack, table: Tensor) -> Tensor:
-    """Each tile's hashed weights `(T, TH, TW * K)` from its table `(T, buckets)`."""
+def hashed_tiles(stack: Stack, table: Tensor, traced: bool) -> Tensor:
+    """Each tile's hashed weights `(T, TH, TW * K)` from its table `(T, buckets)`, `traced`
+    by `torch.compile` or not."""
     positions = stack.tile_positions
     # torch.gather, not index_select: its backward is a scatter_add, which inductor's CPU code
     # leaves to torch's kernel, where index_select's index_add becomes a scatter of atomic
     # adds.
-    if torch.compiler.is_compiling():
+    if traced:
         packed = _packed_tile_hash_op(positions, stack.genome.hashed, table.device)
         # A view: under `torch.func.grad`, dynamo drops the backward of a Function applied to
         # the transformed function's own argument and differentiates its forward instead

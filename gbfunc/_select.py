@@ -13,9 +13,10 @@ import torch
 from torch import Tensor
 
 from ._condition import condition_of, conditioned
-from ._dispatch import Context, stack_path
+from ._dispatch import Context, Route, stack_path
 from ._plan import Free, Generated, Plan, Stack
 from ._realised import realised
+from ._tilemlp_forward import EAGER
 from ._tiling import (
     Concat,
     Piece,
@@ -28,7 +29,7 @@ from ._tiling import (
 )
 from ._tree import GParams
 from .cpu import Placement, placement
-from .generate import compiled_mlp, cpu_loops, torch_ops, triton
+from .generate import compiled_mlp, cpu_loops, graph, torch_ops, triton
 
 
 class Selection:
@@ -101,13 +102,15 @@ class Selection:
         task: int | Tensor | None = None,
         compile: bool | None = False,
         paths: Sequence[str] | None = None,
+        route: Route | None = None,
     ) -> dict[str, Tensor]:
         """`{name: tensor of the region's shape}` for every selected parameter (differentiable).
 
-        Each stack takes its path from `paths` (per stack of the plan, `gbfunc._dispatch`'s
-        `route`; `graph` there means its compile failed: op by op), else from the dispatcher
-        with `compile` as `gb.apply`'s, and runs that path's runner (`gbfunc.generate`). A
-        conditioned plan takes `condition` or `task` as `gb.apply` does.
+        Each stack runs its path's runner (`gbfunc.generate`) in the path's variant: as
+        `route` (a whole plan's, from `gb.apply`; `graph` there means its compile failed: op
+        by op) has them, else as the dispatcher chooses them here, with `compile` as
+        `gb.apply`'s (`paths`, per stack of the plan: the paths to take). A conditioned plan
+        takes `condition` or `task` as `gb.apply` does.
         """
         z = condition_of(gparams, self.plan, condition, task, "the selection's apply")
         if z is not None:
@@ -117,29 +120,34 @@ class Selection:
         for s, indices in self.tiles.items():
             stack = self.plan.stacks[s]
             leaves = gparams["stacks"][stack.key]
-            if paths is not None:
-                path = paths[s]
+            if route is not None:
+                path, form, traced = route.stacks[s], route.variants[s], route.traced
             else:
                 if context is None:
                     context = Context.now(gparams["stacks"], backend="torch", compile=compile)
                 placed = self._placements[s] is not None
-                path = stack_path(stack, leaves, context, placed=placed)
+                asked = None if paths is None else paths[s]
+                path, form = stack_path(stack, leaves, context, placed=placed, path=asked)
+                traced = context.compiling
             if path == cpu_loops.NAME:
                 names, where = self._placements[s]
-                direct.update(zip(names, cpu_loops.generate(stack, leaves, where), strict=True))
+                weights = cpu_loops.generate(stack, leaves, where, form)
+                direct.update(zip(names, weights, strict=True))
                 continue
             if path == triton.NAME:  # a whole plan's stack, beside stacks the kernels refused
-                direct.update(triton.stack_weights(self.plan, s, leaves))
+                direct.update(triton.stack_weights(self.plan, s, leaves, traced))
                 continue
-            runner = compiled_mlp if path == compiled_mlp.NAME else torch_ops  # `graph`: failed
+            if path == graph.NAME:  # its compile failed: op by op, eagerly
+                path, form = torch_ops.NAME, EAGER
+            runner = compiled_mlp if path == compiled_mlp.NAME else torch_ops
             spans = self._splits[s]
-            if spans is not None and _parts_from_tile_mlp(stack) and torch.compiler.is_compiling():
+            if spans is not None and _parts_from_tile_mlp(stack) and traced:
                 # Traced, the parts come apart out of the tile MLP: the backward then never
                 # assembles the stack's gradient (`tile_mlp`).
-                parts = runner.tiles(stack, leaves, indices, spans)
+                parts = runner.tiles(stack, leaves, indices, spans, form=form)
                 tiles[s] = dict(zip(spans, parts, strict=True))
                 continue
-            (evaluated,) = runner.tiles(stack, leaves, indices, None)
+            (evaluated,) = runner.tiles(stack, leaves, indices, None, form=form)
             tiles[s] = self._split(s, evaluated)
         return parameters(
             self._params.values(),

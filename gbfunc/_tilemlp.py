@@ -12,10 +12,12 @@ them: in chunks of tiles, eagerly or compiled once per signature, as one
 
 `reference` is the specification (plain autograd). `tile_mlp` is the same function as an
 `autograd.Function` whose backward recomputes; it composes with `grad`, `vmap` and
-`torch.compile(fullgraph=True)`. Called eagerly with `compiled=True`, its forward and backward
-bodies run as code compiled once per signature (shapes, dtypes, device, activation), which
-is what makes eager training with large genomes fast; under `torch.func` transforms and
-inside an outer `torch.compile` they run as plain torch code. The recomputing backward runs
+`torch.compile(fullgraph=True)`. It runs in the form of its forward that the caller passes
+(`_tilemlp_forward.forward_form`, chosen once per call by the dispatcher's paths): eagerly,
+in chunks of tiles; traced by an outer `torch.compile`, whole, in a form written for
+inductor. Called eagerly with `compiled=True`, its forward and backward bodies run in that
+traced form as code compiled once per signature (shapes, dtypes, device, activation), which
+is what makes eager training with large genomes fast. The recomputing backward runs
 there too, under `loss.backward()` and under `torch.func.grad` alike (checked with a backward
 that returns zeros): dynamo drops a Function's backward under `grad` only where the Function
 is applied to the transformed function's own argument (pytorch/pytorch#193279, torch 2.13),
@@ -31,7 +33,7 @@ from torch import Tensor
 from ._compiled import CompiledCache
 from ._spec import Terms, plain_eager, tile_rows
 from ._tilemlp_backward import _after, _backward_recompute
-from ._tilemlp_forward import _forward_no_save, _vectorised_units
+from ._tilemlp_forward import EAGER, _forward_no_save, _vectorised_units
 
 # Eager evaluation is chunked over tiles so that the transient (chunk, TH, Q, H) tensor stays
 # cache-sized; graphs traced by an outer compile are left whole for inductor to fuse.
@@ -46,9 +48,7 @@ def tile_chunks(
     num_tiles: int, per_tile: int, budget: int = CHUNK_ELEMENTS
 ) -> list[tuple[int, int]]:
     """Balanced consecutive tile ranges of at most `budget` elements at `per_tile` each (at
-    least one tile); one range while traced by an outer compile."""
-    if torch.compiler.is_compiling():
-        return [(0, num_tiles)]
+    least one tile)."""
     count = max(1, math.ceil(num_tiles / max(1, budget // max(1, per_tile))))
     size = max(1, math.ceil(num_tiles / count))  # balanced: at most two sizes, often one
     return [(s, min(num_tiles, s + size)) for s in range(0, num_tiles, size)]
@@ -81,14 +81,23 @@ def _compiled(body: Callable, *args: object) -> object | None:
     return _BODIES.call((body.__name__, *signature), body, *args)
 
 
+def _eager_chunks(terms: Terms, whole: bool) -> list[tuple[int, int]]:
+    """The tile ranges that bodies called op by op run on: the whole stack where traced
+    (`whole`: inductor fuses it), else cache-sized chunks (`CHUNK_ELEMENTS`)."""
+    num_tiles, rows, hidden = terms.a.shape
+    if whole:
+        return [(0, num_tiles)]
+    return tile_chunks(num_tiles, rows * terms.b.shape[1] * hidden)
+
+
 def _forward_body(*inputs) -> Tensor:
-    *flat, b_t, activation = inputs
-    return _forward_no_save(Terms(*flat), activation, b_t)
+    *flat, b_t, activation, form = inputs
+    return _forward_no_save(Terms(*flat), activation, b_t, form)
 
 
 def _backward_body(grad: Tensor, *inputs) -> tuple:
-    *saved, activation = inputs
-    return tuple(_backward_recompute(grad, Terms(*saved, None), activation))
+    *saved, activation, form = inputs
+    return tuple(_backward_recompute(grad, Terms(*saved, None), activation, form))
 
 
 def _backward_per_range(terms: Terms) -> bool:
@@ -100,57 +109,62 @@ def _backward_per_range(terms: Terms) -> bool:
 
 
 class _TileMLP(torch.autograd.Function):
-    """`reference` with a recomputing backward; its arguments are a flat `Terms`, `b_t`
-    (see `tile_mlp`), the activation, whether to run compiled bodies and the tile ranges
-    to return apart, or None (`autograd.Function` takes tensors one by one)."""
+    """`reference` with a recomputing backward; its arguments are a flat `Terms`, `b_t`, the
+    activation, the form, whether to run compiled bodies and the tile ranges to return
+    apart, or None (see `tile_mlp`; `autograd.Function` takes tensors one by one)."""
 
     @staticmethod
-    def forward(a, b, c, w_hidden, b_hidden, w_out, b_out, b_t, activation, compiled, spans):
+    def forward(a, b, c, w_hidden, b_hidden, w_out, b_out, b_t, activation, form, compiled, spans):
         # Named, not `*inputs`: dynamo, inlining a Function none of whose inputs requires grad
         # (under vmap, with frozen g-nets), passes `ctx` first unless the arity matches.
         terms = Terms(a, b, c, w_hidden, b_hidden, w_out, b_out)
         out = None
-        if compiled and plain_eager():
+        if compiled and plain_eager():  # a guard: the path's rule already asked for eager
             # Detached: autograd records this Function, not what runs inside (no_grad here).
             detached = Terms(*(None if x is None else x.detach() for x in terms))
             b_t = None if b_t is None else b_t.detach()
             outs = [
                 _compiled(
-                    _forward_body, *detached.tiles(lo, hi), tile_rows(b_t, lo, hi), activation
+                    _forward_body,
+                    *detached.tiles(lo, hi),
+                    tile_rows(b_t, lo, hi),
+                    activation,
+                    form,
                 )
                 for lo, hi in _compiled_chunks(detached)
             ]
             if all(part is not None for part in outs):
                 out = _joined(outs)
-        if out is None:
-            num_tiles, rows, hidden = terms.a.shape
-            parts = tile_chunks(num_tiles, rows * terms.b.shape[1] * hidden)
+        if out is None:  # op by op: in `form`, or eagerly where compiled bodies could not run
+            form = EAGER if compiled else form
             out = _joined(
                 [
-                    _forward_no_save(terms.tiles(lo, hi), activation, tile_rows(b_t, lo, hi))
-                    for lo, hi in parts
+                    _forward_no_save(terms.tiles(lo, hi), activation, tile_rows(b_t, lo, hi), form)
+                    for lo, hi in _eager_chunks(terms, whole=form != EAGER)
                 ]
             )
         return out if spans is None else tuple(out[lo:hi] for lo, hi in spans)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        *flat, _, activation, compiled, spans = inputs
+        *flat, _, activation, form, compiled, spans = inputs
         ctx.save_for_backward(*flat[:-1])  # b_out is not needed, nor b_t (b holds its values)
-        ctx.activation, ctx.compiled, ctx.spans = activation, compiled, spans
+        ctx.activation, ctx.form, ctx.compiled, ctx.spans = activation, form, compiled, spans
 
     @staticmethod
     def backward(ctx, *grads):
         terms = Terms(*ctx.saved_tensors, None)
-        if ctx.spans is not None and torch.compiler.is_compiling():
+        form = EAGER if ctx.compiled else ctx.form  # op by op: eager unless traced
+        how, done = (ctx.activation, form), (None, None, None, None, None)
+        if ctx.spans is not None and form != EAGER:
             if _backward_per_range(terms):
                 # Each range's gradient goes through the backward on its own: the whole
                 # stack's gradient is never assembled (see `tile_mlp`).
                 results = [
-                    tuple(_backward_recompute(g.contiguous(), terms.tiles(lo, hi), ctx.activation))
+                    tuple(_backward_recompute(g.contiguous(), terms.tiles(lo, hi), *how))
                     for g, (lo, hi) in zip(grads, ctx.spans, strict=True)
                 ]
-                return (*_joined(results), None, None, None, None)
+                return (*_joined(results), *done)
             # Assembled once every range's gradient exists, not from the first one on.
             last = torch.cat([g.reshape(-1)[:1] for g in grads])
             grads = tuple(_after(g, last) for g in grads)
@@ -158,18 +172,22 @@ class _TileMLP(torch.autograd.Function):
         if ctx.compiled and plain_eager() and not torch.is_grad_enabled():  # not create_graph
             saved = Terms(*(None if x is None else x.detach() for x in terms))
             results = [
-                _compiled(_backward_body, grad[lo:hi], *saved.tiles(lo, hi)[:-1], ctx.activation)
+                _compiled(
+                    _backward_body,
+                    grad[lo:hi],
+                    *saved.tiles(lo, hi)[:-1],
+                    ctx.activation,
+                    ctx.form,
+                )
                 for lo, hi in _compiled_chunks(saved)
             ]
             if all(result is not None for result in results):
-                return (*_joined(results), None, None, None, None)
-        a, b = terms.a, terms.b
-        parts = tile_chunks(a.shape[0], a.shape[1] * b.shape[1] * a.shape[2])
+                return (*_joined(results), *done)
         results = [
-            tuple(_backward_recompute(grad[lo:hi], terms.tiles(lo, hi), ctx.activation))
-            for lo, hi in parts
+            tuple(_backward_recompute(grad[lo:hi], terms.tiles(lo, hi), *how))
+            for lo, hi in _eager_chunks(terms, whole=form != EAGER)
         ]
-        return (*_joined(results), None, None, None, None)
+        return (*_joined(results), *done)
 
     @staticmethod
     def vmap(info, in_dims, *inputs):
@@ -182,9 +200,9 @@ class _TileMLP(torch.autograd.Function):
             x = x.unsqueeze(0).expand(size, *x.shape) if dim is None else x.movedim(dim, 0)
             return x.reshape(size * x.shape[1], *x.shape[2:])
 
-        *flat, activation, compiled, spans = inputs
+        *flat, activation, form, compiled, spans = inputs
         args = [fold(x, d) for x, d in zip(flat, in_dims, strict=False)]
-        out = _TileMLP.apply(*args, activation, compiled, None)
+        out = _TileMLP.apply(*args, activation, form, compiled, None)
         out = out.reshape(size, -1, *out.shape[1:])
         if spans is None:
             return out, 0
@@ -194,23 +212,28 @@ class _TileMLP(torch.autograd.Function):
 def tile_mlp(
     terms: Terms,
     activation: str,
+    *,
+    form: str = EAGER,
     compiled: bool = False,
     b_t: Tensor | None = None,
     spans: tuple[tuple[int, int], ...] | None = None,
 ) -> Tensor | tuple[Tensor, ...]:
     """`reference`, with a backward that recomputes instead of saving `(T, TH, Q, H)`.
 
-    With `compiled`, plain eager calls run the forward and the backward as code compiled
-    once per signature (the first call of a signature compiles: seconds). `b_t`, optional,
+    `form`: the form of the forward (`_tilemlp_forward.forward_form`, as the caller's path
+    chose it): `EAGER` runs in chunks of tiles, the traced forms whole, for an outer
+    `torch.compile`. With `compiled`, plain eager calls run the forward and the backward in
+    the traced `form` as code compiled once per signature (the first call of a signature
+    compiles: seconds; where it cannot, they run eagerly). `b_t`, optional,
     is `terms.b` laid out units-major, `(T, H, Q)`, computed apart (from the same leaves):
-    compiled code's one-layer, one-output forward reads it instead of `b` (pass it where
-    `reads_units_major_columns`). Its gradient is returned through `b` (None for `b_t`), so
+    the `c-loops` and `by-columns` forms of a one-layer, one-output forward read it instead of
+    `b`. Its gradient is returned through `b` (None for `b_t`), so
     the two must hold the same values.
 
     `spans`, optional: consecutive tile ranges `(start, stop)` covering the stack; the output
-    is returned cut into them, one tensor each. Traced, the backward then runs once per range
+    is returned cut into them, one tensor each. In a traced form, the backward runs once per range
     on that range's gradient, so the whole stack's gradient is never assembled: a concatenation
     of gradients arriving one weight at a time, which inductor allocates whole at the first,
     at the start of a training step's backward, where the model's activations peak.
     """
-    return _TileMLP.apply(*terms, b_t, activation, compiled, spans)
+    return _TileMLP.apply(*terms, b_t, activation, form, compiled, spans)

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from ._spec import Terms, activate, activate_grad
-from ._tilemlp_forward import _in_c, _units_major_terms, _vectorised_units
+from ._tilemlp_forward import C_LOOPS, EAGER, _units_major_terms, _vectorised_units
 from .cpu import _relu_loops
 
 
@@ -23,12 +23,14 @@ def _first_layer_again(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
     return b[:, None, :, :] + (a + c[:, None])[:, :, None, :]
 
 
-def _backward_recompute(grad: Tensor, terms: Terms, activation: str) -> Terms:
-    """Gradients of `reference` w.r.t. every term (`terms.b_out` is not read)."""
+def _backward_recompute(grad: Tensor, terms: Terms, activation: str, form: str = EAGER) -> Terms:
+    """Gradients of `reference` w.r.t. every term (`terms.b_out` is not read), for the
+    forward's `form` (`forward_form`): eagerly, chunk by chunk; traced, the fused
+    reductions, or the C loops where the forward ran them."""
     a, b, c, _, _, w_out, _ = terms
     if not terms.one_reduction:
-        return _backward_units_major(grad, terms, activation)
-    if torch.compiler.is_compiling():
+        return _backward_units_major(grad, terms, activation, form)
+    if form != EAGER:
         g_a, g_b, g_w_out = _fused_reductions(grad[..., 0], a, b, c, w_out[..., 0], activation)
         return Terms(g_a, g_b, g_a.sum(1), None, None, g_w_out[..., None], grad.sum((1, 2)))
     z = _first_layer_again(a, b, c)  # (T, TH, Q, H), one chunk at a time in eager mode
@@ -42,12 +44,12 @@ def _backward_recompute(grad: Tensor, terms: Terms, activation: str) -> Terms:
     return Terms(g_a, g_b, g_a.sum(1), None, None, g_w_out, grad.sum((1, 2)))
 
 
-def _backward_units_major(grad: Tensor, terms: Terms, activation: str) -> Terms:
+def _backward_units_major(grad: Tensor, terms: Terms, activation: str, form: str) -> Terms:
     """`_backward_recompute` of g-nets with hidden layers or several outputs, the hidden
     activations recomputed units-major (`_forward_units_major`): every matmul has the
     positions as its long axis."""
     a, b, c, w_hidden, b_hidden, w_out, _ = terms
-    if _in_c(terms, activation):
+    if form == C_LOOPS:
         g_a, g_b, g_w_out = _relu_loops.relu_layer_backward(grad, a + c[:, None], b, w_out)
         return Terms(g_a, g_b, g_a.sum(1), None, None, g_w_out, grad.sum((1, 2)))
     num_tiles, rows, hidden = a.shape

@@ -16,7 +16,6 @@ from torch import Tensor
 
 from ._realised import contiguous_buffer
 from ._spec import Terms, activate, first_layer
-from ._tracing import exporting
 from .cpu import _relu_loops
 
 # The forms of the tile MLP's forward (`forward_form`), as `gb.explain` names them.
@@ -27,6 +26,9 @@ BY_UNITS = "by-units"  # traced, one output, narrow tiles: the units as the vect
 UNROLLED = "unrolled"  # traced, one layer, few outputs: a written-out sum over the units
 UNITS_MAJOR = "units-major"  # traced, hidden layers or many outputs: units-major matmuls
 FORMS = (EAGER, C_LOOPS, BY_COLUMNS, BY_UNITS, UNROLLED, UNITS_MAJOR)
+# The forms of a one-layer, one-output forward that read `b_t`, the columns' terms laid out
+# units-major (`tile_mlp`).
+ONE_OUTPUT_UNITS_MAJOR = (C_LOOPS, BY_COLUMNS)
 
 
 def forward_form(
@@ -61,8 +63,9 @@ def forward_form(
     return C_LOOPS if usable else UNROLLED
 
 
-def _form(terms: Terms, activation: str, b_t: Tensor | None) -> str:
-    """`forward_form` of these terms, traced or not as the caller is."""
+def terms_form(terms: Terms, activation: str, b_t: Tensor | None, *, traced: bool) -> str:
+    """`forward_form` of these terms (not exported), `traced` or not: the form a caller that
+    holds terms rather than a stack (tests, benchmarks) passes to `tile_mlp`."""
     a = terms.a
     return forward_form(
         one_layer=terms.w_hidden is None,
@@ -71,15 +74,17 @@ def _form(terms: Terms, activation: str, b_t: Tensor | None) -> str:
         activation=activation,
         dtype=a.dtype,
         device_type=a.device.type,
-        traced=torch.compiler.is_compiling(),
-        exporting=exporting(),
+        traced=traced,
+        exporting=False,
         units_major_columns=b_t is not None,
     )
 
 
-def _forward_no_save(terms: Terms, activation: str, b_t: Tensor | None = None) -> Tensor:
+def _forward_no_save(
+    terms: Terms, activation: str, b_t: Tensor | None = None, form: str = EAGER
+) -> Tensor:
+    """`reference` in the form `form` (`forward_form`'s, which `b_t` must fit)."""
     a, b, c, _, _, w_out, b_out = terms
-    form = _form(terms, activation, b_t)
     if terms.one_reduction:
         # One hidden layer, one output: a single fused reduction over H.
         if form == EAGER:
@@ -122,14 +127,8 @@ def _unrolls(hidden: int, outputs: int) -> bool:
     With more outputs (row g-nets' 128 and 256) the written-out sum is no faster, hence the
     matmul there. For ReLU in float32 on CPU the sum runs as a C loop instead
     (`_relu_loops.relu_layer_forward`), which computes each hidden activation once rather
-    than once per output, and so does the backward (`_in_c`)."""
+    than once per output, and so does the backward."""
     return outputs <= 16 and hidden <= 32
-
-
-def _in_c(terms: Terms, activation: str) -> bool:
-    """Whether traced code runs a one-layer ReLU g-net with few outputs (`_unrolls`) through
-    the C loops of `_relu_loops`, forward and backward (CPU, float32: `layer_usable`)."""
-    return not terms.one_reduction and _form(terms, activation, None) == C_LOOPS
 
 
 def _one_layer_unrolled(terms: Terms, activation: str) -> Tensor:

@@ -311,7 +311,7 @@ def test_traced_one_output_forwards_of_wide_tiles_read_the_units_major_column_te
     MLP, whose forward sums from them (`_one_output_by_columns`, or for ReLU on CPU the C loop
     `relu_one_output`); the weights are unchanged."""
     from gbfunc import _tilemlp_forward
-    from gbfunc._evaluate import evaluate_stack, units_major_columns
+    from gbfunc._evaluate import evaluate_stack, tile_form, units_major_columns
     from gbfunc.cpu import _relu_loops
 
     lanes = _tilemlp_forward._vector_lanes(torch.float32, "cpu")
@@ -331,8 +331,9 @@ def test_traced_one_output_forwards_of_wide_tiles_read_the_units_major_column_te
     forward = _tilemlp_forward._one_output_by_columns
     monkeypatch.setattr(_tilemlp_forward, "_one_output_by_columns", spy(forward))
     monkeypatch.setattr(_relu_loops, "relu_one_output", spy(_relu_loops.relu_one_output))
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    got = evaluate_stack(stack, leaves)
+    form = tile_form(stack, leaves["w_in"], traced=True, exporting=False)
+    assert form in _tilemlp_forward.ONE_OUTPUT_UNITS_MAJOR
+    got = evaluate_stack(stack, leaves, form=form)
     assert len(read) == 1
     torch.testing.assert_close(read[0], units_major_columns(stack, leaves))
     torch.testing.assert_close(got, want)
@@ -364,9 +365,9 @@ def test_traced_tile_mlps_return_each_weights_tiles_apart_and_take_their_gradien
     backward_tiles = []
     backward = _tilemlp._backward_recompute
 
-    def spy(grad, terms, activation):
-        backward_tiles.append(grad.shape[0])
-        return backward(grad, terms, activation)
+    def spy(*args):  # (grad, terms, activation, form)
+        backward_tiles.append(args[0].shape[0])
+        return backward(*args)
 
     monkeypatch.setattr(_tilemlp, "_backward_recompute", spy)
     generator = torch.Generator().manual_seed(2)

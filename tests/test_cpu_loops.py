@@ -214,7 +214,8 @@ def row_gnets(**options) -> tuple[gb.Plan, dict]:
 def test_explain_names_each_stacks_path_and_why_the_others_were_not_taken():
     plan, gparams = row_gnets()
     off = gb.explain(gparams, plan, compile=False)
-    assert off.route == ("stacks", ("torch", "torch"), ("eager-recompute", "eager-recompute"))
+    variants = ("eager-recompute", "eager-recompute")
+    assert off.route == ("stacks", ("torch", "torch"), variants, False)
     for stack in plan.stacks:
         assert off.reasons[stack.key]["graph"] == "compile=False"
         assert off.reasons[stack.key]["cpu-loops"] == "compile=False"
@@ -250,7 +251,7 @@ def test_explain_names_each_stacks_path_and_why_the_others_were_not_taken():
 def test_explain_sends_one_layer_relu_gnets_to_the_loops_where_compiling_is_asked():
     plan, gparams = row_gnets()
     asked = gb.explain(gparams, plan, compile=True)
-    assert asked.route == ("stacks", ("cpu-loops", "cpu-loops"), (None, None))
+    assert asked.route == ("stacks", ("cpu-loops", "cpu-loops"), ("direct", "direct"), False)
     assert "no C++ compiler" not in str(asked)
     small = gb.explain(gparams, plan, compile=None)
     assert small.route.stacks == ("torch", "torch")

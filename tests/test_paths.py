@@ -91,7 +91,7 @@ def spec_apply(gparams: dict, plan: gb.Plan) -> dict[str, Tensor]:
         tiles = reference(stack_terms(stack, leaves), stack.genome.activation)
         tiles = tiles.reshape(stack.num_tiles, stack.tile[0], -1)  # (T, TH, TW * K)
         if stack.genome.hashed:
-            tiles = tiles + hashed_tiles(stack, leaves["tile_hash"])
+            tiles = tiles + hashed_tiles(stack, leaves["tile_hash"], traced=False)
         out[p.name] = assemble(p, stack, tiles)
     return out
 
@@ -322,19 +322,20 @@ VARIANT_PLANS = {
 def test_each_variant_runs_where_gb_explain_names_it_and_equals_the_references(
     variant, monkeypatch
 ):
-    """`gb.explain` names `variant` for every stack, the forward's bodies run that form and
-    no other (`forward_form` recorded), and its weights and gradients equal the references'."""
+    """`gb.explain` names `variant` for every stack, the route hands it to the forward's
+    bodies, which run that form and no other (their `form` recorded), and its weights and
+    gradients equal the references'."""
     plan, traced = VARIANT_PLANS[variant]
     seed = 8
     gparams = init(plan, seed)
     ran = []
-    form = _tilemlp_forward.forward_form
+    forward = _tilemlp._forward_no_save
 
-    def recorded_form(**kwargs) -> str:
-        ran.append(form(**kwargs))
-        return ran[-1]
+    def recorded(terms, activation, b_t=None, form=_tilemlp_forward.EAGER):
+        ran.append(form)
+        return forward(terms, activation, b_t, form)
 
-    monkeypatch.setattr(_tilemlp_forward, "forward_form", recorded_form)
+    monkeypatch.setattr(_tilemlp, "_forward_no_save", recorded)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: traced)
     report = str(gb.explain(gparams, plan, compile=False))
     assert report.count(f": torch ({variant})\n") == len(plan.stacks), report

@@ -1,5 +1,6 @@
 """The C loops of one-layer ReLU g-nets against their torch specifications."""
 
+import functools
 from unittest import mock
 
 import pytest
@@ -10,7 +11,7 @@ from threads import on_threads
 from gbfunc._spec import Terms
 from gbfunc._tilemlp import tile_mlp
 from gbfunc._tilemlp_backward import _backward_recompute, _fused_reductions
-from gbfunc._tilemlp_forward import reads_units_major_columns
+from gbfunc._tilemlp_forward import EAGER, reads_units_major_columns, terms_form
 from gbfunc.cpu import _relu_loops
 from gbfunc.cpu._relu_loops import (
     MIN_UNITS,
@@ -170,12 +171,15 @@ def test_a_compiled_step_through_relu_gnets_runs_the_c_loops(outputs, columns):
         for shape in ((3, 9, 8), (3, columns, 8), (3, 8), (3, 8, outputs), (3, outputs))
     ]
 
-    def loss(a, b, c, w_out, b_out):
+    def loss(a, b, c, w_out, b_out, form=EAGER):
         b_t = b.transpose(1, 2).contiguous() if by_columns else None  # as `_evaluate` has it
-        out = tile_mlp(Terms(a, b, c, None, None, w_out, b_out), "relu", b_t=b_t)
+        out = tile_mlp(Terms(a, b, c, None, None, w_out, b_out), "relu", form=form, b_t=b_t)
         return (out * out).sum()
 
     want = torch.autograd.grad(loss(*leaves), leaves)
+    a, b, c, w_out, b_out = leaves
+    b_t = b.transpose(1, 2) if by_columns else None
+    traced = terms_form(Terms(a, b, c, None, None, w_out, b_out), "relu", b_t, traced=True)
     calls = []
     function = _relu_loops.runnable  # what the ops call to run a loop
 
@@ -188,7 +192,7 @@ def test_a_compiled_step_through_relu_gnets_runs_the_c_loops(outputs, columns):
 
         return call
 
-    compiled = torch.compile(loss, fullgraph=True, dynamic=False)
+    compiled = torch.compile(functools.partial(loss, form=traced), fullgraph=True, dynamic=False)
     with mock.patch.object(_relu_loops, "runnable", counted):
         got = torch.autograd.grad(compiled(*leaves), leaves)
     for x, y in zip(got, want, strict=True):

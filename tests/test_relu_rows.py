@@ -230,7 +230,7 @@ def test_vmap_over_genomes_equals_one_genome_at_a_time(kind):
     batch = [torch.stack([x.detach() + k for k in range(3)]) for x in tensors[2:]]
 
     def weights(*leaves):
-        return _relu_rows._Rows.apply(*tensors[:2], *leaves, where)
+        return _relu_rows._Rows.apply(*tensors[:2], *leaves, where, False)
 
     got = torch.func.vmap(weights)(*batch)
     for k in range(3):

@@ -7,11 +7,28 @@ import torch
 from hypothesis import example, given, strategies as st
 
 from gbfunc._spec import Terms, activate, activate_grad, reference
-from gbfunc._tilemlp import CHUNK_ELEMENTS, _compiled_chunks, tile_chunks, tile_mlp
+from gbfunc._tilemlp import (
+    CHUNK_ELEMENTS,
+    _compiled_chunks,
+    _eager_chunks,
+    tile_chunks,
+    tile_mlp,
+)
 from gbfunc._tilemlp_backward import _backward_recompute, _fused_reductions
-from gbfunc._tilemlp_forward import _forward_no_save, _vector_lanes, _vectorised_units
+from gbfunc._tilemlp_forward import (
+    EAGER,
+    _forward_no_save,
+    _vector_lanes,
+    _vectorised_units,
+    terms_form,
+)
 
 ACTIVATIONS = ["relu", "gelu", "tanh", "silu"]
+
+
+def traced_form(terms: Terms, activation: str, b_t: torch.Tensor | None = None) -> str:
+    """The form `torch.compile` traces for these terms, as the route would pass it."""
+    return terms_form(terms, activation, b_t, traced=True)
 
 
 def inputs(tiles, rows, cols, hidden, depth, outputs, seed):
@@ -82,9 +99,10 @@ def test_the_compiled_forms_of_several_outputs_or_layers_equal_the_reference(
     present = [x for x in terms if x is not None]
     want = torch.autograd.grad(spec, present, grad)
     detached = Terms(*(None if x is None else x.detach() for x in terms))
-    with mock.patch.object(torch.compiler, "is_compiling", return_value=True), torch.no_grad():
-        out = _forward_no_save(detached, activation)
-        got = [g for g in _backward_recompute(grad, detached, activation) if g is not None]
+    form = traced_form(detached, activation)
+    with torch.no_grad():
+        out = _forward_no_save(detached, activation, None, form)
+        got = [g for g in _backward_recompute(grad, detached, activation, form) if g is not None]
     torch.testing.assert_close(out, spec)
     names = [n for n, x in terms._asdict().items() if x is not None]
     for name, g, w in zip(names, got, want, strict=True):
@@ -109,11 +127,8 @@ def test_traced_forwards_unroll_one_layer_of_at_most_16_outputs_and_32_units(
         calls.append(args)
         return real(*args)
 
-    with (
-        mock.patch.object(torch.compiler, "is_compiling", return_value=True),
-        mock.patch.object(forward, "_one_layer_unrolled", spy),
-    ):
-        out = _forward_no_save(terms, "relu")
+    with mock.patch.object(forward, "_one_layer_unrolled", spy):
+        out = _forward_no_save(terms, "relu", None, traced_form(terms, "relu"))
     assert bool(calls) == unrolled
     torch.testing.assert_close(out, reference(terms, "relu"))
 
@@ -182,8 +197,8 @@ def test_the_compiled_form_of_the_one_output_forward_equals_the_reference(
     over one at a time: the same outputs."""
     terms = inputs(3, 5, 7, hidden, 1, 1, seed=4)
     want = reference(terms, activation)
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    torch.testing.assert_close(_forward_no_save(terms, activation), want)
+    form = traced_form(terms, activation)
+    torch.testing.assert_close(_forward_no_save(terms, activation, None, form), want)
 
 
 @pytest.mark.parametrize("hidden", WIDTHS)
@@ -196,8 +211,8 @@ def test_the_one_output_forward_from_units_major_column_terms_equals_the_referen
     terms = inputs(3, 5, 7, hidden, 1, 1, seed=5)
     want = reference(terms, activation)
     b_t = terms.b.detach().transpose(1, 2).contiguous()
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    torch.testing.assert_close(_forward_no_save(terms, activation, b_t), want)
+    form = traced_form(terms, activation, b_t)
+    torch.testing.assert_close(_forward_no_save(terms, activation, b_t, form), want)
 
 
 @given(
@@ -216,8 +231,7 @@ def test_both_traced_one_output_forms_equal_the_reference_on_any_shape(
     that fill vector registers or leave ragged ends in both the columns and the units."""
     terms = inputs(tiles, rows, cols, hidden, 1, 1, seed)
     b_t = terms.b.detach().transpose(1, 2).contiguous() if units_major else None
-    with mock.patch.object(torch.compiler, "is_compiling", return_value=True):
-        got = _forward_no_save(terms, activation, b_t)
+    got = _forward_no_save(terms, activation, b_t, traced_form(terms, activation, b_t))
     torch.testing.assert_close(got, reference(terms, activation))
 
 
@@ -233,9 +247,9 @@ def test_the_gradient_of_units_major_column_terms_arrives_through_b(monkeypatch,
     grad = torch.randn(2, 4, 6, 1, generator=gen, dtype=torch.float64)
     want = torch.autograd.grad(reference(terms._replace(b=codes @ w_col), activation), w_col, grad)
     for traced in (False, True):  # the eager chunks ignore b_t; traced code reads it
-        monkeypatch.setattr(torch.compiler, "is_compiling", lambda traced=traced: traced)
         b, b_t = codes @ w_col, w_col.mT @ codes.mT  # (T, Q, H) and (T, H, Q), as `_evaluate`
-        out = tile_mlp(terms._replace(b=b), activation, b_t=b_t)
+        form = traced_form(terms, activation, b_t) if traced else EAGER
+        out = tile_mlp(terms._replace(b=b), activation, form=form, b_t=b_t)
         torch.testing.assert_close(torch.autograd.grad(out, w_col, grad), want)
 
 
@@ -272,8 +286,7 @@ def test_the_compiled_form_of_the_backward_equals_the_eager_one(
     terms = inputs(3, 5, 7, hidden, depth, outputs, seed=2)
     grad = torch.randn(3, 5, 7, outputs, dtype=torch.float64)
     want = _backward_recompute(grad, terms, activation)
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    got = _backward_recompute(grad, terms, activation)
+    got = _backward_recompute(grad, terms, activation, traced_form(terms, activation))
     for name, g, w in zip(Terms._fields, got, want, strict=True):
         if w is None:
             assert g is None, name
@@ -323,14 +336,15 @@ def test_compiled_bodies_run_whole_only_where_inductor_fuses_them(monkeypatch):
     assert _compiled_chunks(terms(1, 2)) == [(0, 3), (3, 6)]
 
 
-def test_eager_evaluation_is_chunked_to_the_chunk_size_and_compiled_left_whole(monkeypatch):
+def test_eager_evaluation_is_chunked_to_the_chunk_size_and_traced_left_whole():
     assert tile_chunks(3, 2 * CHUNK_ELEMENTS) == [(0, 1), (1, 2), (2, 3)]  # one tile per chunk
     assert tile_chunks(5, CHUNK_ELEMENTS // 2) == [(0, 2), (2, 4), (4, 5)]
     assert tile_chunks(CHUNK_ELEMENTS, 1) == [(0, CHUNK_ELEMENTS)]
     assert tile_chunks(6, CHUNK_ELEMENTS // 4) == [(0, 3), (3, 6)]  # balanced, not 4 + 2
     assert tile_chunks(7, CHUNK_ELEMENTS // 2) == [(0, 2), (2, 4), (4, 6), (6, 7)]
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert tile_chunks(5, 2 * CHUNK_ELEMENTS) == [(0, 5)]
+    terms = inputs(tiles=5, rows=CHUNK_ELEMENTS, cols=2, hidden=1, depth=1, outputs=1, seed=0)
+    assert _eager_chunks(terms, whole=False) == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]
+    assert _eager_chunks(terms, whole=True) == [(0, 5)]
 
 
 @pytest.mark.slow
@@ -348,6 +362,7 @@ def test_a_partitioned_compiled_graph_recomputes_the_hidden_activations_instead_
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     terms = inputs(tiles=3, rows=4, cols=5, hidden=6, depth=depth, outputs=2, seed=0)
+    form = traced_form(terms, "relu")
     (tiles, rows, hidden), cols = terms.a.shape, terms.b.shape[1]
     hidden_size = tiles * rows * cols * hidden  # (T, TH, Q, H)
     saved_sizes = []
@@ -364,7 +379,9 @@ def test_a_partitioned_compiled_graph_recomputes_the_hidden_activations_instead_
         partition_fn=min_cut_rematerialization_partition,
     )
     loss = torch.compile(
-        lambda *flat: tile_mlp(Terms(*flat), "relu").square().sum(), backend=backend, fullgraph=True
+        lambda *flat: tile_mlp(Terms(*flat), "relu", form=form).square().sum(),
+        backend=backend,
+        fullgraph=True,
     )
     leaves = [x for x in terms if x is not None]
     compiled_grads = torch.autograd.grad(loss(*terms), leaves)
@@ -386,6 +403,7 @@ def test_every_compiled_matmul_has_the_tile_positions_as_its_long_axis(depth, ou
     from torch._functorch.aot_autograd import make_boxed_func
 
     terms = inputs(tiles=3, rows=8, cols=4, hidden=6, depth=depth, outputs=outputs, seed=0)
+    form = traced_form(terms, "relu")
     positions = terms.a.shape[1] * terms.b.shape[1]
     matmuls = []  # (output shape, contraction size) of every bmm
     realised_shapes = []  # per graph, the shapes of the buffers forced into a layout
@@ -401,7 +419,9 @@ def test_every_compiled_matmul_has_the_tile_positions_as_its_long_axis(depth, ou
 
     backend = aot_autograd(fw_compiler=record, bw_compiler=record)
     loss = torch.compile(
-        lambda *flat: tile_mlp(Terms(*flat), "relu").square().sum(), backend=backend, fullgraph=True
+        lambda *flat: tile_mlp(Terms(*flat), "relu", form=form).square().sum(),
+        backend=backend,
+        fullgraph=True,
     )
     leaves = [x for x in terms if x is not None]
     grads = torch.autograd.grad(loss(*terms), leaves)
@@ -439,7 +459,10 @@ def test_a_compiled_forward_of_few_outputs_holds_neither_hidden_activations_nor_
     the units, so its graph has no matmul and nothing the size of the hidden activations."""
     terms = inputs(tiles=3, rows=8, cols=4, hidden=8, depth=1, outputs=5, seed=0)
     hidden_size = 3 * 8 * 8 * 4  # (T, H, Q * TH); the sum, with its spare slot: 3 * 6 * 4 * 8
-    forward_nodes, out = _forward_nodes(lambda *flat: tile_mlp(Terms(*flat), "relu"), *terms)
+    form = traced_form(terms, "relu")
+    forward_nodes, out = _forward_nodes(
+        lambda *flat: tile_mlp(Terms(*flat), "relu", form=form), *terms
+    )
     assert forward_nodes
     assert torch.ops.aten.bmm.default not in {n.target for n in forward_nodes}
     assert max(n.meta["val"].numel() for n in forward_nodes) < hidden_size
@@ -471,7 +494,8 @@ def test_the_compiled_sum_over_units_has_a_size_no_tile_gradient_shares(
     the step's peak. The forward graph stores the sum with the spare slot and nothing of the
     tiles' `T * TH * Q * P` shape."""
     terms = inputs(tiles=tiles, rows=8, cols=cols, hidden=8, depth=1, outputs=outputs, seed=0)
-    nodes, out = _forward_nodes(lambda *flat: tile_mlp(Terms(*flat), "relu"), *terms)
+    form = traced_form(terms, "relu")
+    nodes, out = _forward_nodes(lambda *flat: tile_mlp(Terms(*flat), "relu", form=form), *terms)
     shapes = [  # of the tensors computed, views aside (a view is no buffer of its own)
         tuple(n.meta["val"].shape)
         for n in nodes
@@ -496,6 +520,7 @@ def test_a_compiled_grad_recomputes_the_hidden_activations_only_once_the_gradien
 
     terms = inputs(tiles=3, rows=8, cols=4, hidden=7, depth=1, outputs=5, seed=0)
     hidden_size, output_size = 3 * 7 * 8 * 4, 3 * 8 * 4 * 5  # (T, H, Q * TH), (T, TH, Q, P)
+    form = traced_form(terms, "relu")
     graphs = []
 
     def record(gm, example_inputs):
@@ -505,7 +530,7 @@ def test_a_compiled_grad_recomputes_the_hidden_activations_only_once_the_gradien
 
     def loss(a, *rest):
         # `a * 1.0`: terms computed from the leaves, as gbfunc's are (see the module's notes)
-        return tile_mlp(Terms(a * 1.0, *rest), "relu").square().sum()
+        return tile_mlp(Terms(a * 1.0, *rest), "relu", form=form).square().sum()
 
     compiled = torch.compile(grad(loss), backend=aot_autograd(fw_compiler=record))
     detached = [None if x is None else x.detach() for x in terms]

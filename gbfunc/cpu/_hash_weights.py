@@ -59,11 +59,13 @@ def generate(
     tile_rows: int,
     where: Placement,
     gain: float,
+    *,
+    direct: bool,
 ) -> tuple[Tensor, ...]:
     """The weights `base` (matrices `(rows, columns)`, the g-nets') plus what a hashed stack's
     table `(T, B)` adds to them, each value times `gain`, for tiles of `positions` positions
-    in `tile_rows` rows."""
-    if torch.compiler.is_compiling():
+    in `tile_rows` rows (`direct`: a plainly eager call, `_relu_rows.generate`'s)."""
+    if not direct:
         table = table.view_as(table)  # see `_relu_rows.generate` (pytorch/pytorch#193279)
     return _HashWeights.apply(table, positions, tile_rows, where.encoded, gain, *base)
 

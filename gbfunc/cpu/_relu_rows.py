@@ -38,7 +38,7 @@ from torch import Tensor
 from torch._functorch.utils import unwrap_dead_wrappers
 
 from .._plan import Generated, Stack, tile_places
-from .._spec import code_tables, plain_eager
+from .._spec import code_tables
 from ._build import Loop, compiled_loop, runnable
 from ._relu_loops import splits_added, supported, threads_and_splits
 from ._relu_tiles import BACKWARD as TILES_BACKWARD, BLOCK_ROWS, FORWARD as TILES_FORWARD
@@ -133,50 +133,53 @@ def usable(
     return all(compiled_loop(loop, units, outputs) is not None for loop in loops)
 
 
-def generate(stack: Stack, leaves: dict[str, Tensor], where: Placement) -> tuple[Tensor, ...]:
+def generate(
+    stack: Stack, leaves: dict[str, Tensor], where: Placement, *, direct: bool
+) -> tuple[Tensor, ...]:
     """The weights `stack`'s g-nets generate, as matrices `(rows, columns)`, from its leaves
-    in `gparams["stacks"]` (`suits(stack)` and `usable` must hold)."""
+    in `gparams["stacks"]` (`suits(stack)` and `usable` must hold). `direct`: a plainly eager
+    call, which calls the loops without the custom ops' dispatch; otherwise (traced or
+    transformed) through the ops."""
     row_code, col_code = code_tables(stack, leaves["w_in"])
     g_nets = [leaves[k] for k in ("w_in", "b_in", "w_out", "b_out")]
-    if torch.compiler.is_compiling():
-        # Traced under `torch.func.grad`, dynamo mishandles a Function applied to the
-        # transformed function's own arguments (the ops inside see its wrapped tensors;
-        # pytorch/pytorch#193279, torch 2.13): a view makes them values computed inside.
-        g_nets = [x.view_as(x) for x in g_nets]
-    if plain_eager():
-        return _apply_eagerly(row_code, col_code, *g_nets, where)
-    return _Rows.apply(row_code, col_code, *g_nets, where)
+    if direct:
+        return _apply_eagerly(row_code, col_code, *g_nets, where, True)
+    # Traced under `torch.func.grad`, dynamo mishandles a Function applied to the transformed
+    # function's own arguments (the ops inside see its wrapped tensors;
+    # pytorch/pytorch#193279, torch 2.13): a view makes them values computed inside.
+    g_nets = [x.view_as(x) for x in g_nets]
+    return _Rows.apply(row_code, col_code, *g_nets, where, False)
 
 
 class _Rows(torch.autograd.Function):
     """`relu_rows` with `relu_rows_backward` as its backward; composes with `grad`, `vmap`
     (through the ops' vmap rules) and `torch.compile`. Plainly eager calls skip the custom
     ops' dispatch (tens of microseconds a call, a tenth of the loops' time here); traced or
-    transformed ones go through them, opaque to inductor."""
+    transformed ones go through them, opaque to inductor (`direct`: `generate`'s)."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(row_code, col_code, w_in, b_in, w_out, b_out, where: Placement):
+    def forward(row_code, col_code, w_in, b_in, w_out, b_out, where: Placement, direct: bool):
         tensors = (row_code, col_code, w_in, b_in, w_out, b_out)
-        if plain_eager():
+        if direct:
             return tuple(_forward(*tensors, where))
         return tuple(relu_rows(*tensors, where.encoded))
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
-        row_code, col_code, w_in, b_in, w_out, _, where = inputs
+        row_code, col_code, w_in, b_in, w_out, _, where, direct = inputs
         ctx.save_for_backward(row_code, col_code, w_in, b_in, w_out)
-        ctx.where = where
+        ctx.where, ctx.direct = where, direct
 
     @staticmethod
     def backward(ctx, *grads):
-        # The op (with its vmap and autograd rules) unless plainly eager without create_graph.
-        if not plain_eager() or torch.is_grad_enabled():
+        # The op (with its vmap and autograd rules) unless direct without create_graph.
+        if not ctx.direct or torch.is_grad_enabled():
             gradients = relu_rows_backward(list(grads), *ctx.saved_tensors, ctx.where.encoded)
         else:
             gradients = _backward(list(grads), *ctx.saved_tensors, ctx.where)
-        return (None, None, *gradients, None)
+        return (None, None, *gradients, None, None)
 
 
 def _apply_eagerly(*args: object) -> tuple[Tensor, ...]:

@@ -18,6 +18,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 from .._condition import condition_of, conditioned
+from .._dispatch import torch_variant
 from .._evaluate import evaluate_stack
 from .._numbers import integer
 from .._plan import TILE_LEAVES, Plan, Stack
@@ -201,7 +202,9 @@ class RankOwned:
         leaves = local["stacks"][stack.key]
         shape = (self._rows[s], stack.tile[0], stack.tile[1] * math.prod(stack.window))
         if self._gnets[s]:
-            own = evaluate_stack(self._local_stack(s), leaves)  # (T_own, TH, TW*K)
+            local_stack = self._local_stack(s)
+            form = torch_variant(local_stack, leaves)
+            own = evaluate_stack(local_stack, leaves, form=form)  # (T_own, TH, TW*K)
         else:  # nothing owned here, but this rank must still join the backward reduce-scatter
             own = leaves["w_in"].new_zeros((0, *shape[1:]), requires_grad=torch.is_grad_enabled())
         if own.requires_grad:

@@ -39,6 +39,6 @@ def variant(call: Call) -> str:
     return tile_form(call.stack, call.leaves["w_in"], traced=True, exporting=False)
 
 
-# The runner: tiles `indices` of a stack, `(len(indices), TH, TW * K)`, through its compiled
-# tile MLP, cut into `spans` (`evaluate_tile_parts`).
+# The runner: tiles `indices` of a stack, `(len(indices), TH, TW * K)`, through its tile MLP
+# compiled in the variant `form`, cut into `spans` (`evaluate_tile_parts`).
 tiles = partial(evaluate_tile_parts, compiled=True)

@@ -16,6 +16,11 @@ from ..cpu import Placement, add_hash, refusal, weights
 from ._policy import AUTO_GRAPH_WEIGHTS, Call, compiler_missing, compiling_asked
 
 NAME = "cpu-loops"
+# Its variants: called straight eagerly, without the custom ops' dispatch (tens of
+# microseconds a call); through the ops (their autograd and vmap rules, opaque to inductor)
+# where traced or transformed.
+DIRECT = "direct"
+OPS = "ops"
 
 
 def refuses(call: Call) -> str | None:
@@ -43,20 +48,24 @@ def refuses(call: Call) -> str | None:
     return refusal(call.stack, w_out.dtype, w_out.device.type, detail=call.detail)
 
 
-def variant(call: Call) -> None:
-    """None: the loops have one form (`gbfunc.cpu` picks its loop by the g-nets' shape)."""
-    return None
+def variant(call: Call) -> str:
+    """`DIRECT` for a plainly eager call, else `OPS` (`gbfunc.cpu` picks its loop by the
+    g-nets' shape)."""
+    return DIRECT if call.context.eager else OPS
 
 
-def generate(stack: Stack, leaves: Mapping[str, Tensor], where: Placement) -> list[Tensor]:
+def generate(
+    stack: Stack, leaves: Mapping[str, Tensor], where: Placement, form: str
+) -> list[Tensor]:
     """The weights of `stack` (matrices `(rows, columns)`, in the order `where` places them)
-    from its leaves, written by the loops where they land; a hashed stack's table is added
-    there too."""
-    generated = weights(stack, leaves, where)
+    from its leaves, written by the loops where they land, in the variant `form`; a hashed
+    stack's table is added there too."""
+    direct = form == DIRECT
+    generated = weights(stack, leaves, where, direct=direct)
     if stack.genome.hashed:
         positions, rows = stack.tile_positions, stack.tile[0]
         table = leaves["tile_hash"]
-        generated = add_hash(generated, table, positions, rows, where, HASH_GAIN)
+        generated = add_hash(generated, table, positions, rows, where, HASH_GAIN, direct=direct)
     return list(generated)
 
 

@@ -28,6 +28,6 @@ def variant(call: Call) -> str:
     return tile_form(call.stack, w_in, traced=context.compiling, exporting=context.exporting)
 
 
-# The runner: tiles `indices` of a stack, `(len(indices), TH, TW * K)`, op by op, cut into
-# `spans` (`evaluate_tile_parts`).
+# The runner: tiles `indices` of a stack, `(len(indices), TH, TW * K)`, op by op in the
+# variant `form`, cut into `spans` (`evaluate_tile_parts`).
 tiles = evaluate_tile_parts
