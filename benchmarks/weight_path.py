@@ -409,10 +409,7 @@ def route_line(explanation: gb.Explanation) -> str:
 def paths(explanation: gb.Explanation) -> str:
     """The plan's path and its stacks', short: `stacks: torch (eager-recompute)×2`."""
     route = explanation.route
-    taken = [
-        path + ("" if form is None else f" ({form})")
-        for path, form in zip(route.stacks, route.variants, strict=True)
-    ]
+    taken = [f"{path} ({form})" for path, form in zip(route.stacks, route.variants, strict=True)]
     return f"{route.plan}: {' '.join(_folded(taken))}"
 
 

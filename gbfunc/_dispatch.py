@@ -3,10 +3,10 @@
 A call of `gb.apply` is described by a `Context` (device, dtype, `backend=`, `compile=`,
 whether `torch.compile` traces it or a `torch.func` transform wraps it, grad mode, what the
 machine offers), read once. Each path is a module of `gbfunc.generate` that owns its rule,
-`refuses(call)` (why it does not apply; None: it does), its `variant(call)` (the form of the
-tile MLP it runs, chosen from the same context and the stack; None: it has one form) and its
-runner; a stack takes the first path that applies, in the order of `PATHS`, and
-`gb.explain` prints the verdicts, and the path's variant beside it.
+`refuses(call)` (why it does not apply; None: it does), its `variant(call)` (how it runs:
+the form of the tile MLP, the loops' calls, the kernels' wrapper, chosen from the same
+context and the stack) and its runner; a stack takes the first path that applies, in the
+order of `PATHS`, and `gb.explain` prints the verdicts, and the path's variant beside it.
 
 - `triton` (`generate/triton.py`): fused Triton kernels, g-nets to weights, forward and
   backward. CUDA tensors with `triton` installed, or `backend="triton"` (on CPU: Triton's
@@ -69,13 +69,13 @@ def check_call(
 class Route(NamedTuple):
     """The paths of a call: the plan's (`triton`: every stack's, `graph`, or `stacks`: each its
     own, the kernels' included), each stack's, in plan order, each stack's variant of its
-    path (`variant` of the path's module; None for `triton`), and whether the call is traced
+    path (`variant` of the path's module), and whether the call is traced
     by `torch.compile`: what the runners are given, so that none of them reads the context
     again."""
 
     plan: str
     stacks: tuple[str, ...]
-    variants: tuple[str | None, ...]
+    variants: tuple[str, ...]
     traced: bool
 
 
@@ -129,7 +129,7 @@ def stack_path(
     *,
     placed: bool,
     path: str | None = None,
-) -> tuple[str, str | None]:
+) -> tuple[str, str]:
     """The path of one stack outside a plan graph (`Selection.apply`), `cpu-loops`,
     `compiled-mlp` or `torch` (or `path`, where the caller names it), and its variant.
     `placed`: its parameters are selected whole (the loops write whole weights)."""
@@ -234,7 +234,7 @@ def explanation(
         + (unavailable_reason() or "available"),
     ]
     for stack, taken, form in zip(plan.stacks, chosen.stacks, chosen.variants, strict=True):
-        lines.append(f"stack {stack.key}: {taken}" + ("" if form is None else f" ({form})"))
+        lines.append(f"stack {stack.key}: {taken} ({form})")
         for name in NAMES[: NAMES.index(taken)]:
             lines.append(f"    not {name}: {reasons[stack.key][name]}")
     return Explanation(chosen, reasons, tuple(lines))

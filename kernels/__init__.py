@@ -20,7 +20,7 @@ from gbfunc._spec import Terms as Terms, stack_terms as stack_terms
 
 from . import _runtime
 from ._checks import refusal as refusal
-from ._runtime import DTYPES as DTYPES, check_runnable as check_runnable
+from ._runtime import DTYPES as DTYPES, WRAPPER as WRAPPER, check_runnable as check_runnable
 from .generate import generate as generate
 from .generate_backward import generate_backward as generate_backward
 

@@ -49,9 +49,12 @@ def refuses(call: Call) -> str | None:
     return reason
 
 
-def variant(call: Call) -> None:
-    """None: the kernels have one form."""
-    return None
+def variant(call: Call) -> str:
+    """How the kernels are called, as `GBFUNC_KERNEL_WRAPPER` chose at import: `function`
+    (their `autograd.Function`s launch them) or `triton_op` (through `torch.library` ops)."""
+    from .. import kernels  # triton is optional: import it only when used
+
+    return kernels.WRAPPER
 
 
 def _unrunnable(call: Call) -> tuple[str, Exception] | None:
