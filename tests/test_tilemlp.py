@@ -31,6 +31,16 @@ def traced_form(terms: Terms, activation: str, b_t: torch.Tensor | None = None) 
     return terms_form(terms, activation, b_t, traced=True)
 
 
+def compiled_square_loss(form: str, backend) -> object:
+    """The sum of squares of a ReLU tile MLP in `form`, of its flat terms, compiled whole
+    (`fullgraph=True`) by `backend`."""
+
+    def loss(*flat):
+        return tile_mlp(Terms(*flat), "relu", form=form).square().sum()
+
+    return torch.compile(loss, backend=backend, fullgraph=True)
+
+
 def inputs(tiles, rows, cols, hidden, depth, outputs, seed):
     gen = torch.Generator().manual_seed(seed)
 
@@ -378,11 +388,7 @@ def test_a_partitioned_compiled_graph_recomputes_the_hidden_activations_instead_
         bw_compiler=lambda gm, example_inputs: make_boxed_func(gm.forward),
         partition_fn=min_cut_rematerialization_partition,
     )
-    loss = torch.compile(
-        lambda *flat: tile_mlp(Terms(*flat), "relu", form=form).square().sum(),
-        backend=backend,
-        fullgraph=True,
-    )
+    loss = compiled_square_loss(form, backend)
     leaves = [x for x in terms if x is not None]
     compiled_grads = torch.autograd.grad(loss(*terms), leaves)
     assert saved_sizes
@@ -418,11 +424,7 @@ def test_every_compiled_matmul_has_the_tile_positions_as_its_long_axis(depth, ou
         return make_boxed_func(gm.forward)
 
     backend = aot_autograd(fw_compiler=record, bw_compiler=record)
-    loss = torch.compile(
-        lambda *flat: tile_mlp(Terms(*flat), "relu", form=form).square().sum(),
-        backend=backend,
-        fullgraph=True,
-    )
+    loss = compiled_square_loss(form, backend)
     leaves = [x for x in terms if x is not None]
     grads = torch.autograd.grad(loss(*terms), leaves)
     assert len(matmuls) >= 3 * depth  # forward: every layer; backward: two per layer
