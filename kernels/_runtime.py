@@ -73,28 +73,19 @@ DTYPES = (
 # A (BLOCK_N, H) block of hidden activations lives in registers: wider g-nets spill.
 MAX_HIDDEN = 256
 MAX_OUTPUTS = 128
-# Elements of one (BLOCK_N, BLOCK_H) float32 block the autotuner may try (64 KiB).
-REGISTER_BLOCK = 16384
 
 
 def configs(blocks: tuple[int, ...], warps: tuple[int, ...]) -> list[triton.Config]:
     """Autotune configs over positions per block and warps; one under the interpreter.
 
-    Multi-config autotune needs a GPU to time the candidates.
+    Multi-config autotune needs a GPU to time the candidates. Blocks whose activations spill
+    are timed with the others and lose: an `early_config_prune` beside `triton.heuristics`
+    failed `torch.compile` on torch 2.11 ("Can't construct an AttrSource without a valid
+    base source", pytorch/pytorch#178179; benchmarks/results/gpu_tests.log).
     """
     if INTERPRETED:
         return [triton.Config({"BLOCK_N": 32})]
     return [triton.Config({"BLOCK_N": n}, num_warps=w) for n in blocks for w in warps]
-
-
-def fit_registers(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """Autotune pruning: drop blocks whose `(BLOCK_N, BLOCK_H)` activations would spill.
-
-    Keeps the smallest block when nothing fits, so the tuner always has a candidate.
-    """
-    fits = [c for c in configs if c.kwargs["BLOCK_N"] * kwargs["BLOCK_H"] <= REGISTER_BLOCK]
-    smallest = min(c.kwargs["BLOCK_N"] for c in configs)
-    return fits or [c for c in configs if c.kwargs["BLOCK_N"] == smallest]
 
 
 def target_programs(device: torch.device) -> int:

@@ -17,8 +17,10 @@ class _Generate(torch.autograd.Function):
     """`generate` as an op; its arguments are a flat `Terms`, then the stack and its params."""
 
     @staticmethod
-    def forward(*inputs):
-        *flat, stack, params = inputs
+    def forward(a, b, c, w_hidden, b_hidden, w_out, b_out, stack, params):
+        # Named, not `*inputs`: dynamo, inlining a Function none of whose inputs requires grad,
+        # passes `ctx` first unless the arity matches (as `gbfunc._tilemlp._TileMLP`).
+        flat = (a, b, c, w_hidden, b_hidden, w_out, b_out)
         launch = _runtime.launcher("generate", kernel.generate)
         return launch(Terms(*(contiguous(x) for x in flat)), stack, params)
 

@@ -58,7 +58,6 @@ tile_blocks = triton.heuristics(
 @triton.autotune(
     configs=_runtime.configs((32, 64, 128, 256), (2, 4, 8)),
     key=["TH", "Q", "H", "P", "DEPTH"],
-    prune_configs_by={"early_config_prune": _runtime.fit_registers},
 )
 @tile_blocks
 @triton.jit

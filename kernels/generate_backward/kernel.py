@@ -86,7 +86,6 @@ def _zero_partials(
 @triton.autotune(
     configs=_runtime.configs((32, 64, 128), (4, 8)),
     key=["TH", "Q", "H", "P", "DEPTH"],
-    prune_configs_by={"early_config_prune": _runtime.fit_registers},
 )
 @tile_blocks
 @triton.jit

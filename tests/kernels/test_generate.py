@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import triton
 from devices import KERNEL_DEVICE
 from hypothesis import given, settings, strategies as st
 from torch import Tensor, nn
@@ -418,13 +417,6 @@ def test_placement_is_assemble(case):
         i, j = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
         expected[base + i * ld + j] = tiles[t, i, j]
     torch.testing.assert_close(flat.round(), expected, rtol=0, atol=0)
-
-
-def test_autotune_pruning_keeps_register_sized_blocks():
-    configs = [triton.Config({"BLOCK_N": n}) for n in (32, 64, 128, 256)]
-    kept = _runtime.fit_registers(configs, {}, BLOCK_H=128)
-    assert [c.kwargs["BLOCK_N"] for c in kept] == [32, 64, 128]
-    assert [c.kwargs["BLOCK_N"] for c in _runtime.fit_registers(configs, {}, BLOCK_H=4096)] == [32]
 
 
 class TestErrors:
