@@ -22,7 +22,7 @@ from ._spec import (
     reference,
     stack_terms,
 )
-from ._tilemlp import tile_mlp
+from ._tilemlp import op_by_op_form, tile_mlp
 from ._tilemlp_forward import (
     EAGER,
     ONE_OUTPUT_UNITS_MAJOR,
@@ -79,7 +79,7 @@ def evaluate_parts(
         parts = y if spans is None else tuple(y[lo:hi] for lo, hi in spans)
     parts = (parts,) if spans is None else parts
     ranges = spans or ((0, stack.num_tiles),)
-    traced = form != EAGER and not compiled  # compiled bodies hold the tile MLP alone
+    traced = op_by_op_form(form, compiled) != EAGER
     hashed = hashed_tiles(stack, leaves["tile_hash"], traced) if stack.genome.hashed else None
     out = []
     for y, (lo, hi) in zip(parts, ranges, strict=True):

@@ -81,6 +81,12 @@ def _compiled(body: Callable, *args: object) -> object | None:
     return _BODIES.call((body.__name__, *signature), body, *args)
 
 
+def op_by_op_form(form: str, compiled: bool) -> str:
+    """The form of what runs op by op: `form`, or `EAGER` with `compiled`, whose compiled
+    bodies hold the traced form alone (and whose fallback runs eagerly)."""
+    return EAGER if compiled else form
+
+
 def _eager_chunks(terms: Terms, whole: bool) -> list[tuple[int, int]]:
     """The tile ranges that bodies called op by op run on: the whole stack where traced
     (`whole`: inductor fuses it), else cache-sized chunks (`CHUNK_ELEMENTS`)."""
@@ -136,7 +142,7 @@ class _TileMLP(torch.autograd.Function):
             if all(part is not None for part in outs):
                 out = _joined(outs)
         if out is None:  # op by op: in `form`, or eagerly where compiled bodies could not run
-            form = EAGER if compiled else form
+            form = op_by_op_form(form, compiled)
             out = _joined(
                 [
                     _forward_no_save(terms.tiles(lo, hi), activation, tile_rows(b_t, lo, hi), form)
@@ -154,7 +160,7 @@ class _TileMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         terms = Terms(*ctx.saved_tensors, None)
-        form = EAGER if ctx.compiled else ctx.form  # op by op: eager unless traced
+        form = op_by_op_form(ctx.form, ctx.compiled)
         how, done = (ctx.activation, form), (None, None, None, None, None)
         if ctx.spans is not None and form != EAGER:
             if _backward_per_range(terms):

@@ -81,7 +81,7 @@ def configs(blocks: tuple[int, ...], warps: tuple[int, ...]) -> list[triton.Conf
     Multi-config autotune needs a GPU to time the candidates. Blocks whose activations spill
     are timed with the others and lose: an `early_config_prune` beside `triton.heuristics`
     failed `torch.compile` on torch 2.11 ("Can't construct an AttrSource without a valid
-    base source", pytorch/pytorch#178179; benchmarks/results/gpu_tests.log).
+    base source", pytorch/pytorch#178179; benchmarks/results/gpu_tests_function.log).
     """
     if INTERPRETED:
         return [triton.Config({"BLOCK_N": 32})]
