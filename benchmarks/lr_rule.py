@@ -17,6 +17,11 @@ one rate for every g-net leaf, swept (the free tensors at `free_lr_factor` times
 5. `split`: the digits MLP's hashed genomes (~20x, ~100x, ~300x) and the CNN's (~23x,
    ~135x) with the g-net leaves and the hashed tables at separate rates: which each part
    wants.
+6. `without-tables`: ReLU g-nets without hashed tables, which no part above has (every ReLU
+   genome there has tables): the digits CNN's tiled genome and `transfer`'s digits-rows
+   genome (each missed the default in a sweep), two genomes chosen before any run of this
+   part (`WITHOUT_TABLES`), and the character transformer's tiled genome at ~20x on the
+   main corpus.
 
 The digits tasks take 10 seeds: their validation set has 360 images, and the mean of 3 seeds
 has a standard error of about 0.3 points, too coarse for a 0.5-point target (the best of four
@@ -24,6 +29,8 @@ such means is biased up by about that much). The held-out corpus takes 6.
 
     python -m benchmarks.lr_rule            # about 80 minutes on 2 cores (2 processes)
     python -m benchmarks.lr_rule --parts held-out
+    python -m benchmarks.lr_rule --parts without-tables \
+        --out benchmarks/results/lr_rule_without_tables.md
 """
 
 import argparse
@@ -57,6 +64,20 @@ HELD_OUT = {  # tables sized by gb.plan for a whole-model ratio
     "mlp": {**paper_genome(3), "hashed": "auto", "compression": 50},  # tanh g-nets
     "cnn": {"tile": "full", "hidden": 3, "hashed": "auto", "compression": 60},  # ReLU
 }
+# ReLU genomes without tables (`without-tables`): two that missed the default in a sweep
+# (equal_params' tiled CNN; transfer's digits-rows) and two chosen on 2026-11-28 before any run.
+WITHOUT_TABLES = {
+    "cnn": (
+        ep.TILED_CNN,
+        {"tile": "full", "hidden": 8},
+    ),
+    "mlp": (
+        {"tile": (32, 32), "hidden": 8, "outputs": 8},  # transfer's digits-rows genome
+        {"tile": (64, 64), "hidden": 8, "outputs": 4},
+    ),
+}
+TEXT_WITHOUT_TABLES = 1  # equal_params' charlm genome: tiles 64x64 H=8 P=8, ~20x
+TEXT_WITHOUT_TABLES_SWEPT = (0.06, 0.1)
 # One rate for every g-net leaf; the paper genome without tables reaches 1 (equal_params').
 SWEPT = {"with tables": (0.01, 0.03, 0.1, 0.3), "without tables": (0.03, 0.1, 0.3, 1.0)}
 # The free tensors' rate under the default: the main job's dense rate, as its arms use it.
@@ -155,7 +176,7 @@ def at_rates(arm: ep.Arm, plan: gb.Plan, by_id: dict[int, float], free_lr: float
     return ep.Arm("gbfunc", "lr rule", arm.model, tree, to_params, arm.params, scales)
 
 
-PARTS = ("held-out-text", "transformer", "main", "held-out", "split")  # the longest first
+PARTS = ("held-out-text", "transformer", "main", "held-out", "split", "without-tables")
 
 
 def jobs(parts: list[str]) -> list[tuple[str, str, dict, object, int]]:
@@ -170,6 +191,14 @@ def jobs(parts: list[str]) -> list[tuple[str, str, dict, object, int]]:
                 ]
         elif part == "transformer":
             out += [(part, "charlm", text_genome, "default", s) for s in TEXT_SEEDS]
+        elif part == "without-tables":
+            tiled = ep.TASKS["charlm"].genomes[TEXT_WITHOUT_TABLES][2]
+            for rule in ("default", *TEXT_WITHOUT_TABLES_SWEPT):
+                out += [(part, "charlm", tiled, rule, s) for s in TEXT_SEEDS]
+            for task, genomes in WITHOUT_TABLES.items():
+                for options in genomes:
+                    for rule in ("default", *SWEPT["without tables"]):
+                        out += [(part, task, options, rule, s) for s in DIGITS_SEEDS]
         elif part in ("main", "held-out"):
             for task in ("mlp", "cnn"):
                 if part == "main":

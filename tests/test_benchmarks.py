@@ -614,6 +614,23 @@ def test_lr_rule_report_sets_the_default_beside_the_best_swept_rate(capsys):
     assert charlm in summary
 
 
+def test_lr_rule_without_tables_runs_relu_genomes_without_tables_at_each_rule():
+    """The part sweeps ReLU genomes that have no hashed tables (every other ReLU genome of
+    lr_rule has them), each at the default and the swept rates, over the part's seeds."""
+    from benchmarks import lr_rule
+
+    jobs = lr_rule.jobs(["without-tables"])
+    assert {part for part, *_ in jobs} == {"without-tables"}
+    genomes = {(task, json.dumps(options, sort_keys=True)) for _, task, options, _, _ in jobs}
+    assert len(genomes) == 5  # two CNN genomes, two MLP genomes, the transformer's
+    for _, _, options, _, _ in jobs:
+        assert not options.get("hashed") and options.get("activation", "relu") == "relu"
+    digits = [(task, rule, seed) for _, task, _, rule, seed in jobs if task != "charlm"]
+    assert len(digits) == 4 * (1 + len(lr_rule.SWEPT["without tables"])) * 10
+    text = {rule for _, task, _, rule, _ in jobs if task == "charlm"}
+    assert text == {"default", *lr_rule.TEXT_WITHOUT_TABLES_SWEPT}
+
+
 def test_bench_memory_init_sets_each_inits_peak_beside_its_largest_stack(monkeypatch, capsys):
     from torch import nn
 
