@@ -3,13 +3,14 @@
 Trains only the gbfunc arm of `lr_rule`'s transformer runs (the main job's character
 transformer, its hashed genome at ~20x, `gb.optim.param_groups`' default rates, the free
 tensors at the dense rate; `equal_params`' protocol: Adam, warm-up then cosine decay), on the
-main job's corpus (pydoc help topics, `main`) and on `lr_rule`'s held-out code corpus
-(`held-out`), and logs per step: the loss; per leaf kind (the hashed tables, each g-net layer,
-the free norms and biases) the gradient norm and Adam's update norm relative to the leaf's
-norm; every `--every` steps the generated weights' RMS per layer and their update relative to
-it. Loss spikes are flagged (a step's loss 10% above the median of the 20 before it, after the
-warm-up). A variant (`VARIANTS`) changes one thing: clipping, warm-up, Adam's epsilon, the
-tables' initial scale, a leaf kind's rate.
+main job's corpus (pydoc help topics, `main`), on `lr_rule`'s held-out code corpus
+(`held-out`) and on `transfer`'s corpora (`email`, `package-docs`), and logs per step: the
+loss; per leaf kind (the hashed tables, each g-net layer, the free norms and biases) the
+gradient norm and Adam's update norm relative to the leaf's norm; every `--every` steps the
+generated weights' RMS per layer and their update relative to it. Loss spikes are flagged (a
+step's loss 10% above the median of the 20 before it, after the warm-up). A variant
+(`VARIANTS`) changes one thing: clipping, warm-up, Adam's epsilon, the tables' initial scale,
+a leaf kind's rate.
 
     python -m benchmarks.stability --steps 300 --variants default clip1
     python -m benchmarks.stability --steps 800 --variants default    # about 3 min a run
@@ -32,11 +33,12 @@ import torch
 from torch import Tensor
 
 import gbfunc as gb
-from benchmarks import equal_params as ep, lr_rule
+from benchmarks import equal_params as ep, lr_rule, transfer
 from benchmarks._meta import RESULTS, recorded
 from gbfunc._plan import TILE_LEAVES
 
 CORPORA = {"main": "charlm", "held-out": "charlm held-out"}  # lr_rule's task names
+TRANSFER_CORPORA = ("email", "package-docs")  # `transfer`'s, chosen after the default was set
 SPIKE, SPIKE_WINDOW = 1.10, 20  # a loss 10% above the median of the 20 steps before
 
 # A variant: keyword arguments of `run` (see there).
@@ -56,6 +58,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "embeddings x0.3 rate": {"param_rates": {"tok.weight": 0.3, "pos.weight": 0.3}},
     "embeddings x0.03 rate": {"param_rates": {"tok.weight": 1 / 30, "pos.weight": 1 / 30}},
     "embeddings free": {"plan": {"embeddings": False}},
+    # equal_params' tiled genome (no tables, one g-net per tile) under the library's warm-up
+    "tiled genome, warmup200": {"warmup": 200, "plan": {"share": False, "hashed": 0}},
 }
 
 
@@ -182,7 +186,7 @@ def run(
     param_rates: dict[str, float] | None = None,
     plan: dict[str, Any] | None = None,
 ) -> tuple[dict, dict]:
-    """`(row, log)` of one run of the gbfunc arm on `corpus` (`CORPORA`).
+    """`(row, log)` of one run of the gbfunc arm on `corpus` (`CORPORA`, `TRANSFER_CORPORA`).
 
     `clip`: the gradients' total norm clipped to it; `warmup`: warm-up steps (default
     `equal_params`': a tenth of the steps); `eps`: Adam's; `rates`: factors of the default
@@ -193,8 +197,10 @@ def run(
     options over the genome's.
     """
     torch.set_num_threads(1)
-    task_name = CORPORA[corpus]
-    task = lr_rule.TASKS[task_name]
+    if corpus in CORPORA:
+        task, dense_lr = lr_rule.TASKS[CORPORA[corpus]], lr_rule.DENSE_LR[CORPORA[corpus]]
+    else:
+        task, dense_lr = transfer.text_task(corpus), transfer.TASKS[corpus][3]
     data = task.data()
     options = {**ep.TASKS["charlm"].genomes[lr_rule.MAIN["charlm"]][2], **(plan or {})}
     arm, plan_ = ep.gbfunc_arm(task, "stability", options, seed, data)
@@ -209,7 +215,7 @@ def run(
         for name, t in leaves.items():
             gnet = "gnet" if name != gb.optim.TABLE_LEAF else name
             by_id[id(t)] *= factors.get(name, factors.get(gnet, 1.0))
-    free_lr = lr_rule.DENSE_LR[task_name] * factors.get("free", 1.0)
+    free_lr = dense_lr * factors.get("free", 1.0)
     trained = lr_rule.at_rates(arm, plan_, by_id, free_lr)
     generated = sorted({e.name for e in gb.report(plan_).rows if e.kind == "generated"})
     monitor = Monitor(trained, arm.tree, generated, every, clip)
@@ -381,7 +387,9 @@ def report(rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--corpora", nargs="+", default=list(CORPORA), choices=CORPORA)
+    parser.add_argument(
+        "--corpora", nargs="+", default=list(CORPORA), choices=[*CORPORA, *TRANSFER_CORPORA]
+    )
     parser.add_argument("--variants", nargs="+", default=["default"], choices=VARIANTS)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=800)
