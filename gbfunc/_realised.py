@@ -12,6 +12,7 @@ transformer: `benchmarks/results/design_measurements.md`).
 import torch
 from torch import Tensor
 
+from ._function import signature_once
 from ._tracing import exporting
 
 
@@ -23,6 +24,7 @@ def realised(weight: Tensor) -> Tensor:
     return weight
 
 
+@signature_once
 class _Realised(torch.autograd.Function):
     """The identity, with inductor's `force_stride_order` forward, given the tensor's own
     strides: inductor's lowering computes the tensor into a buffer; run op by op (other

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from ._compiled import CompiledCache
+from ._function import signature_once
 from ._spec import Terms, plain_eager, tile_rows
 from ._tilemlp_backward import _after, _backward_recompute
 from ._tilemlp_forward import EAGER, _forward_no_save, _vectorised_units
@@ -114,6 +115,7 @@ def _backward_per_range(terms: Terms) -> bool:
     return not terms.one_reduction or _vectorised_units(terms.a) == terms.a.shape[-1]
 
 
+@signature_once
 class _TileMLP(torch.autograd.Function):
     """`reference` with a recomputing backward; its arguments are a flat `Terms`, `b_t`, the
     activation, the form, whether to run compiled bodies and the tile ranges to return

@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # What the low packages may import from gbfunc: the plan, the specification and the tiling
 # (tile-and-cut, which the kernels' forward reference checks their fused layout against).
 ALLOWED = {
-    "gbfunc/cpu": {"gbfunc._plan", "gbfunc._spec"},
-    "kernels": {"gbfunc._plan", "gbfunc._spec", "gbfunc._tiling"},
+    "gbfunc/cpu": {"gbfunc._plan", "gbfunc._spec", "gbfunc._function"},
+    "kernels": {"gbfunc._plan", "gbfunc._spec", "gbfunc._tiling", "gbfunc._function"},
 }
 # The modules of `gbfunc/generate/`, one per path, in the dispatcher's order.
 PATHS = ("triton", "cpu_loops", "graph", "compiled_mlp", "torch_ops")

@@ -42,3 +42,32 @@ def test_launching_ops_per_stack_do_not_grow(backend, backward, most_per_stack):
     assert launching <= most_per_stack * stacks, counter.ops
     if backend == "triton":
         assert counter.ops["slice_backward"] == 0
+
+
+def test_every_function_with_a_setup_context_binds_through_a_signature_built_once():
+    """`Function.apply` binds each call to `forward`'s signature where `setup_context` is
+    defined; every such Function of gbfunc and the kernels carries it prebuilt
+    (`gbfunc._function.signature_once`), so `inspect.signature` returns the same object."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import torch
+
+    import gbfunc
+    import gbfunc.kernels
+
+    found = []
+    packages = ((gbfunc.__path__, "gbfunc."), (gbfunc.kernels.__path__, "gbfunc.kernels."))
+    for info in (m for path, prefix in packages for m in pkgutil.walk_packages(path, prefix)):
+        module = importlib.import_module(info.name)
+        for value in vars(module).values():
+            if (
+                isinstance(value, type)
+                and issubclass(value, torch.autograd.Function)
+                and value.__module__ == info.name
+                and "setup_context" in vars(value)
+            ):
+                found.append(value)
+                assert inspect.signature(value.forward) is value.forward.__signature__, value
+    assert {f.__name__ for f in found} >= {"_TileMLP", "_Generate", "_GenerateGrad", "_Rows"}

@@ -18,6 +18,7 @@ function's own argument (pytorch/pytorch#193279): callers pass a view of the tab
 import torch
 from torch import Tensor
 
+from .._function import signature_once
 from ._build import Loop, compiled_loop, runnable, vectorised_cpu
 from ._relu_loops import splits_added, threads_and_splits, tiles_folded, tiles_unfolded
 
@@ -98,6 +99,7 @@ def _table_gradient_backward(ctx, outer: Tensor) -> tuple:
 table_gradient.register_autograd(_table_gradient_backward, setup_context=_save_hash)
 
 
+@signature_once
 class _SignedGather(torch.autograd.Function):
     """`signed_buckets` with `table_gradient` as its backward; composes with `grad`, `vmap`
     (through the op's vmap rule) and `torch.compile` (the forward traced, fused by inductor

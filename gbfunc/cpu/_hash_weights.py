@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .._function import signature_once
 from .._spec import cached_tile_hash
 from ._build import Loop, compiled_loop, runnable, vectorised_cpu
 from ._hash_gradient import signed_buckets
@@ -70,6 +71,7 @@ def generate(
     return _HashWeights.apply(table, positions, tile_rows, where.encoded, gain, *base)
 
 
+@signature_once
 class _HashWeights(torch.autograd.Function):
     """`hash_weights` with `hash_weights_backward` as its backward (the base weights'
     gradients pass through)."""

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 from torch._functorch.utils import unwrap_dead_wrappers
 
+from .._function import signature_once
 from .._plan import Generated, Stack, tile_places
 from .._spec import code_tables
 from ._build import Loop, compiled_loop, runnable
@@ -151,6 +152,7 @@ def generate(
     return _Rows.apply(row_code, col_code, *g_nets, where, False)
 
 
+@signature_once
 class _Rows(torch.autograd.Function):
     """`relu_rows` with `relu_rows_backward` as its backward; composes with `grad`, `vmap`
     (through the ops' vmap rules) and `torch.compile`. Plainly eager calls skip the custom

@@ -3,6 +3,7 @@
 import torch
 from torch import Tensor
 
+from gbfunc._function import signature_once
 from gbfunc._plan import Generated, Stack
 from gbfunc._spec import Terms
 
@@ -13,6 +14,7 @@ from ..generate_backward import generate_backward
 from . import kernel, reference
 
 
+@signature_once
 class _Generate(torch.autograd.Function):
     """`generate` as an op; its arguments are a flat `Terms`, then the stack and its params."""
 

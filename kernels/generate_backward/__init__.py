@@ -3,6 +3,7 @@
 import torch
 from torch import Tensor
 
+from gbfunc._function import signature_once
 from gbfunc._plan import Generated, Stack
 from gbfunc._spec import Terms
 
@@ -12,6 +13,7 @@ from .._checks import contiguous
 from . import kernel, reference
 
 
+@signature_once
 class _GenerateGrad(torch.autograd.Function):
     """`generate_backward` as an op; its arguments are the output gradient, the six terms
     that matter (all but `b_out`), then the stack and its params."""
