@@ -26,6 +26,7 @@ against the best scale, and the default against the narrow model at its best rat
 import argparse
 import dataclasses
 import functools
+import hashlib
 import json
 import statistics
 import sysconfig
@@ -61,9 +62,21 @@ def package_docs_text() -> str:
     return text[: len(pydoc_text())]
 
 
+TEXTS = {"email": email_text, "package-docs": package_docs_text}
+
+
 @functools.cache
 def corpus(name: str) -> CharCorpus:
-    return CharCorpus.from_text({"email": email_text, "package-docs": package_docs_text}[name]())
+    return CharCorpus.from_text(TEXTS[name]())
+
+
+@functools.cache
+def fingerprint(name: str) -> str:
+    """The corpus `name` as this machine builds it: its length and the start of its SHA-1.
+    Both corpora come from the running Python's installation (`package-docs` from whatever
+    distributions are installed), so rows are comparable only where this agrees."""
+    text = TEXTS[name]()
+    return f"{len(text):,} characters, sha1 {hashlib.sha1(text.encode()).hexdigest()[:12]}"
 
 
 def text_task(name: str) -> ep.Task:
@@ -105,7 +118,7 @@ def run(task_name: str, arm: str, value: float, seed: int) -> dict:
         narrow = ep.arms_at(task, "transfer", options, seed, data)[1]
         params = narrow.params
         loss, acc = ep.train(narrow, value, data, task.steps, task.batch, seed, warmup=warmup)
-    return {
+    row = {
         "task": task_name,
         "arm": arm,
         "value": value,
@@ -114,6 +127,7 @@ def run(task_name: str, arm: str, value: float, seed: int) -> dict:
         "val_loss": loss,
         "val_acc": acc,
     }
+    return {**row, "corpus": fingerprint(base)} if kind == "text" else row
 
 
 def jobs(task_name: str, seeds: Sequence[int] = SEEDS) -> list[tuple[str, str, float, int]]:
@@ -144,7 +158,7 @@ def summary(rows: list[dict], task_name: str) -> list[dict]:
     metric = "val_loss" if TASKS[task_name][0] == "text" else "val_acc"
     scale = 1.0 if metric == "val_loss" else 100.0
     groups: dict[tuple[str, float], list[float]] = {}
-    for r in rows:
+    for r in sorted(rows, key=lambda r: r["seed"]):
         if r["task"] == task_name:
             groups.setdefault((r["arm"], r["value"]), []).append(r[metric] * scale)
     out = []
@@ -194,8 +208,25 @@ def report(rows: list[dict]) -> str:
             ("spread", "r"),
         ]
         text += f"\n## {task_name}\n\n" + markdown_table(columns, cells)
+        if lower:
+            text += corpora(rows, task_name)
         text += verdict(found, lower, rows, task_name)
     return text
+
+
+def corpora(rows: list[dict], task_name: str) -> str:
+    """Which corpus the rows of `task_name` trained on (`fingerprint`), as a list line."""
+    counts: dict[str, int] = {}
+    for r in rows:
+        if r["task"] == task_name:
+            key = r.get("corpus", "not recorded")
+            counts[key] = counts.get(key, 0) + 1
+    found = "; ".join(f"{k} ({n} rows)" for k, n in counts.items())
+    return f"\n- corpus: {found}\n"
+
+
+def _mean(row: dict) -> float:
+    return row["mean"]
 
 
 def verdict(found: list[dict], lower: bool, rows: list[dict], task_name: str) -> str:
@@ -213,11 +244,12 @@ def verdict(found: list[dict], lower: bool, rows: list[dict], task_name: str) ->
         f"{top['value']:.3g}: {top['mean']:.4g} (default - best: "
         f"{default['mean'] - top['mean']:+.4f})"
     ]
-    if top["value"] != 1.0:
-        gap, se, n = paired_gap(rows, task_name, 1.0, top["value"])
+    better = (r for r in gb_rows if r["value"] != 1.0 and best(r, default, key=_mean) is r)
+    for rival in better:  # every scale ahead of the default on the mean, however many seeds
+        gap, se, n = paired_gap(rows, task_name, 1.0, rival["value"])
         noise = "beyond noise" if abs(gap) > 2 * se else "within noise"
         lines.append(
-            f"- paired over the {n} seeds both ran: default - scale {top['value']:.3g} = "
+            f"- paired over the {n} seeds both ran: default - scale {rival['value']:.3g} = "
             f"{gap:+.4f} +- {se:.4f} ({noise}: |gap| against 2 s.e.)"
         )
     if narrow:

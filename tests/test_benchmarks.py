@@ -658,6 +658,7 @@ def test_transfer_reports_the_default_against_the_best_scale_and_the_narrow_mode
             "params": 100,
             "val_loss": loss + 0.01 * s,
             "val_acc": 0.5,
+            "corpus": "10 characters, sha1 abc",
         }
         for v, loss in ((1 / 3, 1.9), (1.0, 1.8), (3.0, 1.7))
         for s in range(3)
@@ -683,6 +684,7 @@ def test_transfer_reports_the_default_against_the_best_scale_and_the_narrow_mode
     assert "the narrow model at its best rate, 0.06: 1.75" in text
     assert "gbfunc's default - narrow: +0.0600" in text
     assert "## digits-rows\n\nNot run." in text
+    assert "- corpus: 10 characters, sha1 abc (9 rows); not recorded (6 rows)" in text
     assert len(transfer.jobs("email")) == 3 * (5 + 2)
 
 
