@@ -624,7 +624,8 @@ def test_lr_rule_without_tables_runs_relu_genomes_without_tables_at_each_rule():
     genomes = {(task, json.dumps(options, sort_keys=True)) for _, task, options, _, _ in jobs}
     assert len(genomes) == 5  # two CNN genomes, two MLP genomes, the transformer's
     for _, _, options, _, _ in jobs:
-        assert not options.get("hashed") and options.get("activation", "relu") == "relu"
+        assert not options.get("hashed")
+        assert options.get("activation", "relu") == "relu"
     digits = [(task, rule, seed) for _, task, _, rule, seed in jobs if task != "charlm"]
     assert len(digits) == 4 * (1 + len(lr_rule.SWEPT["without tables"])) * 10
     text = {rule for _, task, _, rule, _ in jobs if task == "charlm"}
