@@ -1,10 +1,10 @@
 """`torch.autograd.Function` classes that bind their arguments without rebuilding a signature.
 
 With a `setup_context`, `Function.apply` binds every call's arguments to `forward`'s
-signature, and `inspect.signature` builds that signature anew each time: half of an apply's
-Python cost, paid once per stack on every `gb.apply` (`benchmarks/bench_overhead.py`).
-`inspect.signature` returns a function's `__signature__` where one is set, so setting it
-once, at class creation, keeps the binding and drops the rebuilding.
+signature, and `inspect.signature` builds that signature anew each time, once per stack on
+every `gb.apply` (what that costs: `docs/performance.md`). `inspect.signature`
+returns a function's `__signature__` where one is set, so setting it once, at class
+creation, keeps the binding and drops the rebuilding.
 """
 
 import inspect
