@@ -176,6 +176,9 @@ TILED_CNN = {
     "outputs": 8,
     "overrides": {"classifier.3.weight": "free"},
 }
+# The digits MLP's ReLU row g-nets on (32, 32) tiles, 8 weights per evaluation: chosen for
+# `transfer` (its digits-rows task) before any run, and swept again by `lr_rule`.
+ROWS_GENOME = {"tile": (32, 32), "hidden": 8, "outputs": 8}
 CNN_TABLES_135X = {
     "features.0.weight": 30,
     "features.2.weight": 200,

@@ -72,7 +72,7 @@ WITHOUT_TABLES = {
         {"tile": "full", "hidden": 8},
     ),
     "mlp": (
-        {"tile": (32, 32), "hidden": 8, "outputs": 8},  # transfer's digits-rows genome
+        ep.ROWS_GENOME,  # transfer's digits-rows genome
         {"tile": (64, 64), "hidden": 8, "outputs": 4},
     ),
 }

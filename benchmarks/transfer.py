@@ -46,7 +46,6 @@ from examples.tasks import CharLMConfig, MLPConfig
 SCALES = (1 / 3, 1 / 2, 1.0, 2.0, 3.0)
 SEEDS = (0, 1, 2)
 NARROW_LRS = {"text": (0.03, 0.06), "image": (0.003, 0.01, 0.03, 0.1)}
-ROWS_GENOME = {"tile": (32, 32), "hidden": 8, "outputs": 8}
 
 
 def email_text() -> str:
@@ -66,17 +65,22 @@ TEXTS = {"email": email_text, "package-docs": package_docs_text}
 
 
 @functools.cache
-def corpus(name: str) -> CharCorpus:
-    return CharCorpus.from_text(TEXTS[name]())
+def text(name: str) -> str:
+    """The text of corpus `name`, read once per process."""
+    return TEXTS[name]()
 
 
 @functools.cache
+def corpus(name: str) -> CharCorpus:
+    return CharCorpus.from_text(text(name))
+
+
 def fingerprint(name: str) -> str:
     """The corpus `name` as this machine builds it: its length and the start of its SHA-1.
     Both corpora come from the running Python's installation (`package-docs` from whatever
     distributions are installed), so rows are comparable only where this agrees."""
-    text = TEXTS[name]()
-    return f"{len(text):,} characters, sha1 {hashlib.sha1(text.encode()).hexdigest()[:12]}"
+    raw = text(name)
+    return f"{len(raw):,} characters, sha1 {hashlib.sha1(raw.encode()).hexdigest()[:12]}"
 
 
 def text_task(name: str) -> ep.Task:
@@ -96,7 +100,7 @@ TASKS = {  # name: (kind, task, genome, the free tensors' rate)
         lr_rule.TASKS["charlm"].genomes[3][2],
         CharLMConfig().lr_dense,
     ),
-    "digits-rows": ("image", "mlp", ROWS_GENOME, MLPConfig().lr_dense),
+    "digits-rows": ("image", "mlp", ep.ROWS_GENOME, MLPConfig().lr_dense),
 }
 
 
@@ -237,23 +241,24 @@ def verdict(found: list[dict], lower: bool, rows: list[dict], task_name: str) ->
     default = next((r for r in gb_rows if r["value"] == 1.0), None)
     if default is None:
         return ""
-    top = best(gb_rows, key=lambda r: r["mean"])
+    top = best(gb_rows, key=_mean)
     lines = [
         f"\n- the default (scale 1): {default['mean']:.4g} +- {default['se']:.2g} (spread "
         f"{default['spread']:.3g}, {default['seeds']} seeds); the best scale, "
         f"{top['value']:.3g}: {top['mean']:.4g} (default - best: "
         f"{default['mean'] - top['mean']:+.4f})"
     ]
-    better = (r for r in gb_rows if r["value"] != 1.0 and best(r, default, key=_mean) is r)
-    for rival in better:  # every scale ahead of the default on the mean, however many seeds
-        gap, se, n = paired_gap(rows, task_name, 1.0, rival["value"])
+    sign = -1 if lower else 1
+    ahead = (r for r in gb_rows if sign * (r["mean"] - default["mean"]) > 0)
+    for scale in ahead:  # every scale ahead of the default on the mean, however many seeds
+        gap, se, n = paired_gap(rows, task_name, 1.0, scale["value"])
         noise = "beyond noise" if abs(gap) > 2 * se else "within noise"
         lines.append(
-            f"- paired over the {n} seeds both ran: default - scale {rival['value']:.3g} = "
+            f"- paired over the {n} seeds both ran: default - scale {scale['value']:.3g} = "
             f"{gap:+.4f} +- {se:.4f} ({noise}: |gap| against 2 s.e.)"
         )
     if narrow:
-        rival = best(narrow, key=lambda r: r["mean"])
+        rival = best(narrow, key=_mean)
         params = {r["arm"]: r["params"] for r in rows if r["task"] == task_name}
         lines.append(
             f"- the narrow model at its best rate, {rival['value']:g}: {rival['mean']:.4g} +- "
