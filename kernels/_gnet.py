@@ -3,6 +3,12 @@
 Every block is a `(BLOCK_N, BLOCK_H)` float32 tile of hidden values for `BLOCK_N` positions
 (`BLOCK_I` tile rows x `BLOCK_Q` evaluation columns, row-major). Hidden units past `H` are
 zero-padded: their weights load as zero, so they never reach a real output or gradient.
+
+Kernels import these blocks by name and call them unqualified (`first_layer(...)`, never
+`_gnet.first_layer(...)`): under `torch.compile`, inductor rebuilds a user kernel's source from
+the `@triton.jit` functions its globals name, and drops any reached through a module, which
+failed on an H200 with `NameError: _gnet` (2026-11-28). `test_kernel_sources_are_self_contained`
+keeps it so.
 """
 
 import triton

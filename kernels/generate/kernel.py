@@ -18,8 +18,9 @@ from torch import Tensor
 from gbfunc._plan import Generated, Stack
 from gbfunc._spec import Terms
 
-from .. import _checks, _gnet, _runtime
+from .. import _checks, _runtime
 from .._checks import Launch
+from .._gnet import ACTIVATIONS, first_layer, hidden_stack, output_layer, tile_place
 
 
 def block_sizes(args: dict) -> dict[str, int]:
@@ -105,13 +106,13 @@ def _generate_kernel(
     hid = tl.arange(0, BLOCK_H)
     p = tl.arange(0, BLOCK_P)
 
-    z = _gnet.first_layer(a_ptr, b_ptr, c_ptr, g, i, q, hid, TH, Q, H, BLOCK_I, BLOCK_Q, BLOCK_H)
-    h = _gnet.hidden_stack(z, wh_ptr, bh_ptr, g, DEPTH - 1, hid, H, DEPTH, ACTIVATION, PRECISION)
+    z = first_layer(a_ptr, b_ptr, c_ptr, g, i, q, hid, TH, Q, H, BLOCK_I, BLOCK_Q, BLOCK_H)
+    h = hidden_stack(z, wh_ptr, bh_ptr, g, DEPTH - 1, hid, H, DEPTH, ACTIVATION, PRECISION)
     # (BLOCK_N, BLOCK_P) outputs
-    y = _gnet.output_layer(h, wo_ptr, bo_ptr, g, hid, p, H, P, BLOCK_P, PRECISION)
+    y = output_layer(h, wo_ptr, bo_ptr, g, hid, p, H, P, BLOCK_P, PRECISION)
 
     # Tile-and-cut: output (i, q, p) is flat column q * P + p of the tile's row i.
-    base, ld, rows, cols, scale = _gnet.tile_place(place_ptr, scale_ptr, t)
+    base, ld, rows, cols, scale = tile_place(place_ptr, scale_ptr, t)
     i3, q3, p3 = i[:, None, None], q[None, :, None], p[None, None, :]
     j = q3 * P + p3
     mask = (i3 < rows) & (p3 < P) & (j < cols)
@@ -179,7 +180,7 @@ def meta_parameters(size: Sizes, outputs: int, activation: str, dtype: torch.dty
     return {
         "P": outputs,
         "DEPTH": size.depth,
-        "ACTIVATION": _gnet.ACTIVATIONS[activation],
+        "ACTIVATION": ACTIVATIONS[activation],
         "PRECISION": _runtime.dot_precision(dtype),
         "BLOCK_H": block_h(size.hidden, size.depth, outputs),
         "BLOCK_P": block_p(outputs),

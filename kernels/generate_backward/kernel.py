@@ -22,8 +22,17 @@ from torch import Tensor
 from gbfunc._plan import Generated, Stack
 from gbfunc._spec import Terms
 
-from .. import _checks, _gnet, _runtime
+from .. import _checks, _runtime
 from .._checks import Launch
+from .._gnet import (
+    activate_grad,
+    first_layer,
+    hidden_layer,
+    hidden_stack,
+    hidden_weight,
+    output_weight,
+    tile_place,
+)
 from ..generate.kernel import meta_parameters, sizes, tile_blocks
 
 
@@ -135,8 +144,8 @@ def _generate_backward_kernel(
     hid = tl.arange(0, BLOCK_H)
     p = tl.arange(0, BLOCK_P)
     h_ok = hid < H
-    base, ld, rows, cols, scale = _gnet.tile_place(place_ptr, scale_ptr, t)
-    w_out = _gnet.output_weight(wo_ptr, g, hid, p, H, P, BLOCK_P)
+    base, ld, rows, cols, scale = tile_place(place_ptr, scale_ptr, t)
+    w_out = output_weight(wo_ptr, g, hid, p, H, P, BLOCK_P)
     if BLOCK_P == 1:
         g_w_out = tl.zeros((BLOCK_H,), dtype=tl.float32)
     else:
@@ -159,12 +168,8 @@ def _generate_backward_kernel(
             )
             g_y = tl.reshape(g_y.to(tl.float32) * scale, (BLOCK_I * BLOCK_Q, BLOCK_P))
 
-            z = _gnet.first_layer(
-                a_ptr, b_ptr, c_ptr, g, i, q, hid, TH, Q, H, BLOCK_I, BLOCK_Q, BLOCK_H
-            )
-            h = _gnet.hidden_stack(
-                z, wh_ptr, bh_ptr, g, DEPTH - 1, hid, H, DEPTH, ACTIVATION, PRECISION
-            )
+            z = first_layer(a_ptr, b_ptr, c_ptr, g, i, q, hid, TH, Q, H, BLOCK_I, BLOCK_Q, BLOCK_H)
+            h = hidden_stack(z, wh_ptr, bh_ptr, g, DEPTH - 1, hid, H, DEPTH, ACTIVATION, PRECISION)
             g_b_out += tl.sum(g_y, axis=0)
             if BLOCK_P == 1:
                 g_w_out += tl.sum(h * g_y, axis=0)
@@ -177,13 +182,11 @@ def _generate_backward_kernel(
                     layer = (
                         DEPTH - 2 - step
                     )  # hidden weight `layer` maps activations layer -> layer + 1
-                    h_in = _gnet.hidden_stack(
+                    h_in = hidden_stack(
                         z, wh_ptr, bh_ptr, g, layer, hid, H, DEPTH, ACTIVATION, PRECISION
                     )
-                    g_z = g_h * _gnet.activate_grad(
-                        _gnet.hidden_layer(
-                            h_in, wh_ptr, bh_ptr, g, layer, hid, H, DEPTH, PRECISION
-                        ),
+                    g_z = g_h * activate_grad(
+                        hidden_layer(h_in, wh_ptr, bh_ptr, g, layer, hid, H, DEPTH, PRECISION),
                         ACTIVATION,
                     )
                     w_slot, w_ok, bias_slot, bias_ok = _hidden_partials(
@@ -192,9 +195,9 @@ def _generate_backward_kernel(
                     g_w = tl.dot(tl.trans(h_in), g_z, input_precision=PRECISION)
                     _accumulate(w_slot, g_w, w_ok)
                     _accumulate(bias_slot, tl.sum(g_z, axis=0), bias_ok)
-                    w = _gnet.hidden_weight(wh_ptr, g, layer, hid, H, DEPTH)
+                    w = hidden_weight(wh_ptr, g, layer, hid, H, DEPTH)
                     g_h = tl.dot(g_z, tl.trans(w), input_precision=PRECISION)
-            g_z = tl.reshape(g_h * _gnet.activate_grad(z, ACTIVATION), (BLOCK_I, BLOCK_Q, BLOCK_H))
+            g_z = tl.reshape(g_h * activate_grad(z, ACTIVATION), (BLOCK_I, BLOCK_Q, BLOCK_H))
             g_a += tl.sum(g_z, axis=1)
             b_slot, b_ok = _column_partial(gb_ptr, part, q, hid, Q, H)
             _accumulate(b_slot, tl.sum(g_z, axis=0), b_ok)
