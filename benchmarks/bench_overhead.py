@@ -98,16 +98,21 @@ class _NoLaunch:
 
 @contextlib.contextmanager
 def no_kernel_launches() -> Iterator[None]:
-    """The Triton path without its two kernels: every wrapper runs, nothing is launched."""
+    """The Triton path without its two kernels: every wrapper runs, nothing is launched.
+
+    With the `triton_op` wrapper the ops hand the kernels to `wrap_triton`, which takes only
+    Triton's own kernel objects: it passes the stand-in through."""
+    from gbfunc.kernels import _ops
     from gbfunc.kernels.generate import kernel as forward
     from gbfunc.kernels.generate_backward import kernel as backward
 
-    saved = forward._generate_kernel, backward._generate_backward_kernel
+    saved = forward._generate_kernel, backward._generate_backward_kernel, _ops.wrap_triton
     forward._generate_kernel = backward._generate_backward_kernel = _NoLaunch()
+    _ops.wrap_triton = lambda kernel: kernel
     try:
         yield
     finally:
-        forward._generate_kernel, backward._generate_backward_kernel = saved
+        forward._generate_kernel, backward._generate_backward_kernel, _ops.wrap_triton = saved
 
 
 def call(plan: gb.Plan, gparams: dict, backend: str, backward: bool) -> None:
@@ -167,9 +172,17 @@ def main(argv: list[str] | None = None) -> None:
                     f"| {name} | {pass_} | {us:.0f} | {ops} | {launching} | "
                     f"{launching / len(plan.stacks):.1f} |"
                 )
+        from gbfunc import kernels
+
+        kernels_seen = (
+            "counted here as the ops `generate` and `generate_backward` (the `triton_op` wrapper)"
+            if kernels.WRAPPER == "triton_op"
+            else "not counted here (the `function` wrapper launches them itself)"
+        )
         print(
-            "\nlaunching ops: the aten ops other than views; on a GPU each is a kernel launch, "
-            "plus the Triton path's own 1 (forward) and 1 (backward) per stack not counted here"
+            "\nlaunching ops: the aten ops other than views; on a GPU each is a kernel launch. "
+            "The Triton path's own kernels, 1 (forward) and 1 (backward) per stack, are "
+            + kernels_seen
         )
 
 

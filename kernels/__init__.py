@@ -3,9 +3,10 @@
 Each op is a folder: `reference.py` (pure torch, the specification, built from gbfunc's own
 `reference` and `assemble`), `kernel.py` (the `@triton.jit` kernel and a launcher with the
 reference's signature) and `__init__.py` (the `autograd.Function` that composes with
-`torch.func`). The Functions launch the kernels themselves, or, with
-`GBFUNC_KERNEL_WRAPPER=triton_op` in the environment, through the `torch.library.triton_op`
-ops of `_ops.py`; a GPU run's compile tests decide which of the two stays.
+`torch.func`). The Functions launch the kernels through the `torch.library.triton_op` ops of
+`_ops.py`, or, with `GBFUNC_KERNEL_WRAPPER=function` in the environment, themselves (which
+cannot compile `grad` on a GPU: `_runtime.WRAPPER`); a GPU run's compile tests decide whether
+`function` goes.
 
 Kernels are compiled for CUDA. On CPU tensors they run through Triton's interpreter, which
 the process has to enable itself: `@triton.jit` reads `TRITON_INTERPRET` when a function is

@@ -15,11 +15,15 @@ from triton.runtime.interpreter import InterpretedFunction
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
-# How the ops' `autograd.Function`s launch the kernels: `function`, themselves; `triton_op`,
-# through the `torch.library.triton_op` ops of `_ops` (filling `OP_LAUNCHERS`). Both run the
-# same kernels; a GPU run's compile tests decide which one stays (benchmarks/gpu_check.sh).
-WRAPPERS = ("function", "triton_op")
-WRAPPER = os.environ.get("GBFUNC_KERNEL_WRAPPER", "function")
+# How the ops' `autograd.Function`s launch the kernels: `triton_op`, through the
+# `torch.library.triton_op` ops of `_ops` (filling `OP_LAUNCHERS`); `function`, themselves.
+# On an H200 (torch 2.11, 2026-11-28) `function` cannot compile `grad` through the kernels:
+# dynamo turns a launch into `triton_kernel_wrapper_mutation`, which has no rule for
+# `torch.func.grad`'s transform. `triton_op` got past dynamo and AOTAutograd to inductor, so it
+# is the default; `function` stays until a GPU run passes the compile tests with `triton_op`
+# (benchmarks/gpu_check.sh runs them under both).
+WRAPPERS = ("triton_op", "function")
+WRAPPER = os.environ.get("GBFUNC_KERNEL_WRAPPER", "triton_op")
 if WRAPPER not in WRAPPERS:
     raise ValueError(
         f"gbfunc.kernels: GBFUNC_KERNEL_WRAPPER is {WRAPPER!r}; expected one of {WRAPPERS}."
@@ -81,7 +85,8 @@ def configs(blocks: tuple[int, ...], warps: tuple[int, ...]) -> list[triton.Conf
     Multi-config autotune needs a GPU to time the candidates. Blocks whose activations spill
     are timed with the others and lose: an `early_config_prune` beside `triton.heuristics`
     failed `torch.compile` on torch 2.11 ("Can't construct an AttrSource without a valid
-    base source", pytorch/pytorch#178179; benchmarks/results/gpu_tests_function.log).
+    base source", pytorch/pytorch#178179; the H200 log of c418d6b,
+    benchmarks/results/gpu_tests_function.log).
     """
     if INTERPRETED:
         return [triton.Config({"BLOCK_N": 32})]

@@ -23,7 +23,7 @@ class _GenerateGrad(torch.autograd.Function):
         # Named, not `*inputs`: dynamo, inlining a Function none of whose inputs requires grad
         # (the backward's, under `torch.func.grad`), passes `ctx` first unless the arity
         # matches: "Terms.__new__() takes 8 positional arguments but 9 were given" on torch
-        # 2.11 and an H200 (benchmarks/results/gpu_tests_triton_op.log).
+        # 2.11 and an H200 (benchmarks/results/gpu_tests_triton_op.log as c418d6b committed it).
         flat = (a, b, c, w_hidden, b_hidden, w_out)
         terms = Terms(*(contiguous(x) for x in flat), None)
         launch = _runtime.launcher("generate_backward", kernel.generate_backward)
