@@ -12,6 +12,7 @@ plain step of the same run.
 """
 
 import argparse
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -53,6 +54,22 @@ def loss_of(model: nn.Module) -> Callable:
     return loss_fn if isinstance(model, GPT) else nn.functional.cross_entropy
 
 
+def that_run(steps: dict[str, Callable]) -> dict[str, Callable]:
+    """The steps whose first call (and compile) succeeds; each failure is printed with its
+    error and left out, so that one step that cannot compile still leaves the others' times."""
+    kept = {}
+    for name, step in steps.items():
+        try:
+            step()
+        except Exception as error:
+            traceback.print_exc(limit=-12)  # its end, for the log
+            message = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+            print(f"{name}: failed: {type(error).__name__}: {message}")
+        else:
+            kept[name] = step
+    return kept
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, one round")
@@ -80,11 +97,12 @@ def main() -> None:
                 paths = gb.explain(gb.init(plan, device=device), plan).route.stacks
                 print(f"{name}, {label}: stacks on {sorted(set(paths))}")
             sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-            ms, _ = median_ms(steps, rounds, inner, sync)
+            ms, _ = median_ms(that_run(steps), rounds, inner, sync)
             print(f"\n## {name}\nstep                     ms     x plain (same mode)")
             for step, value in ms.items():
-                base = ms["plain compiled" if "compiled" in step else "plain eager"]
-                print(f"{step:22s} {value:8.2f}  {value / base:6.2f}")
+                base = ms.get("plain compiled" if "compiled" in step else "plain eager")
+                ratio = f"{value / base:6.2f}" if base else "     -"
+                print(f"{step:22s} {value:8.2f}  {ratio}")
 
 
 if __name__ == "__main__":

@@ -59,6 +59,22 @@ def test_peers_table_reports_failures_and_fallbacks():
 
 
 @pytest.mark.slow
+def test_gpu_step_reports_a_step_that_fails_and_times_the_others(capsys):
+    """A step that cannot compile (as on the H200 of 2026-11-28) is named with its error and
+    left out of the timings; the others still run."""
+    from benchmarks.gpu_step import that_run
+
+    def fails() -> None:
+        raise RuntimeError("RuntimeError when making fake tensor call\ndetails")
+
+    calls = []
+    kept = that_run({"plain eager": lambda: calls.append(1), "gbfunc 10x compiled": fails})
+    assert list(kept) == ["plain eager"]
+    assert calls == [1]
+    printed = capsys.readouterr().out
+    assert "gbfunc 10x compiled: failed: RuntimeError: RuntimeError when making fake" in printed
+
+
 def test_equal_params_trains_every_family_at_each_budget_from_the_same_start():
     """A tiny run of the CNN task: each genome's baselines sized to its parameter count, and
     every learning rate of an arm started from the same tensors (two equal rates, equal rows)."""
