@@ -6,16 +6,18 @@
 #      whole training step with torch.compile(fullgraph=True), by default and with
 #      mode="reduce-overhead"; test_backend.py: grad through the kernels compiled fullgraph),
 #      once per kernel wrapper (GBFUNC_KERNEL_WRAPPER=function and =triton_op, the two side by
-#      side), then the rest of the kernel tests once (the `gpu`-marked ones included);
+#      side);
 #   b. gpu_step: a training step, plain against gbfunc at ~10x and ~100x, eager and compiled,
-#      on the MLP and on GPT-2 small's shapes;
+#      on the MLP and on GPT-2 small's shapes (a step that fails is reported, the others timed);
 #   c. bench_generation's GPU half;
 #   d. peers: the same step against hyper-nn and hypnettorch (benchmarks/peers.py --device
 #      cuda), the two installed from the wheels in .whl/ (bash benchmarks/gpu_wheels.sh
 #      downloads them; the device tool carries .whl) into a folder of their own on PYTHONPATH,
 #      never into the environment: both ship a top-level `tests` package;
 #   e. bench_overhead: gb.apply's time per call on a 10-stack plan of tiny weights, kernels
-#      launched and not (the work around them, against 50 µs).
+#      launched and not (the work around them, against 50 µs);
+#   f. the rest of the kernel tests (the `gpu`-marked ones included), last: they passed on
+#      the GPU of 2026-11-26 and compile the kernels for every shape hypothesis draws.
 # Each part has a time limit (the T_ values below; their sum fits in 10 minutes of device
 # time with the installs), writes its results file as it goes or at its end, and what the
 # benchmarks print goes to gpu_check.log as they print it, so that a part cut short still
@@ -33,15 +35,15 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-# Time limits in seconds, in the order the parts run: 555 s in all (a: 225, b: 170, c: 60,
-# d: 75, e: 25), which leaves 45 s of the 10 minutes for gbfunc's install and the start.
+# Time limits in seconds, in the order the parts run: 555 s in all (a: 130, b: 170, c: 60,
+# d: 75, e: 25, f: 95), which leaves 45 s of the 10 minutes for gbfunc's install and the start.
 T_COMPILE=130     # a. each wrapper's compile tests (the two run at the same time)
-T_KERNELS=95      # a. the rest of the kernel tests
 T_STEP=170        # b. gpu_step
 T_GENERATION=60   # c. bench_generation
 T_WHEELS=15       # d. installing the peers' wheels
 T_PEERS=60        # d. peers.py
 T_OVERHEAD=25     # e. bench_overhead
+T_KERNELS=95      # f. the rest of the kernel tests
 
 dry=0
 if [ "${1:-}" = "--dry-run" ]; then
@@ -100,20 +102,6 @@ for wrapper in function triton_op; do
         | tee -a "$results/gpu_tests.log" "$log"
 done
 
-part "a. the rest of the kernel tests"
-if [ $dry = 1 ]; then  # one test, through Triton's interpreter
-    TRITON_INTERPRET=1 timeout -k 5 $T_KERNELS python3 -m pytest -q -p no:randomly \
-        "tests/kernels/test_generate.py::test_the_backward_kernel_starts_its_own_sums" \
-        2>&1 | tee -a "$results/gpu_tests.log"
-else
-    timeout -k 5 $T_KERNELS python3 -m pytest -q -n 8 -p no:randomly -p no:benchmark \
-        --durations=5 tests/kernels -k "not compiles" \
-        tests/test_labels_biases.py::test_centred_rows_sum_to_zero_on_both_backends \
-        tests/test_labels_biases.py::test_generated_biases_get_gradients_and_match_the_triton_kernels \
-        2>&1 | tee -a "$results/gpu_tests.log"
-fi
-tests=${PIPESTATUS[0]}
-
 part "b. gpu_step"
 timeout -k 5 $T_STEP python3 -m benchmarks.gpu_step $([ $dry = 1 ] && echo --dry-run) \
     --out "$results/gpu_step.md" 2>&1 | tee -a "$log"
@@ -158,6 +146,20 @@ else
         --out "$results/bench_overhead_gpu.md" 2>&1 | tee -a "$log"
 fi
 overhead=${PIPESTATUS[0]}
+
+part "f. the rest of the kernel tests"
+if [ $dry = 1 ]; then  # one test, through Triton's interpreter
+    TRITON_INTERPRET=1 timeout -k 5 $T_KERNELS python3 -m pytest -q -p no:randomly \
+        "tests/kernels/test_generate.py::test_the_backward_kernel_starts_its_own_sums" \
+        2>&1 | tee -a "$results/gpu_tests.log"
+else
+    timeout -k 5 $T_KERNELS python3 -m pytest -q -n 8 -p no:randomly -p no:benchmark \
+        --durations=5 tests/kernels -k "not compiles" \
+        tests/test_labels_biases.py::test_centred_rows_sum_to_zero_on_both_backends \
+        tests/test_labels_biases.py::test_generated_biases_get_gradients_and_match_the_triton_kernels \
+        2>&1 | tee -a "$results/gpu_tests.log"
+fi
+tests=${PIPESTATUS[0]}
 
 echo "compile tests: function exit $function_tests, triton_op exit $triton_op_tests;" \
     "kernel tests exit $tests, gpu_step exit $step, bench_generation exit $generation," \

@@ -537,10 +537,10 @@ def _stand_in_wheel(folder: Path) -> Path:
 
 @pytest.mark.slow
 def test_the_gpu_script_runs_every_part_on_cpu_in_a_dry_run(tmp_path):
-    """`gpu_check.sh --dry-run`: the compile tests once per kernel wrapper, the rest of the
-    kernel tests it names, gpu_step, bench_generation, the peers (their wheels installed from
-    a folder, here a stand-in's) and bench_overhead all run (tiny, on CPU), in that order, and
-    write their files, so a lent GPU's minutes go to measuring."""
+    """`gpu_check.sh --dry-run`: the compile tests once per kernel wrapper, gpu_step,
+    bench_generation, the peers (their wheels installed from a folder, here a stand-in's),
+    bench_overhead and the rest of the kernel tests it names all run (tiny, on CPU), in that
+    order, and write their files, so a lent GPU's minutes go to measuring."""
     root = Path(__file__).resolve().parents[1]
     environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     environment["GBFUNC_PEER_WHEELS"] = str(_stand_in_wheel(tmp_path / "wheels").parent)
@@ -558,7 +558,7 @@ def test_the_gpu_script_runs_every_part_on_cpu_in_a_dry_run(tmp_path):
         "bench_generation exit 0, peers exit 0, bench_overhead exit 0"
     ) in done.stdout
     parts = [line[3:5] for line in done.stdout.splitlines() if line.startswith("== ")]
-    assert parts == ["a.", "a.", "b.", "c.", "d.", "e."]
+    assert parts == ["a.", "b.", "c.", "d.", "e.", "f."]
     summary = (results / "gpu_tests.log").read_text()
     for wrapper in ("function", "triton_op"):
         assert f"GBFUNC_KERNEL_WRAPPER={wrapper}: exit 0: " in summary
