@@ -9,9 +9,10 @@
 #      side);
 #   b. gpu_step: a training step, plain against gbfunc at ~10x and ~100x, eager and compiled,
 #      on the MLP and on GPT-2 small's shapes (a step that fails is reported, the others timed);
-#   c. bench_generation's GPU half;
+#   c. bench_generation's GPU half at 67M weights (the roofline's size; compiling and autotuning
+#      the kernels takes most of its limit);
 #   d. peers: the same step against hyper-nn and hypnettorch (benchmarks/peers.py --device
-#      cuda), the two installed from the wheels in .whl/ (bash benchmarks/gpu_wheels.sh
+#      cuda --quick), the two installed from the wheels in .whl/ (bash benchmarks/gpu_wheels.sh
 #      downloads them; the device tool carries .whl) into a folder of their own on PYTHONPATH,
 #      never into the environment: both ship a top-level `tests` package;
 #   e. bench_overhead: gb.apply's time per call on a 10-stack plan of tiny weights, kernels
@@ -35,15 +36,15 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-# Time limits in seconds, in the order the parts run: 555 s in all (a: 130, b: 170, c: 60,
-# d: 75, e: 25, f: 95), which leaves 45 s of the 10 minutes for gbfunc's install and the start.
+# Time limits in seconds, in the order the parts run: 555 s in all (a: 130, b: 170, c: 90,
+# d: 75, e: 25, f: 65), which leaves 45 s of the 10 minutes for gbfunc's install and the start.
 T_COMPILE=130     # a. each wrapper's compile tests (the two run at the same time)
 T_STEP=170        # b. gpu_step
-T_GENERATION=60   # c. bench_generation
+T_GENERATION=90   # c. bench_generation
 T_WHEELS=15       # d. installing the peers' wheels
 T_PEERS=60        # d. peers.py
 T_OVERHEAD=25     # e. bench_overhead
-T_KERNELS=95      # f. the rest of the kernel tests
+T_KERNELS=65      # f. the rest of the kernel tests
 
 dry=0
 if [ "${1:-}" = "--dry-run" ]; then
@@ -113,7 +114,7 @@ if [ $dry = 1 ]; then
         --repeats 1 --out "$results/bench_generation_gpu.md" 2>&1 | tee -a "$log"
 else
     timeout -k 5 $T_GENERATION python3 -m benchmarks.bench_generation --skip-cpu \
-        --gpu-sizes 1024 8192 --out "$results/bench_generation_gpu.md" 2>&1 | tee -a "$log"
+        --gpu-sizes 8192 --out "$results/bench_generation_gpu.md" 2>&1 | tee -a "$log"
 fi
 generation=${PIPESTATUS[0]}
 
@@ -133,7 +134,7 @@ else
         "without hyper-nn and hypnettorch unless this python has them" | tee -a "$log"
 fi
 PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" timeout -k 5 $T_PEERS python3 -m benchmarks.peers \
-    $([ $dry = 1 ] && echo --dry-run || echo --device cuda) --out "$results" --name peers_gpu \
+    $([ $dry = 1 ] && echo --dry-run || echo --device cuda --quick) --out "$results" --name peers_gpu \
     2>&1 | tee -a "$log"
 peers=${PIPESTATUS[0]}
 
