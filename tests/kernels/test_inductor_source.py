@@ -4,7 +4,8 @@ Inductor compiles a user-defined Triton kernel (the `triton_op` wrapper's `wrap_
 its source plus the `@triton.jit` functions, constants and triton names its globals hold;
 anything reached through a module attribute is dropped. On an H200 (2026-11-28) that failed
 every compiled step with `NameError: _gnet`; no CPU run compiles these kernels, so this test
-rebuilds the source the way inductor does and checks that every global it loads resolves.
+rebuilds the source the way inductor does, checks that every global it loads resolves, and
+compiles it for sm_90 as inductor's worker would (`hopper_compile.py`'s way, no GPU needed).
 The interpreter's `@triton.jit` is not a `JITFunction`, so the check runs in a process
 without `TRITON_INTERPRET` (defining kernels needs no GPU).
 """
@@ -12,6 +13,7 @@ without `TRITON_INTERPRET` (defining kernels needs no GPU).
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 CHECK = """
 import builtins, dis, importlib.util, pathlib, tempfile
@@ -21,6 +23,7 @@ from torch._inductor.codegen.wrapper import (
 )
 from gbfunc.kernels.generate import kernel as forward
 from gbfunc.kernels.generate_backward import kernel as backward
+from hopper_compile import compile_variant
 
 def innermost(kernel):  # under @autotune and @heuristics
     while not isinstance(kernel, triton.JITFunction):
@@ -46,14 +49,24 @@ for name, kernel in kernels.items():
                     f"{name}: {function.__name__} loads {op.argval!r}, which the rebuilt "
                     f"source does not define"
                 )
-    print(name, len(jitted), "functions")
+    # What inductor's compile worker then does: Triton's compiler on the rebuilt function
+    # (here for sm_90, with no GPU), two hidden layers and one output (every block in use).
+    rebuilt = vars(module)[innermost(kernel).__name__]
+    compile_variant(rebuilt, kernel.configs[0], "fp32", 1, 2, "gelu", "ieee", 8, 5, 17)
+    print(name, len(jitted), "functions, compiled")
 """
 
 
-def test_kernel_sources_are_self_contained() -> None:
+def test_kernel_sources_are_self_contained(tmp_path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env |= {"TRITON_CACHE_DIR": str(tmp_path / "triton")}
     result = subprocess.run(
-        [sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", CHECK],
+        env=env,
+        cwd=Path(__file__).parent,  # hopper_compile.py
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "forward" in result.stdout
