@@ -33,6 +33,8 @@
 # bench_overhead_gpu.md, and gpu_check.log. The peers' wheels are read from .whl/, or from
 # the folder GBFUNC_PEER_WHEELS names; with none there, peers.py runs without them and says
 # "not installed" in their rows (the dry run in the test suite installs a stand-in wheel).
+# Those are 9 files; a lent machine returns 8, so pack them (as on 2026-11-28, 600 s limit):
+#   timeout -k 5 580 bash benchmarks/gpu_check.sh $OUT/r; cd $OUT && tar czf all.tgz r && rm -rf r
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
