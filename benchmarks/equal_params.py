@@ -77,6 +77,7 @@ from torch.utils._pytree import tree_leaves
 import gbfunc as gb
 from benchmarks._meta import (
     FIGURE_WIDTH,
+    NOTES,
     RESULTS,
     header_md,
     markdown_table,
@@ -110,6 +111,7 @@ CHARLM_LRS = {
     "gbfunc": (1e-2, 2e-2, 4e-2),
 }
 FAMILIES = ("dense", "gbfunc", "narrow", "low rank", "hashed")
+MARGINS = "\n## Margins (positive: gbfunc is better)\n\n"
 DISTILL_WEIGHT, DISTILL_TEMPERATURE = 0.5, 2.0
 CALIBRATION_BATCH = 512
 
@@ -530,7 +532,8 @@ def _frozen_teacher(arm: Arm) -> Teacher:
 
 
 def summarise(rows: list[dict[str, Any]], metric: str = "val_acc") -> list[dict[str, Any]]:
-    """Per (ratio, family, arm): the best lr by the mean `metric` over seeds, mean and std."""
+    """Per (ratio, family, arm): the best lr by the mean `metric` over seeds, its mean, std and
+    spread (best minus worst seed)."""
     sign = 1 if metric == "val_acc" else -1
     out = []
     keys = dict.fromkeys((r["ratio"], r["family"], r["arm"]) for r in rows)
@@ -553,6 +556,7 @@ def summarise(rows: list[dict[str, Any]], metric: str = "val_acc") -> list[dict[
                 "metric": metric,
                 "score": statistics.fmean(scores),
                 "score_std": statistics.stdev(scores) if len(scores) > 1 else 0.0,
+                "spread": max(scores) - min(scores),
                 "seeds": len(scores),
                 "seconds": statistics.fmean(r["seconds"] for r in group),
             }
@@ -587,7 +591,8 @@ def table(summary: list[dict[str, Any]]) -> str:
 
 
 def findings(summary: list[dict[str, Any]], families: tuple[str, ...] = FAMILIES) -> str:
-    """Per ratio: gbfunc's margin over each baseline trained (positive: gbfunc is better)."""
+    """Per ratio: gbfunc's margin over each baseline trained (positive: gbfunc is better), with
+    each arm's seed spread (best minus worst seed at its best lr) where it ran several."""
     metric = summary[0]["metric"]
     if "gbfunc" not in families:
         return "- gbfunc was not trained in this run: compare with the run of every family."
@@ -605,16 +610,22 @@ def findings(summary: list[dict[str, Any]], families: tuple[str, ...] = FAMILIES
                 margin = f"{100 * (ours['score'] - s['score']):+.2f} pt"
             else:
                 margin = f"{s['score'] - ours['score']:+.3f} nats"
-            parts.append(f"{margin} vs {family} ({s['params']:,} params{window})")
+            spread = f"; spread {_shown(metric, s['spread'])}" if s["seeds"] > 1 else ""
+            parts.append(f"{margin} vs {family} ({s['params']:,} params{window}{spread})")
         for family in ("low rank", "hashed"):
             if family in families and family not in group:
                 parts.append(f"{family} infeasible (the free parameters alone exceed the budget)")
         if not parts:
             parts.append("no baseline trained in this run")
         unit = "%" if metric == "val_acc" else " nats"
+        seeds = (
+            f"mean of {ours['seeds']} seeds, spread {_shown(metric, ours['spread'])}"
+            if ours["seeds"] > 1
+            else "1 seed"
+        )
         lines.append(
             f"- **{ratio}** (gbfunc {ours['params']:,} params, "
-            f"{_shown(metric, ours['score'])}{unit}): " + "; ".join(parts)
+            f"{_shown(metric, ours['score'])}{unit}, {seeds}): " + "; ".join(parts)
         )
     return "\n".join(lines)
 
@@ -767,6 +778,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="JSON",
         help="only redraw the plot and rewrite the CSV of a results file",
     )
+    parser.add_argument(
+        "--margins",
+        type=Path,
+        metavar="JSON",
+        help="only rewrite the margins section of a results file's .md from its runs",
+    )
     return parser
 
 
@@ -824,15 +841,34 @@ def _report(
         )
         + "\n"
         + table(summary)
-        + "\n## Margins (positive: gbfunc is better)\n\n"
+        + MARGINS
         + findings(summary, families)
         + "\n"
     )
 
 
+def rewrite_margins(saved_json: Path) -> None:
+    """Rewrite the margins section of the results file beside `saved_json` from the runs it
+    holds (the rest of the file, its provenance included, is kept): for a change in how the
+    margins are told, not in what was measured."""
+    saved = json.loads(saved_json.read_text())
+    rows = saved["rows"]
+    summary = summarise(rows, saved["summary"][0]["metric"])
+    families = tuple(dict.fromkeys(r["family"] for r in rows if r["ratio"] != "dense"))
+    path = saved_json.with_suffix(".md")
+    text = path.read_text()
+    start = text.index(MARGINS) + len(MARGINS)
+    end = text.find(f"\n{NOTES}", start)
+    end = len(text) if end < 0 else end
+    path.write_text(text[:start] + findings(summary, families) + "\n" + text[end:])
+
+
 def main() -> None:
     parser = _parser()
     args = parser.parse_args()
+    if args.margins:
+        rewrite_margins(args.margins)
+        return
     if args.replot:
         saved = json.loads(args.replot.read_text())
         stamp = provenance_line(saved["provenance"])

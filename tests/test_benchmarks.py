@@ -152,19 +152,47 @@ def test_equal_params_picks_each_arms_best_lr_by_its_mean_over_seeds():
 
     rows = [row("dense", 1e-3, s, 0.97, 60_010) for s in range(2)]
     rows += [row("gbfunc", 0.1, 0, 0.99, 598), row("gbfunc", 0.1, 1, 0.81, 598)]  # mean 0.90
-    rows += [row("gbfunc", 0.3, 0, 0.95, 598), row("gbfunc", 0.3, 1, 0.95, 598)]  # mean 0.95
-    rows += [row("narrow", 0.03, s, 0.93, 610) for s in range(2)]
+    rows += [row("gbfunc", 0.3, 0, 0.96, 598), row("gbfunc", 0.3, 1, 0.94, 598)]  # mean 0.95
+    rows += [row("narrow", 0.03, 0, 0.94, 610), row("narrow", 0.03, 1, 0.92, 610)]
     summary = summarise(rows)
     ours = next(s for s in summary if s["family"] == "gbfunc")
     assert ours["lr"] == 0.3
     assert ours["score"] == pytest.approx(0.95)
     assert ours["lrs"] == [0.1, 0.3]
     assert ours["seeds"] == 2
+    assert ours["spread"] == pytest.approx(0.02)
     text = findings(summary)
-    assert "+2.00 pt vs narrow (610 params)" in text
+    assert "(gbfunc 598 params, 95.00%, mean of 2 seeds, spread 2.00)" in text
+    assert "+2.00 pt vs narrow (610 params; spread 2.00)" in text
     assert "low rank infeasible" in text
     assert "hashed infeasible" in text
     assert "no width within" not in text  # 610 is within 10% of 598
+
+
+def test_equal_params_rewrites_only_the_margins_of_a_results_file(tmp_path):
+    """`--margins`: the margins section is told anew from the saved runs; the header, the
+    table and the hand-written notes stay as they were."""
+    import json
+
+    from benchmarks.equal_params import MARGINS, rewrite_margins
+
+    def row(family, seed, acc):
+        return {"ratio": "~20x", "family": family, "arm": family, "params": 100,
+                "compression": 20.0, "lr": 0.1, "seed": seed, "val_loss": 1.0,
+                "val_acc": acc, "seconds": 1.0}  # fmt: skip
+
+    rows = [row("gbfunc", 0, 0.90), row("gbfunc", 1, 0.94), row("narrow", 0, 0.91)]
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps({"rows": rows, "summary": [{"metric": "val_acc"}]}))
+    kept = "# title\n\n- code: abc\n\n| table |\n"
+    notes = "\n## Notes\n\nBy hand.\n"
+    saved.with_suffix(".md").write_text(kept + MARGINS + "- **~20x** old line\n" + notes)
+    rewrite_margins(saved)
+    text = saved.with_suffix(".md").read_text()
+    assert text.startswith(kept + MARGINS)
+    assert text.endswith(notes)
+    assert "old line" not in text
+    assert "92.00%, mean of 2 seeds, spread 4.00): +1.00 pt vs narrow (100 params)" in text
 
 
 def test_equal_params_plot_draws_each_genome_and_each_baseline_once(tmp_path, monkeypatch):
