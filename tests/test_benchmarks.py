@@ -195,6 +195,17 @@ def test_equal_params_rewrites_only_the_margins_of_a_results_file(tmp_path):
     assert "92.00%, mean of 2 seeds, spread 4.00): +1.00 pt vs narrow (100 params)" in text
 
 
+def test_lr_leaves_reports_each_variant_against_the_default_paired_by_seed(capsys):
+    from benchmarks.lr_leaves import report
+
+    scores = {"default": {0: 96.0, 1: 97.0}, "w_in": {0: 97.0, 1: 97.5}}
+    report(scores, 2.0)
+    printed = capsys.readouterr().out
+    assert "| default | 96.50 | 0.50 | - |" in printed
+    assert "| w_in | 97.25 | 0.25 | +0.75 +- 0.25 |" in printed
+    assert "2 seeds" in printed
+
+
 def test_equal_params_plot_draws_each_genome_and_each_baseline_once(tmp_path, monkeypatch):
     """Two ratios can share a baseline (same parameter count): one point, and no crash."""
     from benchmarks import equal_params

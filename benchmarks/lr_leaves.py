@@ -1,0 +1,92 @@
+"""Which leaves of a genome want a rate other than the default: one leaf kind at a time.
+
+Issue 54's one image miss is transfer's `digits-rows` genome (ReLU row g-nets, 32x32 tiles,
+8 hidden units, 8 outputs, no tables): the default rates land 0.86 points behind twice
+them. This runs that task on transfer's protocol (same data, steps, warm-up and seeds) with
+the default rates of `gb.optim.param_groups` and with one leaf kind's rate (or a set of
+kinds) multiplied by `--factor`, the others at the default, and prints each variant's mean
+over the seeds and its gap to the default, paired by seed. A leaf kind that carries the
+whole gain points at the rule to change (a rate per leaf kind), where a global scale would
+not say which.
+
+    python -m benchmarks.lr_leaves                      # 10 seeds, about 2 minutes
+"""
+
+import argparse
+import statistics
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+
+from benchmarks import equal_params as ep, lr_rule, transfer
+from benchmarks._meta import RESULTS, recorded
+
+TASK = "digits-rows"
+# Variant name -> the leaf kinds whose rate is multiplied; none: the default rates.
+VARIANTS: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "every leaf": ("w_in", "b_in", "w_hidden", "b_hidden", "w_out", "b_out"),
+    "w_in": ("w_in",),
+    "b_in": ("b_in",),
+    "first layer (w_in, b_in)": ("w_in", "b_in"),
+    "output layer (w_out, b_out)": ("w_out", "b_out"),
+}
+
+
+def run(variant: str, factor: float, seed: int) -> float:
+    """Validation accuracy (%) of `TASK`'s genome at seed `seed`, the leaves of `variant`
+    at `factor` times their default rate."""
+    torch.set_num_threads(1)
+    _, base, options, free_lr = transfer.TASKS[TASK]
+    task = ep.TASKS[base]
+    data = task.data()
+    trained, plan = ep.gbfunc_arm(task, "transfer", options, seed, data)
+    scaled = lr_rule.rates(trained.tree, plan, "default")
+    for stack in plan.stacks:
+        for leaf, tensor in trained.tree["stacks"][stack.key].items():
+            if leaf in VARIANTS[variant]:
+                scaled[id(tensor)] *= factor
+    trained = lr_rule.at_rates(trained, plan, scaled, free_lr)
+    warmup = max(1, task.steps // 4)
+    _, accuracy = ep.train(trained, 1.0, data, task.steps, task.batch, seed, warmup=warmup)
+    return 100 * accuracy
+
+
+def report(scores: dict[str, dict[int, float]], factor: float) -> None:
+    """Each variant's mean +- s.e. over its seeds, and its gap to the default by seed."""
+    default = scores["default"]
+    print(f"{TASK}: leaves at {factor:g}x their default rate, the others at the default")
+    print("| leaves scaled | mean (%) | s.e. | gap to the default, paired (points) |")
+    print("|---|---:|---:|---:|")
+    for variant, by_seed in scores.items():
+        values = [by_seed[s] for s in sorted(by_seed)]
+        error = statistics.stdev(values) / len(values) ** 0.5
+        gap = "-"
+        if variant != "default":
+            diffs = [by_seed[s] - default[s] for s in sorted(by_seed)]
+            spread = statistics.stdev(diffs) / len(diffs) ** 0.5
+            gap = f"{statistics.fmean(diffs):+.2f} +- {spread:.2f}"
+        print(f"| {variant} | {statistics.fmean(values):.2f} | {error:.2f} | {gap} |")
+    print(f"\n{len(default)} seeds; the validation set is 360 images (0.28 points each)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--factor", type=float, default=2.0)
+    parser.add_argument("--seeds", type=int, default=10)
+    parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS / "lr_leaves.md")
+    args = parser.parse_args()
+    jobs = [(v, args.factor, s) for v in VARIANTS for s in range(args.seeds)]
+    with ProcessPoolExecutor(args.processes) as pool:
+        accuracies = list(pool.map(run, *zip(*jobs, strict=True)))
+    scores: dict[str, dict[int, float]] = {}
+    for (variant, _, seed), accuracy in zip(jobs, accuracies, strict=True):
+        scores.setdefault(variant, {})[seed] = accuracy
+    with recorded(args.out, "Which leaves want another rate (issue 54's digits-rows miss)"):
+        report(scores, args.factor)
+
+
+if __name__ == "__main__":
+    main()
