@@ -9,7 +9,12 @@ over the seeds and its gap to the default, paired by seed. A leaf kind that carr
 whole gain points at the rule to change (a rate per leaf kind), where a global scale would
 not say which.
 
+Beside it, `--genome tiles` runs the same MLP with `lr_rule`'s 64x64 genome of 4 outputs
+(ReLU, no tables), where the default holds: a rule that closes the miss must not open one
+there.
+
     python -m benchmarks.lr_leaves                      # 10 seeds, about 2 minutes
+    python -m benchmarks.lr_leaves --genome tiles       # writes lr_leaves_tiles.md
 """
 
 import argparse
@@ -23,6 +28,9 @@ from benchmarks import equal_params as ep, lr_rule, transfer
 from benchmarks._meta import RESULTS, recorded
 
 TASK = "digits-rows"
+# The genomes on transfer's digits-rows task (its MLP, data and steps): its own, and
+# lr_rule's 64x64 genome of 4 outputs without tables, where the default rates hold.
+GENOMES = {"rows": ep.ROWS_GENOME, "tiles": lr_rule.WITHOUT_TABLES["mlp"][1]}
 # Variant name -> the leaf kinds whose rate is multiplied; none: the default rates.
 VARIANTS: dict[str, tuple[str, ...]] = {
     "default": (),
@@ -34,11 +42,12 @@ VARIANTS: dict[str, tuple[str, ...]] = {
 }
 
 
-def run(variant: str, factor: float, seed: int) -> float:
-    """Validation accuracy (%) of `TASK`'s genome at seed `seed`, the leaves of `variant`
-    at `factor` times their default rate."""
+def run(genome: str, variant: str, factor: float, seed: int) -> float:
+    """Validation accuracy (%) of `TASK`'s MLP with `GENOMES[genome]` at seed `seed`, the
+    leaves of `variant` at `factor` times their default rate."""
     torch.set_num_threads(1)
-    _, base, options, free_lr = transfer.TASKS[TASK]
+    _, base, _, free_lr = transfer.TASKS[TASK]
+    options = GENOMES[genome]
     task = ep.TASKS[base]
     data = task.data()
     trained, plan = ep.gbfunc_arm(task, "transfer", options, seed, data)
@@ -53,10 +62,11 @@ def run(variant: str, factor: float, seed: int) -> float:
     return 100 * accuracy
 
 
-def report(scores: dict[str, dict[int, float]], factor: float) -> None:
+def report(scores: dict[str, dict[int, float]], factor: float, genome: str = "rows") -> None:
     """Each variant's mean +- s.e. over its seeds, and its gap to the default by seed."""
     default = scores["default"]
-    print(f"{TASK}: leaves at {factor:g}x their default rate, the others at the default")
+    print(f"{TASK}'s MLP, genome {GENOMES[genome]}")
+    print(f"leaves at {factor:g}x their default rate, the others at the default")
     print("| leaves scaled | mean (%) | s.e. | gap to the default, paired (points) |")
     print("|---|---:|---:|---:|")
     for variant, by_seed in scores.items():
@@ -73,19 +83,22 @@ def report(scores: dict[str, dict[int, float]], factor: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--genome", choices=tuple(GENOMES), default="rows")
     parser.add_argument("--factor", type=float, default=2.0)
     parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--processes", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=RESULTS / "lr_leaves.md")
+    parser.add_argument("--out", type=Path, help="default: results/lr_leaves[_GENOME].md")
     args = parser.parse_args()
-    jobs = [(v, args.factor, s) for v in VARIANTS for s in range(args.seeds)]
+    suffix = "" if args.genome == "rows" else f"_{args.genome}"
+    out = args.out or RESULTS / f"lr_leaves{suffix}.md"
+    jobs = [(args.genome, v, args.factor, s) for v in VARIANTS for s in range(args.seeds)]
     with ProcessPoolExecutor(args.processes) as pool:
         accuracies = list(pool.map(run, *zip(*jobs, strict=True)))
     scores: dict[str, dict[int, float]] = {}
-    for (variant, _, seed), accuracy in zip(jobs, accuracies, strict=True):
+    for (_, variant, _, seed), accuracy in zip(jobs, accuracies, strict=True):
         scores.setdefault(variant, {})[seed] = accuracy
-    with recorded(args.out, "Which leaves want another rate (issue 54's digits-rows miss)"):
-        report(scores, args.factor)
+    with recorded(out, "Which leaves want another rate (issue 54's digits-rows miss)"):
+        report(scores, args.factor, args.genome)
 
 
 if __name__ == "__main__":
