@@ -47,18 +47,16 @@ def run(genome: str, variant: str, factor: float, seed: int) -> float:
     leaves of `variant` at `factor` times their default rate."""
     torch.set_num_threads(1)
     _, base, _, free_lr = transfer.TASKS[TASK]
-    options = GENOMES[genome]
     task = ep.TASKS[base]
-    data = task.data()
-    trained, plan = ep.gbfunc_arm(task, "transfer", options, seed, data)
-    scaled = lr_rule.rates(trained.tree, plan, "default")
-    for stack in plan.stacks:
-        for leaf, tensor in trained.tree["stacks"][stack.key].items():
-            if leaf in VARIANTS[variant]:
-                scaled[id(tensor)] *= factor
-    trained = lr_rule.at_rates(trained, plan, scaled, free_lr)
-    warmup = max(1, task.steps // 4)
-    _, accuracy = ep.train(trained, 1.0, data, task.steps, task.batch, seed, warmup=warmup)
+    scaled = VARIANTS[variant]
+    _, accuracy, _ = transfer.train_gbfunc(
+        task,
+        GENOMES[genome],
+        seed,
+        task.data(),
+        free_lr,
+        lambda leaf: factor if leaf in scaled else 1.0,
+    )
     return 100 * accuracy
 
 

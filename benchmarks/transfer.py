@@ -30,7 +30,8 @@ import hashlib
 import json
 import statistics
 import sysconfig
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from importlib import metadata
 from pathlib import Path
@@ -104,24 +105,45 @@ TASKS = {  # name: (kind, task, genome, the free tensors' rate)
 }
 
 
+def warmup(task: ep.Task) -> int:
+    """Every arm warms up over a quarter of the steps (`gb.optim.schedule`'s default)."""
+    return max(1, task.steps // 4)
+
+
+def train_gbfunc(
+    task: ep.Task,
+    options: dict,
+    seed: int,
+    data: tuple,
+    free_lr: float,
+    factor: Callable[[str | None], float],
+) -> tuple[float, float, int]:
+    """gbfunc's arm of `options` trained on `task` with each g-net leaf at its default rate
+    times `factor(its leaf name)` (`None` for a rate outside the stacks: task embeddings)
+    and the free tensors at `free_lr`, warmed up as every arm (`warmup`): validation
+    loss, accuracy, and the stored parameters."""
+    trained, plan = ep.gbfunc_arm(task, "transfer", options, seed, data)
+    stacks = trained.tree["stacks"].values()
+    names = {id(t): leaf for leaves in stacks for leaf, t in leaves.items()}
+    default = lr_rule.rates(trained.tree, plan, "default")
+    scaled = {key: rate * factor(names.get(key)) for key, rate in default.items()}
+    trained = lr_rule.at_rates(trained, plan, scaled, free_lr)
+    loss, acc = ep.train(trained, 1.0, data, task.steps, task.batch, seed, warmup=warmup(task))
+    return loss, acc, gb.report(plan).stored_params
+
+
 def run(task_name: str, arm: str, value: float, seed: int) -> dict:
     """One run: `arm` "gbfunc" at `scale=value`, or "narrow" at rate `value`."""
     torch.set_num_threads(1)
     kind, base, options, free_lr = TASKS[task_name]
     task = text_task(base) if kind == "text" else ep.TASKS[base]
     data = task.data()
-    warmup = max(1, task.steps // 4)
     if arm == "gbfunc":
-        trained, plan = ep.gbfunc_arm(task, "transfer", options, seed, data)
-        default = lr_rule.rates(trained.tree, plan, "default")
-        scaled = {leaf: rate * value for leaf, rate in default.items()}
-        trained = lr_rule.at_rates(trained, plan, scaled, free_lr)
-        params = gb.report(plan).stored_params
-        loss, acc = ep.train(trained, 1.0, data, task.steps, task.batch, seed, warmup=warmup)
+        loss, acc, params = train_gbfunc(task, options, seed, data, free_lr, lambda _: value)
     else:
         narrow = ep.arms_at(task, "transfer", options, seed, data)[1]
         params = narrow.params
-        loss, acc = ep.train(narrow, value, data, task.steps, task.batch, seed, warmup=warmup)
+        loss, acc = ep.train(narrow, value, data, task.steps, task.batch, seed, warmup=warmup(task))
     row = {
         "task": task_name,
         "arm": arm,
@@ -220,11 +242,7 @@ def report(rows: list[dict]) -> str:
 
 def corpora(rows: list[dict], task_name: str) -> str:
     """Which corpus the rows of `task_name` trained on (`fingerprint`), as a list line."""
-    counts: dict[str, int] = {}
-    for r in rows:
-        if r["task"] == task_name:
-            key = r.get("corpus", "not recorded")
-            counts[key] = counts.get(key, 0) + 1
+    counts = Counter(r.get("corpus", "not recorded") for r in rows if r["task"] == task_name)
     found = "; ".join(f"{k} ({n} rows)" for k, n in counts.items())
     return f"\n- corpus: {found}\n"
 
