@@ -63,7 +63,8 @@ def that_run(steps: dict[str, Callable]) -> dict[str, Callable]:
             step()
         except Exception as error:
             traceback.print_exc(limit=-12)  # its end, for the log
-            message = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+            lines = str(error).strip().splitlines()
+            message = lines[0][:300] if lines else ""
             print(f"{name}: failed: {type(error).__name__}: {message}")
         else:
             kept[name] = step
