@@ -75,6 +75,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, one round")
     parser.add_argument("--out", type=Path, default=RESULTS / "gpu_step.md")
+    parser.add_argument("--only", default="", help="the workloads whose name contains this")
+    parser.add_argument("--targets", type=float, nargs="+", help="generated-weight ratios")
     args = parser.parse_args()
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("needs CUDA; --dry-run checks the script on CPU")
@@ -85,25 +87,28 @@ def main() -> None:
         print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}")
         print(f"torch {torch.__version__}; rounds: {rounds} x {inner} steps")
         for name, model, batch in workloads(args.dry_run, device):
+            if args.only not in name:
+                continue
             model = model.to(device)
             batch = tuple(t.to(device) for t in batch)
             loss = loss_of(model)
             plain_eager, plain_compiled = dense_steps(model, batch, loss)
             steps = {"plain eager": plain_eager.run, "plain compiled": plain_compiled.run}
-            for target in (2, 4) if args.dry_run else (10, 100):  # tiny models: low ratios
+            targets = args.targets or ((2, 4) if args.dry_run else (10, 100))  # tiny: low
+            for target in targets:
                 plan = plan_at(model, target)
-                label = f"gbfunc {gb.report(plan).compression:.0f}x"
+                label = f"gbfunc {gb.report(plan).compression:.0f}x ({target:g}x gen.)"
                 eager, compiled = gb_steps(model, plan, batch, loss, device=device)
                 steps[f"{label} eager"], steps[f"{label} compiled"] = eager.run, compiled.run
                 paths = gb.explain(gb.init(plan, device=device), plan).route.stacks
                 print(f"{name}, {label}: stacks on {sorted(set(paths))}")
             sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
             ms, _ = median_ms(that_run(steps), rounds, inner, sync)
-            print(f"\n## {name}\nstep                     ms     x plain (same mode)")
+            print(f"\n## {name}\n{'step':34s} {'ms':>8s}  x plain (same mode)")
             for step, value in ms.items():
                 base = ms.get("plain compiled" if "compiled" in step else "plain eager")
                 ratio = f"{value / base:6.2f}" if base else "     -"
-                print(f"{step:22s} {value:8.2f}  {ratio}")
+                print(f"{step:34s} {value:8.2f}  {ratio}")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@ with `mode="reduce-overhead"` (CUDA graphs on a GPU): the losses of several step
 eager ones. On a GPU the stacks run the Triton kernels (`gb.explain` says so); on CPU the
 same step compiles through the pure-torch path."""
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -48,3 +50,15 @@ def test_a_whole_training_step_compiles_fullgraph_and_trains_as_eager(mode):
     eager = training(None)
     assert eager[-1] < eager[0]
     torch.testing.assert_close(training(mode), eager, rtol=1e-4, atol=1e-5)
+
+
+def test_inductors_online_softmax_notice_is_not_an_error():
+    """Inductor on an H200 (torch 2.11) warns this while lowering the step's cross_entropy; the
+    suite's `error` filter made it a LoweringException that failed both steps above (2026-11-28,
+    benchmarks/results/gpu_rerun.log). pyproject ignores it, newline first as inductor words it."""
+    warnings.warn(
+        "\nOnline softmax is disabled on the fly since Inductor decides to\n"
+        "split the reduction. Cut an issue to PyTorch if this is an\n",
+        UserWarning,
+        stacklevel=1,
+    )
