@@ -100,19 +100,25 @@ class _NoLaunch:
 def no_kernel_launches() -> Iterator[None]:
     """The Triton path without its two kernels: every wrapper runs, nothing is launched.
 
-    With the `triton_op` wrapper the ops hand the kernels to `wrap_triton`, which takes only
-    Triton's own kernel objects: it passes the stand-in through."""
-    from gbfunc.kernels import _ops
-    from gbfunc.kernels.generate import kernel as forward
-    from gbfunc.kernels.generate_backward import kernel as backward
+    The ops hand the kernels to `wrap_triton`, which takes only Triton's own kernel objects:
+    here it passes the stand-in through."""
+    from gbfunc.kernels.generate import _op as forward_op, kernel as forward
+    from gbfunc.kernels.generate_backward import _op as backward_op, kernel as backward
 
-    saved = forward._generate_kernel, backward._generate_backward_kernel, _ops.wrap_triton
-    forward._generate_kernel = backward._generate_backward_kernel = _NoLaunch()
-    _ops.wrap_triton = lambda kernel: kernel
+    replaced = [
+        (forward, "_generate_kernel", _NoLaunch()),
+        (backward, "_generate_backward_kernel", _NoLaunch()),
+        (forward_op, "wrap_triton", lambda kernel: kernel),
+        (backward_op, "wrap_triton", lambda kernel: kernel),
+    ]
+    saved = [getattr(module, name) for module, name, _ in replaced]
+    for module, name, stand_in in replaced:
+        setattr(module, name, stand_in)
     try:
         yield
     finally:
-        forward._generate_kernel, backward._generate_backward_kernel, _ops.wrap_triton = saved
+        for (module, name, _), original in zip(replaced, saved, strict=True):
+            setattr(module, name, original)
 
 
 def call(plan: gb.Plan, gparams: dict, backend: str, backward: bool) -> None:
@@ -172,17 +178,10 @@ def main(argv: list[str] | None = None) -> None:
                     f"| {name} | {pass_} | {us:.0f} | {ops} | {launching} | "
                     f"{launching / len(plan.stacks):.1f} |"
                 )
-        from gbfunc import kernels
-
-        kernels_seen = (
-            "counted here as the ops `generate` and `generate_backward` (the `triton_op` wrapper)"
-            if kernels.WRAPPER == "triton_op"
-            else "not counted here (the `function` wrapper launches them itself)"
-        )
         print(
             "\nlaunching ops: the aten ops other than views; on a GPU each is a kernel launch. "
             "The Triton path's own kernels, 1 (forward) and 1 (backward) per stack, are "
-            + kernels_seen
+            "counted here as the ops `generate` and `generate_backward`."
         )
 
 

@@ -4,13 +4,12 @@
 # The parts run in the order of what a run cut short should already have told us:
 #   a. the compile tests through the Triton kernels (tests/kernels/test_compiled_step.py: a
 #      whole training step with torch.compile(fullgraph=True), by default and with
-#      mode="reduce-overhead"; test_backend.py: grad through the kernels compiled fullgraph),
-#      once per kernel wrapper (GBFUNC_KERNEL_WRAPPER=function and =triton_op, the two side by
-#      side);
-#   b. gpu_step: a training step, plain against gbfunc at ~10x and ~100x, eager and compiled,
-#      on the MLP and on GPT-2 small's shapes (a step that fails is reported, the others timed);
-#   c. bench_generation's GPU half at 67M weights (the roofline's size; compiling and autotuning
-#      the kernels takes most of its limit);
+#      mode="reduce-overhead"; test_backend.py: grad through the kernels compiled fullgraph);
+#   b. gpu_step: a training step, plain against gbfunc at ~10x generated, eager and compiled,
+#      on GPT-2 small's shapes, then the MLP (a step that fails is reported, the others timed;
+#      each step's first call, its compile, is timed as it goes);
+#   c. bench_generation's GPU half at 1M, then 67M weights (the roofline's size; compiling and
+#      autotuning the kernels takes most of its limit);
 #   d. peers: the same step against hyper-nn and hypnettorch (benchmarks/peers.py --device
 #      cuda --quick), the two installed from the wheels in .whl/ (bash benchmarks/gpu_wheels.sh
 #      downloads them; the device tool carries .whl) into a folder of their own on PYTHONPATH,
@@ -27,26 +26,28 @@
 #   bash benchmarks/gpu_check.sh [RESULTS_DIR]            # default: benchmarks/results
 #   bash benchmarks/gpu_check.sh --dry-run RESULTS_DIR    # CPU, tiny shapes: every part runs
 #
-# Writes into RESULTS_DIR: gpu_tests.log (versions, one summary line per wrapper, the rest of
-# the kernel tests), gpu_tests_function.log and gpu_tests_triton_op.log (the compile tests per
-# wrapper), gpu_step.md, bench_generation_gpu.md, peers_gpu.md and peers_gpu.json,
-# bench_overhead_gpu.md, and gpu_check.log. The peers' wheels are read from .whl/, or from
-# the folder GBFUNC_PEER_WHEELS names; with none there, peers.py runs without them and says
-# "not installed" in their rows (the dry run in the test suite installs a stand-in wheel).
-# Those are 9 files; a lent machine returns 8, so pack them (as on 2026-11-28, 600 s limit):
+# Writes into RESULTS_DIR: gpu_tests.log (versions, the compile tests' summary line, the rest
+# of the kernel tests), gpu_tests_compile.log (the compile tests), gpu_step.md,
+# bench_generation_gpu.md, peers_gpu.md and peers_gpu.json, bench_overhead_gpu.md, and
+# gpu_check.log. The peers' wheels are read from .whl/, or from the folder GBFUNC_PEER_WHEELS
+# names; with none there, peers.py runs without them and says "not installed" in their rows
+# (the dry run in the test suite installs a stand-in wheel).
+# A lent machine returns at most 8 files, so pack them (as on 2026-11-28, 600 s limit):
 #   timeout -k 5 580 bash benchmarks/gpu_check.sh $OUT/r; cd $OUT && tar czf all.tgz r && rm -rf r
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-# Time limits in seconds, in the order the parts run: 555 s in all (a: 130, b: 170, c: 90,
-# d: 75, e: 25, f: 65), which leaves 45 s of the 10 minutes for gbfunc's install and the start.
-T_COMPILE=130     # a. each wrapper's compile tests (the two run at the same time)
-T_STEP=170        # b. gpu_step
+# Time limits in seconds, in the order the parts run: 555 s in all (a: 120, b: 220, c: 90,
+# d: 60, e: 30, f: 35), which leaves 45 s of the 10 minutes for gbfunc's install and the start.
+# On the H200 of 2026-11-28 the compile tests took 99 s (grad through the kernels 82 s), the
+# MLP's six steps about 150 s, and GPT-2's compiled steps more than 165 s.
+T_COMPILE=120     # a. the compile tests
+T_STEP=220        # b. gpu_step
 T_GENERATION=90   # c. bench_generation
 T_WHEELS=15       # d. installing the peers' wheels
-T_PEERS=60        # d. peers.py
-T_OVERHEAD=25     # e. bench_overhead
-T_KERNELS=65      # f. the rest of the kernel tests
+T_PEERS=45        # d. peers.py
+T_OVERHEAD=30     # e. bench_overhead
+T_KERNELS=35      # f. the rest of the kernel tests
 
 dry=0
 if [ "${1:-}" = "--dry-run" ]; then
@@ -73,40 +74,27 @@ part() {  # a part's heading on a line of its own (the last output may lack its 
     python3 -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__)"
 } | tee "$results/gpu_tests.log" "$log"
 
-# a. The compile tests, once per kernel wrapper, both at once (tests, not timings: they share
-# the GPU and the cores), each into its own log as it goes; then one summary line each.
-part "a. compile tests, GBFUNC_KERNEL_WRAPPER=function and =triton_op"
+# a. The compile tests, into their own log as they go; then their summary line.
+part "a. compile tests"
 COMPILE_TESTS=(tests/kernels/test_compiled_step.py tests/kernels/test_backend.py -k compiles)
-compile_tests() {  # $1: the wrapper
-    if [ $dry = 1 ]; then  # on CPU the compiled step runs the torch path; the kernels interpreted
-        export TRITON_INTERPRET=1
-    else
-        COMPILE_TESTS+=(-n 3)
-    fi
-    GBFUNC_KERNEL_WRAPPER=$1 timeout -k 5 $T_COMPILE python3 -m pytest -q -p no:randomly \
-        -p no:benchmark --durations=5 "${COMPILE_TESTS[@]}" >"$results/gpu_tests_$1.log" 2>&1
-}
-compile_tests function &
-function_pid=$!
-compile_tests triton_op &
-triton_op_pid=$!
-wait $function_pid
-function_tests=$?
-wait $triton_op_pid
-triton_op_tests=$?
-for wrapper in function triton_op; do
-    code=${wrapper}_tests
-    # pytest's last line ("1 failed, 2 passed in 50.10s"); none when the limit cut it short
-    outcome=$(grep -E '^(=+ )?[0-9]+ [a-z]+.* in [0-9.]+s' "$results/gpu_tests_$wrapper.log" | tail -1)
-    case ${!code} in
-        124 | 137) outcome="cut short at its limit, $T_COMPILE s${outcome:+; $outcome}" ;;
-    esac
-    echo "GBFUNC_KERNEL_WRAPPER=$wrapper: exit ${!code}: ${outcome:-no summary}" \
-        | tee -a "$results/gpu_tests.log" "$log"
-done
+if [ $dry = 1 ]; then  # on CPU the compiled step runs the torch path; the kernels interpreted
+    COMPILE_ENV=(TRITON_INTERPRET=1)
+else
+    COMPILE_ENV=()
+    COMPILE_TESTS+=(-n 3)
+fi
+env "${COMPILE_ENV[@]}" timeout -k 5 $T_COMPILE python3 -m pytest -q -p no:randomly \
+    -p no:benchmark --durations=5 "${COMPILE_TESTS[@]}" >"$results/gpu_tests_compile.log" 2>&1
+compile_tests=$?
+# pytest's last line ("1 failed, 2 passed in 50.10s"); none when the limit cut it short
+outcome=$(grep -E '^(=+ )?[0-9]+ [a-z]+.* in [0-9.]+s' "$results/gpu_tests_compile.log" | tail -1)
+case $compile_tests in
+    124 | 137) outcome="cut short at its limit, $T_COMPILE s${outcome:+; $outcome}" ;;
+esac
+echo "compile tests: exit $compile_tests: ${outcome:-no summary}" | tee -a "$results/gpu_tests.log" "$log"
 
 part "b. gpu_step"
-timeout -k 5 $T_STEP python3 -m benchmarks.gpu_step $([ $dry = 1 ] && echo --dry-run) \
+timeout -k 5 $T_STEP python3 -m benchmarks.gpu_step $([ $dry = 1 ] && echo --dry-run || echo --targets 10) \
     --out "$results/gpu_step.md" 2>&1 | tee -a "$log"
 step=${PIPESTATUS[0]}
 
@@ -116,7 +104,7 @@ if [ $dry = 1 ]; then
         --repeats 1 --out "$results/bench_generation_gpu.md" 2>&1 | tee -a "$log"
 else
     timeout -k 5 $T_GENERATION python3 -m benchmarks.bench_generation --skip-cpu \
-        --gpu-sizes 8192 --out "$results/bench_generation_gpu.md" 2>&1 | tee -a "$log"
+        --gpu-sizes 1024 8192 --out "$results/bench_generation_gpu.md" 2>&1 | tee -a "$log"
 fi
 generation=${PIPESTATUS[0]}
 
@@ -164,9 +152,9 @@ else
 fi
 tests=${PIPESTATUS[0]}
 
-echo "compile tests: function exit $function_tests, triton_op exit $triton_op_tests;" \
-    "kernel tests exit $tests, gpu_step exit $step, bench_generation exit $generation," \
-    "peers exit $peers, bench_overhead exit $overhead" | tee -a "$log"
-for code in $function_tests $triton_op_tests $tests $step $generation $peers $overhead; do
+echo "compile tests exit $compile_tests, kernel tests exit $tests, gpu_step exit $step," \
+    "bench_generation exit $generation, peers exit $peers, bench_overhead exit $overhead" \
+    | tee -a "$log"
+for code in $compile_tests $tests $step $generation $peers $overhead; do
     [ "$code" = 0 ] || exit "$code"
 done

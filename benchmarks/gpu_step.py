@@ -12,6 +12,7 @@ plain step of the same run.
 """
 
 import argparse
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +27,8 @@ from examples.gpt import GPT, GPTConfig, loss_fn
 
 
 def workloads(dry_run: bool, device: torch.device) -> list[tuple[str, nn.Module, tuple]]:
-    """`(name, model, (inputs, targets))`: the MLP and GPT-2 small's shapes (tiny on a dry run)."""
+    """`(name, model, (inputs, targets))`: GPT-2 small's shapes (the target's workload, first
+    for a run cut short), then the MLP; tiny on a dry run."""
     gen = torch.Generator().manual_seed(0)
     batch = 8 if dry_run else 128
     image = (torch.randn(batch, 784, generator=gen), torch.randint(0, 10, (batch,), generator=gen))
@@ -35,8 +37,8 @@ def workloads(dry_run: bool, device: torch.device) -> list[tuple[str, nn.Module,
     ids = torch.randint(0, cfg.vocab, (sequences, cfg.seq + 1), generator=gen)
     text = (ids[:, :-1], ids[:, 1:])
     return [
-        ("MLP 784-512-512-10", mlp(), image),
         (f"GPT-2 small's shapes ({cfg.layers}x{cfg.dim}, seq {cfg.seq})", GPT(cfg), text),
+        ("MLP 784-512-512-10", mlp(), image),
     ]
 
 
@@ -55,12 +57,15 @@ def loss_of(model: nn.Module) -> Callable:
 
 
 def that_run(steps: dict[str, Callable]) -> dict[str, Callable]:
-    """The steps whose first call (and compile) succeeds; each failure is printed with its
-    error and left out, so that one step that cannot compile still leaves the others' times."""
+    """The steps whose first call (and compile) succeeds; each first call's seconds are printed
+    as it ends, each failure with its error and left out, so that one step that cannot compile
+    still leaves the others' times."""
     kept = {}
     for name, step in steps.items():
+        start = time.perf_counter()
         try:
             step()
+            print(f"{name}: first call {time.perf_counter() - start:.1f} s", flush=True)
         except Exception as error:
             traceback.print_exc(limit=-12)  # its end, for the log
             lines = str(error).strip().splitlines()

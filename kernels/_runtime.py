@@ -6,7 +6,6 @@ configs, the device check and the backward's parallelism follow from it.
 """
 
 import os
-from collections.abc import Callable
 
 import torch
 import triton
@@ -14,28 +13,6 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-# How the ops' `autograd.Function`s launch the kernels: `triton_op`, through the
-# `torch.library.triton_op` ops of `_ops` (filling `OP_LAUNCHERS`); `function`, themselves.
-# On an H200 (torch 2.11, 2026-11-28) `function` cannot compile `grad` through the kernels:
-# dynamo turns a launch into `triton_kernel_wrapper_mutation`, which has no rule for
-# `torch.func.grad`'s transform. `triton_op` got past dynamo and AOTAutograd to inductor, so it
-# is the default; `function` stays until a GPU run passes the compile tests with `triton_op`
-# (benchmarks/gpu_check.sh runs them under both).
-WRAPPERS = ("triton_op", "function")
-WRAPPER = os.environ.get("GBFUNC_KERNEL_WRAPPER", "triton_op")
-if WRAPPER not in WRAPPERS:
-    raise ValueError(
-        f"gbfunc.kernels: GBFUNC_KERNEL_WRAPPER is {WRAPPER!r}; expected one of {WRAPPERS}."
-    )
-OP_LAUNCHERS: dict[str, Callable] = {}
-
-
-def launcher(name: str, own: Callable) -> Callable:
-    """What launches op `name` under the chosen wrapper: `own` (the kernel's launcher) or,
-    with `triton_op`, the op's."""
-    return OP_LAUNCHERS[name] if WRAPPER == "triton_op" else own
-
 
 # Triton's own library (tl.sum, ...) is interpreted only if the variable was set before
 # triton was first imported (torch.compile imports it, for one).

@@ -20,6 +20,7 @@ from .._tree import GParams
 from ._policy import Call
 
 NAME = "triton"
+FUSED = "fused"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
@@ -50,11 +51,9 @@ def refuses(call: Call) -> str | None:
 
 
 def variant(call: Call) -> str:
-    """How the kernels are called, as `GBFUNC_KERNEL_WRAPPER` chose at import: `function`
-    (their `autograd.Function`s launch them) or `triton_op` (through `torch.library` ops)."""
-    from .. import kernels  # triton is optional: import it only when used
-
-    return kernels.WRAPPER
+    """The one variant: each stack one fused kernel forward and one backward, launched as
+    `torch.library.triton_op` ops (`gbfunc.kernels`)."""
+    return FUSED
 
 
 def _unrunnable(call: Call) -> tuple[str, Exception] | None:

@@ -7,11 +7,10 @@ from gbfunc._function import signature_once
 from gbfunc._plan import Generated, Stack
 from gbfunc._spec import Terms
 
-from .. import _runtime
 from .._batching import batch_first
 from .._checks import contiguous
 from ..generate_backward import generate_backward
-from . import kernel, reference
+from . import _op, kernel, reference
 
 
 @signature_once
@@ -23,8 +22,7 @@ class _Generate(torch.autograd.Function):
         # Named, not `*inputs`: dynamo, inlining a Function none of whose inputs requires grad,
         # passes `ctx` first unless the arity matches (as `gbfunc._tilemlp._TileMLP`).
         flat = (a, b, c, w_hidden, b_hidden, w_out, b_out)
-        launch = _runtime.launcher("generate", kernel.generate)
-        return launch(Terms(*(contiguous(x) for x in flat)), stack, params)
+        return _op.generate(Terms(*(contiguous(x) for x in flat)), stack, params)
 
     @staticmethod
     def setup_context(ctx, inputs, output):

@@ -130,7 +130,7 @@ def generate(
     """Launch `_generate_kernel`; same contract as `reference.generate`, contiguous inputs only.
 
     `run`: what launches it on the checked inputs, `launch`'s arguments but `wrap` (default:
-    `launch`; the `triton_op` wrapper passes its op).
+    `launch` itself; `_op.py` passes its op's).
     """
     checked = _checks.check_launch("kernels.generate", stack, params, terms._asdict())
     return (run or launch)(terms, checked)
@@ -138,7 +138,7 @@ def generate(
 
 def launch(terms: Terms, checked: Launch, wrap: Callable = lambda kernel: kernel) -> Tensor:
     """`_generate_kernel` on checked inputs (`checked`: `_checks.check_launch`'s), the stack's
-    sizes read from the tensors' shapes: what the `triton_op` wrapper traces, with
+    sizes read from the tensors' shapes: what the op in `_op.py` traces, with
     `wrap=torch.library.wrap_triton`."""
     places, scales, numel, outputs, activation = checked
     size = sizes(terms)

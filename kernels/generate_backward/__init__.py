@@ -7,10 +7,9 @@ from gbfunc._function import signature_once
 from gbfunc._plan import Generated, Stack
 from gbfunc._spec import Terms
 
-from .. import _runtime
 from .._batching import batch_first
 from .._checks import contiguous
-from . import kernel, reference
+from . import _op, kernel, reference
 
 
 @signature_once
@@ -26,8 +25,7 @@ class _GenerateGrad(torch.autograd.Function):
         # 2.11 and an H200 (benchmarks/results/gpu_tests_triton_op.log as c418d6b committed it).
         flat = (a, b, c, w_hidden, b_hidden, w_out)
         terms = Terms(*(contiguous(x) for x in flat), None)
-        launch = _runtime.launcher("generate_backward", kernel.generate_backward)
-        return tuple(launch(contiguous(grad), terms, stack, params))
+        return tuple(_op.generate_backward(contiguous(grad), terms, stack, params))
 
     @staticmethod
     def setup_context(ctx, inputs, output):

@@ -232,7 +232,7 @@ def generate_backward(
     """Launch `_generate_backward_kernel`; same contract as `reference.generate_backward`.
 
     `run`: what launches it on the checked inputs, `launch`'s arguments but `wrap` (default:
-    `launch`; the `triton_op` wrapper passes its op).
+    `launch` itself; `_op.py` passes its op's).
     """
     a, b, c, w_hidden, b_hidden, w_out, _ = terms
     tensors = {"a": a, "grad": grad, "b": b, "c": c, "w_out": w_out}
@@ -245,7 +245,7 @@ def launch(
     grad: Tensor, terms: Terms, checked: Launch, wrap: Callable = lambda kernel: kernel
 ) -> Terms:
     """`_generate_backward_kernel` on checked inputs (`checked`: `_checks.check_launch`'s),
-    the stack's sizes read from the tensors' shapes: what the `triton_op` wrapper traces, with
+    the stack's sizes read from the tensors' shapes: what the op in `_op.py` traces, with
     `wrap=torch.library.wrap_triton`. `terms.b_out` is not read (`None` is fine)."""
     places, scales, numel, outputs, activation = checked
     size = sizes(terms)

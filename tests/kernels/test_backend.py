@@ -236,10 +236,7 @@ def test_auto_on_cuda_sends_what_the_kernels_cannot_take_to_torch(hidden, output
     wide, small = plan.stacks
     why = explanation(plan, stacks, cuda_call("auto"))
     if reason is None:
-        from gbfunc import kernels
-
-        wrappers = (kernels.WRAPPER, kernels.WRAPPER)
-        assert why.route == Route("triton", ("triton", "triton"), wrappers, traced=False)
+        assert why.route == Route("triton", ("triton", "triton"), ("fused",) * 2, traced=False)
         return
     assert why.route.plan == "stacks"  # stack by stack: the kernels' stack beside torch's
     assert why.route.stacks == ("torch", "triton")

@@ -6,8 +6,6 @@ per-dtype tolerance table whose absolute part grows with the length of the reduc
 """
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -21,13 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import gbfunc as gb
 from gbfunc import kernels
 from gbfunc._tiling import assemble
-from gbfunc.kernels import (
-    Terms,
-    _ops,  # noqa: F401  (registers the triton_op wrapper's ops)
-    _placement,
-    _runtime,
-    stack_terms,
-)
+from gbfunc.kernels import Terms, _placement, _runtime, stack_terms
 from gbfunc.kernels.generate import kernel as forward_kernel, reference as forward_reference
 from gbfunc.kernels.generate_backward import (
     kernel as backward_kernel,
@@ -47,17 +39,6 @@ TOLERANCE = {
 requires_gpu = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA (compiled Triton kernels)"
 )
-
-
-@contextmanager
-def launched_by(wrapper: str) -> Iterator[None]:
-    """Run the ops with `wrapper` (`_runtime.WRAPPERS`), whatever GBFUNC_KERNEL_WRAPPER says;
-    importing `_ops` above registered the `triton_op` ops."""
-    chosen, _runtime.WRAPPER = _runtime.WRAPPER, wrapper
-    try:
-        yield
-    finally:
-        _runtime.WRAPPER = chosen
 
 
 class OpsSeen(TorchDispatchMode):
@@ -269,16 +250,14 @@ def test_the_backward_kernel_starts_its_own_sums(monkeypatch):
         assert_close(g, e, reductions(stack)[1], name)
 
 
-@pytest.mark.parametrize("wrapper", _runtime.WRAPPERS)
 @given(cases())
-def test_grad_of_op_matches_grad_of_reference(wrapper, case):
+def test_grad_of_op_matches_grad_of_reference(case):
     stack, params, _ = case.stack()
     terms = case.terms(torch.float32)
     cotangent = cotangent_of(case, params)
     tensors, absent = split(terms)
 
-    with launched_by(wrapper):
-        got = grad(weighted_sum(kernels.generate, stack, params, absent, cotangent))(tensors)
+    got = grad(weighted_sum(kernels.generate, stack, params, absent, cotangent))(tensors)
     expected = grad(
         weighted_sum(forward_reference.generate, stack, params, absent, cotangent.double())
     )(as64(tensors))
@@ -287,10 +266,9 @@ def test_grad_of_op_matches_grad_of_reference(wrapper, case):
         assert_close(got[name], expected[name], reductions(stack)[1], f"grad_{name}")
 
 
-@pytest.mark.parametrize("wrapper", _runtime.WRAPPERS)
 @settings(max_examples=6)
 @given(cases(), st.integers(2, 3))
-def test_vmap_over_genomes_is_a_loop(wrapper, case, genomes):
+def test_vmap_over_genomes_is_a_loop(case, genomes):
     stack, params, _ = case.stack()
     terms, absent = split(case.terms(torch.float32, genomes))
     terms["c"] = terms["c"][0]  # one input left unbatched: vmap broadcasts it
@@ -303,9 +281,8 @@ def test_vmap_over_genomes_is_a_loop(wrapper, case, genomes):
     def loss(t, cot):
         return (op(t) * cot).sum()
 
-    with launched_by(wrapper):
-        out = vmap(op, in_dims=(in_dims,))(terms)
-        grads = vmap(grad(loss), in_dims=(in_dims, 0))(terms, cotangent)
+    out = vmap(op, in_dims=(in_dims,))(terms)
+    grads = vmap(grad(loss), in_dims=(in_dims, 0))(terms, cotangent)
     for k in range(genomes):
         one = {n: x if in_dims[n] is None else x[k] for n, x in terms.items()}
         torch.testing.assert_close(out[k], op(one), rtol=0, atol=0)
@@ -314,25 +291,24 @@ def test_vmap_over_genomes_is_a_loop(wrapper, case, genomes):
             torch.testing.assert_close(grads[name][k], loop[name], rtol=1e-6, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("wrapper", _runtime.WRAPPERS)
-def test_each_wrapper_launches_the_kernels_its_own_way(wrapper):
-    """`triton_op` reaches the kernels through the ops `gbfunc::generate` and
-    `gbfunc::generate_backward`, `function` launches them itself; the same numbers either way."""
+def test_the_kernels_run_as_the_ops_the_compiler_sees():
+    """The forward and the backward reach the kernels through the `torch.library.triton_op`
+    ops `gbfunc::generate` and `gbfunc::generate_backward` (what inductor traces), and the ops
+    give the launchers' own numbers."""
     case = Case("linear", (6, 5), 1, (4, 4), 5, 2, "tanh", 1, "code", 11)
     stack, params, _ = case.stack()
     tensors, absent = split(case.terms(torch.float32))
     cotangent = cotangent_of(case, params)
     loss = weighted_sum(kernels.generate, stack, params, absent, cotangent)
-    with launched_by(wrapper), OpsSeen() as seen:
-        out = kernels.generate(Terms(**tensors, **absent), stack, params)
+    terms = Terms(**tensors, **absent)
+    with OpsSeen() as seen:
+        out = kernels.generate(terms, stack, params)
         grads = grad(loss)(tensors)
-    ops = {"gbfunc.generate.default", "gbfunc.generate_backward.default"}
-    assert (ops <= seen.names) == (wrapper == "triton_op")
-    assert not ops & seen.names or wrapper == "triton_op"
-    with launched_by("function"):
-        torch.testing.assert_close(out, kernels.generate(Terms(**tensors, **absent), stack, params))
-        for name, g in grad(loss)(tensors).items():
-            torch.testing.assert_close(grads[name], g, msg=name)
+    assert {"gbfunc.generate.default", "gbfunc.generate_backward.default"} <= seen.names
+    torch.testing.assert_close(out, forward_kernel.generate(terms, stack, params), rtol=0, atol=0)
+    launched = backward_kernel.generate_backward(cotangent, terms, stack, params)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, getattr(launched, name), msg=name)
 
 
 def test_nested_vmap_and_second_order():
