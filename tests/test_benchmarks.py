@@ -615,7 +615,9 @@ def test_the_gpu_script_runs_every_part_on_cpu_in_a_dry_run(tmp_path):
         assert row in table
     rows = json.loads((results / "peers_gpu.json").read_text())["rows"]
     assert rows[1]["compiled_ms"] > 0
-    assert "| triton, no launch | forward |" in (results / "bench_overhead_gpu.md").read_text()
+    overhead = (results / "bench_overhead_gpu.md").read_text()
+    assert "| triton, no launch | forward |" in overhead
+    assert "| captured call (torch.compile, fullgraph) |" in overhead
 
 
 def test_the_gpu_scripts_time_limits_fit_ten_minutes_of_device_time():
