@@ -15,6 +15,7 @@ there.
 
     python -m benchmarks.lr_leaves                      # 10 seeds, about 2 minutes
     python -m benchmarks.lr_leaves --genome tiles       # writes lr_leaves_tiles.md
+    python -m benchmarks.lr_leaves --width-rule         # a candidate rule: lr_leaves_width.md
 """
 
 import argparse
@@ -40,6 +41,11 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "first layer (w_in, b_in)": ("w_in", "b_in"),
     "output layer (w_out, b_out)": ("w_out", "b_out"),
 }
+# `--width-rule`: w_in's rate times REFERENCE_WIDTH over its fan-in, the code's width (a
+# pre-activation moves with the fan-in when Adam moves each entry by about the rate); 9 is
+# the width of most of the tiled CNN's weights, where the default rates hold.
+REFERENCE_WIDTH = 9
+WIDTH_RULE = f"w_in x {REFERENCE_WIDTH}/code width"
 
 
 def run(genome: str, variant: str, factor: float, seed: int) -> float:
@@ -48,15 +54,18 @@ def run(genome: str, variant: str, factor: float, seed: int) -> float:
     torch.set_num_threads(1)
     _, base, _, free_lr = transfer.TASKS[TASK]
     task = ep.TASKS[base]
-    scaled = VARIANTS[variant]
-    _, accuracy, _ = transfer.train_gbfunc(
-        task,
-        GENOMES[genome],
-        seed,
-        task.data(),
-        free_lr,
-        lambda leaf: factor if leaf in scaled else 1.0,
-    )
+    if variant == WIDTH_RULE:
+
+        def times(leaf: str | None, tensor: torch.Tensor | None) -> float:
+            return REFERENCE_WIDTH / tensor.shape[-2] if leaf == "w_in" else 1.0
+
+    else:
+        scaled = VARIANTS[variant]
+
+        def times(leaf: str | None, tensor: torch.Tensor | None) -> float:
+            return factor if leaf in scaled else 1.0
+
+    _, accuracy, _ = transfer.train_gbfunc(task, GENOMES[genome], seed, task.data(), free_lr, times)
     return 100 * accuracy
 
 
@@ -85,11 +94,17 @@ def main() -> None:
     parser.add_argument("--factor", type=float, default=2.0)
     parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument(
+        "--width-rule",
+        action="store_true",
+        help=f"the default, every leaf at --factor, and {WIDTH_RULE!r} (a candidate rule)",
+    )
     parser.add_argument("--out", type=Path, help="default: results/lr_leaves[_GENOME].md")
     args = parser.parse_args()
-    suffix = "" if args.genome == "rows" else f"_{args.genome}"
+    suffix = ("" if args.genome == "rows" else f"_{args.genome}") + "_width" * args.width_rule
     out = args.out or RESULTS / f"lr_leaves{suffix}.md"
-    jobs = [(args.genome, v, args.factor, s) for v in VARIANTS for s in range(args.seeds)]
+    variants = ["default", "every leaf", WIDTH_RULE] if args.width_rule else list(VARIANTS)
+    jobs = [(args.genome, v, args.factor, s) for v in variants for s in range(args.seeds)]
     with ProcessPoolExecutor(args.processes) as pool:
         accuracies = list(pool.map(run, *zip(*jobs, strict=True)))
     scores: dict[str, dict[int, float]] = {}

@@ -37,6 +37,7 @@ from importlib import metadata
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 import gbfunc as gb
 from benchmarks import equal_params as ep, lr_rule
@@ -116,17 +117,17 @@ def train_gbfunc(
     seed: int,
     data: tuple,
     free_lr: float,
-    factor: Callable[[str | None], float],
+    factor: Callable[[str | None, Tensor | None], float],
 ) -> tuple[float, float, int]:
     """gbfunc's arm of `options` trained on `task` with each g-net leaf at its default rate
-    times `factor(its leaf name)` (`None` for a rate outside the stacks: task embeddings)
-    and the free tensors at `free_lr`, warmed up as every arm (`warmup`): validation
-    loss, accuracy, and the stored parameters."""
+    times `factor(its leaf name, the leaf)` (`None, None` for a rate outside the stacks: task
+    embeddings) and the free tensors at `free_lr`, warmed up as every arm (`warmup`):
+    validation loss, accuracy, and the stored parameters."""
     trained, plan = ep.gbfunc_arm(task, "transfer", options, seed, data)
     stacks = trained.tree["stacks"].values()
-    names = {id(t): leaf for leaves in stacks for leaf, t in leaves.items()}
+    leaves = {id(t): (leaf, t) for named in stacks for leaf, t in named.items()}
     default = lr_rule.rates(trained.tree, plan, "default")
-    scaled = {key: rate * factor(names.get(key)) for key, rate in default.items()}
+    scaled = {key: rate * factor(*leaves.get(key, (None, None))) for key, rate in default.items()}
     trained = lr_rule.at_rates(trained, plan, scaled, free_lr)
     loss, acc = ep.train(trained, 1.0, data, task.steps, task.batch, seed, warmup=warmup(task))
     return loss, acc, gb.report(plan).stored_params
@@ -139,7 +140,7 @@ def run(task_name: str, arm: str, value: float, seed: int) -> dict:
     task = text_task(base) if kind == "text" else ep.TASKS[base]
     data = task.data()
     if arm == "gbfunc":
-        loss, acc, params = train_gbfunc(task, options, seed, data, free_lr, lambda _: value)
+        loss, acc, params = train_gbfunc(task, options, seed, data, free_lr, lambda *_: value)
     else:
         narrow = ep.arms_at(task, "transfer", options, seed, data)[1]
         params = narrow.params
