@@ -6,6 +6,7 @@ no tensors: everything `gb.init` and `gb.apply` need is derived from its tuples 
 """
 
 import hashlib
+import itertools
 import json
 import math
 import weakref
@@ -224,6 +225,12 @@ class Plan:
     buffer_names: tuple[str, ...] = field(default=(), compare=False, repr=False)
     tasks: int = 0
 
+    def __post_init__(self) -> None:
+        # Outside the fields (equality, hashing, pickling and the JSON ignore it).
+        token = f"plan {next(_COUNT)}"
+        object.__setattr__(self, "token", token)
+        _LIVE_PLANS[token] = self
+
     @property
     def condition(self) -> int:
         """Width of the condition vector `gb.apply` takes (`gb.Genome.condition`), 0 for
@@ -266,6 +273,20 @@ class Plan:
         # A weak reference cannot be pickled; a copy forgets the model it came from, but not
         # the buffers that model had (`gb.save` warns that it cannot store them).
         return (Plan, (self.params, self.stacks, None, self.buffer_names, self.tasks))
+
+
+# Each plan's `token`, a string unique in the process, and the live plans by token: a
+# function marked `torch.compiler.assume_constant_result` runs in Python while
+# `torch.compile` traces, on arguments that are constants, and torch 2.11 cannot pass a
+# frozen dataclass such as `Plan` as one; it takes the token and finds the plan (`plan_of`).
+# A string, not an int: dynamo makes an int that changes between calls symbolic.
+_COUNT = itertools.count()
+_LIVE_PLANS: "weakref.WeakValueDictionary[str, Plan]" = weakref.WeakValueDictionary()
+
+
+def plan_of(token: str) -> Plan:
+    """The live plan whose `token` this is."""
+    return _LIVE_PLANS[token]
 
 
 def stack_fields(stack: Stack) -> dict:
