@@ -13,6 +13,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 
+import torch
 from torch import nn
 
 from ._buffers import persistent_buffers
@@ -226,7 +227,11 @@ class Plan:
     tasks: int = 0
 
     def __post_init__(self) -> None:
-        # Outside the fields (equality, hashing, pickling and the JSON ignore it).
+        # Outside the fields (equality, hashing, pickling and the JSON ignore it). A plan
+        # made where torch.compile traces (a conditioned copy) gets none: dynamo cannot
+        # trace the weak reference, and `token_of` says None.
+        if torch.compiler.is_compiling():
+            return
         token = f"plan {next(_COUNT)}"
         object.__setattr__(self, "token", token)
         _LIVE_PLANS[token] = self
@@ -287,6 +292,11 @@ _LIVE_PLANS: "weakref.WeakValueDictionary[str, Plan]" = weakref.WeakValueDiction
 def plan_of(token: str) -> Plan:
     """The live plan whose `token` this is."""
     return _LIVE_PLANS[token]
+
+
+def token_of(plan: Plan) -> str | None:
+    """`plan`'s token; None for a plan made where torch.compile traced."""
+    return getattr(plan, "token", None)
 
 
 def stack_fields(stack: Stack) -> dict:

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ._condition import condition_of, conditioned
 from ._dispatch import Context, Route, stack_path
-from ._plan import Free, Generated, Plan, Stack, plan_of
+from ._plan import Free, Generated, Plan, Stack, plan_of, token_of
 from ._realised import realised
 from ._tilemlp_forward import EAGER
 from ._tiling import (
@@ -205,7 +205,13 @@ class Selection:
             p.name in self._params and self._parts[p.name][0] == (full_region(p.shape),)
             for p in params
         )
-        where = stack_placement(self.plan.token, s) if whole else None
+        token = token_of(self.plan)
+        if not whole:
+            where = None
+        elif token is None:  # a plan made inside the traced function: traced as it is
+            where = placement(self.plan.stacks[s], params)
+        else:
+            where = stack_placement(token, s)
         return None if where is None else ([p.name for p in params], where)
 
     def _split(self, s: int, stack_tiles: Tensor) -> dict[tuple[int, int] | None, Tensor]:
