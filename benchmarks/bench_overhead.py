@@ -184,12 +184,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "bench_overhead.md")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    plan, _ = ten_stacks()
+    plan, gparams = ten_stacks(args.device)
+    gparams = tree_map(lambda x: x.detach(), gparams)  # plain tensors, as `grad` takes them
     paths = [("torch", False), ("triton", False)] + [("triton", True)] * (args.device == "cuda")
     with recorded(args.out, "gb.apply's work around the generation, per call"):
         print(f"plan: {len(plan.stacks)} stacks, {gb.report(plan).generated_weights:,} weights\n")
-        _, gparams = ten_stacks(args.device)
-        gparams = tree_map(lambda x: x.detach(), gparams)  # plain tensors, as `grad` takes them
         how = "fullgraph, mode='reduce-overhead'" if args.device == "cuda" else "fullgraph"
         print(f"| captured call (torch.compile, {how}) | µs per call ({args.device}) |")
         print("|---|---|")

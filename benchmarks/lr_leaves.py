@@ -54,16 +54,11 @@ def run(genome: str, variant: str, factor: float, seed: int) -> float:
     torch.set_num_threads(1)
     _, base, _, free_lr = transfer.TASKS[TASK]
     task = ep.TASKS[base]
-    if variant == WIDTH_RULE:
 
-        def times(leaf: str | None, tensor: torch.Tensor | None) -> float:
+    def times(leaf: str | None, tensor: torch.Tensor | None) -> float:
+        if variant == WIDTH_RULE:
             return REFERENCE_WIDTH / tensor.shape[-2] if leaf == "w_in" else 1.0
-
-    else:
-        scaled = VARIANTS[variant]
-
-        def times(leaf: str | None, tensor: torch.Tensor | None) -> float:
-            return factor if leaf in scaled else 1.0
+        return factor if leaf in VARIANTS[variant] else 1.0
 
     _, accuracy, _ = transfer.train_gbfunc(task, GENOMES[genome], seed, task.data(), free_lr, times)
     return 100 * accuracy
