@@ -59,8 +59,10 @@ def apply(
         torch.Size([2, 32])
     """
     check_call(gparams, plan, "gb.apply", backend=backend, compile=compile, values=check)
-    z = condition_of(gparams, plan, condition, task, "gb.apply")
-    routed, stacks = without_condition(plan, gparams["stacks"])
+    z, routed, stacks = None, plan, gparams["stacks"]
+    if plan.condition or condition is not None or task is not None:  # else nothing to fold
+        z = condition_of(gparams, plan, condition, task, "gb.apply")
+        routed, stacks = without_condition(plan, stacks)
     path = route(routed, stacks, Context.now(stacks, backend=backend, compile=compile))
     if path.plan == graph.NAME:  # folds the condition in inside, so that its inputs stay leaves
         params = graph.generate(plan, gparams, condition, task, Selection.generated(plan).apply)

@@ -6,6 +6,8 @@ from collections.abc import Callable, Hashable
 
 import torch
 
+from ._tracing import dynamo_disabled
+
 
 class CompiledCache:
     """`torch.compile(fullgraph=True, dynamic=False)` of a function per key, cached.
@@ -91,8 +93,3 @@ def _tensor_and_global_state_guards(entries: list) -> list[bool]:
         not e.name or (e.guard_type in _TENSOR_GUARDS and not e.name.startswith("G["))
         for e in entries
     ]
-
-
-def dynamo_disabled() -> bool:
-    """Whether dynamo is switched off (`torch._dynamo.config.disable`)."""
-    return bool(torch._dynamo.config.disable)

@@ -121,9 +121,10 @@ class Selection:
         `gb.apply`'s (`paths`, per stack of the plan: the paths to take). A conditioned plan
         takes `condition` or `task` as `gb.apply` does.
         """
-        z = condition_of(gparams, self.plan, condition, task, "the selection's apply")
-        if z is not None:
-            gparams, _ = conditioned(gparams, self.plan, z)
+        if self.plan.condition or condition is not None or task is not None:
+            z = condition_of(gparams, self.plan, condition, task, "the selection's apply")
+            if z is not None:
+                gparams, _ = conditioned(gparams, self.plan, z)
         tiles, direct = {}, {}
         context = None
         for s, indices in self.tiles.items():
@@ -158,16 +159,26 @@ class Selection:
                 continue
             (evaluated,) = runner.tiles(stack, leaves, indices, None, form=form)
             tiles[s] = self._split(s, evaluated)
-        return parameters(
-            self._params.values(),
-            gparams,
-            lambda p: (
-                direct[p.name].reshape(p.shape)
-                if p.name in direct
-                else realised(self._join(p, lambda k, region: self._lay_out(p, k, region, tiles)))
-            ),
-            self._cut if self._views else None,
-        )
+        generated = {
+            p.name: direct[p.name].reshape(p.shape)
+            if p.name in direct
+            else self._laid_out(p, tiles)
+            for p in self._params.values()
+            if isinstance(p, Generated)
+        }
+        params = parameters(self._params.values(), gparams, generated)
+        if not self._views:
+            return params
+        return {
+            name: value if name in generated else self._cut(self._params[name], value)
+            for name, value in params.items()
+        }
+
+    def _laid_out(self, p: Generated, tiles: dict[int, dict[object, Tensor]]) -> Tensor:
+        """Generated `p`'s selection from its stack's evaluated `tiles`; traced, computed into a
+        buffer of its own (`realised`: eagerly the weight itself, so not called)."""
+        weight = self._join(p, lambda k, region: self._lay_out(p, k, region, tiles))
+        return realised(weight) if torch.compiler.is_compiling() else weight
 
     def _join(self, p: Generated | Free, part: Callable[[int, Region], Tensor]) -> Tensor:
         """`part(k, region)` for each region of `p`'s selection, joined along its dim."""

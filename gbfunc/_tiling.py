@@ -7,7 +7,7 @@ kernels' reference checks their fused layout against it.
 """
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -135,18 +135,13 @@ def center_rows(weight: Tensor) -> Tensor:
 
 
 def parameters(
-    params: Iterable[Generated | Free],
-    gparams: GParams,
-    generated: Callable[[Generated], Tensor],
-    cut: Callable[[Free, Tensor], Tensor] | None = None,
+    params: Iterable[Generated | Free], gparams: GParams, generated: Mapping[str, Tensor]
 ) -> dict[str, Tensor]:
-    """`{name: tensor}` for `params` in order: `generated(p)` for generated ones, the rest from
-    `gparams["free"]` or `gparams["frozen"]`: the leaves themselves, or `cut(p, leaf)`."""
-    out = {}
-    for p in params:
-        if isinstance(p, Generated):
-            out[p.name] = generated(p)
-            continue
-        value = gparams["free" if p.trainable else "frozen"][p.name]
-        out[p.name] = value if cut is None else cut(p, value)
-    return out
+    """`{name: tensor}` for `params` in order: generated ones from `generated`, the rest the
+    leaves of `gparams["free"]` or `gparams["frozen"]`."""
+    return {
+        p.name: generated[p.name]
+        if isinstance(p, Generated)
+        else gparams["free" if p.trainable else "frozen"][p.name]
+        for p in params
+    }

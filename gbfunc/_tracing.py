@@ -1,4 +1,5 @@
-"""Whether `torch.export` is tracing the call: the one reading of it for every torch version.
+"""What torch is doing to the call: whether `torch.export` traces it (the one reading of it
+for every torch version), and whether dynamo is switched off.
 
 `torch.compiler.is_exporting()` returns the flag `torch.export` sets while it traces. Dynamo up
 to torch 2.11 at least (2.13 reads the flag) folds the call to `True` in every graph it traces,
@@ -15,3 +16,8 @@ def exporting() -> bool:
     """Traced by `torch.export` (strict or not), not by `torch.compile`, and not eager."""
     flag = getattr(torch.compiler, "_is_exporting_flag", None)
     return torch.compiler.is_exporting() if flag is None else bool(flag)
+
+
+def dynamo_disabled() -> bool:
+    """Whether dynamo is switched off (`torch._dynamo.config.disable`, a debugging setting)."""
+    return bool(torch._dynamo.config.disable)

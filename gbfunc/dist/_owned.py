@@ -190,11 +190,11 @@ class RankOwned:
             if g.requires_grad:  # its gradient is reduce-scattered back to the owners
                 g.register_hook(lambda grad, nbytes=nbytes: self._count(nbytes))
             tiles.append(g.index_select(0, self._position[s].to(g.device)))
-        return parameters(
-            self.plan.params,
-            local,
-            lambda p: assemble(p, self.plan.stacks[p.stack_index], tiles[p.stack_index]),
-        )
+        generated = {
+            p.name: assemble(p, self.plan.stacks[p.stack_index], tiles[p.stack_index])
+            for p in self.plan.generated
+        }
+        return parameters(self.plan.params, local, generated)
 
     def _generate_and_gather(self, s: int, local: GParams) -> Tensor:
         """Start the all-gather of this rank's tiles of stack `s` (padded to the busiest rank)."""

@@ -11,9 +11,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .._compiled import dynamo_disabled
 from .._plan import Plan, Stack
-from .._tracing import exporting
+from .._tracing import dynamo_disabled, exporting
 from ..cpu import missing_compiler
 
 # `compile=None` compiles a plan's graph from this many generated weights on: the MLP

@@ -112,7 +112,7 @@ def generate(
     graph = _GRAPHS.call(key, _generated, op_by_op, stacks, tasks, condition, task)
     if graph is None:
         return None
-    return parameters(plan.params, gparams, lambda p: graph[p.name])
+    return parameters(plan.params, gparams, graph)
 
 
 def _generated(

@@ -93,7 +93,7 @@ def generate(gparams: GParams, plan: Plan, traced: bool) -> dict[str, Tensor]:
     generated: dict[str, Tensor] = {}
     for index, stack in enumerate(plan.stacks):
         generated.update(stack_weights(plan, index, stacks[stack.key], traced))
-    return parameters(plan.params, gparams, lambda p: generated[p.name])
+    return parameters(plan.params, gparams, generated)
 
 
 def stack_weights(
