@@ -3,7 +3,7 @@
 from torch import Tensor
 
 from ._condition import condition_of, conditioned, without_condition
-from ._dispatch import Context, check_call, route
+from ._dispatch import check_call, context_of, route
 from ._plan import Plan
 from ._select import Selection
 from ._tree import GParams
@@ -63,7 +63,7 @@ def apply(
     if plan.condition or condition is not None or task is not None:  # else nothing to fold
         z = condition_of(gparams, plan, condition, task, "gb.apply")
         routed, stacks = without_condition(plan, stacks)
-    path = route(routed, stacks, Context.now(stacks, backend=backend, compile=compile))
+    path = route(routed, stacks, context_of(stacks, backend=backend, compile=compile))
     if path.plan == graph.NAME:  # folds the condition in inside, so that its inputs stay leaves
         params = graph.generate(plan, gparams, condition, task, Selection.generated(plan).apply)
         if params is not None:  # None: the compile failed (warned), so op by op

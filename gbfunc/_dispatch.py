@@ -31,11 +31,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import torch
 from torch import Tensor
 
 from ._check_gparams import check_gparams
 from ._condition import without_condition
 from ._plan import Plan, Stack
+from ._tracing import dynamo_disabled, exporting
 from ._tree import GParams
 from .cpu import loops_state, mode, unavailable_reason
 from .generate import compiled_mlp, cpu_loops, graph, torch_ops, triton
@@ -64,6 +66,27 @@ def check_call(
         raise TypeError(f"{call}: compile must be True, False or None, got {compile!r}.")
     if backend not in BACKENDS:
         raise ValueError(f"{call}: backend must be one of {BACKENDS}, got {backend!r}.")
+
+
+def context_of(
+    stacks: Mapping[str, Mapping[str, Tensor]], *, backend: str, compile: bool | None
+) -> Context:
+    """The context of a call on the g-net leaves `stacks`, from the process's state
+    (`backend` and `compile` checked by `check_call`)."""
+    leaf = next((x for leaves in stacks.values() for x in leaves.values()), None)
+    return Context(
+        device="cpu" if leaf is None else leaf.device.type,
+        dtype=torch.float32 if leaf is None else leaf.dtype,
+        backend=backend,
+        compile=compile,
+        compiling=torch.compiler.is_compiling(),
+        exporting=exporting(),
+        transformed=torch._C._functorch.peek_interpreter_stack() is not None,
+        grad=torch.is_grad_enabled(),
+        dynamo_off=dynamo_disabled(),
+        dispatch_mode=not torch.compiler.is_compiling()
+        and torch._C._len_torch_dispatch_stack() > 0,
+    )
 
 
 class Route(NamedTuple):
@@ -143,7 +166,7 @@ def stack_path(
 def torch_variant(stack: Stack, leaves: Mapping[str, Tensor]) -> str:
     """The `torch` path's variant for a stack evaluated here and now, outside `gb.apply`
     (the rank-owned g-nets of `gbfunc.dist`)."""
-    context = Context.now({stack.key: leaves}, backend="torch", compile=False)
+    context = context_of({stack.key: leaves}, backend="torch", compile=False)
     return stack_path(stack, leaves, context, placed=False, path=torch_ops.NAME)[1]
 
 
@@ -211,7 +234,7 @@ def explain(
     """
     check_call(gparams, plan, "gb.explain", backend=backend, compile=compile)
     plan, stacks = without_condition(plan, gparams["stacks"])  # routed as `gb.apply` routes
-    return explanation(plan, stacks, Context.now(stacks, backend=backend, compile=compile))
+    return explanation(plan, stacks, context_of(stacks, backend=backend, compile=compile))
 
 
 def explanation(

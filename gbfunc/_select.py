@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ._condition import condition_of, conditioned
-from ._dispatch import Context, Route, stack_path
+from ._dispatch import Route, context_of, stack_path
 from ._plan import Free, Generated, Plan, Stack, plan_of, token_of
 from ._realised import realised
 from ._tilemlp_forward import EAGER
@@ -134,7 +134,7 @@ class Selection:
                 path, form, traced = route.stacks[s], route.variants[s], route.traced
             else:
                 if context is None:
-                    context = Context.now(gparams["stacks"], backend="torch", compile=compile)
+                    context = context_of(gparams["stacks"], backend="torch", compile=compile)
                 placed = self._placements[s] is not None
                 asked = None if paths is None else paths[s]
                 path, form = stack_path(stack, leaves, context, placed=placed, path=asked)

@@ -12,7 +12,6 @@ import torch
 from torch import Tensor
 
 from .._plan import Plan, Stack
-from .._tracing import dynamo_disabled, exporting
 from ..cpu import missing_compiler
 
 # `compile=None` compiles a plan's graph from this many generated weights on: the MLP
@@ -26,7 +25,8 @@ AUTO_COMPILE_ELEMENTS = 1 << 20
 
 
 class Context(NamedTuple):
-    """What a call of `gb.apply` decides its paths from, read once per call."""
+    """What a call of `gb.apply` decides its paths from, read once per call by the
+    dispatcher (`gbfunc._dispatch.context_of`)."""
 
     device: str  # the g-nets' device type
     dtype: torch.dtype  # their dtype
@@ -38,27 +38,6 @@ class Context(NamedTuple):
     grad: bool  # gradients enabled
     dynamo_off: bool  # torch._dynamo.config.disable: nothing compiles
     dispatch_mode: bool  # inside a TorchDispatchMode (FlopCounterMode...): compiled code cannot run
-
-    @staticmethod
-    def now(
-        stacks: Mapping[str, Mapping[str, Tensor]], *, backend: str, compile: bool | None
-    ) -> "Context":
-        """The context of a call on the g-net leaves `stacks`, from the process's state
-        (`backend` and `compile` checked by the dispatcher's `check_call`)."""
-        leaf = next((x for leaves in stacks.values() for x in leaves.values()), None)
-        return Context(
-            device="cpu" if leaf is None else leaf.device.type,
-            dtype=torch.float32 if leaf is None else leaf.dtype,
-            backend=backend,
-            compile=compile,
-            compiling=torch.compiler.is_compiling(),
-            exporting=exporting(),
-            transformed=torch._C._functorch.peek_interpreter_stack() is not None,
-            grad=torch.is_grad_enabled(),
-            dynamo_off=dynamo_disabled(),
-            dispatch_mode=not torch.compiler.is_compiling()
-            and torch._C._len_torch_dispatch_stack() > 0,
-        )
 
     @property
     def eager(self) -> bool:
