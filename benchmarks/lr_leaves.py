@@ -16,6 +16,11 @@ there.
     python -m benchmarks.lr_leaves                      # 10 seeds, about 2 minutes
     python -m benchmarks.lr_leaves --genome tiles       # writes lr_leaves_tiles.md
     python -m benchmarks.lr_leaves --width-rule         # a candidate rule: lr_leaves_width.md
+    python -m benchmarks.lr_leaves --family             # FAMILY's genomes: lr_leaves_family.md
+
+`--family` asks which feature of a genome the miss follows: the same MLP with ReLU g-nets of
+8 hidden units and no tables, one of tile, outputs and hidden units changed at a time from
+digits-rows's, every leaf at 1x (the default), 2x and 3x.
 """
 
 import argparse
@@ -32,6 +37,17 @@ TASK = "digits-rows"
 # The genomes on transfer's digits-rows task (its MLP, data and steps): its own, and
 # lr_rule's 64x64 genome of 4 outputs without tables, where the default rates hold.
 GENOMES = {"rows": ep.ROWS_GENOME, "tiles": lr_rule.WITHOUT_TABLES["mlp"][1]}
+# `--family`: digits-rows's genome (32x32 tiles, 8 outputs, 8 hidden units) and neighbours.
+FAMILY = {
+    "tile 32, 8 outputs (digits-rows)": ep.ROWS_GENOME,
+    "tile 16, 8 outputs": {"tile": (16, 16), "hidden": 8, "outputs": 8},
+    "tile 64, 8 outputs": {"tile": (64, 64), "hidden": 8, "outputs": 8},
+    "tile 32, 8 outputs, 16 hidden": {"tile": (32, 32), "hidden": 16, "outputs": 8},
+    "tile 32, 4 outputs": {"tile": (32, 32), "hidden": 8, "outputs": 4},
+    "tile 64, 4 outputs (tiles)": GENOMES["tiles"],
+    "tile 32, 1 output": {"tile": (32, 32), "hidden": 8, "outputs": 1},
+}
+FAMILY_FACTORS = (1.0, 2.0, 3.0)
 # Variant name -> the leaf kinds whose rate is multiplied; none: the default rates.
 VARIANTS: dict[str, tuple[str, ...]] = {
     "default": (),
@@ -49,8 +65,8 @@ WIDTH_RULE = f"w_in x {REFERENCE_WIDTH}/code width"
 
 
 def run(genome: str, variant: str, factor: float, seed: int) -> float:
-    """Validation accuracy (%) of `TASK`'s MLP with `GENOMES[genome]` at seed `seed`, the
-    leaves of `variant` at `factor` times their default rate."""
+    """Validation accuracy (%) of `TASK`'s MLP with `GENOMES[genome]` (or `FAMILY[genome]`)
+    at seed `seed`, the leaves of `variant` at `factor` times their default rate."""
     torch.set_num_threads(1)
     _, base, _, free_lr = transfer.TASKS[TASK]
     task = ep.TASKS[base]
@@ -60,7 +76,8 @@ def run(genome: str, variant: str, factor: float, seed: int) -> float:
             return REFERENCE_WIDTH / tensor.shape[-2] if leaf == "w_in" else 1.0
         return factor if leaf in VARIANTS[variant] else 1.0
 
-    _, accuracy, _ = transfer.train_gbfunc(task, GENOMES[genome], seed, task.data(), free_lr, times)
+    options = GENOMES[genome] if genome in GENOMES else FAMILY[genome]
+    _, accuracy, _ = transfer.train_gbfunc(task, options, seed, task.data(), free_lr, times)
     return 100 * accuracy
 
 
@@ -83,6 +100,38 @@ def report(scores: dict[str, dict[int, float]], factor: float, genome: str = "ro
     print(f"\n{len(default)} seeds; the validation set is 360 images (0.28 points each)")
 
 
+def report_family(scores: dict[tuple[str, float], dict[int, float]]) -> None:
+    """Per genome of `FAMILY`, every leaf at each factor: mean and its gap to 1x by seed."""
+    print(f"{TASK}'s MLP, ReLU g-nets without tables; every leaf at 1x, 2x, 3x the default")
+    print("| genome | 1x (%) | 2x - 1x (points, paired) | 3x - 1x (points, paired) |")
+    print("|---|---:|---:|---:|")
+    for genome in FAMILY:
+        default = scores[genome, 1.0]
+        cells = [f"{statistics.fmean(default.values()):.2f}"]
+        for factor in FAMILY_FACTORS[1:]:
+            by_seed = scores[genome, factor]
+            diffs = [by_seed[s] - default[s] for s in sorted(by_seed)]
+            error = statistics.stdev(diffs) / len(diffs) ** 0.5
+            cells.append(f"{statistics.fmean(diffs):+.2f} +- {error:.2f}")
+        print(f"| {genome} | " + " | ".join(cells) + " |")
+    seeds = len(next(iter(scores.values())))
+    print(f"\n{seeds} seeds; the validation set is 360 images (0.28 points each)")
+
+
+def main_family(args: argparse.Namespace) -> None:
+    jobs = [
+        (g, "every leaf", f, s) for g in FAMILY for f in FAMILY_FACTORS for s in range(args.seeds)
+    ]
+    with ProcessPoolExecutor(args.processes) as pool:
+        accuracies = list(pool.map(run, *zip(*jobs, strict=True)))
+    scores: dict[tuple[str, float], dict[int, float]] = {}
+    for (genome, _, factor, seed), accuracy in zip(jobs, accuracies, strict=True):
+        scores.setdefault((genome, factor), {})[seed] = accuracy
+    out = args.out or RESULTS / "lr_leaves_family.md"
+    with recorded(out, "Which genomes want another rate on the digits MLP (issue 54)"):
+        report_family(scores)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--genome", choices=tuple(GENOMES), default="rows")
@@ -94,8 +143,12 @@ def main() -> None:
         action="store_true",
         help=f"the default, every leaf at --factor, and {WIDTH_RULE!r} (a candidate rule)",
     )
+    parser.add_argument("--family", action="store_true", help="FAMILY's genomes, every leaf")
     parser.add_argument("--out", type=Path, help="default: results/lr_leaves[_GENOME].md")
     args = parser.parse_args()
+    if args.family:
+        main_family(args)
+        return
     suffix = ("" if args.genome == "rows" else f"_{args.genome}") + "_width" * args.width_rule
     out = args.out or RESULTS / f"lr_leaves{suffix}.md"
     variants = ["default", "every leaf", WIDTH_RULE] if args.width_rule else list(VARIANTS)

@@ -206,6 +206,27 @@ def test_lr_leaves_reports_each_variant_against_the_default_paired_by_seed(capsy
     assert "2 seeds" in printed
 
 
+def test_lr_leaves_family_reports_each_genome_against_its_default_paired_by_seed(
+    capsys, monkeypatch
+):
+    from benchmarks import lr_leaves
+
+    monkeypatch.setattr(lr_leaves, "FAMILY", {"a": {}, "b": {}})
+    scores = {
+        ("a", 1.0): {0: 96.0, 1: 97.0},
+        ("a", 2.0): {0: 97.0, 1: 97.5},
+        ("a", 3.0): {0: 95.0, 1: 97.0},
+        ("b", 1.0): {0: 90.0, 1: 90.0},
+        ("b", 2.0): {0: 91.0, 1: 93.0},
+        ("b", 3.0): {0: 90.0, 1: 90.0},
+    }
+    lr_leaves.report_family(scores)
+    printed = capsys.readouterr().out
+    assert "| a | 96.50 | +0.75 +- 0.25 | -0.50 +- 0.50 |" in printed
+    assert "| b | 90.00 | +2.00 +- 1.00 | +0.00 +- 0.00 |" in printed
+    assert "2 seeds" in printed
+
+
 def test_equal_params_plot_draws_each_genome_and_each_baseline_once(tmp_path, monkeypatch):
     """Two ratios can share a baseline (same parameter count): one point, and no crash."""
     from benchmarks import equal_params
