@@ -8,6 +8,7 @@ A tile that straddles a region's edge is generated whole and cut.
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -41,6 +42,77 @@ def stack_placement(token: str, s: int) -> Placement | None:
     return placement(plan.stacks[s], [p for p in plan.generated if p.stack_index == s])
 
 
+Parts = tuple[tuple[str, tuple[tuple[Region, ...], int]], ...]  # per name: regions, dim
+Rows = slice | list[int]  # a piece's rows in the evaluated tiles: a slice where consecutive
+
+
+class _Layout(NamedTuple):
+    """Where a selection's tiles come from and go, fixed by the plan and the regions: per
+    stack the tiles evaluated (ascending), per `(name, region index)` the pieces that cover
+    the region and each piece's rows in the evaluated tiles, and per stack its split
+    (`_partition`). As `(key, value)` pairs, not dicts: dynamo cannot iterate a dict that
+    `torch.compiler.assume_constant_result` returned (it would guard on its keys)."""
+
+    tiles: tuple[tuple[int, list[int]], ...]
+    pieces: tuple[tuple[tuple[str, int], list[Piece]], ...]
+    rows: tuple[tuple[tuple[str, int], list[Rows]], ...]
+    splits: tuple[tuple[int, list[tuple[int, int]] | None], ...]
+
+
+def _layout(plan: Plan, parts: Parts) -> _Layout:
+    """The `_Layout` of `parts` (each selected parameter's regions and their dim) of `plan`:
+    Python loops over tiles, run once per selection."""
+    params = {p.name: p for p in plan.params}
+    needed: dict[int, set[int]] = {}
+    covering: dict[tuple[str, int], list[Piece]] = {}
+    for name, (regions, _) in parts:
+        p = params[name]
+        if isinstance(p, Generated):
+            stack = plan.stacks[p.stack_index]
+            for k, region in enumerate(regions):
+                found = covering[name, k] = pieces(p, stack, region)
+                tiles = (t for piece in found for t in piece_tiles(p, piece))
+                needed.setdefault(p.stack_index, set()).update(tiles)
+    evaluated = {s: sorted(t) for s, t in sorted(needed.items())}
+    position = {s: {t: i for i, t in enumerate(tiles)} for s, tiles in evaluated.items()}
+    rows: dict[tuple[str, int], list[Rows]] = {}
+    for (name, k), found in covering.items():
+        p = params[name]
+        rows[name, k] = []
+        for piece in found:
+            at = [position[p.stack_index][t] for t in piece_tiles(p, piece)]
+            consecutive = at == list(range(at[0], at[0] + len(at)))
+            rows[name, k].append(slice(at[0], at[0] + len(at)) if consecutive else at)
+    of_stack = {s: [] for s in evaluated}
+    for (name, _), covering_rows in rows.items():
+        of_stack[params[name].stack_index].extend(covering_rows)
+    splits = {s: _partition(of_stack[s], len(evaluated[s])) for s in evaluated}
+    return _Layout(*(tuple(d.items()) for d in (evaluated, covering, rows, splits)))
+
+
+@torch.compiler.assume_constant_result
+def _whole_layout(token: str) -> _Layout:
+    """`_layout` of every parameter, whole, of the plan with this `token`, run in Python
+    where `torch.compile` traces it, not traced: traced, its loops over tiles took dynamo
+    ~10 s of each compile of a two-layer GPT-2 (2,796 tiles), and reading the result as
+    Python data another ~15. Only the token goes in: dynamo may make the plan's shapes
+    symbolic, which a constant function cannot take."""
+    plan = plan_of(token)
+    return _layout(plan, tuple((p.name, ((full_region(p.shape),), 0)) for p in plan.params))
+
+
+def _partition(rows: list[Rows], evaluated: int) -> list[tuple[int, int]] | None:
+    """The row ranges of a stack's `evaluated` tiles that its pieces read (`rows`), where
+    they are consecutive ranges that cover every row once (a whole plan's blocks): split
+    (traced: taken apart out of the tile MLP), not sliced."""
+    if not all(isinstance(r, slice) for r in rows):
+        return None
+    ordered = sorted({(r.start, r.stop) for r in rows})
+    stops = [0] + [stop for _, stop in ordered]
+    covers = [start for start, _ in ordered] == stops[:-1] and stops[-1] == evaluated
+    return ordered if covers else None
+
+
 class Selection:
     """Generate `regions` of some parameters of `plan`, evaluating only the tiles under them.
 
@@ -62,7 +134,13 @@ class Selection:
         torch.Size([64, 128])
     """
 
-    def __init__(self, plan: Plan, regions: Mapping[str, Region | Concat]) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        regions: Mapping[str, Region | Concat],
+        *,
+        _layout_found: _Layout | None = None,
+    ) -> None:
         params = {p.name: p for p in plan.params}
         self._parts = {name: _parts(region) for name, region in regions.items()}
         for name, (parts, _) in self._parts.items():
@@ -71,20 +149,12 @@ class Selection:
         self.plan = plan
         self.regions = dict(regions)
         self._params = {name: params[name] for name in regions}
-        needed: dict[int, set[int]] = {}
-        self._pieces: dict[tuple[str, int], list[Piece]] = {}
-        for name, p in self._params.items():
-            if isinstance(p, Generated):
-                stack = plan.stacks[p.stack_index]
-                for k, region in enumerate(self._parts[name][0]):
-                    covering = self._pieces[name, k] = pieces(p, stack, region)
-                    tiles = (t for piece in covering for t in piece_tiles(p, piece))
-                    needed.setdefault(p.stack_index, set()).update(tiles)
-        self.tiles = {s: sorted(t) for s, t in sorted(needed.items())}  # per stack, evaluated
+        layout = _layout_found or _layout(plan, tuple(self._parts.items()))
+        self.tiles = dict(layout.tiles)  # per stack, the tiles evaluated
+        self._pieces, self._rows = dict(layout.pieces), dict(layout.rows)
+        self._splits = dict(layout.splits)
         self._views = True  # free parameters as views; `whole` hands out the leaves
-        self._rows = {key: self._tile_rows(self._params[key[0]], key) for key in self._pieces}
         self._index: dict[tuple[str, int, torch.device], list[Tensor]] = {}
-        self._splits = {s: self._partition(s) for s in self.tiles}
         self._placements = {s: self._placement(s) for s in self.tiles}
 
     @staticmethod
@@ -191,23 +261,6 @@ class Selection:
         rank's gradient hooks on it must not reach the leaf)."""
         return self._join(p, lambda k, region: value[tuple(slice(a, b) for a, b in region)])
 
-    def _partition(self, s: int) -> list[tuple[int, int]] | None:
-        """The row ranges of stack `s`'s evaluated tiles that the pieces read, where they are
-        consecutive ranges that cover every row once (a whole plan's blocks): split (traced:
-        taken apart out of the tile MLP), not sliced."""
-        rows_of_stack = [
-            rows
-            for (name, _), covering in self._rows.items()
-            if self._params[name].stack_index == s
-            for rows in covering
-        ]
-        if not all(isinstance(rows, slice) for rows in rows_of_stack):
-            return None
-        ordered = sorted({(rows.start, rows.stop) for rows in rows_of_stack})
-        stops = [0] + [stop for _, stop in ordered]
-        covers = [start for start, _ in ordered] == stops[:-1] and stops[-1] == len(self.tiles[s])
-        return ordered if covers else None
-
     def _placement(self, s: int) -> tuple[list[str], Placement] | None:
         """Where stack `s`'s tiles land, for the CPU loops, where its g-nets suit them and
         the selection takes every parameter of the stack whole."""
@@ -248,16 +301,6 @@ class Selection:
         parts = [_rows_of(split, rows) for rows in self._indices(p.name, k, device)]
         stack = self.plan.stacks[p.stack_index]
         return lay_out(p, stack, region, self._pieces[p.name, k], parts)
-
-    def _tile_rows(self, p: Generated, key: tuple[str, int]) -> list[slice | list[int]]:
-        """Each piece's rows in the evaluated tiles: a slice where they are consecutive."""
-        position = {t: i for i, t in enumerate(self.tiles[p.stack_index])}
-        rows: list[slice | list[int]] = []
-        for piece in self._pieces[key]:
-            at = [position[t] for t in piece_tiles(p, piece)]
-            consecutive = at == list(range(at[0], at[0] + len(at)))
-            rows.append(slice(at[0], at[0] + len(at)) if consecutive else at)
-        return rows
 
     def _indices(self, name: str, k: int, device: torch.device) -> list[slice | Tensor]:
         rows = self._rows[name, k]
@@ -314,7 +357,12 @@ def _check_region(p: Generated | Free | None, name: str, region: Region) -> None
 
 
 def _whole_plan(plan: Plan) -> Selection:
-    selection = Selection(plan, {p.name: full_region(p.shape) for p in plan.params})
+    token = token_of(plan)
+    # Traced, the layout comes from outside the trace; a plan made inside the traced
+    # function (no token) is traced as it is.
+    found = _whole_layout(token) if token is not None and torch.compiler.is_compiling() else None
+    regions = {p.name: full_region(p.shape) for p in plan.params}
+    selection = Selection(plan, regions, _layout_found=found)
     selection._views = False
     return selection
 
