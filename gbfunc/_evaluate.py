@@ -101,7 +101,7 @@ def evaluate_tile_parts(
     cut into `spans`, consecutive ranges of positions in `tiles` (None: one part), each part
     with a gradient of its own (`evaluate_parts`). Only the g-nets of those tiles run;
     gradients flow back into their rows of `leaves`."""
-    if list(tiles) == list(range(stack.num_tiles)):
+    if len(tiles) == stack.num_tiles:  # ascending and distinct: every tile
         return evaluate_parts(stack, leaves, spans, form=form, compiled=compiled)
     device = leaves["w_in"].device
     owner = stack.gnet_of_tile

@@ -108,7 +108,10 @@ def lay_out(
         rows, cols = (b - a for a, b in (piece.tile_rows, piece.tile_cols))
         t = t.reshape(rows, cols, th, tw, taps).permute(0, 2, 1, 3, 4)
         t = t.reshape(rows * th, cols * tw, taps)
-        if (piece.cut_rows, piece.cut_cols) != ((0, rows * th), (0, cols * tw)):
+        # Compared number by number: traced by torch 2.11, comparing the tuples of a layout
+        # computed outside the trace (`_select._whole_layout`) with the plan's raised there.
+        (r0, r1), (c0, c1) = piece.cut_rows, piece.cut_cols
+        if r0 != 0 or c0 != 0 or r1 != rows * th or c1 != cols * tw:
             t = t[slice(*piece.cut_rows), slice(*piece.cut_cols)]  # backward: zero-filled
         parts.append(t)
     weight = parts[0] if len(parts) == 1 else torch.cat(parts, dim=p.split_dim)
