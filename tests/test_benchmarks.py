@@ -227,6 +227,14 @@ def test_lr_leaves_family_reports_each_genome_against_its_default_paired_by_seed
     assert "2 seeds" in printed
 
 
+def test_compile_time_reports_each_depth_with_gbfunc_over_plain(capsys):
+    from benchmarks.compile_time import report
+
+    report({("plain", 2): 40.0, ("gbfunc", 2): 30.0, ("plain", 12): 100.0, ("gbfunc", 12): 110.0})
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[2:] == ["| 2 | 40.0 | 30.0 | 0.75 |", "| 12 | 100.0 | 110.0 | 1.10 |"]
+
+
 def test_equal_params_plot_draws_each_genome_and_each_baseline_once(tmp_path, monkeypatch):
     """Two ratios can share a baseline (same parameter count): one point, and no crash."""
     from benchmarks import equal_params
