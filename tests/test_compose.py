@@ -499,21 +499,24 @@ def test_a_compiled_caller_has_no_guard_per_tile():
     assert not [name for name in names if "tiles_per_gnet[" in name]
 
 
-def test_the_loops_placement_is_computed_once_not_traced(monkeypatch):
-    """Where a stack's tiles land (`cpu.placement`, loops over every tile) is computed in
-    Python when `torch.compile` traces `gb.apply`, not traced: dynamo tracing those loops took
-    a third of a two-layer GPT-2 step's compile. Traced, its side effects would be replayed on
-    every call; computed, it runs once, while tracing."""
+@pytest.mark.parametrize("computed", ["placement", "_layout"])
+def test_what_the_plan_fixes_is_computed_once_not_traced(monkeypatch, computed):
+    """Where a stack's tiles land for the CPU loops (`cpu.placement`) and which tiles
+    `gb.apply` evaluates and where each goes (`_select._layout`), loops over every tile, are
+    computed in Python when `torch.compile` traces `gb.apply`, not traced: traced, they took
+    most of a two-layer GPT-2 step's compile (2,796 tiles;
+    `benchmarks/results/compile_time.md`). Traced, their side effects would be replayed on
+    every call; computed, they run once, while tracing."""
     import gbfunc._select as select
 
     calls = []
+    original = getattr(select, computed)
 
-    def counted(stack, params):
-        calls.append(stack.key)
-        return placement(stack, params)
+    def counted(*args):
+        calls.append(computed)
+        return original(*args)
 
-    placement = select.placement
-    monkeypatch.setattr(select, "placement", counted)
+    monkeypatch.setattr(select, computed, counted)
     model = nn.Sequential(nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 4))
     plan = gb.plan(model, tile=(4, 4), hidden=4)
     gparams = gb.init(plan, seed=0)
@@ -522,34 +525,8 @@ def test_the_loops_placement_is_computed_once_not_traced(monkeypatch):
     calls.clear()  # the eager call's
     for _ in range(3):
         torch.testing.assert_close(compiled(gparams), expected)
-    assert calls == [s.key for s in plan.stacks]
-
-
-def test_the_whole_plans_layout_is_computed_once_not_traced(monkeypatch):
-    """Which tiles `gb.apply` evaluates and where each lands (`_select._layout`, loops over
-    every tile) is computed in Python when `torch.compile` traces it, not traced: traced, it
-    and the reading of its result took 25 s of a two-layer GPT-2 step's compile (2,796
-    tiles). Traced, its side effects would be replayed on every call; computed, it runs
-    once, while tracing."""
-    import gbfunc._select as select
-
-    calls = []
-
-    def counted(plan, parts):
-        calls.append(len(parts))
-        return layout(plan, parts)
-
-    layout = select._layout
-    monkeypatch.setattr(select, "_layout", counted)
-    model = nn.Sequential(nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 4))
-    plan = gb.plan(model, tile=(4, 4), hidden=4)
-    gparams = gb.init(plan, seed=0)
-    compiled = torch.compile(lambda g: gb.apply(g, plan)["0.weight"].sum(), fullgraph=True)
-    expected = gb.apply(gparams, plan, compile=False)["0.weight"].sum()
-    calls.clear()  # the eager call's
-    for _ in range(3):
-        torch.testing.assert_close(compiled(gparams), expected)
-    assert calls == [len(plan.params)]
+    # once per stack (the placement) or per plan (the layout), in the one trace
+    assert len(calls) == (len(plan.stacks) if computed == "placement" else 1)
 
 
 def test_eager_compiles_fuse_multiply_adds_without_touching_inductors_settings(monkeypatch):
