@@ -120,6 +120,8 @@ class Selection:
         plan: The model's plan.
         regions: `{name: region or Concat}` for the parameters to produce (generated or
             free).
+        _layout_found: Their `_Layout`, where it was computed already (the whole plan's,
+            outside a trace: `_whole_layout`); None computes it here.
 
     Attributes:
         regions: The regions asked for, by parameter name.
