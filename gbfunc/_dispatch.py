@@ -74,18 +74,18 @@ def context_of(
     """The context of a call on the g-net leaves `stacks`, from the process's state
     (`backend` and `compile` checked by `check_call`)."""
     leaf = next((x for leaves in stacks.values() for x in leaves.values()), None)
+    compiling = torch.compiler.is_compiling()
     return Context(
         device="cpu" if leaf is None else leaf.device.type,
         dtype=torch.float32 if leaf is None else leaf.dtype,
         backend=backend,
         compile=compile,
-        compiling=torch.compiler.is_compiling(),
+        compiling=compiling,
         exporting=exporting(),
         transformed=torch._C._functorch.peek_interpreter_stack() is not None,
         grad=torch.is_grad_enabled(),
         dynamo_off=dynamo_disabled(),
-        dispatch_mode=not torch.compiler.is_compiling()
-        and torch._C._len_torch_dispatch_stack() > 0,
+        dispatch_mode=not compiling and torch._C._len_torch_dispatch_stack() > 0,
     )
 
 

@@ -162,7 +162,10 @@ class Selection:
     @staticmethod
     def whole(plan: Plan) -> "Selection":
         """Every parameter of `plan`, whole, in plan order: what `gb.apply` generates."""
-        return _whole_plan(plan) if torch.compiler.is_compiling() else _cached_whole(plan)
+        if not torch.compiler.is_compiling():
+            return _cached_whole(plan)
+        token = token_of(plan)  # None: a plan made inside the traced function, traced as it is
+        return _whole_plan(plan, None if token is None else _whole_layout(token))
 
     @staticmethod
     @functools.lru_cache(maxsize=64)
@@ -358,13 +361,11 @@ def _check_region(p: Generated | Free | None, name: str, region: Region) -> None
         )
 
 
-def _whole_plan(plan: Plan) -> Selection:
-    token = token_of(plan)
-    # Traced, the layout comes from outside the trace; a plan made inside the traced
-    # function (no token) is traced as it is.
-    found = _whole_layout(token) if token is not None and torch.compiler.is_compiling() else None
+def _whole_plan(plan: Plan, layout: _Layout | None = None) -> Selection:
+    """Every parameter of `plan`, whole, the leaves themselves for free ones; `layout`: its
+    `_Layout`, computed already (outside a trace)."""
     regions = {p.name: full_region(p.shape) for p in plan.params}
-    selection = Selection(plan, regions, _layout_found=found)
+    selection = Selection(plan, regions, _layout_found=layout)
     selection._views = False
     return selection
 
