@@ -18,7 +18,7 @@ names): for each, on genomes of the same MLP where it is chosen, the generation 
 (`torch.compile(fullgraph=True)`: `gb.apply`'s weights and a fixed linear function of them,
 every stack on the `torch` path, then the backward) with that variant and with each
 neighbour that could serve the same stacks, forced within this script only (`Forced`:
-`_evaluate.forward_form`, which the route reads, replaced while the compiled code is traced
+`torch_ops.forward_form`, which the route reads, replaced while the compiled code is traced
 and run; a one-output neighbour that reads units-major column terms, `by-columns` or `c-loops` on
 tiles narrower than a vector register, is given them too). Each forced neighbour's weights
 and gradients are checked equal to the variant's (to rounding) before it is timed. Ratios
@@ -37,10 +37,11 @@ from torch import Tensor
 import gbfunc as gb
 from benchmarks._meta import compile_static, cpu_benchmark_args, recorded
 from benchmarks.bench_step import HASHED_20X, Timing, median_ms, mlp, round_ms
-from gbfunc import _evaluate, _tilemlp_forward
-from gbfunc._evaluate import tile_form
+from gbfunc import _tilemlp_forward
+from gbfunc._apply import op_by_op
 from gbfunc._select import Selection
-from gbfunc.generate import graph
+from gbfunc.generate import graph, torch_ops
+from gbfunc.generate.torch_ops import tile_form
 
 GENOMES = {
     "default genome (torchGB), tile 128": {"tile": (128, 128)},
@@ -67,7 +68,7 @@ def generation(plan: gb.Plan, path: str, weights: dict) -> Callable[[], None] | 
         if path == "torch":
             return gb.apply(gparams, plan, compile=False)
         if path == "graph":
-            return graph.generate(plan, gparams, None, None, Selection.generated(plan).apply)
+            return graph.generate(plan, gparams, None, None, op_by_op)
         return Selection.whole(plan).apply(gparams, paths=paths)
 
     def run() -> None:
@@ -141,7 +142,7 @@ VARIANT_CASES = (
 class Forced:
     """A context inside which traced tile MLP forwards run `form` (None: the one
     `forward_form` chooses), each form run added to `ran`; a one-output `form` that reads
-    units-major column terms is given them (`_evaluate.reads_units_major_columns`). Its
+    units-major column terms is given them (`torch_ops.reads_units_major_columns`). Its
     replacements are made once, so that code compiled inside it, whose guards hold them,
     runs inside it again without recompiling."""
 
@@ -157,10 +158,10 @@ class Forced:
             return taken
 
         self.replacements: list[tuple[object, str, Callable]] = [
-            (_evaluate, "forward_form", forward_form)
+            (torch_ops, "forward_form", forward_form)
         ]
         if form in ("by-columns", "c-loops"):
-            self.replacements.append((_evaluate, "reads_units_major_columns", lambda *_: True))
+            self.replacements.append((torch_ops, "reads_units_major_columns", lambda *_: True))
         self.saved: list[Callable] = []
 
     def __enter__(self) -> None:

@@ -3,11 +3,11 @@
 from torch import Tensor
 
 from ._condition import condition_of, conditioned, without_condition
-from ._dispatch import check_call, context_of, route
+from ._dispatch import Route, check_call, context_of, route, runner
 from ._plan import Plan
-from ._select import Selection
+from ._tiling import parameters
 from ._tree import GParams
-from .generate import graph, triton
+from .generate import graph, torch_ops
 
 
 def apply(
@@ -65,11 +65,43 @@ def apply(
         routed, stacks = without_condition(plan, stacks)
     path = route(routed, stacks, context_of(stacks, backend=backend, compile=compile))
     if path.plan == graph.NAME:  # folds the condition in inside, so that its inputs stay leaves
-        params = graph.generate(plan, gparams, condition, task, Selection.generated(plan).apply)
+        params = graph.generate(plan, gparams, condition, task, op_by_op)
         if params is not None:  # None: the compile failed (warned), so op by op
             return params
     if z is not None:  # the other paths run the plan without a condition, `z` folded in
         gparams, plan = conditioned(gparams, plan, z)
-    if path.plan == triton.NAME:
-        return triton.generate(gparams, plan, path.traced)
-    return Selection.whole(plan).apply(gparams, route=path)  # each stack's runner
+    return parameters(plan.params, gparams, generated(gparams, plan, path))
+
+
+def generated(gparams: GParams, plan: Plan, path: Route) -> dict[str, Tensor]:
+    """Every generated parameter of `plan` (without a condition), each stack's by its path's
+    runner in its variant, as `path` has them (`graph` there: its compile failed, so op by
+    op, eagerly)."""
+    weights = {}
+    for index, stack in enumerate(plan.stacks):
+        name, form = path.stacks[index], path.variants[index]
+        if name == graph.NAME:
+            name, form = torch_ops.NAME, torch_ops.EAGER
+        leaves = gparams["stacks"][stack.key]
+        weights.update(runner(name).stack_weights(plan, index, leaves, form, path.traced))
+    return weights
+
+
+def op_by_op(
+    plan: Plan,
+    gparams: GParams,
+    *,
+    condition: Tensor | None,
+    task: int | Tensor | None,
+    compile: bool | None,
+) -> dict[str, Tensor]:
+    """Every generated parameter of `plan`, as the `graph` path traces them: the condition
+    folded in, then each stack on the path the dispatcher chooses inside the trace."""
+    if plan.condition or condition is not None or task is not None:
+        z = condition_of(gparams, plan, condition, task, "gb.apply")
+        if z is not None:
+            gparams, plan = conditioned(gparams, plan, z)
+    stacks = gparams["stacks"]
+    return generated(
+        gparams, plan, route(plan, stacks, context_of(stacks, backend="torch", compile=compile))
+    )

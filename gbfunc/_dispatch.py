@@ -29,6 +29,7 @@ Where a compile fails (e.g. no C++ compiler for inductor) the compiled paths fal
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import ModuleType
 from typing import NamedTuple
 
 import torch
@@ -161,6 +162,12 @@ def stack_path(
         first = (p for p in (cpu_loops, compiled_mlp) if p.refuses(call) is None)
         path = next(first, torch_ops).NAME
     return path, _BY_NAME[path].variant(call)
+
+
+def runner(path: str) -> ModuleType:
+    """The module of the path named `path`: its runners (`stack_weights` for a stack of a
+    whole plan; `tiles` for a selection's, on the `torch` and `compiled-mlp` paths)."""
+    return _BY_NAME[path]
 
 
 def torch_variant(stack: Stack, leaves: Mapping[str, Tensor]) -> str:

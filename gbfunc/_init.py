@@ -13,8 +13,8 @@ from ._check_model import check_matches
 from ._numbers import integer
 from ._plan import TILE_LEAVES, Plan, Stack
 from ._spec import HASH_GAIN, reference, stack_terms
-from ._tilemlp import CHUNK_ELEMENTS, tile_chunks
 from ._tree import GParams
+from .generate.torch_ops import CHUNK_ELEMENTS, tile_chunks
 
 VALUES = ("model", "draw")
 

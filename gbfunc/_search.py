@@ -193,7 +193,7 @@ def vector_work(
     """What a parameter's g-nets evaluate under `tile`, over its tile grid (the overhang
     past its edges included): for one-layer, one-output g-nets (`Stack.one_reduction`), the
     vectors of each tile row's evaluation columns, a partial vector counted twice; for the
-    others, which compiled code lays out units-major (`gbfunc._tilemlp`), positions."""
+    others, which compiled code lays out units-major (`gbfunc.generate.torch_ops`), positions."""
     total = 0
     for rows, cols in blocks:
         clipped = clip_tile(genome, rows, cols, tile)

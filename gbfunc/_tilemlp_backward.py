@@ -1,5 +1,5 @@
-"""The tile MLP's recomputing backward bodies (`_tilemlp.tile_mlp`): the gradients of every
-term from the output's gradient, the hidden activations recomputed from the small terms
+"""The tile MLP's recomputing backward bodies (`generate.torch_ops.tile_mlp`): the gradients of
+every term from the output's gradient, the hidden activations recomputed from the small terms
 rather than saved. Eagerly, one chunk of tiles at a time; traced, one-layer one-output
 g-nets as vectorised reductions over the positions (`_fused_reductions`, or the C loop
 `relu_unit_sums`), the others units-major like their forward (or the C loop

@@ -1,6 +1,6 @@
-"""The tile MLP's forward bodies (`_tilemlp.tile_mlp`), without saving activations: the eager
-form, and the forms written for compiled code, chosen by the g-net's shape, the activation,
-whether the C loops run, and the CPU's vector width.
+"""The tile MLP's forward bodies (`generate.torch_ops.tile_mlp`), without saving activations:
+the eager form, and the forms written for compiled code, chosen by the g-net's shape, the
+activation, whether the C loops run, and the CPU's vector width.
 
 One hidden layer and one output is one fused reduction over the units (eagerly; traced: a
 sum over the units with the columns as the vector axis, or the C loop `relu_one_output`).

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ._plan import Free, Generated, Stack
+from ._plan import Block, Free, Generated, Stack
 from ._tree import GParams
 
 Region = tuple[tuple[int, int], ...]  # [start, stop) along every dim of a parameter
@@ -108,8 +108,6 @@ def lay_out(
         rows, cols = (b - a for a, b in (piece.tile_rows, piece.tile_cols))
         t = t.reshape(rows, cols, th, tw, taps).permute(0, 2, 1, 3, 4)
         t = t.reshape(rows * th, cols * tw, taps)
-        # Compared number by number: traced by torch 2.11, comparing the tuples of a layout
-        # computed outside the trace (`_select._whole_layout`) with the plan's raised there.
         (r0, r1), (c0, c1) = piece.cut_rows, piece.cut_cols
         if r0 != 0 or c0 != 0 or r1 != rows * th or c1 != cols * tw:
             t = t[slice(*piece.cut_rows), slice(*piece.cut_cols)]  # backward: zero-filled
@@ -118,13 +116,45 @@ def lay_out(
     return finish(p, weight.reshape(tuple(b - a for a, b in region)))
 
 
-def assemble(p: Generated, stack: Stack, tiles: Tensor) -> Tensor:
-    """The whole parameter `p` from all of its stack's tiles `(T, TH, TW * K)`."""
+def assemble(
+    p: Generated, stack: Stack, tiles: Tensor | Mapping[tuple[int, int], Tensor]
+) -> Tensor:
+    """The whole parameter `p` from all of its stack's tiles `(T, TH, TW * K)`, or from its
+    blocks' tiles by tile range (`block_spans`)."""
     region = full_region(p.shape)
     covering = pieces(p, stack, region)
-    blocks = [p.blocks[piece.block] for piece in covering]
-    parts = [tiles[b.first_tile : b.first_tile + b.num_tiles] for b in blocks]
+    spans = [_span(p.blocks[piece.block]) for piece in covering]
+    if isinstance(tiles, Tensor):
+        parts = [tiles[start:stop] for start, stop in spans]
+    else:
+        parts = [tiles[span] for span in spans]
     return lay_out(p, stack, region, covering, parts)
+
+
+def block_spans(params: Iterable[Generated], num_tiles: int) -> list[tuple[int, int]] | None:
+    """The tile ranges `(start, stop)` of the blocks of `params` (a stack's parameters,
+    whole), ascending, where they cover the stack's `num_tiles` tiles once each (`partition`).
+    """
+    return partition([_span(block) for p in params for block in p.blocks], num_tiles)
+
+
+def partition(spans: Iterable[tuple[int, int]], total: int) -> list[tuple[int, int]] | None:
+    """`spans`, ranges of `total` rows, ascending, where they are consecutive and cover every
+    row once: a stack's tiles then split into them (one op, whose backward is one
+    concatenation; a slice per range would add up a zero-filled stack-sized gradient each).
+    None where they are not. (Sorted by their starts, ints: dynamo sorts no tuples.)"""
+    stop_of: dict[int, int] = {}
+    for start, stop in spans:
+        if stop_of.setdefault(start, stop) != stop:
+            return None  # two ranges from one row
+    ordered = [(start, stop_of[start]) for start in sorted(stop_of)]
+    stops = [0] + [stop for _, stop in ordered]
+    covers = [start for start, _ in ordered] == stops[:-1] and stops[-1] == total
+    return ordered if covers else None
+
+
+def _span(block: Block) -> tuple[int, int]:
+    return block.first_tile, block.first_tile + block.num_tiles
 
 
 def finish(p: Generated, raw: Tensor) -> Tensor:

@@ -22,7 +22,7 @@ ACTIVATIONS = {"relu": RELU, "gelu": GELU, "tanh": TANH, "silu": SILU}
 
 @triton.jit
 def activate(z, ACTIVATION: tl.constexpr):
-    """The activation, as in `gbfunc._tilemlp.activate` (exact erf GELU)."""
+    """The activation, as in `gbfunc._spec.activate` (exact erf GELU)."""
     if ACTIVATION == 0:
         return tl.maximum(z, 0.0)
     elif ACTIVATION == 1:
@@ -35,7 +35,7 @@ def activate(z, ACTIVATION: tl.constexpr):
 
 @triton.jit
 def activate_grad(z, ACTIVATION: tl.constexpr):
-    """Derivative of the activation at `z`, as in `gbfunc._tilemlp.activate_grad`."""
+    """Derivative of the activation at `z`, as in `gbfunc._spec.activate_grad`."""
     if ACTIVATION == 0:
         return tl.where(z > 0.0, 1.0, 0.0)
     elif ACTIVATION == 1:

@@ -192,7 +192,7 @@ def test_autograd_keeps_about_4_bytes_per_generated_weight():
     stacks = plan.stacks
     plain = gb.memory.saved_bytes(
         lambda: [
-            gb._evaluate.evaluate_stack(s, gparams["stacks"][s.key], recompute=False)
+            gb.generate.torch_ops.evaluate_stack(s, gparams["stacks"][s.key], recompute=False)
             for s in stacks
         ]
     )
@@ -258,8 +258,8 @@ def test_a_rule_splitting_columns_into_non_square_blocks_matches_the_reference()
 def test_units_major_column_terms_are_the_column_terms_laid_out_units_first(share):
     """What compiled one-output forwards read instead of `b`: the same values, `(T, H, Q)`,
     contiguous (a matmul's own layout, not a strided view), shared g-nets repeated per tile."""
-    from gbfunc._evaluate import units_major_columns
     from gbfunc._spec import stack_terms
+    from gbfunc.generate.torch_ops import units_major_columns
 
     plan = gb.plan(nn.Linear(20, 13), tile=(4, 6), share=share, hidden=5)
     gparams = gb.init(plan, seed=2)
@@ -276,8 +276,8 @@ def test_units_major_column_terms_go_only_to_compiled_one_output_forwards_of_wid
     """Compiled one-output forwards read `b_t` where a tile's columns fill a vector register;
     narrower (inductor forks threads inside a serial loop there), deeper or multi-output
     g-nets, and uncompiled eager code, get none."""
-    from gbfunc._evaluate import _reads_units_major
     from gbfunc._tilemlp_forward import _vector_lanes, reads_units_major_columns
+    from gbfunc.generate.torch_ops import _reads_units_major
 
     lanes = _vector_lanes(torch.float32, "cpu")
     assert reads_units_major_columns(lanes, torch.float32, torch.device("cpu"))
@@ -311,8 +311,8 @@ def test_traced_one_output_forwards_of_wide_tiles_read_the_units_major_column_te
     MLP, whose forward sums from them (`_one_output_by_columns`, or for ReLU on CPU the C loop
     `relu_one_output`); the weights are unchanged."""
     from gbfunc import _tilemlp_forward
-    from gbfunc._evaluate import evaluate_stack, tile_form, units_major_columns
     from gbfunc.cpu import _relu_loops
+    from gbfunc.generate.torch_ops import evaluate_stack, tile_form, units_major_columns
 
     lanes = _tilemlp_forward._vector_lanes(torch.float32, "cpu")
     plan = gb.plan(nn.Linear(2 * lanes, 3 * lanes), tile=(lanes, lanes), hidden=5)
@@ -355,7 +355,7 @@ def test_traced_tile_mlps_return_each_weights_tiles_apart_and_take_their_gradien
     and run it once on the whole stack's gradient. Op by op it runs once. The weights and the
     gradients are the same either way. (Traced ReLU row g-nets on CPU take the C loops of
     `gbfunc.cpu._relu_rows` instead, switched off here; `tests/test_relu_rows.py` covers them.)"""
-    from gbfunc import _tilemlp
+    from gbfunc.generate import torch_ops
 
     model = nn.Sequential(nn.Linear(24, 16), nn.ReLU(), nn.Linear(16, 16))
     plan = gb.plan(model, tile=(8, 8), outputs=outputs, hidden=hidden, depth=depth)
@@ -363,13 +363,13 @@ def test_traced_tile_mlps_return_each_weights_tiles_apart_and_take_their_gradien
     sizes = [p.numel // 64 for p in plan.generated]  # tiles of each weight
     assert sizes == [6, 4]
     backward_tiles = []
-    backward = _tilemlp._backward_recompute
+    backward = torch_ops._backward_recompute
 
     def spy(*args):  # (grad, terms, activation, form)
         backward_tiles.append(args[0].shape[0])
         return backward(*args)
 
-    monkeypatch.setattr(_tilemlp, "_backward_recompute", spy)
+    monkeypatch.setattr(torch_ops, "_backward_recompute", spy)
     generator = torch.Generator().manual_seed(2)
     cotangents = {p.name: torch.randn(p.shape, generator=generator) for p in plan.generated}
 

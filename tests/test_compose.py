@@ -387,7 +387,7 @@ def runs_as_graph(plan: gb.Plan, compile: bool | None) -> bool:
 
 
 def test_plans_run_as_one_graph_where_it_pays_and_holds_no_large_transient(monkeypatch):
-    from gbfunc import _tilemlp
+    from gbfunc.generate import torch_ops
     from gbfunc.generate._policy import AUTO_GRAPH_WEIGHTS
     from gbfunc.generate.graph import fits_graph
 
@@ -415,15 +415,15 @@ def test_plans_run_as_one_graph_where_it_pays_and_holds_no_large_transient(monke
     (wide,) = gb.plan(small, tile=(16, 16), hidden=8, outputs=4).stacks
     (fused,) = gb.plan(small, tile=(16, 16), hidden=8).stacks
     transient = 16 * 16 * 16 // 4 * 8  # tiles x rows x evaluation columns x hidden
-    monkeypatch.setattr(_tilemlp, "COMPILED_CHUNK_ELEMENTS", transient)
+    monkeypatch.setattr(torch_ops, "COMPILED_CHUNK_ELEMENTS", transient)
     assert fits_graph(wide)
     assert fits_graph(fused)
-    monkeypatch.setattr(_tilemlp, "COMPILED_CHUNK_ELEMENTS", transient - 1)
+    monkeypatch.setattr(torch_ops, "COMPILED_CHUNK_ELEMENTS", transient - 1)
     assert not fits_graph(wide)
     assert fits_graph(fused)
     assert not runs_as_graph(gb.plan(small, tile=(16, 16), hidden=8, outputs=4), True)
     deep = gb.plan(small, tile=(16, 16), hidden=8, depth=2)
-    monkeypatch.setattr(_tilemlp, "COMPILED_CHUNK_ELEMENTS", 16 * 16 * 16 * 8 - 1)
+    monkeypatch.setattr(torch_ops, "COMPILED_CHUNK_ELEMENTS", 16 * 16 * 16 * 8 - 1)
     assert not runs_as_graph(deep, True)
 
 
@@ -457,8 +457,8 @@ def test_eager_graph_checks_only_its_tensors_and_torchs_global_state(monkeypatch
     assert tensors == {f"stacks[{s!r}][{k!r}]" for s, stack in leaves for k in stack}
     assert {"GRAD_MODE", "GLOBAL_STATE", "DEFAULT_DEVICE"} <= {e.guard_type for e in kept}
     assert all(not e.name or e.guard_type in _compiled._TENSOR_GUARDS for e in kept)
-    # the selection's layout, whose `apply` the graph holds
-    assert any(e.name.startswith("op_by_op.__self__.") for e in dropped)
+    # the plan, whose layout the graph holds
+    assert any(e.name.startswith("plan.") for e in dropped), [e.name for e in dropped][:20]
     # What is still checked still works: under no_grad the graph is traced again, without
     # autograd, and the first graph serves the next call with gradients.
     with torch.no_grad():
@@ -499,34 +499,35 @@ def test_a_compiled_caller_has_no_guard_per_tile():
     assert not [name for name in names if "tiles_per_gnet[" in name]
 
 
-@pytest.mark.parametrize("computed", ["placement", "_layout"])
-def test_what_the_plan_fixes_is_computed_once_not_traced(monkeypatch, computed):
-    """Where a stack's tiles land for the CPU loops (`cpu.placement`) and which tiles
-    `gb.apply` evaluates and where each goes (`_select._layout`), loops over every tile, are
-    computed in Python when `torch.compile` traces `gb.apply`, not traced: traced, they took
-    most of a two-layer GPT-2 step's compile (2,796 tiles;
-    `benchmarks/results/compile_time.md`). Traced, their side effects would be replayed on
-    every call; computed, they run once, while tracing."""
+def test_what_the_plan_fixes_is_computed_once_not_traced(monkeypatch):
+    """Where a stack's tiles land for the CPU loops (`cpu.placement`, a loop over every tile)
+    is computed in Python when `torch.compile` traces `gb.apply`, once per plan and stack,
+    not traced: traced, it took a third of a two-layer GPT-2 step's compile (2,796 tiles;
+    `benchmarks/results/compile_time.md`), and its side effects would be replayed on every
+    call. Nor does `gb.apply` build a selection's per-tile layout (`Selection`), traced or
+    not: it lays out whole blocks."""
     import gbfunc._select as select
+    from gbfunc.generate import cpu_loops
 
-    calls = []
-    original = getattr(select, computed)
+    placed, selections = [], []
+    placement = cpu_loops.placement
 
-    def counted(*args):  # (stack, params) or (plan, parts)
-        calls.append(args[0].key if computed == "placement" else "layout")
-        return original(*args)
+    def counted(stack, params):
+        placed.append(stack.key)
+        return placement(stack, params)
 
-    monkeypatch.setattr(select, computed, counted)
+    monkeypatch.setattr(cpu_loops, "placement", counted)
+    monkeypatch.setattr(select.Selection, "__init__", lambda *args: selections.append(args))
     model = nn.Sequential(nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 4))
     plan = gb.plan(model, tile=(4, 4), hidden=4)
     gparams = gb.init(plan, seed=0)
     compiled = torch.compile(lambda g: gb.apply(g, plan)["0.weight"].sum(), fullgraph=True)
     expected = gb.apply(gparams, plan, compile=False)["0.weight"].sum()
-    calls.clear()  # the eager call's
+    assert placed == []  # eager and small: no loops, so no placement
     for _ in range(3):
         torch.testing.assert_close(compiled(gparams), expected)
-    # once per stack (the placement) or per plan (the layout), in the one trace
-    assert calls == ([s.key for s in plan.stacks] if computed == "placement" else ["layout"])
+    assert placed == [s.key for s in plan.stacks]  # once per stack, in the one trace
+    assert selections == []
 
 
 def test_eager_compiles_fuse_multiply_adds_without_touching_inductors_settings(monkeypatch):
@@ -589,12 +590,11 @@ def test_a_plan_that_fails_to_compile_warns_once_and_runs_op_by_op(monkeypatch):
 def test_eager_apply_runs_op_by_op_while_dynamo_is_switched_off(monkeypatch):
     """`torch._dynamo.config.disable` (a debugging setting) made gb.apply's compiled graph
     raise "found no compiled frames"; it now runs op by op, with no warning."""
-    from gbfunc import _tilemlp
     from gbfunc._compiled import CompiledCache
-    from gbfunc.generate import graph as _graph
+    from gbfunc.generate import graph as _graph, torch_ops
 
     monkeypatch.setattr(_graph, "_GRAPHS", CompiledCache("gb.apply's graph"))
-    monkeypatch.setattr(_tilemlp, "_BODIES", CompiledCache("the tile MLP"))
+    monkeypatch.setattr(torch_ops, "_BODIES", CompiledCache("the tile MLP"))
     model = nn.Linear(24, 20)
     plan = gb.plan(model, tile=(8, 8), hidden=4)
     gparams = gb.init(plan, seed=1)
@@ -613,22 +613,22 @@ def test_compiled_bodies_of_a_multi_output_stack_run_in_balanced_chunks(monkeypa
     the chunks are balanced, so one chunk size compiles once for the forward and the backward."""
     from torch._dynamo.utils import counters
 
-    from gbfunc import _tilemlp
+    from gbfunc.generate import torch_ops
 
     model = nn.Linear(48, 32, bias=False)  # (16, 16) tiles: 2 x 3 = 6 tiles
     plan = gb.plan(model, tile=(16, 16), hidden=8, outputs=4)
     (stack,) = plan.stacks
     per_tile = 16 * (16 // 4) * 8  # tile rows x evaluations per row x hidden units
     # Four tiles per chunk: 4 + 2 unbalanced (two sizes), 3 + 3 balanced (one).
-    monkeypatch.setattr(_tilemlp, "COMPILED_CHUNK_ELEMENTS", 4 * per_tile)
+    monkeypatch.setattr(torch_ops, "COMPILED_CHUNK_ELEMENTS", 4 * per_tile)
     chunk_tiles = []
-    compiled = _tilemlp._compiled
+    compiled = torch_ops._compiled
 
     def spy(body, first, *rest):
         chunk_tiles.append(first.shape[0])
         return compiled(body, first, *rest)
 
-    monkeypatch.setattr(_tilemlp, "_compiled", spy)
+    monkeypatch.setattr(torch_ops, "_compiled", spy)
     x = torch.randn(5, 48)
 
     def grads(compile):

@@ -110,16 +110,19 @@ def test_a_whole_plan_splits_each_stack_into_its_blocks_and_a_shard_slices(monke
     """Eagerly, a stack's tiles are split into the blocks its parameters read (the backward is
     one concatenation); a tensor-parallel shard reads a few tiles and slices them. Both give the
     gradients of the sliced evaluation."""
-    from gbfunc import _select
+    from gbfunc._tiling import block_spans
+    from gbfunc.generate import torch_ops
 
     model = nn.Sequential(nn.Linear(40, 24), nn.ReLU(), nn.Linear(24, 24), nn.Linear(24, 5))
     plan = gb.plan(model, tile=(8, 8), hidden=4)
-    whole = _select.Selection.whole(plan)
     blocks = {s: [] for s in range(len(plan.stacks))}
     for p in plan.generated:
         (block,) = p.blocks
         blocks[p.stack_index].append((block.first_tile, block.first_tile + block.num_tiles))
-    assert whole._splits == {s: sorted(spans) for s, spans in blocks.items()}
+    for s, stack in enumerate(plan.stacks):
+        params = [p for p in plan.generated if p.stack_index == s]
+        assert block_spans(params, stack.num_tiles) == sorted(blocks[s])
+        assert block_spans(params, stack.num_tiles + 1) is None  # a tile no block reads
     rows = gbd.Selection(plan, {"0.weight": ((0, 8), (0, 40)), "2.weight": ((8, 16), (0, 24))})
     assert rows._splits == {0: [(0, 5), (5, 8)]}  # the evaluated tiles: 0-4, then 18-20
     # Tiles 0 and 5, then 1 and 6: evaluated as 0, 1, 5, 6, each region's rows gathered.
@@ -131,9 +134,9 @@ def test_a_whole_plan_splits_each_stack_into_its_blocks_and_a_shard_slices(monke
 
     def grads(split: bool) -> list[torch.Tensor]:
         if not split:
-            monkeypatch.setattr(_select.Selection, "_split", lambda self, s, t: {None: t})
+            monkeypatch.setattr(torch_ops, "block_spans", lambda params, n: None)
         gparams = gb.init(plan, seed=2)
-        params = whole.apply(gparams)
+        params = gb.apply(gparams, plan, compile=False)
         sum(v.square().sum() for v in params.values()).backward()
         monkeypatch.undo()
         return [leaf.grad for leaf in gb.trainable_leaves(gparams)]
@@ -432,21 +435,32 @@ def test_free_parameters_split_by_columns_are_not_taken_for_centred_ones():
 
 
 def test_gb_apply_lays_out_whole_blocks_from_slices_not_gathers():
-    """A performance property: whole parameters read consecutive tiles, so no index_select."""
+    """A performance property: whole parameters read consecutive tiles, so no index_select;
+    a selection that picks tiles apart gathers them."""
     from gbfunc._select import Selection
-
-    plan = gb.plan(nn.Sequential(nn.MultiheadAttention(12, 3), nn.Linear(12, 20)), tile=(4, 4))
-    rows = Selection.whole(plan)._rows
-    assert rows
-    assert all(isinstance(r, slice) for pieces in rows.values() for r in pieces)
     from gbfunc._tiling import Concat
 
+    def node_names(t: torch.Tensor) -> set[str]:
+        seen, todo = set(), [t.grad_fn]
+        while todo:
+            node = todo.pop()
+            if node is not None and node not in seen:
+                seen.add(node)
+                todo.extend(next_node for next_node, _ in node.next_functions)
+        return {node.name() for node in seen}
+
+    plan = gb.plan(nn.Sequential(nn.MultiheadAttention(12, 3), nn.Linear(12, 20)), tile=(4, 4))
+    whole = gb.apply(gb.init(plan), plan, compile=False)
+    names = set().union(*(node_names(w) for w in whole.values() if w.grad_fn is not None))
+    assert "SplitWithSizesBackward0" in names  # the stack, split into its blocks
+    assert not {n for n in names if "Index" in n or "Gather" in n}
     # Tiles 0 and 3 for the first region, tile 1 for the second: the first gathers.
     regions = Concat((((0, 8), (0, 4)), ((0, 4), (4, 8))), dim=0)
     picked = Selection(plan, {"0.in_proj_weight": regions})
     assert any(not isinstance(r, slice) for pieces in picked._rows.values() for r in pieces)
-    full = gb.apply(gb.init(plan), plan)["0.in_proj_weight"]
     out = picked.apply(gb.init(plan))["0.in_proj_weight"]
+    assert "IndexSelectBackward0" in node_names(out)
+    full = whole["0.in_proj_weight"]
     torch.testing.assert_close(out, torch.cat([full[:8, :4], full[:4, 4:8]]), rtol=0, atol=0)
 
 

@@ -74,8 +74,6 @@ ABOVE_THE_PATHS = ("gbfunc._dispatch", "gbfunc._apply")
 RUNNERS = (
     "gbfunc.cpu",
     "gbfunc.kernels",
-    "gbfunc._tilemlp",
-    "gbfunc._evaluate",
     "gbfunc._select",
     *(f"gbfunc.generate.{path}" for path in PATHS),
 )
@@ -112,7 +110,7 @@ def test_the_generate_package_holds_one_module_per_path():
     assert _dispatch.NAMES == ("triton", "cpu-loops", "graph", "compiled-mlp", "torch")
 
 
-def test_the_import_reader_resolves_relative_imports():
+def test_the_import_reader_resolves_relative_imports(tmp_path):
     path = ROOT / "gbfunc" / "cpu" / "_relu_rows.py"
     assert gbfunc_imports(path, "gbfunc.cpu") >= {"gbfunc._spec", "gbfunc.cpu._relu_loops"}
     kernel = ROOT / "kernels" / "generate" / "kernel.py"
@@ -120,6 +118,9 @@ def test_the_import_reader_resolves_relative_imports():
     names = gbfunc_names(ROOT / "gbfunc" / "_dispatch.py", "gbfunc")
     assert {"gbfunc.generate.triton", "gbfunc.cpu.loops_state"} <= names
     graph = ROOT / "gbfunc" / "generate" / "graph.py"
-    assert {"gbfunc._tilemlp", "gbfunc.generate.cpu_loops"} <= gbfunc_imports(
+    assert {"gbfunc.generate.torch_ops", "gbfunc.generate.cpu_loops"} <= gbfunc_imports(
         graph, "gbfunc.generate"
     )
+    absolute = tmp_path / "absolute.py"
+    absolute.write_text("import gbfunc._plan as plan\nimport torch\n")
+    assert gbfunc_imports(absolute, "gbfunc") == {"gbfunc._plan"}

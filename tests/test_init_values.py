@@ -214,7 +214,7 @@ def test_init_ties_hidden_units_in_fours_so_each_gnet_starts_odd(hidden):
 
 def test_a_gnet_with_two_positions_starts_standardised():
     """Two positions per g-net standardise to exactly -1 and +1."""
-    from gbfunc._evaluate import evaluate_stack
+    from gbfunc.generate.torch_ops import evaluate_stack
 
     plan = gb.plan(nn.Linear(4, 6), tile=(1, 2), biases=False)
     (stack,) = plan.stacks

@@ -30,12 +30,13 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
 import gbfunc as gb
-from gbfunc import _tilemlp, _tilemlp_forward
-from gbfunc._evaluate import hashed_tiles
+from gbfunc import _tilemlp_forward
 from gbfunc._spec import reference, stack_terms
 from gbfunc._tiling import assemble
 from gbfunc.cpu import _build, missing_compiler
 from gbfunc.cpu._relu_loops import MIN_UNITS
+from gbfunc.generate import torch_ops
+from gbfunc.generate.torch_ops import hashed_tiles
 from gbfunc.generate.triton import HAS_TRITON
 
 needs_loops = pytest.mark.skipif(
@@ -279,7 +280,7 @@ def test_the_compiled_mlp_path_equals_the_references(seed):
     gparams = init(plan, seed)
     with pytest.MonkeyPatch.context() as patch:
         smallest = min(s.hidden_elements for s in plan.stacks)
-        patch.setattr(_tilemlp, "COMPILED_CHUNK_ELEMENTS", smallest // 2)
+        patch.setattr(torch_ops, "COMPILED_CHUNK_ELEMENTS", smallest // 2)
         assert_route(gparams, plan, ("compiled-mlp",) * len(plan.stacks), compile=True)
         weights, grads = generate(gparams, plan, compiled, seed)
     assert_weights(weights, gparams, plan)
@@ -329,13 +330,13 @@ def test_each_variant_runs_where_gb_explain_names_it_and_equals_the_references(
     seed = 8
     gparams = init(plan, seed)
     ran = []
-    forward = _tilemlp._forward_no_save
+    forward = torch_ops._forward_no_save
 
     def recorded(terms, activation, b_t=None, form=_tilemlp_forward.EAGER):
         ran.append(form)
         return forward(terms, activation, b_t, form)
 
-    monkeypatch.setattr(_tilemlp, "_forward_no_save", recorded)
+    monkeypatch.setattr(torch_ops, "_forward_no_save", recorded)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: traced)
     report = str(gb.explain(gparams, plan, compile=False))
     assert report.count(f": torch ({variant})\n") == len(plan.stacks), report

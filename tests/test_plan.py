@@ -56,7 +56,7 @@ def test_ragged_weights_take_exactly_the_tiles_they_need():
     assert sum(s.num_tiles for s in plan.stacks) == sum(needed.values())
     gparams = gb.init(plan)
     for stack in plan.stacks:
-        tiles = gb._evaluate.evaluate_stack(stack, gparams["stacks"][stack.key])
+        tiles = gb.generate.torch_ops.evaluate_stack(stack, gparams["stacks"][stack.key])
         assert tiles.shape[0] == stack.num_tiles
 
 

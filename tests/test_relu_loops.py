@@ -9,7 +9,6 @@ from hypothesis import example, given, settings, strategies as st
 from threads import on_threads
 
 from gbfunc._spec import Terms
-from gbfunc._tilemlp import tile_mlp
 from gbfunc._tilemlp_backward import _backward_recompute, _fused_reductions
 from gbfunc._tilemlp_forward import EAGER, reads_units_major_columns, terms_form
 from gbfunc.cpu import _relu_loops
@@ -26,6 +25,7 @@ from gbfunc.cpu._relu_loops import (
     sums_reference,
     sums_usable,
 )
+from gbfunc.generate.torch_ops import tile_mlp
 
 pytestmark = pytest.mark.skipif(
     not sums_usable(MIN_UNITS, torch.float32, "cpu"), reason="no C++ compiler for the C loops"
@@ -158,7 +158,7 @@ def test_without_a_compiler_the_reductions_run_in_torch(failing_loops):
 def test_a_compiled_step_through_relu_gnets_runs_the_c_loops(outputs, columns):
     """`torch.compile` of a step through the tile MLP (one layer, ReLU, float32): one output
     takes the backward's sums, and the forward's loop where the columns fill a vector register
-    (and `_evaluate` passes them units-major); a few outputs take the forward and backward
+    (and `torch_ops` passes them units-major); a few outputs take the forward and backward
     loops. The gradients are the eager ones."""
     by_columns = reads_units_major_columns(columns, torch.float32, torch.device("cpu"))
     if outputs > 1:
@@ -172,7 +172,7 @@ def test_a_compiled_step_through_relu_gnets_runs_the_c_loops(outputs, columns):
     ]
 
     def loss(a, b, c, w_out, b_out, form=EAGER):
-        b_t = b.transpose(1, 2).contiguous() if by_columns else None  # as `_evaluate` has it
+        b_t = b.transpose(1, 2).contiguous() if by_columns else None  # as `torch_ops` has it
         out = tile_mlp(Terms(a, b, c, None, None, w_out, b_out), "relu", form=form, b_t=b_t)
         return (out * out).sum()
 

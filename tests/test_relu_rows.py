@@ -322,9 +322,9 @@ def test_only_suitable_stacks_and_whole_parameters_take_the_loops():
     deep = gb.plan(model, tile=(8, 16), hidden=4, depth=2)
     assert not _relu_rows.suits(deep.stacks[0])
     whole = _select.Selection.whole(plan)
-    assert whole._placements[0] is not None
+    assert whole._placed == {0}
     half = _select.Selection(plan, {"0.weight": ((0, 5), (0, 30))})
-    assert half._placements[0] is None
+    assert half._placed == set()
     centred = [p.__class__(**{**p.__dict__, "center": True}) for p in plan.generated]
     assert _relu_rows.placement(plan.stacks[0], centred) is None
     assert not _relu_rows.usable(MIN_UNITS, 8, torch.float64, "cpu")

@@ -7,13 +7,6 @@ import torch
 from hypothesis import example, given, strategies as st
 
 from gbfunc._spec import Terms, activate, activate_grad, reference
-from gbfunc._tilemlp import (
-    CHUNK_ELEMENTS,
-    _compiled_chunks,
-    _eager_chunks,
-    tile_chunks,
-    tile_mlp,
-)
 from gbfunc._tilemlp_backward import _backward_recompute, _fused_reductions
 from gbfunc._tilemlp_forward import (
     EAGER,
@@ -21,6 +14,13 @@ from gbfunc._tilemlp_forward import (
     _vector_lanes,
     _vectorised_units,
     terms_form,
+)
+from gbfunc.generate.torch_ops import (
+    CHUNK_ELEMENTS,
+    _compiled_chunks,
+    _eager_chunks,
+    tile_chunks,
+    tile_mlp,
 )
 
 ACTIVATIONS = ["relu", "gelu", "tanh", "silu"]
@@ -257,7 +257,8 @@ def test_the_gradient_of_units_major_column_terms_arrives_through_b(monkeypatch,
     grad = torch.randn(2, 4, 6, 1, generator=gen, dtype=torch.float64)
     want = torch.autograd.grad(reference(terms._replace(b=codes @ w_col), activation), w_col, grad)
     for traced in (False, True):  # the eager chunks ignore b_t; traced code reads it
-        b, b_t = codes @ w_col, w_col.mT @ codes.mT  # (T, Q, H) and (T, H, Q), as `_evaluate`
+        # (T, Q, H) and (T, H, Q), as `torch_ops.units_major_columns` makes them
+        b, b_t = codes @ w_col, w_col.mT @ codes.mT
         form = traced_form(terms, activation, b_t) if traced else EAGER
         out = tile_mlp(terms._replace(b=b), activation, form=form, b_t=b_t)
         torch.testing.assert_close(torch.autograd.grad(out, w_col, grad), want)
@@ -325,7 +326,7 @@ def test_an_unknown_activation_is_named(function):
 
 
 def test_compiled_bodies_run_whole_only_where_inductor_fuses_them(monkeypatch):
-    import gbfunc._tilemlp as tilemlp
+    import gbfunc.generate.torch_ops as tilemlp
 
     def terms(outputs: int, depth: int) -> Terms:
         tiles, rows, cols, hidden = 6, 16, 4, 8

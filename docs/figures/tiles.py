@@ -60,7 +60,7 @@ def generate() -> tuple[np.ndarray, np.ndarray | None]:
     with torch.no_grad():
         weight = gb.apply(gparams, plan)["weight"].numpy()
     try:  # the overhang is never materialised by gb.apply: evaluate the raw tiles
-        from gbfunc._evaluate import evaluate_stack
+        from gbfunc.generate.torch_ops import evaluate_stack
 
         (stack,) = plan.stacks
         (param,) = [p for p in plan.params if p.name == "weight"]

@@ -19,11 +19,11 @@ from torch import Tensor
 
 from .._condition import condition_of, conditioned
 from .._dispatch import torch_variant
-from .._evaluate import evaluate_stack
 from .._numbers import integer
 from .._plan import TILE_LEAVES, Plan, Stack
 from .._tiling import assemble, parameters
 from .._tree import GParams
+from ..generate.torch_ops import evaluate_stack
 from ._sync import CollectiveError, failure_message, wait_or_raise
 
 # Renamed in torch 2.13 (the old names warn); keep both working.

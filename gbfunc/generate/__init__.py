@@ -5,6 +5,6 @@ In the order the dispatcher (`gbfunc._dispatch`) tries them: `triton`, `cpu_loop
 (why the path does not generate the call's stack; None where it does) and its runner. What
 several rules read, the call and the policy of gbfunc's own compiles, is in `_policy`.
 These modules stand on the plan, the specification, the tiling, `gbfunc.cpu`,
-`gbfunc.kernels` and the torch implementation (`_evaluate`, `_tilemlp`), never on the
+`gbfunc.kernels` and the tile MLP's bodies (`_tilemlp_forward`, `_tilemlp_backward`), never on the
 dispatcher or `gb.apply` (`tests/test_import_graph.py`).
 """

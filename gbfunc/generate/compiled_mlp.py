@@ -1,5 +1,5 @@
 """The `compiled-mlp` path: a stack's tile MLP compiled once per signature, run in chunks
-(`_tilemlp.tile_mlp` with `compiled=True`).
+(`torch_ops.tile_mlp` with `compiled=True`).
 
 Taken eagerly, outside a graph: `compile=True`, or `compile=None` on stacks of
 `AUTO_COMPILE_ELEMENTS` hidden activations (`compiles_eagerly`). Its variants are the
@@ -8,7 +8,7 @@ traced forms of the `torch` path's (`variant`): the compiled bodies are traced c
 
 from functools import partial
 
-from .._evaluate import evaluate_tile_parts, tile_form
+from . import torch_ops
 from ._policy import (
     AUTO_COMPILE_ELEMENTS,
     Call,
@@ -36,9 +36,10 @@ def refuses(call: Call) -> str | None:
 
 def variant(call: Call) -> str:
     """The form its compiled bodies run for the call's stack (`_tilemlp_forward.forward_form`)."""
-    return tile_form(call.stack, call.leaves["w_in"], traced=True, exporting=False)
+    return torch_ops.tile_form(call.stack, call.leaves["w_in"], traced=True, exporting=False)
 
 
-# The runner: tiles `indices` of a stack, `(len(indices), TH, TW * K)`, through its tile MLP
-# compiled in the variant `form`, cut into `spans` (`evaluate_tile_parts`).
-tiles = partial(evaluate_tile_parts, compiled=True)
+# The runners, the `torch` path's with the tile MLP compiled in the variant `form`: a whole
+# plan's stack (`stack_weights`), tiles `indices` of a stack cut into `spans` (`tiles`).
+stack_weights = partial(torch_ops.stack_weights, compiled=True)
+tiles = partial(torch_ops.evaluate_tile_parts, compiled=True)

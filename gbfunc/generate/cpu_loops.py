@@ -8,11 +8,12 @@ loops built, whose parameters are generated whole and not centred: traced by
 
 from collections.abc import Mapping
 
+import torch
 from torch import Tensor
 
-from .._plan import Plan, Stack
+from .._plan import Generated, Plan, Stack, plan_of, token_of
 from .._spec import HASH_GAIN
-from ..cpu import Placement, add_hash, refusal, weights
+from ..cpu import Placement, add_hash, placement, refusal, weights
 from ._policy import AUTO_GRAPH_WEIGHTS, Call, compiler_missing, compiling_asked
 
 NAME = "cpu-loops"
@@ -52,6 +53,47 @@ def variant(call: Call) -> str:
     """`DIRECT` for a plainly eager call, else `OPS` (`gbfunc.cpu` picks its loop by the
     g-nets' shape)."""
     return DIRECT if call.context.eager else OPS
+
+
+def stack_weights(
+    plan: Plan, index: int, leaves: Mapping[str, Tensor], form: str, traced: bool
+) -> dict[str, Tensor]:
+    """The runner for a whole plan: `{name: weight}` of every parameter that stack `index` of
+    `plan` generates, whole, written by the loops in the variant `form` (`generate`; the
+    variant holds whether the call is `traced`)."""
+    made = generate(plan.stacks[index], leaves, placement_of(plan, index), form)
+    return {p.name: w.reshape(p.shape) for p, w in zip(_params(plan, index), made, strict=True)}
+
+
+def placement_of(plan: Plan, index: int) -> Placement | None:
+    """Where the loops write the weights of stack `index` of `plan` (`gbfunc.cpu.placement`),
+    every parameter it generates whole; None where they cannot (a centred parameter)."""
+    token = token_of(plan)
+    if token is None:  # a plan made inside the traced function: traced as it is
+        return placement(plan.stacks[index], _params(plan, index))
+    return _placement(token, index)
+
+
+@torch.compiler.assume_constant_result
+def _placement(token: str, index: int) -> Placement | None:
+    """`placement_of` the plan with this `token`, computed once per plan and stack, and run
+    in Python where `torch.compile` traces it, not traced: its loops run per tile, and
+    dynamo tracing them took a third of a two-layer GPT-2 step's compile (2,796 tiles).
+    Cached in a dict: dynamo cannot take an `lru_cache` as a constant function."""
+    key = (token, index)
+    if key not in _PLACEMENTS:
+        if len(_PLACEMENTS) >= 256:
+            _PLACEMENTS.clear()
+        plan = plan_of(token)
+        _PLACEMENTS[key] = placement(plan.stacks[index], _params(plan, index))
+    return _PLACEMENTS[key]
+
+
+_PLACEMENTS: dict[tuple[str, int], Placement | None] = {}
+
+
+def _params(plan: Plan, index: int) -> list[Generated]:
+    return [p for p in plan.generated if p.stack_index == index]
 
 
 def generate(

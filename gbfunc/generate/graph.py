@@ -15,15 +15,12 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-import gbfunc._tilemlp as _tilemlp  # read at call time: one chunk size, tuned in one place
-
 from .._check_gparams import TASKS
 from .._compiled import CompiledCache
-from .._evaluate import tile_form
 from .._plan import Plan, Stack
 from .._tiling import parameters
 from .._tree import GParams
-from . import cpu_loops, triton
+from . import cpu_loops, torch_ops, triton
 from ._policy import (
     AUTO_COMPILE_ELEMENTS,
     AUTO_GRAPH_WEIGHTS,
@@ -80,14 +77,14 @@ def _on_kernels(call: Call, index: int, stack: Stack) -> bool:
 def fits_graph(stack: Stack) -> bool:
     """Whether one compiled graph may hold a stack's tile MLP whole: inductor fuses it into
     reductions (one hidden layer, one output), or its transient `(T, TH, Q, H)` is no larger
-    than one compiled chunk (`_tilemlp.COMPILED_CHUNK_ELEMENTS`)."""
-    return stack.one_reduction or stack.hidden_elements <= _tilemlp.COMPILED_CHUNK_ELEMENTS
+    than one compiled chunk (`torch_ops.COMPILED_CHUNK_ELEMENTS`)."""
+    return stack.one_reduction or stack.hidden_elements <= torch_ops.COMPILED_CHUNK_ELEMENTS
 
 
 def variant(call: Call) -> str:
     """The form the stack's tile MLP takes inside the graph: the `torch` path's, traced
     (`_tilemlp_forward.forward_form`)."""
-    return tile_form(call.stack, call.leaves["w_in"], traced=True, exporting=False)
+    return torch_ops.tile_form(call.stack, call.leaves["w_in"], traced=True, exporting=False)
 
 
 def generate(
@@ -99,17 +96,18 @@ def generate(
 ) -> dict[str, Tensor] | None:
     """Every parameter of `plan` from `gparams` (for `condition` or `task` where the plan
     reads one, as `gb.apply` takes them), the generated ones through the plan's compiled graph
-    (the first call compiles: seconds). `op_by_op` is what the graph holds: the plan's
-    generated parameters op by op (`Selection.apply` of them, which asks the dispatcher for
-    each stack's path at trace time). The condition is folded in inside the graph, whose
-    inputs are the leaves, and a task id enters as a tensor (one graph for every task).
+    (the first call compiles: seconds). `op_by_op(plan, gparams, condition=, task=,
+    compile=)` is what the graph holds: the plan's generated parameters op by op
+    (`gb.apply`'s, which asks the dispatcher for each stack's path at trace time). The
+    condition is folded in inside the graph, whose inputs are the leaves, and a task id
+    enters as a tensor (one graph for every task).
     Returns None, having warned once, where the plan cannot be compiled (e.g. no C++
     compiler): run it op by op."""
     stacks = gparams["stacks"]
     key = (plan, tuple((k, tuple(v)) for k, v in stacks.items()))
     tasks = gparams.get(TASKS) if task is not None else None
     task = torch.tensor(task) if isinstance(task, int) else task
-    graph = _GRAPHS.call(key, _generated, op_by_op, stacks, tasks, condition, task)
+    graph = _GRAPHS.call(key, _generated, op_by_op, plan, stacks, tasks, condition, task)
     if graph is None:
         return None
     return parameters(plan.params, gparams, graph)
@@ -117,13 +115,14 @@ def generate(
 
 def _generated(
     op_by_op: Callable[..., dict[str, Tensor]],
+    plan: Plan,
     stacks: dict[str, dict[str, Tensor]],
     tasks: Tensor | None,
     condition: Tensor | None,
     task: Tensor | None,
 ) -> dict[str, Tensor]:
-    """The generated parameters `op_by_op` gives, from the g-nets `stacks`."""
+    """The generated parameters of `plan` that `op_by_op` gives, from the g-nets `stacks`."""
     gparams = {"stacks": stacks, "free": {}, "frozen": {}}
     if tasks is not None:
         gparams[TASKS] = tasks
-    return op_by_op(gparams, condition=condition, task=task, compile=False)
+    return op_by_op(plan, gparams, condition=condition, task=task, compile=False)

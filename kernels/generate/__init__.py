@@ -20,7 +20,7 @@ class _Generate(torch.autograd.Function):
     @staticmethod
     def forward(a, b, c, w_hidden, b_hidden, w_out, b_out, stack, params):
         # Named, not `*inputs`: dynamo, inlining a Function none of whose inputs requires grad,
-        # passes `ctx` first unless the arity matches (as `gbfunc._tilemlp._TileMLP`).
+        # passes `ctx` first unless the arity matches (as `gbfunc.generate.torch_ops._TileMLP`).
         flat = (a, b, c, w_hidden, b_hidden, w_out, b_out)
         return _op.generate(Terms(*(contiguous(x) for x in flat)), stack, params)
 

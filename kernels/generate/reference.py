@@ -1,6 +1,6 @@
 """The specification of the fused forward: gbfunc's own g-net evaluation, then `assemble`.
 
-Nothing here is new math: `gbfunc._tilemlp.reference` evaluates every tile's g-net and
+Nothing here is new math: `gbfunc._spec.reference` evaluates every tile's g-net and
 `gbfunc._tiling.assemble` lays the tiles out, cuts and scales them. The kernel must agree.
 """
 
