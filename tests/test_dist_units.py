@@ -437,17 +437,10 @@ def test_free_parameters_split_by_columns_are_not_taken_for_centred_ones():
 def test_gb_apply_lays_out_whole_blocks_from_slices_not_gathers():
     """A performance property: whole parameters read consecutive tiles, so no index_select;
     a selection that picks tiles apart gathers them."""
+    from autograd_graph import node_names
+
     from gbfunc._select import Selection
     from gbfunc._tiling import Concat
-
-    def node_names(t: torch.Tensor) -> set[str]:
-        seen, todo = set(), [t.grad_fn]
-        while todo:
-            node = todo.pop()
-            if node is not None and node not in seen:
-                seen.add(node)
-                todo.extend(next_node for next_node, _ in node.next_functions)
-        return {node.name() for node in seen}
 
     plan = gb.plan(nn.Sequential(nn.MultiheadAttention(12, 3), nn.Linear(12, 20)), tile=(4, 4))
     whole = gb.apply(gb.init(plan), plan, compile=False)

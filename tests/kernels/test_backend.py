@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from autograd_graph import node_names
 from devices import KERNEL_DEVICE
 from hypothesis import assume, example, given, settings, strategies as st
 from torch import Tensor, nn
@@ -48,17 +49,6 @@ def genomes(draw) -> dict:
 def loss(gparams: dict, plan: gb.Plan, model: nn.Module, backend: str, x: Tensor = INPUT) -> Tensor:
     out = functional_call(model, gb.apply(gparams, plan, backend=backend), (x,))
     return out.square().mean()
-
-
-def node_names(t: Tensor) -> set[str]:
-    """Names of every autograd node behind `t`."""
-    seen, todo = set(), [t.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is not None and node not in seen:
-            seen.add(node)
-            todo.extend(n for n, _ in node.next_functions)
-    return {node.name() for node in seen}
 
 
 # Gradients are float32 sums over every tile and position, in different orders on the two
