@@ -2,9 +2,11 @@
 
 In the order the dispatcher (`gbfunc._dispatch`) tries them: `triton`, `cpu_loops`, `graph`,
 `compiled_mlp`, `torch_ops`. Each has `NAME` (as `gb.explain` prints it), `refuses(call)`
-(why the path does not generate the call's stack; None where it does) and its runner. What
-several rules read, the call and the policy of gbfunc's own compiles, is in `_policy`.
-These modules stand on the plan, the specification, the tiling, `gbfunc.cpu`,
-`gbfunc.kernels` and the tile MLP's bodies (`_tilemlp_forward`, `_tilemlp_backward`), never on the
-dispatcher or `gb.apply` (`tests/test_import_graph.py`).
+(why the path does not generate the call's stack; None where it does), `variant(call)` and
+its runner, `stack_weights(plan, index, leaves, variant, traced)`: one stack's parameters,
+whole, which `gb.apply` calls per stack (`graph` compiles the plan instead). What several
+rules read, the call and the policy of gbfunc's own compiles, is in `_policy`. These modules
+stand on the plan, the specification, the tiling, `gbfunc.cpu`, `gbfunc.kernels` and the
+tile MLP's bodies (`_tilemlp_forward`, `_tilemlp_backward`), never on the dispatcher or
+`gb.apply` (`tests/test_import_graph.py`).
 """
