@@ -18,6 +18,7 @@ included, under `loss.backward()` and `torch.func.grad` alike: dynamo drops a Fu
 backward under `grad` only where it is applied to the transformed function's own argument
 (pytorch/pytorch#193279, torch 2.13), and the terms are always computed from the leaves first.
 """
+
 import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
