@@ -2,7 +2,7 @@
 
 from torch import Tensor
 
-from ._condition import condition_of, conditioned, without_condition
+from ._condition import condition_of, conditioned, folded, without_condition
 from ._dispatch import Route, check_call, context_of, route, runner
 from ._plan import Plan
 from ._tiling import parameters
@@ -97,10 +97,7 @@ def op_by_op(
 ) -> dict[str, Tensor]:
     """Every generated parameter of `plan`, as the `graph` path traces them: the condition
     folded in, then each stack on the path the dispatcher chooses inside the trace."""
-    if plan.condition or condition is not None or task is not None:
-        z = condition_of(gparams, plan, condition, task, "gb.apply")
-        if z is not None:
-            gparams, plan = conditioned(gparams, plan, z)
+    gparams, plan = folded(gparams, plan, condition, task, "gb.apply")
     stacks = gparams["stacks"]
     return generated(
         gparams, plan, route(plan, stacks, context_of(stacks, backend="torch", compile=compile))

@@ -118,6 +118,22 @@ def conditioned(gparams: GParams, plan: Plan, z: Tensor) -> tuple[GParams, Plan]
     return rest, unconditioned(plan)
 
 
+def folded(
+    gparams: GParams,
+    plan: Plan,
+    condition: Tensor | None,
+    task: int | Tensor | None,
+    where: str,
+) -> tuple[GParams, Plan]:
+    """`(gparams, plan)` with a call's `condition` or `task` folded in (`conditioned`), or as
+    they are for a plan without a condition (the arguments checked by `condition_of`)."""
+    if plan.condition or condition is not None or task is not None:
+        z = condition_of(gparams, plan, condition, task, where)
+        if z is not None:
+            return conditioned(gparams, plan, z)
+    return gparams, plan
+
+
 def unconditioned(plan: Plan) -> Plan:
     """`plan` with no condition: its stacks' genomes read none and it has no task
     embeddings, naming no model (generation reads none). Cached eagerly, one object per

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from ._condition import condition_of, conditioned
+from ._condition import folded
 from ._dispatch import context_of, runner, stack_path
 from ._plan import Free, Generated, Plan
 from ._realised import realised
@@ -26,6 +26,7 @@ from ._tiling import (
     partition,
     piece_tiles,
     pieces,
+    split_into,
 )
 from ._tree import GParams
 from .generate import cpu_loops, torch_ops
@@ -69,39 +70,21 @@ class Selection:
         selected = {p.stack_index for p in self._params.values() if isinstance(p, Generated)}
         self._whole = {s for s in selected if self._whole_stack(s)}
         self._placed = {s for s in self._whole if cpu_loops.placement_of(plan, s) is not None}
-        # For the other stacks, the tiles evaluated (ascending); per `(name, region index)`
-        # the pieces that cover the region and each piece's rows in the evaluated tiles.
-        self.tiles = {s: list(range(plan.stacks[s].num_tiles)) for s in self._whole}
+        # The tiles evaluated per stack (ascending): a whole stack's every tile; for the
+        # others, per `(name, region index)`, the pieces that cover the region and each
+        # piece's rows in the evaluated tiles, and the stack's split where they make one.
+        needed: dict[int, set[int]] = {s: set(range(plan.stacks[s].num_tiles)) for s in self._whole}
         self._pieces: dict[tuple[str, int], list[Piece]] = {}
-        self._rows: dict[tuple[str, int], list[Rows]] = {}
-        for name, (parts, _) in self._parts.items():
-            p = params[name]
+        for name, p in self._params.items():
             if isinstance(p, Generated) and p.stack_index not in self._whole:
                 stack = plan.stacks[p.stack_index]
-                for k, region in enumerate(parts):
-                    found = self._pieces[name, k] = pieces(p, stack, region)
-                    tiles = self.tiles.setdefault(p.stack_index, [])
-                    tiles.extend(t for piece in found for t in piece_tiles(p, piece))
-        self.tiles = {s: sorted(set(t)) for s, t in sorted(self.tiles.items())}
-        position = {s: {t: i for i, t in enumerate(self.tiles[s])} for s in selected - self._whole}
-        of_stack: dict[int, list[tuple[int, int]] | None] = {s: [] for s in position}
-        for (name, k), found in self._pieces.items():
-            p = params[name]
-            self._rows[name, k] = []
-            for piece in found:
-                at = [position[p.stack_index][t] for t in piece_tiles(p, piece)]
-                consecutive = at == list(range(at[0], at[0] + len(at)))
-                self._rows[name, k].append(slice(at[0], at[0] + len(at)) if consecutive else at)
-                spans = of_stack[p.stack_index]
-                if consecutive and spans is not None:
-                    spans.append((at[0], at[0] + len(at)))
-                else:
-                    of_stack[p.stack_index] = None  # a gather: sliced, not split
-        # Per stack, the row ranges its pieces read where they split its evaluated tiles.
-        self._splits = {
-            s: None if spans is None else partition(spans, len(self.tiles[s]))
-            for s, spans in of_stack.items()
-        }
+                for k, region in enumerate(self._parts[name][0]):
+                    covering = self._pieces[name, k] = pieces(p, stack, region)
+                    tiles = (t for piece in covering for t in piece_tiles(p, piece))
+                    needed.setdefault(p.stack_index, set()).update(tiles)
+        self.tiles = {s: sorted(t) for s, t in sorted(needed.items())}
+        self._rows = {key: self._tile_rows(self._params[key[0]], key) for key in self._pieces}
+        self._splits = {s: self._partition(s) for s in self.tiles if s not in self._whole}
 
     @staticmethod
     def whole(plan: Plan) -> "Selection":
@@ -130,10 +113,7 @@ class Selection:
         C loops may write them); the others, the tiles under their regions. A conditioned plan
         takes `condition` or `task` as `gb.apply` does.
         """
-        if self.plan.condition or condition is not None or task is not None:
-            z = condition_of(gparams, self.plan, condition, task, "the selection's apply")
-            if z is not None:
-                gparams, _ = conditioned(gparams, self.plan, z)
+        gparams, _ = folded(gparams, self.plan, condition, task, "the selection's apply")
         context = context_of(gparams["stacks"], backend="torch", compile=compile)
         tiles, whole = {}, {}
         for s, indices in self.tiles.items():
@@ -177,6 +157,29 @@ class Selection:
             if p.stack_index == s
         )
 
+    def _tile_rows(self, p: Generated, key: tuple[str, int]) -> list[Rows]:
+        """Each piece's rows in the evaluated tiles: a slice where they are consecutive."""
+        position = {t: i for i, t in enumerate(self.tiles[p.stack_index])}
+        rows: list[Rows] = []
+        for piece in self._pieces[key]:
+            at = [position[t] for t in piece_tiles(p, piece)]
+            consecutive = at == list(range(at[0], at[0] + len(at)))
+            rows.append(slice(at[0], at[0] + len(at)) if consecutive else at)
+        return rows
+
+    def _partition(self, s: int) -> list[tuple[int, int]] | None:
+        """The row ranges of stack `s`'s evaluated tiles that the pieces read, where they are
+        consecutive and cover every row once (`partition`): split, not sliced."""
+        rows_of_stack = [
+            rows
+            for (name, _), covering in self._rows.items()
+            if self._params[name].stack_index == s
+            for rows in covering
+        ]
+        if not all(isinstance(rows, slice) for rows in rows_of_stack):
+            return None
+        return partition([(r.start, r.stop) for r in rows_of_stack], len(self.tiles[s]))
+
     def _laid_out(
         self, p: Generated, tiles: dict[int, dict[object, Tensor]], traced: bool
     ) -> Tensor:
@@ -207,9 +210,7 @@ class Selection:
         parts: dict[tuple[int, int] | None, Tensor] = {None: stack_tiles}
         spans = self._splits[s]
         if spans is not None:
-            sizes = [stop - start for start, stop in spans]
-            split = stack_tiles.split(sizes) if len(sizes) > 1 else (stack_tiles,)
-            parts.update(zip(spans, split, strict=True))
+            parts.update(split_into(stack_tiles, spans))
         return parts
 
     def _lay_out(

@@ -153,6 +153,14 @@ def partition(spans: Iterable[tuple[int, int]], total: int) -> list[tuple[int, i
     return ordered if covers else None
 
 
+def split_into(tiles: Tensor, spans: Sequence[tuple[int, int]]) -> dict[tuple[int, int], Tensor]:
+    """`tiles` split into the consecutive row ranges `spans` (`partition`'s), by range: one
+    op, whose backward is one concatenation."""
+    sizes = [stop - start for start, stop in spans]
+    parts = tiles.split(sizes) if len(sizes) > 1 else (tiles,)
+    return dict(zip(spans, parts, strict=True))
+
+
 def _span(block: Block) -> tuple[int, int]:
     return block.first_tile, block.first_tile + block.num_tiles
 

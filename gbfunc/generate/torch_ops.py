@@ -53,7 +53,7 @@ from .._tilemlp_forward import (
     forward_form,
     reads_units_major_columns,
 )
-from .._tiling import assemble, block_spans
+from .._tiling import assemble, block_spans, split_into
 from ..cpu._hash_gradient import gathered, signed_gather
 from ._policy import Call
 
@@ -105,9 +105,7 @@ def stack_weights(
     else:
         (tiles,) = evaluate_parts(stack, leaves, None, form=form, compiled=compiled)
         if spans is not None:
-            sizes = [stop - start for start, stop in spans]
-            split = tiles.split(sizes) if len(sizes) > 1 else (tiles,)
-            tiles = dict(zip(spans, split, strict=True))
+            tiles = split_into(tiles, spans)
     weights = {p.name: assemble(p, stack, tiles) for p in params}
     return {name: realised(w) for name, w in weights.items()} if traced else weights
 
