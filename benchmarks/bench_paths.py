@@ -13,7 +13,7 @@ it), `compiled-mlp` and `torch` (`compile=False`); then evaluation under `torch.
 (`compile=None`: `cpu-loops` where they apply) against `torch`. A path's ratio is its time
 over the fastest other path of the same genome.
 
-Then the torch path's traced variants (`gbfunc._tilemlp_forward.FORMS`, which `gb.explain`
+Then the torch path's traced variants (`gbfunc.generate._tile_mlp_forward.FORMS`, which `gb.explain`
 names): for each, on genomes of the same MLP where it is chosen, the generation compiled
 (`torch.compile(fullgraph=True)`: `gb.apply`'s weights and a fixed linear function of them,
 every stack on the `torch` path, then the backward) with that variant and with each
@@ -37,10 +37,9 @@ from torch import Tensor
 import gbfunc as gb
 from benchmarks._meta import compile_static, cpu_benchmark_args, recorded
 from benchmarks.bench_step import HASHED_20X, Timing, median_ms, mlp, round_ms
-from gbfunc import _tilemlp_forward
 from gbfunc._apply import op_by_op
 from gbfunc._select import Selection
-from gbfunc.generate import graph, torch_ops
+from gbfunc.generate import _tile_mlp_forward, graph, torch_ops
 from gbfunc.generate.torch_ops import tile_form
 
 GENOMES = {
@@ -148,7 +147,7 @@ class Forced:
 
     def __init__(self, form: str | None) -> None:
         self.ran: set[str] = set()
-        chosen = _tilemlp_forward.forward_form
+        chosen = _tile_mlp_forward.forward_form
 
         # Called as it is traced, not traced itself: dynamo would guard on `ran`'s contents.
         @torch.compiler.assume_constant_result

@@ -151,8 +151,8 @@ def _starts(plan: Plan, index: int) -> Tensor:
     (`Generated.start`), float64 `(T,)`."""
     stack = plan.stacks[index]
     starts = torch.ones(stack.num_tiles, dtype=torch.float64)
-    for p in plan.generated:
-        if p.stack_index == index and p.start != 1.0:
+    for p in plan.generated_by(index):
+        if p.start != 1.0:
             for b in p.blocks:
                 starts[b.first_tile : b.first_tile + b.grid[0] * b.grid[1]] = p.start
     return starts

@@ -253,6 +253,16 @@ class Plan:
     def free(self) -> tuple[Free, ...]:
         return tuple(p for p in self.params if isinstance(p, Free))
 
+    def generated_by(self, index: int) -> tuple[Generated, ...]:
+        """The parameters that stack `index` generates, in plan order.
+
+        Examples:
+            >>> plan = gb.plan(nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 16)), tile=(16, 16))
+            >>> [(s.key, [p.name for p in plan.generated_by(i)]) for i, s in enumerate(plan.stacks)]
+            [('s0_16x16', ['0.weight', '1.weight'])]
+        """
+        return tuple(p for p in self.generated if p.stack_index == index)
+
     def model(self) -> nn.Module | None:
         """The model the plan describes (`source`), if it is still alive."""
         return None if self.source is None else self.source()

@@ -153,8 +153,7 @@ class Selection:
         """Whether every parameter of stack `s` is selected, whole."""
         return all(
             p.name in self._params and self._parts[p.name][0] == (full_region(p.shape),)
-            for p in self.plan.generated
-            if p.stack_index == s
+            for p in self.plan.generated_by(s)
         )
 
     def _tile_rows(self, p: Generated, key: tuple[str, int]) -> list[Rows]:

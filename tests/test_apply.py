@@ -276,7 +276,7 @@ def test_units_major_column_terms_go_only_to_compiled_one_output_forwards_of_wid
     """Compiled one-output forwards read `b_t` where a tile's columns fill a vector register;
     narrower (inductor forks threads inside a serial loop there), deeper or multi-output
     g-nets, and uncompiled eager code, get none."""
-    from gbfunc._tilemlp_forward import _vector_lanes, reads_units_major_columns
+    from gbfunc.generate._tile_mlp_forward import _vector_lanes, reads_units_major_columns
     from gbfunc.generate.torch_ops import _reads_units_major
 
     lanes = _vector_lanes(torch.float32, "cpu")
@@ -310,11 +310,11 @@ def test_traced_one_output_forwards_of_wide_tiles_read_the_units_major_column_te
     """What `torch.compile` traces: `evaluate_stack` hands `units_major_columns` to the tile
     MLP, whose forward sums from them (`_one_output_by_columns`, or for ReLU on CPU the C loop
     `relu_one_output`); the weights are unchanged."""
-    from gbfunc import _tilemlp_forward
     from gbfunc.cpu import _relu_loops
+    from gbfunc.generate import _tile_mlp_forward
     from gbfunc.generate.torch_ops import evaluate_stack, tile_form, units_major_columns
 
-    lanes = _tilemlp_forward._vector_lanes(torch.float32, "cpu")
+    lanes = _tile_mlp_forward._vector_lanes(torch.float32, "cpu")
     plan = gb.plan(nn.Linear(2 * lanes, 3 * lanes), tile=(lanes, lanes), hidden=5)
     (stack,) = plan.stacks
     leaves = gb.init(plan, seed=4)["stacks"][stack.key]
@@ -328,11 +328,11 @@ def test_traced_one_output_forwards_of_wide_tiles_read_the_units_major_column_te
 
         return reading
 
-    forward = _tilemlp_forward._one_output_by_columns
-    monkeypatch.setattr(_tilemlp_forward, "_one_output_by_columns", spy(forward))
+    forward = _tile_mlp_forward._one_output_by_columns
+    monkeypatch.setattr(_tile_mlp_forward, "_one_output_by_columns", spy(forward))
     monkeypatch.setattr(_relu_loops, "relu_one_output", spy(_relu_loops.relu_one_output))
     form = tile_form(stack, leaves["w_in"], traced=True, exporting=False)
-    assert form in _tilemlp_forward.ONE_OUTPUT_UNITS_MAJOR
+    assert form in _tile_mlp_forward.ONE_OUTPUT_UNITS_MAJOR
     got = evaluate_stack(stack, leaves, form=form)
     assert len(read) == 1
     torch.testing.assert_close(read[0], units_major_columns(stack, leaves))

@@ -783,12 +783,11 @@ def test_bench_paths_forces_each_neighbour_of_a_variant_and_checks_it_equals_the
     from torch import nn
 
     from benchmarks.bench_paths import VariantCase, compare_variants
-    from gbfunc import _tilemlp_forward
     from gbfunc.cpu._relu_loops import layer_usable
-    from gbfunc.generate import torch_ops
+    from gbfunc.generate import _tile_mlp_forward, torch_ops
 
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    saved = _tilemlp_forward.forward_form, torch_ops.reads_units_major_columns
+    saved = _tile_mlp_forward.forward_form, torch_ops.reads_units_major_columns
     model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
     tanh = {"hidden": 5, "activation": "tanh"}
     many_units = {"tile": (4, 4), "outputs": 2, **tanh, "hidden": 40}
@@ -807,4 +806,4 @@ def test_bench_paths_forces_each_neighbour_of_a_variant_and_checks_it_equals_the
         assert timings[case.variant].ratios == [1.0]
         assert differences[case.variant] == (0.0, 0.0)
         assert all(max(d) <= 1e-4 for d in differences.values())
-    assert (_tilemlp_forward.forward_form, torch_ops.reads_units_major_columns) == saved
+    assert (_tile_mlp_forward.forward_form, torch_ops.reads_units_major_columns) == saved

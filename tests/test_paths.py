@@ -30,12 +30,11 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
 import gbfunc as gb
-from gbfunc import _tilemlp_forward
 from gbfunc._spec import reference, stack_terms
 from gbfunc._tiling import assemble
 from gbfunc.cpu import _build, missing_compiler
 from gbfunc.cpu._relu_loops import MIN_UNITS
-from gbfunc.generate import torch_ops
+from gbfunc.generate import _tile_mlp_forward, torch_ops
 from gbfunc.generate.torch_ops import hashed_tiles
 from gbfunc.generate.triton import HAS_TRITON
 
@@ -332,7 +331,7 @@ def test_each_variant_runs_where_gb_explain_names_it_and_equals_the_references(
     ran = []
     forward = torch_ops._forward_no_save
 
-    def recorded(terms, activation, b_t=None, form=_tilemlp_forward.EAGER):
+    def recorded(terms, activation, b_t=None, form=_tile_mlp_forward.EAGER):
         ran.append(form)
         return forward(terms, activation, b_t, form)
 

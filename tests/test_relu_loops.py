@@ -9,8 +9,6 @@ from hypothesis import example, given, settings, strategies as st
 from threads import on_threads
 
 from gbfunc._spec import Terms
-from gbfunc._tilemlp_backward import _backward_recompute, _fused_reductions
-from gbfunc._tilemlp_forward import EAGER, reads_units_major_columns, terms_form
 from gbfunc.cpu import _relu_loops
 from gbfunc.cpu._relu_loops import (
     MIN_UNITS,
@@ -25,6 +23,8 @@ from gbfunc.cpu._relu_loops import (
     sums_reference,
     sums_usable,
 )
+from gbfunc.generate._tile_mlp_backward import _backward_recompute, _fused_reductions
+from gbfunc.generate._tile_mlp_forward import EAGER, reads_units_major_columns, terms_form
 from gbfunc.generate.torch_ops import tile_mlp
 
 pytestmark = pytest.mark.skipif(

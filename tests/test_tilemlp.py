@@ -7,8 +7,8 @@ import torch
 from hypothesis import example, given, strategies as st
 
 from gbfunc._spec import Terms, activate, activate_grad, reference
-from gbfunc._tilemlp_backward import _backward_recompute, _fused_reductions
-from gbfunc._tilemlp_forward import (
+from gbfunc.generate._tile_mlp_backward import _backward_recompute, _fused_reductions
+from gbfunc.generate._tile_mlp_forward import (
     EAGER,
     _forward_no_save,
     _vector_lanes,
@@ -127,7 +127,7 @@ def test_traced_forwards_unroll_one_layer_of_at_most_16_outputs_and_32_units(
     hidden, depth, outputs, unrolled
 ):
     """The rule `_unrolls` states, read from the outputs' axis of `w_out` `(T, H, P)`."""
-    import gbfunc._tilemlp_forward as forward
+    import gbfunc.generate._tile_mlp_forward as forward
 
     terms = inputs(2, 3, 2, hidden, depth, outputs, seed=0)
     calls = []
@@ -477,7 +477,7 @@ def test_the_unrolled_sum_over_a_spare_slot_of_any_axis_equals_the_reference(til
     """`_one_layer_unrolled` pads its longest outer axis (tiles, outputs, columns: one case
     each), then drops the spare slot: the outputs are the reference's."""
     terms = inputs(tiles=tiles, rows=8, cols=cols, hidden=8, depth=1, outputs=outputs, seed=0)
-    import gbfunc._tilemlp_forward as forward
+    import gbfunc.generate._tile_mlp_forward as forward
 
     got = forward._one_layer_unrolled(terms, "relu")
     torch.testing.assert_close(got, reference(terms, "relu"))

@@ -99,7 +99,7 @@ def suits(stack: Stack) -> bool:
     return one_layer and not genome.share and (rows or one_output)
 
 
-def placement(stack: Stack, params: list[Generated]) -> Placement | None:
+def placement(stack: Stack, params: Sequence[Generated]) -> Placement | None:
     """Where `stack`'s tiles land on `params`, the parameters it generates, each whole
     (`_plan.tile_places`, with each tile's offset taken from its weight's start); None where
     a parameter is centred (its rows' means need the whole row first)."""

@@ -5,6 +5,8 @@ The dispatcher's `cpu-loops` path (`gbfunc.generate.cpu_loops`) asks these two t
 `gbfunc.cpu`'s public names, so that nothing above this package reads its modules' limits.
 """
 
+from collections.abc import Sequence
+
 import torch
 
 from .._plan import Generated, Stack
@@ -44,7 +46,7 @@ def refusal(stack: Stack, dtype: torch.dtype, device_type: str, *, detail: bool)
     )
 
 
-def placement(stack: Stack, params: list[Generated]) -> Placement | None:
+def placement(stack: Stack, params: Sequence[Generated]) -> Placement | None:
     """Where the loops write `stack`'s weights `params` (the parameters it generates, each
     whole); None where its g-nets are not what the loops compute or a parameter is centred."""
     return rows_placement(stack, params) if suits(stack) else None

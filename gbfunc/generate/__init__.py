@@ -5,8 +5,9 @@ In the order the dispatcher (`gbfunc._dispatch`) tries them: `triton`, `cpu_loop
 (why the path does not generate the call's stack; None where it does), `variant(call)` and
 its runner, `stack_weights(plan, index, leaves, variant, traced)`: one stack's parameters,
 whole, which `gb.apply` calls per stack (`graph` compiles the plan instead). What several
-rules read, the call and the policy of gbfunc's own compiles, is in `_policy`. These modules
-stand on the plan, the specification, the tiling, `gbfunc.cpu`, `gbfunc.kernels` and the
-tile MLP's bodies (`_tilemlp_forward`, `_tilemlp_backward`), never on the dispatcher or
-`gb.apply` (`tests/test_import_graph.py`).
+rules read, the call and the policy of gbfunc's own compiles, is in `_policy`; the tile MLP's
+forward and backward bodies, which the `torch` path runs eagerly and `compiled-mlp` and
+`graph` compiled, in `_tile_mlp_forward` and `_tile_mlp_backward`. These modules stand on
+the plan, the specification, the tiling, `gbfunc.cpu` and `gbfunc.kernels`, never on the
+dispatcher or `gb.apply` (`tests/test_import_graph.py`).
 """

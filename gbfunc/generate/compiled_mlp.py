@@ -35,7 +35,7 @@ def refuses(call: Call) -> str | None:
 
 
 def variant(call: Call) -> str:
-    """The form its compiled bodies run for the call's stack (`_tilemlp_forward.forward_form`)."""
+    """The form its compiled bodies run for the call's stack (`_tile_mlp_forward.forward_form`)."""
     return torch_ops.tile_form(call.stack, call.leaves["w_in"], traced=True, exporting=False)
 
 

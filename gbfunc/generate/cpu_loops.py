@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from .._plan import Generated, Plan, Stack, plan_of, token_of
+from .._plan import Plan, Stack, plan_of, token_of
 from .._spec import HASH_GAIN
 from ..cpu import Placement, add_hash, placement, refusal, weights
 from ._policy import AUTO_GRAPH_WEIGHTS, Call, compiler_missing, compiling_asked
@@ -62,7 +62,7 @@ def stack_weights(
     `plan` generates, whole, written by the loops in the variant `form` (`generate`; the
     variant holds whether the call is `traced`)."""
     made = generate(plan.stacks[index], leaves, placement_of(plan, index), form)
-    return {p.name: w.reshape(p.shape) for p, w in zip(_params(plan, index), made, strict=True)}
+    return {p.name: w.reshape(p.shape) for p, w in zip(plan.generated_by(index), made, strict=True)}
 
 
 def placement_of(plan: Plan, index: int) -> Placement | None:
@@ -70,7 +70,7 @@ def placement_of(plan: Plan, index: int) -> Placement | None:
     every parameter it generates whole; None where they cannot (a centred parameter)."""
     token = token_of(plan)
     if token is None:  # a plan made inside the traced function: traced as it is
-        return placement(plan.stacks[index], _params(plan, index))
+        return placement(plan.stacks[index], plan.generated_by(index))
     return _placement(token, index)
 
 
@@ -85,15 +85,11 @@ def _placement(token: str, index: int) -> Placement | None:
         if len(_PLACEMENTS) >= 256:
             _PLACEMENTS.clear()
         plan = plan_of(token)
-        _PLACEMENTS[key] = placement(plan.stacks[index], _params(plan, index))
+        _PLACEMENTS[key] = placement(plan.stacks[index], plan.generated_by(index))
     return _PLACEMENTS[key]
 
 
 _PLACEMENTS: dict[tuple[str, int], Placement | None] = {}
-
-
-def _params(plan: Plan, index: int) -> list[Generated]:
-    return [p for p in plan.generated if p.stack_index == index]
 
 
 def generate(
@@ -113,4 +109,4 @@ def generate(
 
 def _centred(plan: Plan, index: int) -> bool:
     """Whether a parameter that stack `index` of `plan` generates is centred."""
-    return any(p.center for p in plan.generated if p.stack_index == index)
+    return any(p.center for p in plan.generated_by(index))

@@ -83,7 +83,7 @@ def fits_graph(stack: Stack) -> bool:
 
 def variant(call: Call) -> str:
     """The form the stack's tile MLP takes inside the graph: the `torch` path's, traced
-    (`_tilemlp_forward.forward_form`)."""
+    (`_tile_mlp_forward.forward_form`)."""
     return torch_ops.tile_form(call.stack, call.leaves["w_in"], traced=True, exporting=False)
 
 

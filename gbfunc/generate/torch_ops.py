@@ -9,8 +9,8 @@ so a tile costs two tiny matmuls and ~3H FLOPs per weight, and nothing of size `
 is saved: `tile_mlp`, `_spec.reference` as an `autograd.Function`, recomputes it in its
 backward (FlashAttention-style) and composes with `grad`, `vmap` and `torch.compile`.
 
-The variants are the forms of the tile MLP's forward (`_tilemlp_forward.FORMS`; the bodies
-there and in `_tilemlp_backward`), which `variant` picks from the call's context and the
+The variants are the forms of the tile MLP's forward (`_tile_mlp_forward.FORMS`; the bodies
+there and in `_tile_mlp_backward`), which `variant` picks from the call's context and the
 stack: `eager-recompute` eagerly, in chunks of tiles; traced, whole, a form written for
 inductor (`docs/design.md` lists them). With `compiled=True` (the `compiled-mlp` path) an
 eager call runs the traced form's bodies as code compiled once per signature, backward
@@ -44,8 +44,11 @@ from .._spec import (
     stack_terms,
     tile_rows,
 )
-from .._tilemlp_backward import _after, _backward_recompute
-from .._tilemlp_forward import (
+from .._tiling import assemble, block_spans, split_into
+from ..cpu._hash_gradient import gathered, signed_gather
+from ._policy import Call
+from ._tile_mlp_backward import _after, _backward_recompute
+from ._tile_mlp_forward import (
     EAGER,
     ONE_OUTPUT_UNITS_MAJOR,
     _forward_no_save,
@@ -53,9 +56,6 @@ from .._tilemlp_forward import (
     forward_form,
     reads_units_major_columns,
 )
-from .._tiling import assemble, block_spans, split_into
-from ..cpu._hash_gradient import gathered, signed_gather
-from ._policy import Call
 
 NAME = "torch"
 
@@ -74,7 +74,7 @@ def refuses(call: Call) -> str | None:
 
 
 def variant(call: Call) -> str:
-    """The variant that generates the call's stack (`_tilemlp_forward.forward_form`)."""
+    """The variant that generates the call's stack (`_tile_mlp_forward.forward_form`)."""
     context = call.context
     w_in = call.leaves["w_in"]
     return tile_form(call.stack, w_in, traced=context.compiling, exporting=context.exporting)
@@ -95,7 +95,7 @@ def stack_weights(
     out (`_tiling.assemble`); `traced` by `torch.compile`, each weight is computed into a
     buffer of its own (`realised`)."""
     stack = plan.stacks[index]
-    params = [p for p in plan.generated if p.stack_index == index]
+    params = plan.generated_by(index)
     spans = block_spans(params, stack.num_tiles)
     if spans is not None and traced and parts_from_tile_mlp(stack):
         # Traced, the blocks come apart out of the tile MLP: its backward then never
@@ -465,7 +465,7 @@ def tile_mlp(
 ) -> Tensor | tuple[Tensor, ...]:
     """`reference`, with a backward that recomputes instead of saving `(T, TH, Q, H)`.
 
-    `form`: the form of the forward (`_tilemlp_forward.forward_form`, as the caller's path
+    `form`: the form of the forward (`_tile_mlp_forward.forward_form`, as the caller's path
     chose it): `EAGER` runs in chunks of tiles, the traced forms whole, for an outer
     `torch.compile`. With `compiled`, plain eager calls run the forward and the backward in
     the traced `form` as code compiled once per signature (the first call of a signature

@@ -95,7 +95,7 @@ def stack_weights(
     from .. import kernels  # triton is optional: import it only when used
 
     stack = plan.stacks[index]
-    params = tuple(p for p in plan.generated if p.stack_index == index)
+    params = plan.generated_by(index)
     flat = kernels.generate(stack_terms(stack, leaves), stack, params)  # (numel,)
     # One split (its backward: one concatenation), not a slice per parameter, whose backward
     # allocates and fills a zero gradient of the whole buffer (GPU launches).

@@ -57,7 +57,7 @@ def generate(terms: Terms, stack: Stack, params: tuple[Generated, ...]) -> Tenso
         >>> plan = gb.plan(nn.Linear(12, 10), tile=(4, 4))
         >>> stack, gparams = plan.stacks[0], gb.init(plan)
         >>> terms = stack_terms(stack, gparams["stacks"][stack.key])
-        >>> params = tuple(p for p in plan.generated if p.stack_index == 0)
+        >>> params = plan.generated_by(0)
         >>> generate(terms, stack, params).shape  # the 120 weights, flat
         torch.Size([120])
     """

@@ -9,9 +9,9 @@ g-nets as vectorised reductions over the positions (`_fused_reductions`, or the 
 import torch
 from torch import Tensor
 
-from ._spec import Terms, activate, activate_grad
-from ._tilemlp_forward import C_LOOPS, EAGER, _units_major_terms, _vectorised_units
-from .cpu import _relu_loops
+from .._spec import Terms, activate, activate_grad
+from ..cpu import _relu_loops
+from ._tile_mlp_forward import C_LOOPS, EAGER, _units_major_terms, _vectorised_units
 
 
 def _first_layer_again(a: Tensor, b: Tensor, c: Tensor) -> Tensor:

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._realised import contiguous_buffer
-from ._spec import Terms, activate, first_layer
-from .cpu import _relu_loops
+from .._realised import contiguous_buffer
+from .._spec import Terms, activate, first_layer
+from ..cpu import _relu_loops
 
 # The forms of the tile MLP's forward (`forward_form`), as `gb.explain` names them.
 EAGER = "eager-recompute"  # eagerly: fused reduction or units-major matmuls, in chunks
