@@ -42,7 +42,8 @@ def apply(
             loops; each path's rule is in its module of `gbfunc.generate`, `gbfunc._dispatch`
             applies them and `gb.explain` shows them). `None`: where it pays (plans of
             `AUTO_GRAPH_WEIGHTS` weights or more; stacks of `AUTO_COMPILE_ELEMENTS` hidden
-            activations); with gradients off, only the C loops, never a graph. `False`: never
+            activations); with gradients off, no graph unless `True` (the C loops, or a large
+            stack's compiled tile MLP). `False`: never
             (for debugging, and for double backward, which the compiled graph does not
             support). The first compiling call takes seconds; the result is the same either
             way, to rounding.

@@ -15,8 +15,9 @@ order of `PATHS`, and `gb.explain` prints the verdicts, and the path's variant b
   (`gbfunc.cpu`). One-layer ReLU row or one-output g-nets, one per tile, on CPU in float32
   with the loops built; traced by `torch.compile`, or eager where compiling is asked for.
 - `graph` (`generate/graph.py`): the plan's generation compiled once as one graph, forward
-  and backward. Eager, compiling asked for with gradients on, every stack fitting a graph,
-  and not every stack on `cpu-loops` (those run inside the graph).
+  and backward. Eager, compiling asked for (`compile=True`, or `None` with gradients on
+  where it pays), every stack fitting a graph, and not every stack on `cpu-loops` (those
+  run inside the graph).
 - `compiled-mlp` (`generate/compiled_mlp.py`): the stack's tile MLP compiled once per
   signature, run in chunks. Eager, outside a graph: `compile=True`, or `None` on large stacks.
 - `torch` (`generate/torch_ops.py`): pure torch, op by op; traced by `torch.compile`,
@@ -193,7 +194,8 @@ class Explanation:
 
     Attributes:
         route: The plan's path and each stack's (`Route`).
-        reasons: Per stack key, per path tried before the one taken, why it was not.
+        reasons: Per stack key, per path that does not take the stack, why (the paths after
+            the one taken too; `lines` shows those before it).
         lines: The report's lines: the call's context, then per stack its path and reasons.
 
     Examples:

@@ -257,9 +257,10 @@ class Plan:
         """The parameters that stack `index` generates, in plan order.
 
         Examples:
-            >>> plan = gb.plan(nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 16)), tile=(16, 16))
-            >>> [(s.key, [p.name for p in plan.generated_by(i)]) for i, s in enumerate(plan.stacks)]
-            [('s0_16x16', ['0.weight', '1.weight'])]
+            >>> model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 16))
+            >>> plan = gb.plan(model, tile=(16, 16))
+            >>> [p.name for p in plan.generated_by(0)]
+            ['0.weight', '1.weight']
         """
         return tuple(p for p in self.generated if p.stack_index == index)
 

@@ -203,8 +203,9 @@ class Selection:
         """Stack `s`'s tiles (key None) and, where `partition` found one, its split parts.
 
         A split's backward is one concatenation; slicing the stack once per parameter makes a
-        zero-filled stack-sized gradient per slice and adds them up. Traced, `apply` takes the
-        parts from the tile MLP instead.
+        zero-filled stack-sized gradient per slice and adds them up. Traced, where the tile
+        MLP can cut its output (`torch_ops.parts_from_tile_mlp`), `apply` takes the parts from
+        it instead.
         """
         parts: dict[tuple[int, int] | None, Tensor] = {None: stack_tiles}
         spans = self._splits[s]

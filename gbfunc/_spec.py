@@ -4,7 +4,8 @@ A stack's g-nets as per-tile terms of the separable first layer (`Terms`, `stack
 the position-code tables they read (`code_tables`), the activations and their derivatives,
 the tile hash, and `reference`: the tile MLP in plain autograd, which defines what every
 generation path (the compiled torch forms, the C loops, the Triton kernels) must return.
-`gbfunc.cpu` and `gbfunc.kernels` import this module and the plan, nothing above them.
+`gbfunc.cpu` and `gbfunc.kernels` import this module, the plan and `_function` (and the
+kernels' reference the tiling), nothing above them (`tests/test_import_graph.py`).
 """
 
 import functools

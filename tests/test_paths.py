@@ -315,6 +315,12 @@ VARIANT_PLANS = {
 }
 
 
+def test_every_named_variant_has_a_plan_here():
+    """The variants' table (`FORMS`, what `gb.explain` may print) and this test's plans are
+    the same set: a variant added to the table without a plan here fails."""
+    assert set(VARIANT_PLANS) == set(_tile_mlp_forward.FORMS)
+
+
 @pytest.mark.parametrize(
     "variant",
     [pytest.param(v, marks=[needs_loops] if v == "c-loops" else []) for v in VARIANT_PLANS],

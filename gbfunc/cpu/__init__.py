@@ -3,10 +3,13 @@
 Each loop (`csrc/*.cpp`) sits beside its pure-torch specification (`_relu_loops`,
 `_relu_rows`, `_relu_tiles`, `_hash_weights`, `_hash_gradient`), runs as a custom op with
 fake, vmap and autograd rules, and is built on first use into a private per-user cache
-(`_build`, `_cache`). Which stacks take them is decided in one place, `gbfunc._dispatch`,
-by the `cpu-loops` path's rule (`gbfunc.generate.cpu_loops`), which asks `refusal`; a stack
-taken runs through `weights` (and `add_hash` for a hashed table) where `placement` says its
-weights land. `gb.explain` shows the decision.
+(`_build`, `_cache`). Which stacks take the loops from leaves to weights is decided in one
+place, `gbfunc._dispatch`, by the `cpu-loops` path's rule (`gbfunc.generate.cpu_loops`),
+which asks `refusal`; a stack taken runs through `weights` (and `add_hash` for a hashed
+table) where `placement` says its weights land. `gb.explain` shows the decision. The loops
+that serve as sub-ops of the `torch` path's traced forms are chosen with the form
+(`generate._tile_mlp_forward.forward_form`, which `gb.explain` names too), and the backward's
+sums and the hashed tables' gradient where their `*_usable` holds.
 
 `GBFUNC_CPU_LOOPS=off|portable|auto` (or `set_mode`) chooses whether and how they are built;
 without a C++ compiler, on other platforms, or with `off`, every call runs through pure torch

@@ -2,7 +2,9 @@
 why), and where its weights land.
 
 The dispatcher's `cpu-loops` path (`gbfunc.generate.cpu_loops`) asks these two through
-`gbfunc.cpu`'s public names, so that nothing above this package reads its modules' limits.
+`gbfunc.cpu`'s public names, so that its rule reads none of this package's modules' limits.
+(The C sub-ops that the `torch` path's traced forms call, `_relu_loops`, and the hashed
+tables' gradient, `_hash_gradient`, say where they run by their own `*_usable`.)
 """
 
 from collections.abc import Sequence

@@ -40,6 +40,6 @@ def variant(call: Call) -> str:
 
 
 # The runners, the `torch` path's with the tile MLP compiled in the variant `form`: a whole
-# plan's stack (`stack_weights`), tiles `indices` of a stack cut into `spans` (`tiles`).
+# plan's stack (`stack_weights`), some tiles of a stack cut into `spans` (`tiles`).
 stack_weights = partial(torch_ops.stack_weights, compiled=True)
 tiles = partial(torch_ops.evaluate_tile_parts, compiled=True)

@@ -37,6 +37,8 @@ def refuses(call: Call) -> str | None:
         if context.compile is False:
             return "compile=False"
         asked = context.compile if call.plan is None else compiling_asked(call.plan, context)
+        if not asked and call.plan is None:
+            return "compile=None: a selection takes them eagerly only with compile=True"
         if not asked:
             return f"compile=None and the plan is small (< {AUTO_GRAPH_WEIGHTS} weights)"
     if not call.placed:

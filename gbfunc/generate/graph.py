@@ -5,7 +5,8 @@ Called op by op, a genome of cheap g-nets (row g-nets, small hidden layers) spen
 its step laying tiles out on each weight's grid, cutting them, and in the backward of both;
 compiled as one graph (AOTAutograd) those become a few fused kernels, and the tile MLP inside
 runs as under an outer `torch.compile` (the `cpu-loops` stacks run their loops inside it).
-Taken eagerly where compiling is asked for with gradients on and every stack fits one graph.
+Taken eagerly where compiling is asked for and every stack fits one graph: `compile=True`,
+or `None` with gradients on and a plan where it pays (`compiling_asked`).
 The graph's backward cannot be differentiated again: double backward needs
 `gb.apply(..., compile=False)`.
 """

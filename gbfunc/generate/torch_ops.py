@@ -1,10 +1,11 @@
 """The `torch` path: pure torch, op by op, with a recomputing backward; its rule, its variants
 and its runners. Every other path falls back to it; `compiled-mlp` and `graph` run it in their
-own variants, and `gb.init`'s calibration and `gbfunc.dist`'s rank-owned g-nets call it.
+own variants; `gbfunc.dist`'s rank-owned g-nets call it, and `gb.init` reads its chunking.
 
 A stack's g-nets are evaluated on its tiles in one batched call, `(tiles, TH, TW * K)` out.
 The first layer is separable: for tile `t`, row `i` and column `q`,
-`z[t, i, q] = a[t, i] + b[t, q] + c[t]` with `a = row_code @ w_in[:R]`, `b = col_code @ w_in[R:]`,
+`z[t, i, q] = a[t, i] + b[t, q] + c[t]` with `a = row_code @ w_in[:, :R]` and
+`b = col_code @ w_in[:, R:]` (per g-net),
 so a tile costs two tiny matmuls and ~3H FLOPs per weight, and nothing of size `(T, TH, Q, H)`
 is saved: `tile_mlp`, `_spec.reference` as an `autograd.Function`, recomputes it in its
 backward (FlashAttention-style) and composes with `grad`, `vmap` and `torch.compile`.
@@ -12,11 +13,13 @@ backward (FlashAttention-style) and composes with `grad`, `vmap` and `torch.comp
 The variants are the forms of the tile MLP's forward (`_tile_mlp_forward.FORMS`; the bodies
 there and in `_tile_mlp_backward`), which `variant` picks from the call's context and the
 stack: `eager-recompute` eagerly, in chunks of tiles; traced, whole, a form written for
-inductor (`docs/design.md` lists them). With `compiled=True` (the `compiled-mlp` path) an
-eager call runs the traced form's bodies as code compiled once per signature, backward
-included, under `loss.backward()` and `torch.func.grad` alike: dynamo drops a Function's
-backward under `grad` only where it is applied to the transformed function's own argument
-(pytorch/pytorch#193279, torch 2.13), and the terms are always computed from the leaves first.
+inductor (`docs/design.md` lists them). With `compiled=True` (the `compiled-mlp` path) a
+plainly eager call (neither traced nor inside a `torch.func` transform, whose calls the
+path's rule sends elsewhere) runs the traced form's bodies as code compiled once per
+signature, backward included. Traced by `torch.compile` under `torch.func.grad`, the Function
+keeps its backward: dynamo drops it only where it is applied to the transformed function's
+own argument (pytorch/pytorch#193279, torch 2.13), and the terms are always computed from the
+leaves first.
 """
 
 import math
@@ -98,8 +101,8 @@ def stack_weights(
     params = plan.generated_by(index)
     spans = block_spans(params, stack.num_tiles)
     if spans is not None and traced and parts_from_tile_mlp(stack):
-        # Traced, the blocks come apart out of the tile MLP: its backward then never
-        # assembles the stack's gradient (`tile_mlp`).
+        # Traced, the blocks come apart out of the tile MLP: its backward then takes them
+        # range by range where it can (`tile_mlp`).
         found = evaluate_parts(stack, leaves, spans, form=form, compiled=compiled)
         tiles = dict(zip(spans, found, strict=True))
     else:
@@ -476,14 +479,16 @@ def tile_mlp(
     the two must hold the same values.
 
     `spans`, optional: consecutive tile ranges `(start, stop)` covering the stack; the output
-    is returned cut into them, one tensor each. In a traced form, the backward runs once per range
-    on that range's gradient, so the whole stack's gradient is never assembled: a concatenation
-    of gradients arriving one weight at a time, which inductor allocates whole at the first,
-    at the start of a training step's backward, where the model's activations peak.
+    is returned cut into them, one tensor each. In a traced form, the backward runs once per
+    range on that range's gradient where it can (`_backward_per_range`), so the whole stack's
+    gradient is not assembled: a concatenation of gradients arriving one weight at a time,
+    which inductor allocates whole at the first, at the start of a training step's backward,
+    where the model's activations peak. Otherwise the ranges' gradients are joined once the
+    last has arrived.
     """
     return _TileMLP.apply(*terms, b_t, activation, form, compiled, spans)
 
 
-# The runner for a selection's stacks (`gbfunc.dist`): tiles `indices` of a stack,
-# `(len(indices), TH, TW * K)`, op by op in the variant `form`, cut into `spans`.
+# The runner for a selection's stacks (`gbfunc.dist`): the tiles `tiles` of a stack,
+# `(len(tiles), TH, TW * K)`, op by op in the variant `form`, cut into `spans`.
 tiles = evaluate_tile_parts

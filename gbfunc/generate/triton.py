@@ -26,7 +26,8 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 def refuses(call: Call) -> str | None:
     """Why the kernels do not generate the call's stack (None: they do).
 
-    With `backend="auto"` every limit is a reason, so such a stack falls back to torch; with
+    With `backend="auto"` every limit is a reason, so such a stack takes the next path that
+    applies (`torch` at the latest); with
     `backend="triton"` the same limits raise (`_unrunnable`'s error), since nothing else may
     run it.
     """

@@ -48,7 +48,8 @@ class _Generate(torch.autograd.Function):
 def generate(terms: Terms, stack: Stack, params: tuple[Generated, ...]) -> Tensor:
     """Every weight of a stack's parameters, flat, from its g-net terms; fused and differentiable.
 
-    `reference.generate` is the specification (same arguments and result); this runs the
+    `reference.generate` is the specification (same arguments and result; neither centres a
+    parameter, which the `triton` path does after, `gbfunc.generate.triton`); this runs the
     Triton kernel forward and backward, with `torch.func.grad` and `vmap` (leading batch dims
     are genomes, launched as one grid). Inputs are made contiguous first.
 
