@@ -14,7 +14,10 @@ import torch
 from torch import nn
 
 import gbfunc as gb
+from gbfunc._dispatch import context_of, stack_path
 from gbfunc.cpu import _build, _cache, _relu_loops
+from gbfunc.generate import cpu_loops
+from gbfunc.generate._policy import Call
 
 # Run twice: without a C++ compiler on PATH, and as the machine is; the results must agree.
 TRAINING_SCRIPT = textwrap.dedent(
@@ -256,6 +259,14 @@ def test_explain_sends_one_layer_relu_gnets_to_the_loops_where_compiling_is_aske
     small = gb.explain(gparams, plan, compile=None)
     assert small.route.stacks == ("torch", "torch")
     assert "the plan is small" in small.reasons[plan.stacks[0].key]["cpu-loops"]
+    # A selection (no plan, so no size rule) takes the loops eagerly only with compile=True.
+    stack = plan.stacks[0]
+    leaves = gparams["stacks"][stack.key]
+    for compile, taken in ((None, "torch"), (True, "cpu-loops")):
+        context = context_of({stack.key: leaves}, backend="auto", compile=compile)
+        assert stack_path(stack, leaves, context, placed=True)[0] == taken
+    selection = Call(None, stack, {stack.key: leaves}, context._replace(compile=None), True)
+    assert "a selection takes them eagerly only with compile=True" in cpu_loops.refuses(selection)
     wide, wide_gparams = row_gnets(hidden=64)
     refused = gb.explain(wide_gparams, wide, compile=True).reasons[wide.stacks[0].key]
     assert "no loops for 64 units" in refused["cpu-loops"]
