@@ -130,9 +130,15 @@ VARIANT_CASES = (
         ("unrolled",),
     ),
     VariantCase(
-        "units-major",
+        "c-loops",
         "hidden 8, outputs 32, tile 128",
         {"tile": (128, 128), "hidden": 8, "outputs": 32},
+        ("unrolled", "units-major"),
+    ),
+    VariantCase(
+        "units-major",
+        "hidden 8, outputs 64, tile 128",
+        {"tile": (128, 128), "hidden": 8, "outputs": 64},
         ("unrolled", "c-loops"),
     ),
 )

@@ -24,7 +24,12 @@ from gbfunc.cpu._relu_loops import (
     sums_usable,
 )
 from gbfunc.generate._tile_mlp_backward import _backward_recompute, _fused_reductions
-from gbfunc.generate._tile_mlp_forward import EAGER, reads_units_major_columns, terms_form
+from gbfunc.generate._tile_mlp_forward import (
+    EAGER,
+    forward_form,
+    reads_units_major_columns,
+    terms_form,
+)
 from gbfunc.generate.torch_ops import tile_mlp
 
 pytestmark = pytest.mark.skipif(
@@ -132,6 +137,37 @@ def test_only_cpu_float32_with_enough_units_takes_the_c_loops():
     assert not layer_usable(MIN_UNITS, 65, torch.float32, "cpu")
     assert not layer_usable(MIN_UNITS - 1, 8, torch.float32, "cpu")
     assert not layer_usable(MIN_UNITS, 8, torch.bfloat16, "cpu")
+
+
+@pytest.mark.parametrize(
+    ("hidden", "outputs", "activation", "form"),
+    [
+        (8, 2, "relu", "c-loops"),
+        (8, 32, "relu", "c-loops"),  # past the unrolled sum's 16 outputs, the loop still wins
+        (32, 32, "relu", "c-loops"),
+        (8, 33, "relu", "units-major"),  # a tie with the matmuls at 64: they keep it
+        (33, 8, "relu", "units-major"),
+        (8, 32, "tanh", "units-major"),
+        (8, 16, "tanh", "unrolled"),
+    ],
+)
+def test_traced_one_layer_forwards_take_the_loop_up_to_32_units_and_32_outputs(
+    hidden, outputs, activation, form
+):
+    """`forward_form`'s rule for one hidden layer of several outputs, traced on CPU in
+    float32 with the loops built."""
+    chosen = forward_form(
+        one_layer=True,
+        hidden=hidden,
+        outputs=outputs,
+        activation=activation,
+        dtype=torch.float32,
+        device_type="cpu",
+        traced=True,
+        exporting=False,
+        units_major_columns=False,
+    )
+    assert chosen == form
 
 
 def test_without_a_compiler_the_reductions_run_in_torch(failing_loops):

@@ -93,7 +93,7 @@ def test_outputs_and_every_gradient_match_the_reference(
     cols=st.integers(1, 5),
     hidden=st.sampled_from([1, 3, 32, 33]),  # around the unrolled forward's 32 units
     depth=st.integers(1, 2),
-    outputs=st.sampled_from([2, 16, 17]),  # and around its 16 outputs
+    outputs=st.sampled_from([2, 16, 17, 32, 33]),  # and its 16 outputs, the loop's 32
     activation=st.sampled_from(ACTIVATIONS),
     seed=st.integers(0, 2**16),
 )

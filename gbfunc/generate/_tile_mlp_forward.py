@@ -57,10 +57,20 @@ def forward_form(
             return BY_UNITS
         usable = relu_c and _relu_loops.one_output_usable(hidden, dtype, device_type)
         return C_LOOPS if usable else BY_COLUMNS
-    if not one_layer or not _unrolls(hidden, outputs):
+    if not one_layer:
         return UNITS_MAJOR
-    usable = relu_c and _relu_loops.layer_usable(hidden, outputs, dtype, device_type)
-    return C_LOOPS if usable else UNROLLED
+    if relu_c and _loops_layer(hidden, outputs, dtype, device_type):
+        return C_LOOPS
+    return UNROLLED if _unrolls(hidden, outputs) else UNITS_MAJOR
+
+
+def _loops_layer(hidden: int, outputs: int, dtype: torch.dtype, device_type: str) -> bool:
+    """Whether a one-layer ReLU forward runs the C loop `relu_layer_forward`: up to 32 units
+    and 32 outputs, where it beat the written-out sum and the matmuls (at 32 outputs, 8-32
+    units: 1.04-1.17x the units-major form's speed, forward and backward; at 64 outputs a
+    tie, `benchmarks/results/bench_paths.md`), and where the loops run."""
+    fits = hidden <= 32 and outputs <= 32
+    return fits and _relu_loops.layer_usable(hidden, outputs, dtype, device_type)  # builds
 
 
 def terms_form(terms: Terms, activation: str, b_t: Tensor | None, *, traced: bool) -> str:
@@ -125,9 +135,9 @@ def _unrolls(hidden: int, outputs: int) -> bool:
     written out (`_one_layer_unrolled`) rather than as a matmul: for at most 16 outputs, the
     matmul's rows, where MKL is slow; for at most 32 units, since each is a term of the code.
     With more outputs (row g-nets' 128 and 256) the written-out sum is no faster, hence the
-    matmul there. For ReLU in float32 on CPU the sum runs as a C loop instead
-    (`_relu_loops.relu_layer_forward`), which computes each hidden activation once rather
-    than once per output, and so does the backward."""
+    matmul there. For ReLU in float32 on CPU a C loop runs instead, up to 32 outputs
+    (`_loops_layer`), which computes each hidden activation once rather than once per
+    output, and so does the backward."""
     return outputs <= 16 and hidden <= 32
 
 
