@@ -17,13 +17,19 @@ there.
     python -m benchmarks.lr_leaves --genome tiles       # writes lr_leaves_tiles.md
     python -m benchmarks.lr_leaves --width-rule         # a candidate rule: lr_leaves_width.md
     python -m benchmarks.lr_leaves --family             # FAMILY's genomes: lr_leaves_family.md
+    python -m benchmarks.lr_leaves --budgets 1 2 4      # longer training: lr_leaves_budget.md
 
 `--family` asks which feature of a genome the miss follows: the same MLP with ReLU g-nets of
 8 hidden units and no tables, one of tile, outputs and hidden units changed at a time from
 digits-rows's, every leaf at 1x (the default), 2x and 3x.
+
+`--budgets` asks whether the miss is a short budget's: digits-rows at the default and every
+leaf at `--factor`, trained for each multiple of its steps (warm-up a quarter of them, as
+every arm). A gap that closes with more steps would make the default slow, not wrong.
 """
 
 import argparse
+import dataclasses
 import statistics
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -64,12 +70,13 @@ REFERENCE_WIDTH = 9
 WIDTH_RULE = f"w_in x {REFERENCE_WIDTH}/code width"
 
 
-def run(genome: str, variant: str, factor: float, seed: int) -> float:
+def run(genome: str, variant: str, factor: float, seed: int, budget: int = 1) -> float:
     """Validation accuracy (%) of `TASK`'s MLP with `GENOMES[genome]` (or `FAMILY[genome]`)
-    at seed `seed`, the leaves of `variant` at `factor` times their default rate."""
+    at seed `seed`, the leaves of `variant` at `factor` times their default rate, trained for
+    `budget` times the task's steps."""
     torch.set_num_threads(1)
     _, base, _, free_lr = transfer.TASKS[TASK]
-    task = ep.TASKS[base]
+    task = dataclasses.replace(ep.TASKS[base], steps=ep.TASKS[base].steps * budget)
 
     def times(leaf: str | None, tensor: torch.Tensor | None) -> float:
         if variant == WIDTH_RULE:
@@ -118,6 +125,43 @@ def report_family(scores: dict[tuple[str, float], dict[int, float]]) -> None:
     print(f"\n{seeds} seeds; the validation set is 360 images (0.28 points each)")
 
 
+def report_budgets(scores: dict[tuple[int, float], dict[int, float]], factor: float) -> None:
+    """Per budget, the default's mean and every leaf at `factor` against it, paired by seed."""
+    steps = ep.TASKS[transfer.TASKS[TASK][1]].steps
+    print(f"{TASK}'s MLP, genome {GENOMES['rows']}; every leaf at 1x and {factor:g}x")
+    print(f"| steps | 1x (%) | {factor:g}x (%) | {factor:g}x - 1x (points, paired) |")
+    print("|---:|---:|---:|---:|")
+    for budget in sorted({b for b, _ in scores}):
+        default, scaled = scores[budget, 1.0], scores[budget, factor]
+        diffs = [scaled[s] - default[s] for s in sorted(default)]
+        error = statistics.stdev(diffs) / len(diffs) ** 0.5
+        print(
+            f"| {steps * budget} | {statistics.fmean(default.values()):.2f} "
+            f"| {statistics.fmean(scaled.values()):.2f} "
+            f"| {statistics.fmean(diffs):+.2f} +- {error:.2f} |"
+        )
+    seeds = len(next(iter(scores.values())))
+    print(f"\n{seeds} seeds; the validation set is 360 images (0.28 points each)")
+
+
+def main_budgets(args: argparse.Namespace) -> None:
+    factors = (1.0, args.factor)
+    jobs = [
+        ("rows", "every leaf", f, s, b)
+        for b in args.budgets
+        for f in factors
+        for s in range(args.seeds)
+    ]
+    with ProcessPoolExecutor(args.processes) as pool:
+        accuracies = list(pool.map(run, *zip(*jobs, strict=True)))
+    scores: dict[tuple[int, float], dict[int, float]] = {}
+    for (_, _, factor, seed, budget), accuracy in zip(jobs, accuracies, strict=True):
+        scores.setdefault((budget, factor), {})[seed] = accuracy
+    out = args.out or RESULTS / "lr_leaves_budget.md"
+    with recorded(out, "Whether the digits-rows miss closes with longer training (issue 54)"):
+        report_budgets(scores, args.factor)
+
+
 def main_family(args: argparse.Namespace) -> None:
     jobs = [
         (g, "every leaf", f, s) for g in FAMILY for f in FAMILY_FACTORS for s in range(args.seeds)
@@ -144,10 +188,16 @@ def main() -> None:
         help=f"the default, every leaf at --factor, and {WIDTH_RULE!r} (a candidate rule)",
     )
     parser.add_argument("--family", action="store_true", help="FAMILY's genomes, every leaf")
+    parser.add_argument(
+        "--budgets", type=int, nargs="+", help="multiples of the steps, every leaf at --factor"
+    )
     parser.add_argument("--out", type=Path, help="default: results/lr_leaves[_GENOME].md")
     args = parser.parse_args()
     if args.family:
         main_family(args)
+        return
+    if args.budgets:
+        main_budgets(args)
         return
     suffix = ("" if args.genome == "rows" else f"_{args.genome}") + "_width" * args.width_rule
     out = args.out or RESULTS / f"lr_leaves{suffix}.md"

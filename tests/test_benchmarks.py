@@ -227,6 +227,24 @@ def test_lr_leaves_family_reports_each_genome_against_its_default_paired_by_seed
     assert "2 seeds" in printed
 
 
+def test_lr_leaves_budgets_report_each_budget_against_its_default_paired_by_seed(capsys):
+    from benchmarks import equal_params as ep
+    from benchmarks.lr_leaves import report_budgets
+
+    scores = {
+        (1, 1.0): {0: 96.0, 1: 97.0},
+        (1, 2.0): {0: 97.0, 1: 97.5},
+        (2, 1.0): {0: 97.0, 1: 97.0},
+        (2, 2.0): {0: 97.0, 1: 97.0},
+    }
+    report_budgets(scores, 2.0)
+    printed = capsys.readouterr().out
+    steps = ep.TASKS["mlp"].steps
+    assert f"| {steps} | 96.50 | 97.25 | +0.75 +- 0.25 |" in printed
+    assert f"| {2 * steps} | 97.00 | 97.00 | +0.00 +- 0.00 |" in printed
+    assert "2 seeds" in printed
+
+
 def test_compile_time_reports_each_depth_with_gbfunc_over_plain(capsys):
     from benchmarks.compile_time import report
 
