@@ -129,6 +129,7 @@ def compiled_step():
 
 
 @pytest.mark.slow
+@pytest.mark.loops_off  # a whole compiled step, as on platforms without the loops
 def test_compiled_training_step_has_no_graph_breaks_and_matches_eager(compiled_step):
     plan, step, compiled = compiled_step
     fresh = gb.init(plan, requires_grad=False)
