@@ -83,7 +83,11 @@ class Selection:
                     tiles = (t for piece in covering for t in piece_tiles(p, piece))
                     needed.setdefault(p.stack_index, set()).update(tiles)
         self.tiles = {s: sorted(t) for s, t in sorted(needed.items())}
-        self._rows = {key: self._tile_rows(self._params[key[0]], key) for key in self._pieces}
+        position = {s: {t: i for i, t in enumerate(tiles)} for s, tiles in self.tiles.items()}
+        self._rows = {
+            key: self._tile_rows(key, position[self._params[key[0]].stack_index])
+            for key in self._pieces
+        }
         self._splits = {s: self._partition(s) for s in self.tiles if s not in self._whole}
 
     @staticmethod
@@ -156,9 +160,10 @@ class Selection:
             for p in self.plan.generated_by(s)
         )
 
-    def _tile_rows(self, p: Generated, key: tuple[str, int]) -> list[Rows]:
-        """Each piece's rows in the evaluated tiles: a slice where they are consecutive."""
-        position = {t: i for i, t in enumerate(self.tiles[p.stack_index])}
+    def _tile_rows(self, key: tuple[str, int], position: Mapping[int, int]) -> list[Rows]:
+        """The rows of each piece of `key` in its stack's evaluated tiles (`position`: each
+        tile's row there, built once per stack): a slice where they are consecutive."""
+        p = self._params[key[0]]
         rows: list[Rows] = []
         for piece in self._pieces[key]:
             at = [position[t] for t in piece_tiles(p, piece)]
