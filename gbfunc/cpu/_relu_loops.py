@@ -4,24 +4,23 @@
   `generate._tile_mlp_backward._fused_reductions` needs the output gradient `g` `(TH, Q)`
   summed where each hidden unit is active (`b[q, h] > threshold[i, h]`,
   `threshold = -(a + c)`): over the columns, `rows` `(TH, H)`, and over the rows, `cols`
-  `(Q, H)`. Written for
-  inductor these are two reductions along different axes: two passes over the positions,
-  each a compare, a select and an add per position and unit. The loop makes one: per row it
-  keeps the row's sums in registers, vectorised over the units, and adds the same selected
-  gradient into the columns' sums, which stay in L1. Four rows at a time share each load of
-  `b` and each update of the columns' sums.
+  `(Q, H)`. Written for inductor these are two reductions along different axes: two passes
+  over the positions, each a compare, a select and an add per position and unit. The loop
+  makes one: per row it keeps the row's sums in registers, vectorised over the units, and
+  adds the same selected gradient into the columns' sums, which stay in L1. Four rows at a
+  time share each load of `b` and each update of the columns' sums.
 - `relu_one_output`, for the forward of one-output g-nets
   (`generate._tile_mlp_forward.forward_form`): inductor's sum over the units, vectorised
   over the columns, reloads each unit's column terms for every row; the loop holds four
   rows' sums in registers, so one load serves the four.
-- `relu_layer_forward`, for the forward of g-nets with a few outputs
-  (`generate._tile_mlp_forward._unrolls`): inductor's unrolled sum recomputes every hidden
-  activation once per output; the loop computes a position's activations once, vectorised
-  over the units, then its outputs as a sum of rows of `w_out`, vectorised over the outputs,
-  eight positions at a time (then four, then one; eight independent chains of
+- `relu_layer_forward`, for the forward of g-nets with a few outputs (up to 32,
+  `generate._tile_mlp_forward._loops_layer`): inductor's unrolled sum recomputes every
+  hidden activation once per output; the loop computes a position's activations once,
+  vectorised over the units, then its outputs as a sum of rows of `w_out`, vectorised over
+  the outputs, eight positions at a time (then four, then one; eight independent chains of
   multiply-adds).
 - `relu_layer_backward`, its backward: inductor's (from
-  `generate._tile_mlp_backward._backward_units_major`) is two matmuls with 16 or fewer
+  `generate._tile_mlp_backward._backward_units_major`) is two matmuls with 32 or fewer
   outputs as their short axis, where MKL is slow, and reductions around them; the loop
   recomputes a position's activations, their gradient, and adds into every sum (over the
   columns, the rows, the positions) in one pass. Four positions at a time share each pass
