@@ -13,12 +13,12 @@ it), `compiled-mlp` and `torch` (`compile=False`); then evaluation under `torch.
 (`compile=None`: `cpu-loops` where they apply) against `torch`. A path's ratio is its time
 over the fastest other path of the same genome.
 
-Then the torch path's traced variants (`gbfunc.generate._tile_mlp_forward.FORMS`, which `gb.explain`
+Then the torch path's traced variants (`gbfunc.generate._traced_forms.FORMS`, which `gb.explain`
 names): for each, on genomes of the same MLP where it is chosen, the generation compiled
 (`torch.compile(fullgraph=True)`: `gb.apply`'s weights and a fixed linear function of them,
 every stack on the `torch` path, then the backward) with that variant and with each
 neighbour that could serve the same stacks, forced within this script only (`Forced`:
-`torch_ops.forward_form`, which the route reads, replaced while the compiled code is traced
+`_traced_forms.forward_form`, which the route reads, replaced while the compiled code is traced
 and run; a one-output neighbour that reads units-major column terms, `by-columns` or `c-loops` on
 tiles narrower than a vector register, is given them too). Each forced neighbour's weights
 and gradients are checked equal to the variant's (to rounding) before it is timed. Ratios
@@ -39,8 +39,8 @@ from benchmarks._meta import compile_static, cpu_benchmark_args, recorded
 from benchmarks.bench_step import HASHED_20X, Timing, median_ms, mlp, round_ms
 from gbfunc._apply import op_by_op
 from gbfunc._select import Selection
-from gbfunc.generate import _tile_mlp_forward, graph, torch_ops
-from gbfunc.generate.torch_ops import tile_form
+from gbfunc.generate import _traced_forms, graph
+from gbfunc.generate._traced_forms import tile_form
 
 GENOMES = {
     "default genome (torchGB), tile 128": {"tile": (128, 128)},
@@ -147,13 +147,13 @@ VARIANT_CASES = (
 class Forced:
     """A context inside which traced tile MLP forwards run `form` (None: the one
     `forward_form` chooses), each form run added to `ran`; a one-output `form` that reads
-    units-major column terms is given them (`torch_ops.reads_units_major_columns`). Its
+    units-major column terms is given them (`_traced_forms.reads_units_major_columns`). Its
     replacements are made once, so that code compiled inside it, whose guards hold them,
     runs inside it again without recompiling."""
 
     def __init__(self, form: str | None) -> None:
         self.ran: set[str] = set()
-        chosen = _tile_mlp_forward.forward_form
+        chosen = _traced_forms.forward_form
 
         # Called as it is traced, not traced itself: dynamo would guard on `ran`'s contents.
         @torch.compiler.assume_constant_result
@@ -163,10 +163,10 @@ class Forced:
             return taken
 
         self.replacements: list[tuple[object, str, Callable]] = [
-            (torch_ops, "forward_form", forward_form)
+            (_traced_forms, "forward_form", forward_form)
         ]
         if form in ("by-columns", "c-loops"):
-            self.replacements.append((torch_ops, "reads_units_major_columns", lambda *_: True))
+            self.replacements.append((_traced_forms, "reads_units_major_columns", lambda *_: True))
         self.saved: list[Callable] = []
 
     def __enter__(self) -> None:

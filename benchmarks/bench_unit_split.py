@@ -1,8 +1,8 @@
 """How compiled one-output g-nets reduce over their hidden units, side by side in one run.
 
 The compiled backward of one-layer, one-output g-nets
-(`gbfunc.generate._tile_mlp_backward._fused_reductions`)
-reduces over the hidden units that `_vectorised_units` counts as one vectorised axis, and
+(`gbfunc.generate._traced_forms._fused_reductions`)
+reduces over the hidden units that `vectorised_units` counts as one vectorised axis, and
 over the others one unit at a time; so does the forward of tiles narrower than a vector
 register (`_one_output_by_units`; wider tiles sum with the columns as the vector axis).
 This times the backward four ways, interleaved: three written for inductor (every unit
@@ -25,7 +25,7 @@ import torch
 
 from benchmarks._meta import compile_static, cpu_benchmark_args, recorded
 from gbfunc.cpu import _relu_loops
-from gbfunc.generate import _tile_mlp_backward, _tile_mlp_forward
+from gbfunc.generate import _traced_forms
 
 SHAPES = [(1, 512, 784, 4), (1, 512, 784, 16), (135, 57, 96, 32)] + [
     (44, 128, 128, h) for h in (4, 6, 8, 10, 12, 14, 20, 32)
@@ -38,13 +38,13 @@ def every_unit(row_terms: torch.Tensor) -> int:
 
 def whole_registers(row_terms: torch.Tensor) -> int:
     hidden = row_terms.shape[-1]
-    return hidden - hidden % _tile_mlp_forward._vector_lanes(row_terms.dtype, row_terms.device.type)
+    return hidden - hidden % _traced_forms._vector_lanes(row_terms.dtype, row_terms.device.type)
 
 
 RULES = {
     "all vectorised": every_unit,
     "whole registers": whole_registers,
-    "gbfunc's rule": _tile_mlp_forward._vectorised_units,
+    "gbfunc's rule": _traced_forms.vectorised_units,
 }
 ONE_PASS = "one pass in C"
 
@@ -69,13 +69,13 @@ def backward_ms(shape: tuple[int, int, int, int], rounds: int, inner: int) -> di
     # One compiled copy per variant; dynamo guards on the patched functions, so each runs
     # under its own.
     variants = [*RULES, ONE_PASS]
-    compiled = {name: compile_static(_tile_mlp_backward._fused_reductions) for name in variants}
+    compiled = {name: compile_static(_traced_forms._fused_reductions) for name in variants}
 
     def run(name: str, calls: int) -> None:
-        rule = RULES.get(name, _tile_mlp_forward._vectorised_units)
+        rule = RULES.get(name, _traced_forms.vectorised_units)
         one_pass = _always if name == ONE_PASS else _never
         with (
-            mock.patch.object(_tile_mlp_backward, "_vectorised_units", rule),
+            mock.patch.object(_traced_forms, "vectorised_units", rule),
             mock.patch.object(_relu_loops, "sums_usable", one_pass),
         ):
             for _ in range(calls):
@@ -94,7 +94,7 @@ def backward_ms(shape: tuple[int, int, int, int], rounds: int, inner: int) -> di
 
 def main() -> None:
     args = cpu_benchmark_args(__doc__, "bench_unit_split.md")
-    lanes = _tile_mlp_forward._vector_lanes(torch.float32, "cpu")
+    lanes = _traced_forms._vector_lanes(torch.float32, "cpu")
     with recorded(args.out, "Compiled one-output g-nets: reducing over the hidden units"):
         print(f"float32 lanes: {lanes}; ReLU backward, ms, medians of 7 rounds of 20 calls")
         print(f"{'tiles, TH, Q, H':<22}" + "".join(f"{n:>18}" for n in [*RULES, ONE_PASS]))

@@ -53,6 +53,7 @@ LEAF_UTILITIES = {
     "gbfunc._tree": "the gparams pytree's type and its trainable leaves",
     "gbfunc._numbers": "what counts as a number in an argument",
     "gbfunc._tracing": "one predicate: whether torch.export is tracing",
+    "gbfunc.cpu._mode": "the CPU loops' mode in force and whether a build failed (the memo's key)",
 }
 
 DEFINITIONS = (

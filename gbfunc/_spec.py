@@ -2,8 +2,9 @@
 
 A stack's g-nets as per-tile terms of the separable first layer (`Terms`, `stack_terms`),
 the position-code tables they read (`code_tables`), the activations and their derivatives,
-the tile hash, and `reference`: the tile MLP in plain autograd, which defines what every
-generation path (the compiled torch forms, the C loops, the Triton kernels) must return.
+the tile hash and a hashed table's signed gather (`signed_buckets`, and its gradient), and
+`reference`: the tile MLP in plain autograd, which defines what every generation path (the
+compiled torch forms, the C loops, the Triton kernels) must return.
 `gbfunc.cpu` and `gbfunc.kernels` import this module, the plan and `_function` (and the
 kernels' reference the tiling), nothing above them (`tests/test_import_graph.py`).
 """
@@ -175,6 +176,44 @@ def packed_tile_hash(positions: int, buckets: int, device: torch.device) -> Tens
     """`hash_buckets` as one int32 tensor on `device`: `(bucket + 1) * sign`."""
     bucket, sign = hash_buckets(positions, buckets)
     return ((bucket + 1) * sign.long()).to(device=device, dtype=torch.int32)
+
+
+def unpacked(packed: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The bucket (int64) and the sign (in `dtype`) of each position of a packed hash."""
+    return (packed.abs() - 1).long(), packed.sign().to(dtype)
+
+
+def gathered(table: Tensor, bucket: Tensor, sign: Tensor) -> Tensor:
+    """`sign * table[:, bucket]`, `(T, P)`: each tile's buckets at its positions, signed."""
+    # torch.gather, not index_select: its backward is a scatter_add, which inductor's CPU code
+    # leaves to torch's kernel, where index_select's index_add becomes a scatter of atomic adds.
+    return torch.gather(table, -1, bucket.expand(*table.shape[:-1], -1)) * sign
+
+
+def signed_buckets(table: Tensor, packed: Tensor) -> Tensor:
+    """Each tile's signed buckets, `(T, P)`: `sign(packed) * table[:, |packed| - 1]`.
+
+    Shapes: table `(T, B)`, packed `(P,)` int32, no zero.
+    """
+    return gathered(table, *unpacked(packed, table.dtype))
+
+
+def gradient_reference(grad: Tensor, packed: Tensor, buckets: int) -> Tensor:
+    """`signed_buckets`'s gradient with respect to its table `(T, buckets)`, given `grad`
+    `(T, ...)` with `P` values a tile: what the C loop `cpu._hash_gradient` computes."""
+    grad = grad.reshape(grad.shape[0], -1)
+    bucket, sign = unpacked(packed, grad.dtype)
+    table = grad.new_zeros(grad.shape[0], buckets)
+    return table.scatter_add(-1, bucket.expand(grad.shape[0], -1), grad * sign)
+
+
+def hashed_tiles(stack: Stack, table: Tensor) -> Tensor:
+    """Each tile's hashed weights `(T, TH, TW * K)` from its table `(T, buckets)`: its signed
+    buckets at the tile's positions, times `HASH_GAIN`."""
+    hashed, dtype, device = stack.genome.hashed, table.dtype, table.device
+    bucket, sign = cached(bucket_signs, stack.tile_positions, hashed, dtype, device)
+    shared = gathered(table, bucket, sign * HASH_GAIN)
+    return shared.reshape(table.shape[0], stack.tile[0], -1)
 
 
 def per_tile(x: Tensor, counts: tuple[int, ...]) -> Tensor:

@@ -85,13 +85,13 @@ def process_group(tmp_path, monkeypatch):
 def fresh_loops(monkeypatch, tmp_path) -> Path:
     """The CPU loops' state of a new process, `auto` mode, building into a cache of the
     test's own (returned); the process's own state comes back after the test."""
-    from gbfunc.cpu import _build, _cache
+    from gbfunc.cpu import _build, _cache, _mode
 
     monkeypatch.setattr(_build, "_libraries", {})
     monkeypatch.setattr(_build, "_functions", {})
-    monkeypatch.setattr(_build, "_failure", None)
-    monkeypatch.setattr(_build, "_mode", None)
-    monkeypatch.delenv(_build.MODE_VARIABLE, raising=False)
+    monkeypatch.setattr(_mode, "_failure", None)
+    monkeypatch.setattr(_mode, "_forced", None)
+    monkeypatch.delenv(_mode.MODE_VARIABLE, raising=False)
     monkeypatch.setenv(_cache.CACHE_VARIABLE, str(tmp_path / "cache"))
     return tmp_path / "cache"
 
@@ -108,9 +108,9 @@ def failing_loops(fresh_loops, monkeypatch, tmp_path) -> None:
 @pytest.fixture
 def loops_off(monkeypatch) -> pytest.MonkeyPatch:
     """The CPU loops switched off for the test, as `GBFUNC_CPU_LOOPS=off` does."""
-    from gbfunc.cpu import _build
+    from gbfunc.cpu import _mode
 
-    monkeypatch.setattr(_build, "_mode", "off")
+    monkeypatch.setattr(_mode, "_forced", "off")
     return monkeypatch
 
 

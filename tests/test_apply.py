@@ -259,7 +259,7 @@ def test_units_major_column_terms_are_the_column_terms_laid_out_units_first(shar
     """What compiled one-output forwards read instead of `b`: the same values, `(T, H, Q)`,
     contiguous (a matmul's own layout, not a strided view), shared g-nets repeated per tile."""
     from gbfunc._spec import stack_terms
-    from gbfunc.generate.torch_ops import units_major_columns
+    from gbfunc.generate._traced_forms import units_major_columns
 
     plan = gb.plan(nn.Linear(20, 13), tile=(4, 6), share=share, hidden=5)
     gparams = gb.init(plan, seed=2)
@@ -276,8 +276,11 @@ def test_units_major_column_terms_go_only_to_compiled_one_output_forwards_of_wid
     """Compiled one-output forwards read `b_t` where a tile's columns fill a vector register;
     narrower (inductor forks threads inside a serial loop there), deeper or multi-output
     g-nets, and uncompiled eager code, get none."""
-    from gbfunc.generate._tile_mlp_forward import _vector_lanes, reads_units_major_columns
-    from gbfunc.generate.torch_ops import _reads_units_major
+    from gbfunc.generate._traced_forms import (
+        _reads_units_major,
+        _vector_lanes,
+        reads_units_major_columns,
+    )
 
     lanes = _vector_lanes(torch.float32, "cpu")
     assert reads_units_major_columns(lanes, torch.float32, torch.device("cpu"))
@@ -311,10 +314,11 @@ def test_traced_one_output_forwards_of_wide_tiles_read_the_units_major_column_te
     MLP, whose forward sums from them (`_one_output_by_columns`, or for ReLU on CPU the C loop
     `relu_one_output`); the weights are unchanged."""
     from gbfunc.cpu import _relu_loops
-    from gbfunc.generate import _tile_mlp_forward
-    from gbfunc.generate.torch_ops import evaluate_stack, tile_form, units_major_columns
+    from gbfunc.generate import _traced_forms
+    from gbfunc.generate._traced_forms import units_major_columns
+    from gbfunc.generate.torch_ops import evaluate_stack, tile_form
 
-    lanes = _tile_mlp_forward._vector_lanes(torch.float32, "cpu")
+    lanes = _traced_forms._vector_lanes(torch.float32, "cpu")
     plan = gb.plan(nn.Linear(2 * lanes, 3 * lanes), tile=(lanes, lanes), hidden=5)
     (stack,) = plan.stacks
     leaves = gb.init(plan, seed=4)["stacks"][stack.key]
@@ -328,11 +332,11 @@ def test_traced_one_output_forwards_of_wide_tiles_read_the_units_major_column_te
 
         return reading
 
-    forward = _tile_mlp_forward._one_output_by_columns
-    monkeypatch.setattr(_tile_mlp_forward, "_one_output_by_columns", spy(forward))
+    forward = _traced_forms._one_output_by_columns
+    monkeypatch.setattr(_traced_forms, "_one_output_by_columns", spy(forward))
     monkeypatch.setattr(_relu_loops, "relu_one_output", spy(_relu_loops.relu_one_output))
     form = tile_form(stack, leaves["w_in"], traced=True, exporting=False)
-    assert form in _tile_mlp_forward.ONE_OUTPUT_UNITS_MAJOR
+    assert form in _traced_forms.ONE_OUTPUT_UNITS_MAJOR
     got = evaluate_stack(stack, leaves, form=form)
     assert len(read) == 1
     torch.testing.assert_close(read[0], units_major_columns(stack, leaves))
@@ -363,13 +367,13 @@ def test_traced_tile_mlps_return_each_weights_tiles_apart_and_take_their_gradien
     sizes = [p.numel // 64 for p in plan.generated]  # tiles of each weight
     assert sizes == [6, 4]
     backward_tiles = []
-    backward = torch_ops._backward_recompute
+    backward = torch_ops.backward_recompute
 
     def spy(*args):  # (grad, terms, activation, form)
         backward_tiles.append(args[0].shape[0])
         return backward(*args)
 
-    monkeypatch.setattr(torch_ops, "_backward_recompute", spy)
+    monkeypatch.setattr(torch_ops, "backward_recompute", spy)
     generator = torch.Generator().manual_seed(2)
     cotangents = {p.name: torch.randn(p.shape, generator=generator) for p in plan.generated}
 

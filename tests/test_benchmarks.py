@@ -802,10 +802,10 @@ def test_bench_paths_forces_each_neighbour_of_a_variant_and_checks_it_equals_the
 
     from benchmarks.bench_paths import VariantCase, compare_variants
     from gbfunc.cpu._relu_loops import layer_usable
-    from gbfunc.generate import _tile_mlp_forward, torch_ops
+    from gbfunc.generate import _traced_forms
 
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    saved = _tile_mlp_forward.forward_form, torch_ops.reads_units_major_columns
+    saved = _traced_forms.forward_form, _traced_forms.reads_units_major_columns
     model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
     tanh = {"hidden": 5, "activation": "tanh"}
     many_units = {"tile": (4, 4), "outputs": 2, **tanh, "hidden": 40}
@@ -824,4 +824,4 @@ def test_bench_paths_forces_each_neighbour_of_a_variant_and_checks_it_equals_the
         assert timings[case.variant].ratios == [1.0]
         assert differences[case.variant] == (0.0, 0.0)
         assert all(max(d) <= 1e-4 for d in differences.values())
-    assert (_tile_mlp_forward.forward_form, torch_ops.reads_units_major_columns) == saved
+    assert (_traced_forms.forward_form, _traced_forms.reads_units_major_columns) == saved

@@ -177,8 +177,7 @@ def test_compiled_grad_of_shared_gnets_matches_eager():
 def test_the_compiled_hash_packs_bucket_and_sign_into_one_int32_losslessly():
     """Compiled code copies the hash as `(bucket + 1) * sign` in int32 and unpacks it."""
     from gbfunc._genome import hash_buckets
-    from gbfunc._spec import packed_tile_hash
-    from gbfunc.cpu._hash_gradient import unpacked
+    from gbfunc._spec import packed_tile_hash, unpacked
 
     bucket, sign = hash_buckets(1000, 37)
     packed = packed_tile_hash(1000, 37, torch.device("cpu"))
@@ -380,15 +379,15 @@ def test_eager_apply_through_the_plans_graph_matches_plain_eager_and_compiles_on
 def runs_as_graph(plan: gb.Plan, compile: bool | None) -> bool:
     """Whether eager `gb.apply(compile=compile)` would compile `plan` as one graph, the CPU
     loops aside (they run in the graph, or on their own where they take every stack)."""
-    from gbfunc.cpu import _build
+    from gbfunc.cpu import _mode
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_build, "_mode", "off")
+        patch.setattr(_mode, "_forced", "off")
         return gb.explain(gb.init(plan), plan, compile=compile).route.plan == "graph"
 
 
 def test_plans_run_as_one_graph_where_it_pays_and_holds_no_large_transient(monkeypatch):
-    from gbfunc.generate import torch_ops
+    from gbfunc.generate import compiled_mlp
     from gbfunc.generate._policy import AUTO_GRAPH_WEIGHTS
     from gbfunc.generate.graph import fits_graph
 
@@ -416,15 +415,15 @@ def test_plans_run_as_one_graph_where_it_pays_and_holds_no_large_transient(monke
     (wide,) = gb.plan(small, tile=(16, 16), hidden=8, outputs=4).stacks
     (fused,) = gb.plan(small, tile=(16, 16), hidden=8).stacks
     transient = 16 * 16 * 16 // 4 * 8  # tiles x rows x evaluation columns x hidden
-    monkeypatch.setattr(torch_ops, "COMPILED_CHUNK_ELEMENTS", transient)
+    monkeypatch.setattr(compiled_mlp, "COMPILED_CHUNK_ELEMENTS", transient)
     assert fits_graph(wide)
     assert fits_graph(fused)
-    monkeypatch.setattr(torch_ops, "COMPILED_CHUNK_ELEMENTS", transient - 1)
+    monkeypatch.setattr(compiled_mlp, "COMPILED_CHUNK_ELEMENTS", transient - 1)
     assert not fits_graph(wide)
     assert fits_graph(fused)
     assert not runs_as_graph(gb.plan(small, tile=(16, 16), hidden=8, outputs=4), True)
     deep = gb.plan(small, tile=(16, 16), hidden=8, depth=2)
-    monkeypatch.setattr(torch_ops, "COMPILED_CHUNK_ELEMENTS", 16 * 16 * 16 * 8 - 1)
+    monkeypatch.setattr(compiled_mlp, "COMPILED_CHUNK_ELEMENTS", 16 * 16 * 16 * 8 - 1)
     assert not runs_as_graph(deep, True)
 
 
@@ -595,10 +594,10 @@ def test_eager_apply_runs_op_by_op_while_dynamo_is_switched_off(monkeypatch):
     """`torch._dynamo.config.disable` (a debugging setting) made gb.apply's compiled graph
     raise "found no compiled frames"; it now runs op by op, with no warning."""
     from gbfunc._compiled import CompiledCache
-    from gbfunc.generate import graph as _graph, torch_ops
+    from gbfunc.generate import compiled_mlp, graph as _graph
 
     monkeypatch.setattr(_graph, "_GRAPHS", CompiledCache("gb.apply's graph"))
-    monkeypatch.setattr(torch_ops, "_BODIES", CompiledCache("the tile MLP"))
+    monkeypatch.setattr(compiled_mlp, "_BODIES", CompiledCache("the tile MLP"))
     model = nn.Linear(24, 20)
     plan = gb.plan(model, tile=(8, 8), hidden=4)
     gparams = gb.init(plan, seed=1)
@@ -617,22 +616,22 @@ def test_compiled_bodies_of_a_multi_output_stack_run_in_balanced_chunks(monkeypa
     the chunks are balanced, so one chunk size compiles once for the forward and the backward."""
     from torch._dynamo.utils import counters
 
-    from gbfunc.generate import torch_ops
+    from gbfunc.generate import compiled_mlp
 
     model = nn.Linear(48, 32, bias=False)  # (16, 16) tiles: 2 x 3 = 6 tiles
     plan = gb.plan(model, tile=(16, 16), hidden=8, outputs=4)
     (stack,) = plan.stacks
     per_tile = 16 * (16 // 4) * 8  # tile rows x evaluations per row x hidden units
     # Four tiles per chunk: 4 + 2 unbalanced (two sizes), 3 + 3 balanced (one).
-    monkeypatch.setattr(torch_ops, "COMPILED_CHUNK_ELEMENTS", 4 * per_tile)
+    monkeypatch.setattr(compiled_mlp, "COMPILED_CHUNK_ELEMENTS", 4 * per_tile)
     chunk_tiles = []
-    compiled = torch_ops._compiled
+    compiled = compiled_mlp._compiled
 
     def spy(body, first, *rest):
         chunk_tiles.append(first.shape[0])
         return compiled(body, first, *rest)
 
-    monkeypatch.setattr(torch_ops, "_compiled", spy)
+    monkeypatch.setattr(compiled_mlp, "_compiled", spy)
     x = torch.randn(5, 48)
 
     def grads(compile):

@@ -8,14 +8,8 @@ from torch import nn
 from torch.func import grad, vmap
 
 import gbfunc as gb
-from gbfunc._spec import packed_tile_hash
-from gbfunc.cpu._hash_gradient import (
-    gradient_reference,
-    signed_buckets,
-    signed_gather,
-    table_gradient,
-    usable,
-)
+from gbfunc._spec import gradient_reference, packed_tile_hash, signed_buckets
+from gbfunc.cpu._hash_gradient import signed_gather, table_gradient, usable
 
 pytestmark = pytest.mark.skipif(not usable(torch.float32, "cpu"), reason="no C++ compiler")
 

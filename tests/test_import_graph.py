@@ -118,7 +118,7 @@ def test_the_import_reader_resolves_relative_imports(tmp_path):
     names = gbfunc_names(ROOT / "gbfunc" / "_dispatch.py", "gbfunc")
     assert {"gbfunc.generate.triton", "gbfunc.cpu.loops_state"} <= names
     graph = ROOT / "gbfunc" / "generate" / "graph.py"
-    assert {"gbfunc.generate.torch_ops", "gbfunc.generate.cpu_loops"} <= gbfunc_imports(
+    assert {"gbfunc.generate.compiled_mlp", "gbfunc.generate.cpu_loops"} <= gbfunc_imports(
         graph, "gbfunc.generate"
     )
     absolute = tmp_path / "absolute.py"

@@ -34,7 +34,7 @@ from gbfunc._spec import reference, stack_terms
 from gbfunc._tiling import assemble
 from gbfunc.cpu import _build, missing_compiler
 from gbfunc.cpu._relu_loops import MIN_UNITS
-from gbfunc.generate import _tile_mlp_forward, torch_ops
+from gbfunc.generate import _traced_forms, compiled_mlp, torch_ops
 from gbfunc.generate.torch_ops import hashed_tiles
 from gbfunc.generate.triton import HAS_TRITON
 
@@ -279,7 +279,7 @@ def test_the_compiled_mlp_path_equals_the_references(seed):
     gparams = init(plan, seed)
     with pytest.MonkeyPatch.context() as patch:
         smallest = min(s.hidden_elements for s in plan.stacks)
-        patch.setattr(torch_ops, "COMPILED_CHUNK_ELEMENTS", smallest // 2)
+        patch.setattr(compiled_mlp, "COMPILED_CHUNK_ELEMENTS", smallest // 2)
         assert_route(gparams, plan, ("compiled-mlp",) * len(plan.stacks), compile=True)
         weights, grads = generate(gparams, plan, compiled, seed)
     assert_weights(weights, gparams, plan)
@@ -318,7 +318,7 @@ VARIANT_PLANS = {
 def test_every_named_variant_has_a_plan_here():
     """The variants' table (`FORMS`, what `gb.explain` may print) and this test's plans are
     the same set: a variant added to the table without a plan here fails."""
-    assert set(VARIANT_PLANS) == set(_tile_mlp_forward.FORMS)
+    assert set(VARIANT_PLANS) == set(_traced_forms.FORMS)
 
 
 @pytest.mark.parametrize(
@@ -335,13 +335,13 @@ def test_each_variant_runs_where_gb_explain_names_it_and_equals_the_references(
     seed = 8
     gparams = init(plan, seed)
     ran = []
-    forward = torch_ops._forward_no_save
+    forward = torch_ops.forward_no_save
 
-    def recorded(terms, activation, b_t=None, form=_tile_mlp_forward.EAGER):
+    def recorded(terms, activation, b_t=None, form=_traced_forms.EAGER):
         ran.append(form)
         return forward(terms, activation, b_t, form)
 
-    monkeypatch.setattr(torch_ops, "_forward_no_save", recorded)
+    monkeypatch.setattr(torch_ops, "forward_no_save", recorded)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: traced)
     report = str(gb.explain(gparams, plan, compile=False))
     assert report.count(f": torch ({variant})\n") == len(plan.stacks), report

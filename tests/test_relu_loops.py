@@ -23,14 +23,14 @@ from gbfunc.cpu._relu_loops import (
     sums_reference,
     sums_usable,
 )
-from gbfunc.generate._tile_mlp_backward import _backward_recompute, _fused_reductions
-from gbfunc.generate._tile_mlp_forward import (
+from gbfunc.generate._traced_forms import (
     EAGER,
+    _fused_reductions,
     forward_form,
     reads_units_major_columns,
     terms_form,
 )
-from gbfunc.generate.torch_ops import tile_mlp
+from gbfunc.generate.torch_ops import backward_recompute, tile_mlp
 
 pytestmark = pytest.mark.skipif(
     not sums_usable(MIN_UNITS, torch.float32, "cpu"), reason="no C++ compiler for the C loops"
@@ -184,7 +184,7 @@ def test_without_a_compiler_the_reductions_run_in_torch(failing_loops):
     with mock.patch.object(_relu_loops, "relu_unit_sums", side_effect=AssertionError("ran")):
         got = _fused_reductions(g, a, b, c, w, "relu")
     terms = Terms(a, b, c, None, None, w[..., None], torch.zeros(2, 1))
-    want = _backward_recompute(g[..., None], terms, "relu")
+    want = backward_recompute(g[..., None], terms, "relu")
     torch.testing.assert_close(got[0], want.a)
     torch.testing.assert_close(got[1], want.b)
 

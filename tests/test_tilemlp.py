@@ -7,18 +7,20 @@ import torch
 from hypothesis import example, given, strategies as st
 
 from gbfunc._spec import Terms, activate, activate_grad, reference
-from gbfunc.generate._tile_mlp_backward import _backward_recompute, _fused_reductions
-from gbfunc.generate._tile_mlp_forward import (
+from gbfunc.generate._traced_forms import (
     EAGER,
-    _forward_no_save,
+    _fused_reductions,
     _vector_lanes,
-    _vectorised_units,
     terms_form,
+    vectorised_units,
 )
+from gbfunc.generate.compiled_mlp import compiled_chunks
 from gbfunc.generate.torch_ops import (
     CHUNK_ELEMENTS,
-    _compiled_chunks,
     _eager_chunks,
+    _units_major_terms,
+    backward_recompute,
+    forward_no_save,
     tile_chunks,
     tile_mlp,
 )
@@ -111,8 +113,8 @@ def test_the_compiled_forms_of_several_outputs_or_layers_equal_the_reference(
     detached = Terms(*(None if x is None else x.detach() for x in terms))
     form = traced_form(detached, activation)
     with torch.no_grad():
-        out = _forward_no_save(detached, activation, None, form)
-        got = [g for g in _backward_recompute(grad, detached, activation, form) if g is not None]
+        out = forward_no_save(detached, activation, None, form)
+        got = [g for g in backward_recompute(grad, detached, activation, form) if g is not None]
     torch.testing.assert_close(out, spec)
     names = [n for n, x in terms._asdict().items() if x is not None]
     for name, g, w in zip(names, got, want, strict=True):
@@ -127,18 +129,18 @@ def test_traced_forwards_unroll_one_layer_of_at_most_16_outputs_and_32_units(
     hidden, depth, outputs, unrolled
 ):
     """The rule `_unrolls` states, read from the outputs' axis of `w_out` `(T, H, P)`."""
-    import gbfunc.generate._tile_mlp_forward as forward
+    import gbfunc.generate._traced_forms as forward
 
     terms = inputs(2, 3, 2, hidden, depth, outputs, seed=0)
     calls = []
-    real = forward._one_layer_unrolled
+    real = forward.one_layer_unrolled
 
     def spy(*args):
         calls.append(args)
         return real(*args)
 
-    with mock.patch.object(forward, "_one_layer_unrolled", spy):
-        out = _forward_no_save(terms, "relu", None, traced_form(terms, "relu"))
+    with mock.patch.object(forward, "one_layer_unrolled", spy):
+        out = forward_no_save(terms, "relu", None, traced_form(terms, "relu"))
     assert bool(calls) == unrolled
     torch.testing.assert_close(out, reference(terms, "relu"))
 
@@ -181,7 +183,7 @@ def test_compiled_code_reduces_whole_vector_registers_of_hidden_units_together()
         (2 * LANES - 1, 2 * LANES - 1),
         (2 * LANES + 1, 2 * LANES),
     ):
-        assert _vectorised_units(torch.zeros(1, 1, hidden, dtype=torch.float64)) == vectorised
+        assert vectorised_units(torch.zeros(1, 1, hidden, dtype=torch.float64)) == vectorised
 
 
 @pytest.mark.parametrize("hidden", WIDTHS)
@@ -191,7 +193,7 @@ def test_compiled_reductions_equal_the_eager_backward(activation, hidden):
     terms = inputs(3, 5, 7, hidden, 1, 1, seed=1)
     g = torch.randn(3, 5, 7, dtype=torch.float64)
     got = _fused_reductions(g, terms.a, terms.b, terms.c, terms.w_out[..., 0], activation)
-    want = _backward_recompute(g[..., None], terms, activation)
+    want = backward_recompute(g[..., None], terms, activation)
     torch.testing.assert_close(got[0], want.a, msg="a")
     torch.testing.assert_close(got[1], want.b, msg="b")
     torch.testing.assert_close(got[2], want.w_out[..., 0], msg="w_out")
@@ -208,7 +210,7 @@ def test_the_compiled_form_of_the_one_output_forward_equals_the_reference(
     terms = inputs(3, 5, 7, hidden, 1, 1, seed=4)
     want = reference(terms, activation)
     form = traced_form(terms, activation)
-    torch.testing.assert_close(_forward_no_save(terms, activation, None, form), want)
+    torch.testing.assert_close(forward_no_save(terms, activation, None, form), want)
 
 
 @pytest.mark.parametrize("hidden", WIDTHS)
@@ -222,7 +224,7 @@ def test_the_one_output_forward_from_units_major_column_terms_equals_the_referen
     want = reference(terms, activation)
     b_t = terms.b.detach().transpose(1, 2).contiguous()
     form = traced_form(terms, activation, b_t)
-    torch.testing.assert_close(_forward_no_save(terms, activation, b_t, form), want)
+    torch.testing.assert_close(forward_no_save(terms, activation, b_t, form), want)
 
 
 @given(
@@ -241,7 +243,7 @@ def test_both_traced_one_output_forms_equal_the_reference_on_any_shape(
     that fill vector registers or leave ragged ends in both the columns and the units."""
     terms = inputs(tiles, rows, cols, hidden, 1, 1, seed)
     b_t = terms.b.detach().transpose(1, 2).contiguous() if units_major else None
-    got = _forward_no_save(terms, activation, b_t, traced_form(terms, activation, b_t))
+    got = forward_no_save(terms, activation, b_t, traced_form(terms, activation, b_t))
     torch.testing.assert_close(got, reference(terms, activation))
 
 
@@ -296,8 +298,8 @@ def test_the_compiled_form_of_the_backward_equals_the_eager_one(
     layer with one output takes `_fused_reductions`): the same gradients as eagerly."""
     terms = inputs(3, 5, 7, hidden, depth, outputs, seed=2)
     grad = torch.randn(3, 5, 7, outputs, dtype=torch.float64)
-    want = _backward_recompute(grad, terms, activation)
-    got = _backward_recompute(grad, terms, activation, traced_form(terms, activation))
+    want = backward_recompute(grad, terms, activation)
+    got = backward_recompute(grad, terms, activation, traced_form(terms, activation))
     for name, g, w in zip(Terms._fields, got, want, strict=True):
         if w is None:
             assert g is None, name
@@ -326,7 +328,7 @@ def test_an_unknown_activation_is_named(function):
 
 
 def test_compiled_bodies_run_whole_only_where_inductor_fuses_them(monkeypatch):
-    import gbfunc.generate.torch_ops as tilemlp
+    import gbfunc.generate.compiled_mlp as tilemlp
 
     def terms(outputs: int, depth: int) -> Terms:
         tiles, rows, cols, hidden = 6, 16, 4, 8
@@ -342,9 +344,9 @@ def test_compiled_bodies_run_whole_only_where_inductor_fuses_them(monkeypatch):
         )
 
     monkeypatch.setattr(tilemlp, "COMPILED_CHUNK_ELEMENTS", 4 * 16 * 4 * 8)  # four tiles
-    assert _compiled_chunks(terms(1, 1)) == [(0, 6)]  # fused into reductions: whole
-    assert _compiled_chunks(terms(4, 1)) == [(0, 3), (3, 6)]
-    assert _compiled_chunks(terms(1, 2)) == [(0, 3), (3, 6)]
+    assert compiled_chunks(terms(1, 1)) == [(0, 6)]  # fused into reductions: whole
+    assert compiled_chunks(terms(4, 1)) == [(0, 3), (3, 6)]
+    assert compiled_chunks(terms(1, 2)) == [(0, 3), (3, 6)]
 
 
 def test_eager_evaluation_is_chunked_to_the_chunk_size_and_traced_left_whole():
@@ -474,12 +476,13 @@ def test_a_compiled_forward_of_few_outputs_holds_neither_hidden_activations_nor_
 
 @pytest.mark.parametrize(("tiles", "outputs", "cols"), [(7, 5, 4), (3, 5, 4), (3, 2, 6)])
 def test_the_unrolled_sum_over_a_spare_slot_of_any_axis_equals_the_reference(tiles, outputs, cols):
-    """`_one_layer_unrolled` pads its longest outer axis (tiles, outputs, columns: one case
+    """`one_layer_unrolled` pads its longest outer axis (tiles, outputs, columns: one case
     each), then drops the spare slot: the outputs are the reference's."""
-    terms = inputs(tiles=tiles, rows=8, cols=cols, hidden=8, depth=1, outputs=outputs, seed=0)
-    import gbfunc.generate._tile_mlp_forward as forward
+    from gbfunc.generate._traced_forms import one_layer_unrolled
 
-    got = forward._one_layer_unrolled(terms, "relu")
+    terms = inputs(tiles=tiles, rows=8, cols=cols, hidden=8, depth=1, outputs=outputs, seed=0)
+    row_terms, col_terms = _units_major_terms(terms.a, terms.b, terms.c)
+    got = one_layer_unrolled(row_terms, col_terms, terms.w_out, terms.b_out, "relu")
     torch.testing.assert_close(got, reference(terms, "relu"))
 
 

@@ -8,7 +8,7 @@ place, `gbfunc._dispatch`, by the `cpu-loops` path's rule (`gbfunc.generate.cpu_
 which asks `refusal`; a stack taken runs through `weights` (and `add_hash` for a hashed
 table) where `placement` says its weights land. `gb.explain` shows the decision. The loops
 that serve as sub-ops of the `torch` path's traced forms are chosen with the form
-(`generate._tile_mlp_forward.forward_form`, which `gb.explain` names too), and the backward's
+(`generate._traced_forms.forward_form`, which `gb.explain` names too), and the backward's
 sums and the hashed tables' gradient where their `*_usable` holds.
 
 `GBFUNC_CPU_LOOPS=off|portable|auto` (or `set_mode`) chooses whether and how they are built;
@@ -16,18 +16,10 @@ without a C++ compiler, on other platforms, or with `off`, every call runs throu
 with the same results, to rounding.
 """
 
-from ._build import (
-    MODE_VARIABLE,
-    MODES,
-    compiler,
-    loops_state,
-    missing_compiler,
-    mode,
-    set_mode,
-    unavailable_reason,
-)
+from ._build import compiler, missing_compiler, unavailable_reason
 from ._cache import CACHE_VARIABLE, cache_root
 from ._hash_weights import generate as add_hash
+from ._mode import MODE_VARIABLE, MODES, loops_state, mode, set_mode
 from ._relu_rows import Placement, generate as weights
 from ._stacks import placement, refusal
 

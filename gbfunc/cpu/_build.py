@@ -1,4 +1,5 @@
-"""Building and loading the CPU loops: which flags, where, and what happens when it fails.
+"""Building, loading and launching the CPU loops: which flags, where, what happens when a
+build fails, and how a loop shares its tiles out among threads.
 
 Each loop is a C++ file in `gbfunc/cpu/csrc/`, specialised by `-DHIDDEN=` and `-DOUTPUTS=`
 (sums over units and outputs unroll and vectorise with their counts fixed), compiled on first
@@ -28,12 +29,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from torch import Tensor
 
 from ._cache import cache_root, private_folder, unsafe_reason
 from ._compile import load_built
+from ._mode import MODE_VARIABLE, failure, mode, record_failure
 
-MODES = ("off", "portable", "auto")
-MODE_VARIABLE = "GBFUNC_CPU_LOOPS"
 SOURCES = Path(__file__).parent / "csrc"
 
 # Flags per ISA, those of the vector ISAs that inductor's own CPU code is built for.
@@ -55,37 +56,9 @@ class Loop(NamedTuple):
     sizes: int
 
 
-_mode: str | None = None  # set_mode's; None: the environment's
 _libraries: dict[tuple, ctypes.CDLL] = {}  # per source, units, outputs and build
 _functions: dict[tuple, ctypes._CFuncPtr] = {}  # per loop, units, outputs and build
-_failure: str | None = None  # why the loops are off for this process, once one failed
 _warned_compiler = False  # `missing_compiler` has warned
-
-
-def mode() -> str:
-    """The loops' mode in force: `set_mode`'s, else `$GBFUNC_CPU_LOOPS`, else `auto`."""
-    if _mode is not None:
-        return _mode
-    value = os.environ.get(MODE_VARIABLE, "auto").strip().lower() or "auto"
-    if value not in MODES:
-        raise ValueError(f"gbfunc: {MODE_VARIABLE}={value!r}; expected one of {MODES}.")
-    return value
-
-
-def set_mode(value: str | None) -> None:
-    """Force the loops' mode for this process (`None`: back to `$GBFUNC_CPU_LOOPS`). Code that
-    `torch.compile` traced earlier keeps the choice it baked in (`torch._dynamo.reset()`)."""
-    global _mode, _failure
-    if value is not None and value not in MODES:
-        raise ValueError(f"gbfunc.cpu.set_mode: mode must be one of {MODES}, got {value!r}.")
-    _mode = value
-    _failure = None
-
-
-def loops_state() -> tuple:
-    """What decides whether loops run, as a key for remembered decisions: the mode, the
-    compiler asked for, and whether a build has failed."""
-    return (mode(), os.environ.get("CXX"), _failure is None)
 
 
 def flavour() -> str | None:
@@ -136,8 +109,8 @@ def missing_compiler(*, warn: bool) -> str | None:
 
 def unavailable_reason() -> str | None:
     """Why no loop runs in this process, or None where they may (each still built on use)."""
-    if _failure is not None:
-        return _failure
+    if (failed := failure()) is not None:
+        return failed
     if mode() != "off" and (missing := missing_compiler(warn=False)):
         return missing
     if flavour() is None:
@@ -161,7 +134,7 @@ def compiled_loop(loop: Loop, units: int, outputs: int = 1) -> ctypes._CFuncPtr 
     """`loop` built for `units` units and `outputs` outputs, loaded; None where the loops are
     off, or the build or load failed (then off for the process, with one warning)."""
     build = flavour()
-    if build is None or _failure is not None:
+    if build is None or failure() is not None:
         return None
     key = (loop, units, outputs, build)
     function = _functions.get(key)
@@ -236,14 +209,40 @@ def _check_file(path: Path) -> None:
 
 def _fail(reason: str) -> None:
     """Turn the loops off for this process, warning once with `reason`."""
-    global _failure
-    _failure = f"building or loading them failed: {reason}"
-    if len(_failure) > 2000:
-        _failure = _failure[:2000] + " ..."
+    message = record_failure(reason)
     warnings.warn(
         f"gbfunc: the CPU loops are off for this process; every stack runs through pure torch "
-        f"(same results, slower on CPU). {_failure}. Set {MODE_VARIABLE}=off to skip them "
+        f"(same results, slower on CPU). {message}. Set {MODE_VARIABLE}=off to skip them "
         "without this warning.",
         RuntimeWarning,
         stacklevel=3,
     )
+
+
+# Launching a loop: threads, row splits, genomes batched by vmap.
+
+
+def threads_and_splits(tiles: int, tile_rows: int) -> tuple[int, int]:
+    """torch's thread count, and into how many row ranges the loops split each tile: tiles
+    are shared out among the threads; too few of them and each is split by rows, every split
+    with its own partial sums (`splits_added`)."""
+    threads = torch.get_num_threads()
+    return threads, max(1, min(tile_rows, -(-threads // tiles)))
+
+
+def splits_added(partials: Tensor) -> Tensor:
+    """`(T, splits, ...)` partial sums, one per row split, added: `(T, ...)`."""
+    return partials[:, 0] if partials.shape[1] == 1 else partials.sum(1)
+
+
+def tiles_folded(size: int, in_dims: tuple, args: tuple) -> list[Tensor]:
+    """Genomes batched by `vmap` are more tiles: the batch axis folded into the tile axis."""
+    return [
+        (x.movedim(d, 0) if d is not None else x.expand(size, *x.shape)).flatten(0, 1)
+        for x, d in zip(args, in_dims, strict=True)
+    ]
+
+
+def tiles_unfolded(size: int, x: Tensor) -> Tensor:
+    """`tiles_folded`'s inverse on a result: `(size * T, ...) -> (size, T, ...)`."""
+    return x.unflatten(0, (size, -1))

@@ -19,8 +19,17 @@ import torch
 from torch import Tensor
 
 from .._function import signature_once
-from ._build import Loop, compiled_loop, runnable, vectorised_cpu
-from ._relu_loops import splits_added, threads_and_splits, tiles_folded, tiles_unfolded
+from .._spec import signed_buckets
+from ._build import (
+    Loop,
+    compiled_loop,
+    runnable,
+    splits_added,
+    threads_and_splits,
+    tiles_folded,
+    tiles_unfolded,
+    vectorised_cpu,
+)
 
 _LOOP = Loop("hash_table_gradient", "hash_table_gradient.cpp", pointers=3, sizes=4)
 
@@ -30,33 +39,6 @@ def usable(dtype: torch.dtype, device_type: str) -> bool:
     """Whether `table_gradient` runs its C loop: where `_build.vectorised_cpu` holds and
     the loop compiled."""
     return vectorised_cpu(dtype, device_type) and compiled_loop(_LOOP, 1) is not None
-
-
-def unpacked(packed: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """The bucket (int64) and the sign (in `dtype`) of each position of a packed hash."""
-    return (packed.abs() - 1).long(), packed.sign().to(dtype)
-
-
-def gathered(table: Tensor, bucket: Tensor, sign: Tensor) -> Tensor:
-    """`sign * table[:, bucket]`, `(T, P)`: each tile's buckets at its positions, signed."""
-    return torch.gather(table, -1, bucket.expand(*table.shape[:-1], -1)) * sign
-
-
-def signed_buckets(table: Tensor, packed: Tensor) -> Tensor:
-    """Each tile's signed buckets, `(T, P)`: `sign(packed) * table[:, |packed| - 1]`.
-
-    Shapes: table `(T, B)`, packed `(P,)` int32, no zero.
-    """
-    return gathered(table, *unpacked(packed, table.dtype))
-
-
-def gradient_reference(grad: Tensor, packed: Tensor, buckets: int) -> Tensor:
-    """`table_gradient` in plain torch, the specification: `signed_buckets`'s gradient with
-    respect to its table `(T, buckets)`, given `grad` `(T, ...)` with `P` values a tile."""
-    grad = grad.reshape(grad.shape[0], -1)
-    bucket, sign = unpacked(packed, grad.dtype)
-    table = grad.new_zeros(grad.shape[0], buckets)
-    return table.scatter_add(-1, bucket.expand(grad.shape[0], -1), grad * sign)
 
 
 @torch.library.custom_op("gbfunc::hash_table_gradient", mutates_args=(), device_types="cpu")

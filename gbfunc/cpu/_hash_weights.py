@@ -26,9 +26,8 @@ from torch import Tensor
 
 from .._function import signature_once
 from .._spec import cached_tile_hash
-from ._build import Loop, compiled_loop, runnable, vectorised_cpu
+from ._build import Loop, compiled_loop, runnable, splits_added, threads_and_splits, vectorised_cpu
 from ._hash_gradient import signed_buckets
-from ._relu_loops import splits_added, threads_and_splits
 from ._relu_rows import (
     Placement,
     batched,

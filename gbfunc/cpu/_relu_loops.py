@@ -1,7 +1,7 @@
 """Loops in C for one-layer ReLU g-nets on CPU, where inductor's code does redundant work.
 
 - `relu_unit_sums`, for the backward of one-output g-nets: for each tile,
-  `generate._tile_mlp_backward._fused_reductions` needs the output gradient `g` `(TH, Q)`
+  `generate._traced_forms._fused_reductions` needs the output gradient `g` `(TH, Q)`
   summed where each hidden unit is active (`b[q, h] > threshold[i, h]`,
   `threshold = -(a + c)`): over the columns, `rows` `(TH, H)`, and over the rows, `cols`
   `(Q, H)`. Written for inductor these are two reductions along different axes: two passes
@@ -10,17 +10,17 @@
   adds the same selected gradient into the columns' sums, which stay in L1. Four rows at a
   time share each load of `b` and each update of the columns' sums.
 - `relu_one_output`, for the forward of one-output g-nets
-  (`generate._tile_mlp_forward.forward_form`): inductor's sum over the units, vectorised
+  (`generate._traced_forms.forward_form`): inductor's sum over the units, vectorised
   over the columns, reloads each unit's column terms for every row; the loop holds four
   rows' sums in registers, so one load serves the four.
 - `relu_layer_forward`, for the forward of g-nets with a few outputs (up to 32,
-  `generate._tile_mlp_forward._loops_layer`): inductor's unrolled sum recomputes every
+  `generate._traced_forms._loops_layer`): inductor's unrolled sum recomputes every
   hidden activation once per output; the loop computes a position's activations once,
   vectorised over the units, then its outputs as a sum of rows of `w_out`, vectorised over
   the outputs, eight positions at a time (then four, then one; eight independent chains of
   multiply-adds).
 - `relu_layer_backward`, its backward: inductor's (from
-  `generate._tile_mlp_backward._backward_units_major`) is two matmuls with 32 or fewer
+  `generate.torch_ops._backward_units_major`) is two matmuls with 32 or fewer
   outputs as their short axis, where MKL is slow, and reductions around them; the loop
   recomputes a position's activations, their gradient, and adds into every sum (over the
   columns, the rows, the positions) in one pass. Four positions at a time share each pass
@@ -40,7 +40,16 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ._build import Loop, compiled_loop, runnable, vectorised_cpu
+from ._build import (
+    Loop,
+    compiled_loop,
+    runnable,
+    splits_added,
+    threads_and_splits,
+    tiles_folded,
+    tiles_unfolded,
+    vectorised_cpu,
+)
 
 # Units per compiled loop. Fewer than 4 do not fill the narrowest vector (SSE's 4 floats):
 # inductor's reductions along the positions are faster there. At most 512: a position's or
@@ -267,32 +276,6 @@ def _(info, in_dims: tuple, grad: Tensor, row_terms: Tensor, b: Tensor, w_out: T
 
 
 _differentiated_as(relu_layer_backward, backward_reference)
-
-
-def threads_and_splits(tiles: int, tile_rows: int) -> tuple[int, int]:
-    """torch's thread count, and into how many row ranges the loops split each tile: tiles
-    are shared out among the threads; too few of them and each is split by rows, every split
-    with its own partial sums (`splits_added`)."""
-    threads = torch.get_num_threads()
-    return threads, max(1, min(tile_rows, -(-threads // tiles)))
-
-
-def splits_added(partials: Tensor) -> Tensor:
-    """`(T, splits, ...)` partial sums, one per row split, added: `(T, ...)`."""
-    return partials[:, 0] if partials.shape[1] == 1 else partials.sum(1)
-
-
-def tiles_folded(size: int, in_dims: tuple, args: tuple) -> list[Tensor]:
-    """Genomes batched by `vmap` are more tiles: the batch axis folded into the tile axis."""
-    return [
-        (x.movedim(d, 0) if d is not None else x.expand(size, *x.shape)).flatten(0, 1)
-        for x, d in zip(args, in_dims, strict=True)
-    ]
-
-
-def tiles_unfolded(size: int, x: Tensor) -> Tensor:
-    """`tiles_folded`'s inverse on a result: `(size * T, ...) -> (size, T, ...)`."""
-    return x.unflatten(0, (size, -1))
 
 
 def supported(units: int, dtype: torch.dtype, device_type: str) -> bool:

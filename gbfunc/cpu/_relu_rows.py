@@ -40,8 +40,8 @@ from torch._functorch.utils import unwrap_dead_wrappers
 from .._function import signature_once
 from .._plan import Generated, Stack, tile_places
 from .._spec import code_tables
-from ._build import Loop, compiled_loop, runnable
-from ._relu_loops import splits_added, supported, threads_and_splits
+from ._build import Loop, compiled_loop, runnable, splits_added, threads_and_splits
+from ._relu_loops import supported
 from ._relu_tiles import BACKWARD as TILES_BACKWARD, BLOCK_ROWS, FORWARD as TILES_FORWARD
 
 _FORWARD = Loop("relu_rows_forward", "relu_rows.cpp", pointers=9, sizes=4)

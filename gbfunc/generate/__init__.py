@@ -6,8 +6,9 @@ In the order the dispatcher (`gbfunc._dispatch`) tries them: `triton`, `cpu_loop
 its runner, `stack_weights(plan, index, leaves, variant, traced)`: one stack's parameters,
 whole, which `gb.apply` calls per stack (`graph` compiles the plan instead). What several
 rules read, the call and the policy of gbfunc's own compiles, is in `_policy`; the tile MLP's
-forward and backward bodies, which the `torch` path runs eagerly and `compiled-mlp` and
-`graph` compiled, in `_tile_mlp_forward` and `_tile_mlp_backward`. These modules stand on
+forms for traced code (which `compiled-mlp` and `graph` compile, and an outer
+`torch.compile` traces), their rule and their bodies, in `_traced_forms`, beside the `torch`
+path's own eager bodies (`torch_ops`). These modules stand on
 the plan, the specification, the tiling, `gbfunc.cpu` and `gbfunc.kernels`, never on the
 dispatcher or `gb.apply` (`tests/test_import_graph.py`).
 """

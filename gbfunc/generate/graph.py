@@ -21,7 +21,7 @@ from .._compiled import CompiledCache
 from .._plan import Plan, Stack
 from .._tiling import parameters
 from .._tree import GParams
-from . import cpu_loops, torch_ops, triton
+from . import compiled_mlp, cpu_loops, triton
 from ._policy import (
     AUTO_COMPILE_ELEMENTS,
     AUTO_GRAPH_WEIGHTS,
@@ -30,6 +30,7 @@ from ._policy import (
     compiling_asked,
     own_compile_refused,
 )
+from ._traced_forms import tile_form
 
 NAME = "graph"
 
@@ -78,14 +79,14 @@ def _on_kernels(call: Call, index: int, stack: Stack) -> bool:
 def fits_graph(stack: Stack) -> bool:
     """Whether one compiled graph may hold a stack's tile MLP whole: inductor fuses it into
     reductions (one hidden layer, one output), or its transient `(T, TH, Q, H)` is no larger
-    than one compiled chunk (`torch_ops.COMPILED_CHUNK_ELEMENTS`)."""
-    return stack.one_reduction or stack.hidden_elements <= torch_ops.COMPILED_CHUNK_ELEMENTS
+    than one compiled chunk (`compiled_mlp.COMPILED_CHUNK_ELEMENTS`)."""
+    return stack.one_reduction or stack.hidden_elements <= compiled_mlp.COMPILED_CHUNK_ELEMENTS
 
 
 def variant(call: Call) -> str:
     """The form the stack's tile MLP takes inside the graph: the `torch` path's, traced
-    (`_tile_mlp_forward.forward_form`)."""
-    return torch_ops.tile_form(call.stack, call.leaves["w_in"], traced=True, exporting=False)
+    (`_traced_forms.forward_form`)."""
+    return tile_form(call.stack, call.leaves["w_in"], traced=True, exporting=False)
 
 
 def generate(

@@ -1,83 +1,74 @@
-"""The `torch` path: pure torch, op by op, with a recomputing backward; its rule, its variants
-and its runners. Every other path falls back to it; `compiled-mlp` and `graph` run it in their
-own variants; `gbfunc.dist`'s rank-owned g-nets call it, and `gb.init` reads its chunking.
+"""The `torch` path: pure torch, op by op, with a recomputing backward; its rule, its
+variant, its runners, the tile MLP as an `autograd.Function` and its eager bodies. Every
+other path falls back to it; `compiled-mlp` and `graph` run it in their own variants;
+`gbfunc.dist`'s rank-owned g-nets call it, and `gb.init` reads its chunking.
 
-A stack's g-nets are evaluated on its tiles in one batched call, `(tiles, TH, TW * K)` out.
-The first layer is separable: for tile `t`, row `i` and column `q`,
-`z[t, i, q] = a[t, i] + b[t, q] + c[t]` with `a = row_code @ w_in[:, :R]` and
-`b = col_code @ w_in[:, R:]` (per g-net),
-so a tile costs two tiny matmuls and ~3H FLOPs per weight, and nothing of size `(T, TH, Q, H)`
-is saved: `tile_mlp`, `_spec.reference` as an `autograd.Function`, recomputes it in its
-backward (FlashAttention-style) and composes with `grad`, `vmap` and `torch.compile`.
+A stack's g-nets run on its tiles in one batched call, `(tiles, TH, TW * K)` out, from the
+separable first layer's small terms (`_spec.stack_terms`): `tile_mlp`, `_spec.reference` as
+an `autograd.Function`, saves nothing of size `(T, TH, Q, H)` and recomputes it in its
+backward (FlashAttention-style); it composes with `grad`, `vmap` and `torch.compile`.
 
-The variants are the forms of the tile MLP's forward (`_tile_mlp_forward.FORMS`; the bodies
-there and in `_tile_mlp_backward`), which `variant` picks from the call's context and the
-stack: `eager-recompute` eagerly, in chunks of tiles; traced, whole, a form written for
-inductor (`docs/design.md` lists them). With `compiled=True` (the `compiled-mlp` path) a
-plainly eager call (neither traced nor inside a `torch.func` transform, whose calls the
-path's rule sends elsewhere) runs the traced form's bodies as code compiled once per
-signature, backward included. Traced by `torch.compile` under `torch.func.grad`, the Function
-keeps its backward: dynamo drops it only where it is applied to the transformed function's
-own argument (pytorch/pytorch#193279, torch 2.13), and the terms are always computed from the
-leaves first.
+The variants are the forms of the tile MLP (`_traced_forms.FORMS`): `eager-recompute`
+eagerly, in chunks of tiles (its bodies here: one fused reduction for one-layer, one-output
+g-nets, else units-major matmuls, which the traced `units-major` form runs too); traced, a
+form written for inductor or the C loops (`_traced_forms`). The `compiled-mlp` path passes
+its compiled bodies (`CompiledBodies`), which plainly eager calls run instead. Traced by
+`torch.compile` under `torch.func.grad`, the Function keeps its backward: dynamo drops it
+only where it is applied to the transformed function's own argument (pytorch/pytorch#193279,
+torch 2.13), and the terms are always computed from the leaves first.
 """
 
 import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
-from .._compiled import CompiledCache
 from .._function import signature_once
 from .._plan import TILE_LEAVES, Plan, Stack
-from .._realised import realised
+from .._realised import contiguous_buffer, realised
 from .._spec import (
-    HASH_GAIN,
     Terms,
-    bucket_signs,
-    cached,
-    code_tables,
-    packed_tile_hash,
-    per_tile,
+    activate,
+    activate_grad,
+    first_layer,
+    hashed_tiles as spec_hashed_tiles,
     plain_eager,
     reference,
     stack_terms,
     tile_rows,
 )
 from .._tiling import assemble, block_spans, split_into
-from ..cpu._hash_gradient import gathered, signed_gather
+from . import _traced_forms as traced_forms
 from ._policy import Call
-from ._tile_mlp_backward import _after, _backward_recompute
-from ._tile_mlp_forward import (
-    EAGER,
-    ONE_OUTPUT_UNITS_MAJOR,
-    _forward_no_save,
-    _vectorised_units,
-    forward_form,
-    reads_units_major_columns,
-)
+from ._traced_forms import C_LOOPS, EAGER, ONE_OUTPUT_UNITS_MAJOR, UNROLLED, tile_form
 
 NAME = "torch"
 
 # Eager evaluation is chunked over tiles so that the transient (chunk, TH, Q, H) tensor stays
 # cache-sized; graphs traced by an outer compile are left whole for inductor to fuse.
 CHUNK_ELEMENTS = 1 << 18
-# Compiled bodies called eagerly run whole where inductor fuses the MLP into reductions (one
-# hidden layer, one output); elsewhere the hidden activations are matmul operands, which it
-# materialises, so they run in chunks of this many (tile, row, column, hidden) elements.
-COMPILED_CHUNK_ELEMENTS = 1 << 20
+
+
+@dataclass(frozen=True)
+class CompiledBodies:
+    """The tile MLP's forward and backward in a traced form, as code compiled once per
+    signature (the `compiled-mlp` path's), each returning None where it cannot compile:
+    `forward(terms, activation, b_t, form)` and `backward(grad, terms, activation, form)`
+    (the gradients of `terms` but `b_out`, joined over its chunks)."""
+
+    forward: Callable[[Terms, str, Tensor | None, str], Tensor | None]
+    backward: Callable[[Tensor, Terms, str, str], tuple | None]
 
 
 def refuses(call: Call) -> str | None:
     """None: pure torch generates every stack."""
-    return None
 
 
 def variant(call: Call) -> str:
-    """The variant that generates the call's stack (`_tile_mlp_forward.forward_form`)."""
+    """The variant that generates the call's stack (`_traced_forms.forward_form`)."""
     context = call.context
     w_in = call.leaves["w_in"]
     return tile_form(call.stack, w_in, traced=context.compiling, exporting=context.exporting)
@@ -90,7 +81,7 @@ def stack_weights(
     form: str,
     traced: bool,
     *,
-    compiled: bool = False,
+    compiled: CompiledBodies | None = None,
 ) -> dict[str, Tensor]:
     """The runner for a whole plan: `{name: weight}` of every parameter that stack `index` of
     `plan` generates, whole, from its g-nets' `leaves`: every tile evaluated in the variant
@@ -115,12 +106,10 @@ def stack_weights(
 
 def parts_from_tile_mlp(stack: Stack) -> bool:
     """Whether traced code takes a split stack's parts out of its tile MLP (`tile_mlp`'s
-    `spans`), rather than splitting the MLP's output: all but row g-nets (one evaluation per
-    tile row, `Q == 1`). Their hidden activations are a tile row's `H` values, so there is
-    little for the parts to free early, and per part their backward runs more, smaller batched
-    matmuls: taken apart, their compiled steps were slower for little memory saved. Only the
-    largest model measured favoured the parts (`benchmarks/scaling.py`'s transformer at width
-    1024)."""
+    `spans`), rather than splitting its output: all but row g-nets (`Q == 1`), whose hidden
+    activations are a row's `H` values, little to free early, and whose compiled steps ran
+    slower taken apart (more, smaller matmuls; only `benchmarks/scaling.py`'s transformer at
+    width 1024 favoured the parts)."""
     return stack.columns > 1
 
 
@@ -130,17 +119,12 @@ def evaluate_stack(
     *,
     recompute: bool = True,
     form: str = EAGER,
-    compiled: bool = False,
+    compiled: CompiledBodies | None = None,
 ) -> Tensor:
-    """Every tile of a stack, `(T, TH, TW * K)`: one batched g-net evaluation.
-
-    Args:
-        stack: The stack's description.
-        leaves: Its parameters, `gparams["stacks"][stack.key]`.
-        recompute: Use the recomputing backward (`tile_mlp`); False runs plain autograd.
-        form: The tile MLP's form (`tile_form`): `EAGER`, or traced by `torch.compile`.
-        compiled: Run `tile_mlp` eagerly through compiled code in `form` (see `gb.apply`).
-    """
+    """Every tile of a stack, `(T, TH, TW * K)`, from its leaves
+    (`gparams["stacks"][stack.key]`): one batched g-net evaluation, in the tile MLP's `form`
+    (`tile_form`), through `compiled` bodies or op by op, with the recomputing backward
+    (`tile_mlp`), or plain autograd where not `recompute`."""
     (tiles,) = evaluate_parts(
         stack, leaves, None, recompute=recompute, form=form, compiled=compiled
     )
@@ -154,7 +138,7 @@ def evaluate_parts(
     *,
     recompute: bool = True,
     form: str = EAGER,
-    compiled: bool = False,
+    compiled: CompiledBodies | None = None,
 ) -> tuple[Tensor, ...]:
     """`evaluate_stack` cut into the consecutive tile ranges `spans` (None: one part, the
     whole stack), each part with a gradient of its own that the tile MLP's backward takes
@@ -163,7 +147,7 @@ def evaluate_parts(
     spans = None if spans is None else tuple(spans)
     if recompute:
         reads_b_t = stack.one_reduction and form in ONE_OUTPUT_UNITS_MAJOR
-        b_t = units_major_columns(stack, leaves) if reads_b_t else None
+        b_t = traced_forms.units_major_columns(stack, leaves) if reads_b_t else None
         activation = stack.genome.activation
         parts = tile_mlp(terms, activation, form=form, compiled=compiled, b_t=b_t, spans=spans)
     else:
@@ -187,7 +171,7 @@ def evaluate_tile_parts(
     spans: Sequence[tuple[int, int]] | None,
     *,
     form: str = EAGER,
-    compiled: bool = False,
+    compiled: CompiledBodies | None = None,
 ) -> tuple[Tensor, ...]:
     """Tiles `tiles` (ascending indices into the stack) of a stack, `(len(tiles), TH, TW * K)`,
     cut into `spans`, consecutive ranges of positions in `tiles` (None: one part), each part
@@ -211,75 +195,8 @@ def evaluate_tile_parts(
 
 def hashed_tiles(stack: Stack, table: Tensor, traced: bool) -> Tensor:
     """Each tile's hashed weights `(T, TH, TW * K)` from its table `(T, buckets)`, `traced`
-    by `torch.compile` or not."""
-    positions = stack.tile_positions
-    # torch.gather, not index_select: its backward is a scatter_add, which inductor's CPU code
-    # leaves to torch's kernel, where index_select's index_add becomes a scatter of atomic
-    # adds.
-    if traced:
-        packed = _packed_tile_hash_op(positions, stack.genome.hashed, table.device)
-        # A view: under `torch.func.grad`, dynamo drops the backward of a Function applied to
-        # the transformed function's own argument and differentiates its forward instead
-        # (pytorch/pytorch#193279, torch 2.13), which kept torch's scatter-add and the int64
-        # index inductor writes for it.
-        shared = signed_gather(table.view_as(table), packed) * HASH_GAIN  # backward: in C
-    else:
-        bucket, sign = cached(
-            bucket_signs, positions, stack.genome.hashed, table.dtype, table.device
-        )
-        shared = gathered(table, bucket, sign * HASH_GAIN)
-    return shared.reshape(table.shape[0], stack.tile[0], -1)
-
-
-def units_major_columns(stack: Stack, leaves: Mapping[str, Tensor]) -> Tensor:
-    """`stack_terms(stack, leaves).b` laid out units-major, `(T, H, Q)`: a matmul's own
-    output, which compiled code reads with the columns as the vector axis (`tile_mlp`)."""
-    w_in = leaves["w_in"]
-    _, col = code_tables(stack, w_in)
-    b_t = w_in[:, stack.row_width :].mT @ col.mT  # (G, H, Q)
-    return per_tile(b_t, stack.tiles_per_gnet) if stack.genome.share else b_t
-
-
-def _reads_units_major(stack: Stack, w_in: Tensor, traced: bool) -> bool:
-    """Whether the tile MLP's forward runs as compiled code that reads `units_major_columns`:
-    one hidden layer and one output (a fused reduction), `traced` (by `torch.compile`, or
-    compiled eagerly), on tiles wide enough for it (`reads_units_major_columns`)."""
-    wide = reads_units_major_columns(stack.columns, w_in.dtype, w_in.device)
-    return stack.one_reduction and wide and traced
-
-
-def tile_form(stack: Stack, w_in: Tensor, *, traced: bool, exporting: bool) -> str:
-    """The form of the tile MLP's forward (`forward_form`) that `evaluate_parts` runs for
-    `stack` with first layers `w_in`: `traced` by `torch.compile` or in gbfunc's compiled
-    bodies (`compiled=True`, never exporting)."""
-    genome = stack.genome
-    return forward_form(
-        one_layer=genome.depth == 1,
-        hidden=genome.hidden,
-        outputs=stack.outputs,
-        activation=genome.activation,
-        dtype=w_in.dtype,
-        device_type=w_in.device.type,
-        traced=traced,
-        exporting=exporting,
-        units_major_columns=_reads_units_major(stack, w_in, traced),
-    )
-
-
-@torch.library.custom_op("gbfunc::tile_hash", mutates_args=())
-def _packed_tile_hash_op(positions: int, buckets: int, device: torch.device) -> Tensor:
-    """The cached `packed_tile_hash` as one opaque operation for `torch.compile`: traced, the
-    hash's argsort and integer arithmetic would run in every compiled step. Returns a copy,
-    so that the compiled code may reuse its memory without touching the cache. Packed,
-    bucket and sign copy 4 bytes a position, not 12 (int64 and float32), and unpack inside
-    the gather's kernel, which lowers a compiled step's peak (measured:
-    `benchmarks/results/design_measurements.md`)."""
-    return cached(packed_tile_hash, positions, buckets, device).clone()
-
-
-@_packed_tile_hash_op.register_fake
-def _(positions: int, buckets: int, device: torch.device) -> Tensor:
-    return torch.empty(positions, dtype=torch.int32, device=device)
+    by `torch.compile` (`_traced_forms.hashed_tiles`) or not (`_spec.hashed_tiles`)."""
+    return (traced_forms.hashed_tiles if traced else spec_hashed_tiles)(stack, table)
 
 
 # The tile MLP, `reference` as an `autograd.Function` with a recomputing backward.
@@ -295,15 +212,7 @@ def tile_chunks(
     return [(s, min(num_tiles, s + size)) for s in range(0, num_tiles, size)]
 
 
-def _compiled_chunks(terms: Terms) -> list[tuple[int, int]]:
-    """The tile ranges that compiled bodies run on: the whole stack where inductor fuses it."""
-    num_tiles, rows, hidden = terms.a.shape
-    if terms.one_reduction:
-        return [(0, num_tiles)]
-    return tile_chunks(num_tiles, rows * terms.b.shape[1] * hidden, COMPILED_CHUNK_ELEMENTS)
-
-
-def _joined(parts: list) -> object:
+def joined(parts: list) -> object:
     """One tensor, or one tuple of tensors (None kept), from the results of tile chunks."""
     if len(parts) == 1:
         return parts[0]
@@ -312,20 +221,10 @@ def _joined(parts: list) -> object:
     return tuple(None if p[0] is None else torch.cat(p) for p in zip(*parts, strict=True))
 
 
-_BODIES = CompiledCache("the tile MLP")
-
-
-def _compiled(body: Callable, *args: object) -> object | None:
-    """`body(*args)` through code compiled once per signature of the arguments (shapes,
-    dtypes, devices, activation); None where that signature cannot be compiled."""
-    signature = ((tuple(a.shape), a.dtype, a.device) if isinstance(a, Tensor) else a for a in args)
-    return _BODIES.call((body.__name__, *signature), body, *args)
-
-
-def op_by_op_form(form: str, compiled: bool) -> str:
-    """The form of what runs op by op: `form`, or `EAGER` with `compiled`, whose compiled
-    bodies hold the traced form alone (and whose fallback runs eagerly)."""
-    return EAGER if compiled else form
+def op_by_op_form(form: str, compiled: CompiledBodies | None) -> str:
+    """The form of what runs op by op: `form`, or `EAGER` with `compiled` bodies, which hold
+    the traced form alone (and whose fallback runs eagerly)."""
+    return EAGER if compiled is not None else form
 
 
 def _eager_chunks(terms: Terms, whole: bool) -> list[tuple[int, int]]:
@@ -337,29 +236,20 @@ def _eager_chunks(terms: Terms, whole: bool) -> list[tuple[int, int]]:
     return tile_chunks(num_tiles, rows * terms.b.shape[1] * hidden)
 
 
-def _forward_body(*inputs) -> Tensor:
-    *flat, b_t, activation, form = inputs
-    return _forward_no_save(Terms(*flat), activation, b_t, form)
-
-
-def _backward_body(grad: Tensor, *inputs) -> tuple:
-    *saved, activation, form = inputs
-    return tuple(_backward_recompute(grad, Terms(*saved, None), activation, form))
-
-
 def _backward_per_range(terms: Terms) -> bool:
     """Whether traced code runs the backward once per tile range (`tile_mlp`'s `spans`)
     rather than once on their concatenation: except for one-layer, one-output g-nets whose
-    hidden units are reduced one at a time (`_vectorised_units`), three reductions per unit,
-    which per range multiplied the compiled graph and its compile time."""
-    return not terms.one_reduction or _vectorised_units(terms.a) == terms.a.shape[-1]
+    hidden units are reduced one at a time (`_traced_forms.vectorised_units`), three
+    reductions per unit, which per range multiplied the compiled graph and its compile time."""
+    units = terms.a.shape[-1]
+    return not terms.one_reduction or traced_forms.vectorised_units(terms.a) == units
 
 
 @signature_once
 class _TileMLP(torch.autograd.Function):
     """`reference` with a recomputing backward; its arguments are a flat `Terms`, `b_t`, the
-    activation, the form, whether to run compiled bodies and the tile ranges to return
-    apart, or None (see `tile_mlp`; `autograd.Function` takes tensors one by one)."""
+    activation, the form, the compiled bodies to run (or None) and the tile ranges to return
+    apart (or None) (see `tile_mlp`; `autograd.Function` takes tensors one by one)."""
 
     @staticmethod
     def forward(a, b, c, w_hidden, b_hidden, w_out, b_out, b_t, activation, form, compiled, spans):
@@ -367,27 +257,13 @@ class _TileMLP(torch.autograd.Function):
         # (under vmap, with frozen g-nets), passes `ctx` first unless the arity matches.
         terms = Terms(a, b, c, w_hidden, b_hidden, w_out, b_out)
         out = None
-        if compiled and plain_eager():  # a guard: the path's rule already asked for eager
-            # Detached: autograd records this Function, not what runs inside (no_grad here).
-            detached = Terms(*(None if x is None else x.detach() for x in terms))
-            b_t = None if b_t is None else b_t.detach()
-            outs = [
-                _compiled(
-                    _forward_body,
-                    *detached.tiles(lo, hi),
-                    tile_rows(b_t, lo, hi),
-                    activation,
-                    form,
-                )
-                for lo, hi in _compiled_chunks(detached)
-            ]
-            if all(part is not None for part in outs):
-                out = _joined(outs)
+        if compiled is not None and plain_eager():  # a guard: the path's rule asked for eager
+            out = compiled.forward(terms, activation, b_t, form)
         if out is None:  # op by op: in `form`, or eagerly where compiled bodies could not run
             form = op_by_op_form(form, compiled)
-            out = _joined(
+            out = joined(
                 [
-                    _forward_no_save(terms.tiles(lo, hi), activation, tile_rows(b_t, lo, hi), form)
+                    forward_no_save(terms.tiles(lo, hi), activation, tile_rows(b_t, lo, hi), form)
                     for lo, hi in _eager_chunks(terms, whole=form != EAGER)
                 ]
             )
@@ -409,33 +285,24 @@ class _TileMLP(torch.autograd.Function):
                 # Each range's gradient goes through the backward on its own: the whole
                 # stack's gradient is never assembled (see `tile_mlp`).
                 results = [
-                    tuple(_backward_recompute(g.contiguous(), terms.tiles(lo, hi), *how))
+                    tuple(backward_recompute(g.contiguous(), terms.tiles(lo, hi), *how))
                     for g, (lo, hi) in zip(grads, ctx.spans, strict=True)
                 ]
-                return (*_joined(results), *done)
+                return (*joined(results), *done)
             # Assembled once every range's gradient exists, not from the first one on.
             last = torch.cat([g.reshape(-1)[:1] for g in grads])
             grads = tuple(_after(g, last) for g in grads)
-        grad = _joined(list(grads)).contiguous()
-        if ctx.compiled and plain_eager() and not torch.is_grad_enabled():  # not create_graph
-            saved = Terms(*(None if x is None else x.detach() for x in terms))
-            results = [
-                _compiled(
-                    _backward_body,
-                    grad[lo:hi],
-                    *saved.tiles(lo, hi)[:-1],
-                    ctx.activation,
-                    ctx.form,
-                )
-                for lo, hi in _compiled_chunks(saved)
-            ]
-            if all(result is not None for result in results):
-                return (*_joined(results), *done)
+        grad = joined(list(grads)).contiguous()
+        compiled = ctx.compiled
+        if compiled is not None and plain_eager() and not torch.is_grad_enabled():  # no 2nd order
+            found = compiled.backward(grad, terms, ctx.activation, ctx.form)
+            if found is not None:
+                return (*found, *done)
         results = [
-            tuple(_backward_recompute(grad[lo:hi], terms.tiles(lo, hi), *how))
+            tuple(backward_recompute(grad[lo:hi], terms.tiles(lo, hi), *how))
             for lo, hi in _eager_chunks(terms, whole=form != EAGER)
         ]
-        return (*_joined(results), *done)
+        return (*joined(results), *done)
 
     @staticmethod
     def vmap(info, in_dims, *inputs):
@@ -462,31 +329,170 @@ def tile_mlp(
     activation: str,
     *,
     form: str = EAGER,
-    compiled: bool = False,
+    compiled: CompiledBodies | None = None,
     b_t: Tensor | None = None,
     spans: tuple[tuple[int, int], ...] | None = None,
 ) -> Tensor | tuple[Tensor, ...]:
     """`reference`, with a backward that recomputes instead of saving `(T, TH, Q, H)`.
 
-    `form`: the form of the forward (`_tile_mlp_forward.forward_form`, as the caller's path
-    chose it): `EAGER` runs in chunks of tiles, the traced forms whole, for an outer
-    `torch.compile`. With `compiled`, plain eager calls run the forward and the backward in
-    the traced `form` as code compiled once per signature (the first call of a signature
-    compiles: seconds; where it cannot, they run eagerly). `b_t`, optional,
-    is `terms.b` laid out units-major, `(T, H, Q)`, computed apart (from the same leaves):
-    the `c-loops` and `by-columns` forms of a one-layer, one-output forward read it instead of
-    `b`. Its gradient is returned through `b` (None for `b_t`), so
-    the two must hold the same values.
+    `form` (`_traced_forms.forward_form`, the caller's path's choice): `EAGER` runs in chunks
+    of tiles, the traced forms whole. With `compiled` bodies (`compiled_mlp.BODIES`), plainly
+    eager calls run the forward and backward through them (eagerly where they cannot
+    compile). `b_t`, optional: `terms.b` laid out units-major, `(T, H, Q)`, computed apart
+    from the same leaves, which the `c-loops` and `by-columns` one-output forms read instead
+    of `b`; its gradient is returned through `b`.
 
     `spans`, optional: consecutive tile ranges `(start, stop)` covering the stack; the output
-    is returned cut into them, one tensor each. In a traced form, the backward runs once per
-    range on that range's gradient where it can (`_backward_per_range`), so the whole stack's
-    gradient is not assembled: a concatenation of gradients arriving one weight at a time,
-    which inductor allocates whole at the first, at the start of a training step's backward,
-    where the model's activations peak. Otherwise the ranges' gradients are joined once the
-    last has arrived.
+    is returned cut into them. Traced, the backward runs once per range where it can
+    (`_backward_per_range`), so the stack's whole gradient, which inductor would allocate at
+    the first range's arrival, where a training step's activations peak, is never
+    assembled; otherwise the ranges' gradients are joined once the last has arrived.
     """
     return _TileMLP.apply(*terms, b_t, activation, form, compiled, spans)
+
+
+# The eager form's bodies, and the units-major matmuls that traced code shares.
+
+
+def forward_no_save(
+    terms: Terms, activation: str, b_t: Tensor | None = None, form: str = EAGER
+) -> Tensor:
+    """`reference` in the form `form` (`forward_form`'s, which `b_t` must fit): eagerly one
+    fused reduction over the units (one layer, one output) or units-major matmuls; traced,
+    the form's body (`_traced_forms`), the matmuls for `UNITS_MAJOR`."""
+    a, b, c, _, _, w_out, b_out = terms
+    if terms.one_reduction:
+        if form == EAGER:
+            h = activate(first_layer(a, b, c), activation)
+            out = (h * w_out[:, None, None, :, 0]).sum(-1)
+        else:
+            out = traced_forms.one_output(a + c[:, None], b, b_t, w_out[..., 0], activation, form)
+        return out[..., None] + b_out[:, None, None, :]
+    if form == C_LOOPS:
+        return traced_forms.relu_layer(terms)
+    if form == UNROLLED:
+        row_terms, col_terms = _units_major_terms(a, b, c)
+        return traced_forms.one_layer_unrolled(row_terms, col_terms, w_out, b_out, activation)
+    return _forward_units_major(terms, activation)
+
+
+def _forward_units_major(terms: Terms, activation: str) -> Tensor:
+    """`reference` with the hidden activations laid out units-major, `(T, H, Q * TH)`, so that
+    each layer is a `(T, K, H) @ (T, H, Q * TH)` matmul: the positions are its long output
+    axis instead of its contraction's partner, which MKL runs much faster for few hidden
+    units and outputs. Returns `(T, TH, Q, P)`, a transposed view."""
+    a, b, c, w_hidden, b_hidden, w_out, b_out = terms
+    num_tiles, rows, hidden = a.shape
+    h = activate(_first_layer_units_major(a, b, c), activation).reshape(num_tiles, hidden, -1)
+    for layer in range(0 if w_hidden is None else w_hidden.shape[1]):
+        z = w_hidden[:, layer].transpose(1, 2) @ h + b_hidden[:, layer, :, None]
+        h = activate(z, activation)
+    out = w_out.transpose(1, 2) @ h + b_out[..., None]  # (T, P, Q * TH)
+    return out.reshape(num_tiles, -1, b.shape[1], rows).permute(0, 3, 2, 1)
+
+
+def _first_layer_units_major(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
+    """`first_layer` as `(T, H, Q, TH)`: rows innermost, so that the backward's sums over
+    rows and over columns both keep or reduce a long axis (with the columns innermost,
+    inductor's sum over the rows of 8 columns ran many times slower)."""
+    row_terms, col_terms = _units_major_terms(a, b, c)
+    return row_terms[:, :, None, :] + col_terms[..., None]
+
+
+def _units_major_terms(a: Tensor, b: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+    """Row terms `a + c` `(T, H, TH)` and column terms `b` `(T, H, Q)`, in buffers of that
+    layout: inductor picks a kernel's vector axis by its inputs' layouts, and with these
+    read units-innermost it vectorised the backward's sums along the 8 hidden units and
+    split each 8-column sum over threads, many times slower than due."""
+    return contiguous_buffer((a + c[:, None]).transpose(1, 2)), contiguous_buffer(b.transpose(1, 2))
+
+
+def _first_layer_again(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
+    """`first_layer` for the backward, bitwise equal (the last addition's operands swapped,
+    which IEEE addition ignores) but not the same traced op. A graph that holds forward and
+    backward together (AOTAutograd's) would otherwise merge the two as one common
+    subexpression and keep the forward's `(T, TH, Q, H)` alive for the backward, instead of
+    recomputing it there from the small terms."""
+    return b[:, None, :, :] + (a + c[:, None])[:, :, None, :]
+
+
+def backward_recompute(grad: Tensor, terms: Terms, activation: str, form: str = EAGER) -> Terms:
+    """Gradients of `reference` w.r.t. every term (`terms.b_out` is not read), for the
+    forward's `form` (`forward_form`): eagerly, chunk by chunk; traced, the fused
+    reductions, or the C loops where the forward ran them (`_traced_forms`); units-major
+    matmuls after the other forms."""
+    if terms.one_reduction and form != EAGER:
+        return traced_forms.one_output_backward(grad, terms, activation)
+    if form == C_LOOPS:
+        return traced_forms.relu_layer_backward(grad, terms)
+    if not terms.one_reduction:
+        return _backward_units_major(grad, terms, activation)
+    a, b, c, _, _, w_out, _ = terms
+    z = _first_layer_again(a, b, c)  # (T, TH, Q, H), one chunk at a time in eager mode
+    num_tiles, hidden = a.shape[0], a.shape[-1]
+    h = activate(z, activation).reshape(num_tiles, -1, hidden)  # (T, TH*Q, H)
+    g_w_out = h.transpose(1, 2) @ grad.reshape(num_tiles, -1, 1)  # (T, H, 1)
+    del h
+    g_z = activate_grad(z, activation).mul_(grad).mul_(w_out[:, None, None, :, 0])
+    g_a = g_z.sum(2)
+    g_b = g_z.sum(1)
+    return Terms(g_a, g_b, g_a.sum(1), None, None, g_w_out, grad.sum((1, 2)))
+
+
+def _backward_units_major(grad: Tensor, terms: Terms, activation: str) -> Terms:
+    """`backward_recompute` of g-nets with hidden layers or several outputs, the hidden
+    activations recomputed units-major (`_forward_units_major`): every matmul has the
+    positions as its long axis."""
+    a, b, c, w_hidden, b_hidden, w_out, _ = terms
+    num_tiles, rows, hidden = a.shape
+    cols = b.shape[1]
+    g_out = grad.permute(0, 3, 2, 1).reshape(num_tiles, grad.shape[-1], -1)  # (T, P, Q*TH)
+    zs = [_first_layer_units_major_again(a, b, c, grad).reshape(num_tiles, hidden, -1)]
+    for layer in range(0 if w_hidden is None else w_hidden.shape[1]):
+        h = activate(zs[-1], activation)
+        zs.append(w_hidden[:, layer].transpose(1, 2) @ h + b_hidden[:, layer, :, None])
+    g_w_out = activate(zs[-1], activation) @ g_out.transpose(1, 2)  # (T, H, P)
+    g_h = w_out @ g_out  # (T, H, Q*TH)
+    g_ws, g_bs = [], []
+    for layer in range(len(zs) - 1, 0, -1):
+        g_z = g_h * activate_grad(zs[layer], activation)
+        g_ws.append(activate(zs[layer - 1], activation) @ g_z.transpose(1, 2))
+        g_bs.append(g_z.sum(-1))
+        g_h = w_hidden[:, layer - 1] @ g_z
+    g_z = (g_h * activate_grad(zs[0], activation)).reshape(num_tiles, hidden, cols, rows)
+    g_w_hidden = torch.stack(g_ws[::-1], 1) if g_ws else None
+    g_b_hidden = torch.stack(g_bs[::-1], 1) if g_bs else None
+    g_a = g_z.sum(2)  # (T, H, TH)
+    g_b = g_z.sum(-1)  # (T, H, Q)
+    g_c = g_a.sum(-1)
+    return Terms(
+        g_a.transpose(1, 2),
+        g_b.transpose(1, 2),
+        g_c,
+        g_w_hidden,
+        g_b_hidden,
+        g_w_out,
+        g_out.sum(-1),
+    )
+
+
+def _first_layer_units_major_again(a: Tensor, b: Tensor, c: Tensor, grad: Tensor) -> Tensor:
+    """`_first_layer_units_major` for the backward, bitwise equal up to the sign of zeros,
+    computed after `grad` exists. Traced with the forward as one graph (`torch.func.grad`
+    under `torch.compile`), inductor otherwise fuses this recomputation, which reads only
+    forward inputs, into a forward kernel that reads the same terms, and keeps its
+    `(T, H, Q * TH)` result until the backward, above the plain model's peak
+    (`benchmarks/results/design_measurements.md`)."""
+    row_terms, col_terms = _units_major_terms(a, b, c)
+    return row_terms[:, :, None, :] + _after(col_terms, grad)[..., None]
+
+
+def _after(x: Tensor, anchor: Tensor) -> Tensor:
+    """`x` plus an exact zero computed from `anchor`: a data dependency, so that compiled
+    code computes `x` and what reads it only once `anchor` exists. The zero is 0 or 1 times
+    0.0, never NaN whatever `anchor` holds; a float 0.0, since inductor folds products with
+    the integer 0 (and the dependency with them)."""
+    return x + anchor.reshape(-1)[:1].isnan().to(x.dtype) * 0.0
 
 
 # The runner for a selection's stacks (`gbfunc.dist`): the tiles `tiles` of a stack,
