@@ -20,25 +20,16 @@ from torch import Tensor
 
 from .._function import signature_once
 from .._spec import signed_buckets
-from ._build import (
-    Loop,
-    compiled_loop,
-    runnable,
-    splits_added,
-    threads_and_splits,
-    tiles_folded,
-    tiles_unfolded,
-    vectorised_cpu,
-)
+from . import _build
 
-_LOOP = Loop("hash_table_gradient", "hash_table_gradient.cpp", pointers=3, sizes=4)
+_LOOP = _build.Loop("hash_table_gradient", "hash_table_gradient.cpp", pointers=3, sizes=4)
 
 
 @torch.compiler.assume_constant_result
 def usable(dtype: torch.dtype, device_type: str) -> bool:
     """Whether `table_gradient` runs its C loop: where `_build.vectorised_cpu` holds and
     the loop compiled."""
-    return vectorised_cpu(dtype, device_type) and compiled_loop(_LOOP, 1) is not None
+    return _build.vectorised_cpu(dtype, device_type) and _build.compiled_loop(_LOOP, 1) is not None
 
 
 @torch.library.custom_op("gbfunc::hash_table_gradient", mutates_args=(), device_types="cpu")
@@ -47,11 +38,12 @@ def table_gradient(grad: Tensor, packed: Tensor, buckets: int) -> Tensor:
     tiles = grad.shape[0]
     grad, packed = grad.reshape(tiles, -1).contiguous(), packed.contiguous()
     positions = grad.shape[1]
-    threads, splits = threads_and_splits(tiles, positions)  # a tile's positions are its rows
+    # A tile's positions are its rows.
+    threads, splits = _build.threads_and_splits(tiles, positions)
     partial = grad.new_empty(tiles, splits, buckets)
     pointers = (grad.data_ptr(), packed.data_ptr(), partial.data_ptr())
-    runnable(_LOOP, 1)(*pointers, tiles, positions, buckets, splits, threads)
-    return splits_added(partial)
+    _build.runnable(_LOOP, 1)(*pointers, tiles, positions, buckets, splits, threads)
+    return _build.splits_added(partial)
 
 
 @table_gradient.register_fake
@@ -63,8 +55,8 @@ def _(grad: Tensor, packed: Tensor, buckets: int) -> Tensor:
 def _(info, in_dims: tuple, grad: Tensor, packed: Tensor, buckets: int) -> tuple:
     if in_dims[1] is not None:
         raise NotImplementedError("gbfunc: a hash is fixed by the plan; it cannot be batched.")
-    (grad,) = tiles_folded(info.batch_size, in_dims[:1], (grad,))
-    return tiles_unfolded(info.batch_size, table_gradient(grad, packed, buckets)), 0
+    (grad,) = _build.tiles_folded(info.batch_size, in_dims[:1], (grad,))
+    return _build.tiles_unfolded(info.batch_size, table_gradient(grad, packed, buckets)), 0
 
 
 def _save_hash(ctx, inputs: tuple, output) -> None:

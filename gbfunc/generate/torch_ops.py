@@ -78,8 +78,8 @@ def stack_weights(
     plan: Plan,
     index: int,
     leaves: Mapping[str, Tensor],
-    form: str,
-    traced: bool,
+    form: str = EAGER,
+    traced: bool = False,
     *,
     compiled: CompiledBodies | None = None,
 ) -> dict[str, Tensor]:
