@@ -259,7 +259,7 @@ def test_the_gradient_of_units_major_column_terms_arrives_through_b(monkeypatch,
     grad = torch.randn(2, 4, 6, 1, generator=gen, dtype=torch.float64)
     want = torch.autograd.grad(reference(terms._replace(b=codes @ w_col), activation), w_col, grad)
     for traced in (False, True):  # the eager chunks ignore b_t; traced code reads it
-        # (T, Q, H) and (T, H, Q), as `torch_ops.units_major_columns` makes them
+        # (T, Q, H) and (T, H, Q), as `_traced_forms.units_major_columns` makes them
         b, b_t = codes @ w_col, w_col.mT @ codes.mT
         form = traced_form(terms, activation, b_t) if traced else EAGER
         out = tile_mlp(terms._replace(b=b), activation, form=form, b_t=b_t)

@@ -88,7 +88,7 @@ def _loops_layer(hidden: int, outputs: int, dtype: torch.dtype, device_type: str
 
 def _unrolls(hidden: int, outputs: int) -> bool:
     """Whether compiled code computes a one-layer g-net's outputs as a sum over its units
-    written out (`_one_layer_unrolled`) rather than as a matmul: for at most 16 outputs, the
+    written out (`one_layer_unrolled`) rather than as a matmul: for at most 16 outputs, the
     matmul's rows, where MKL is slow; for at most 32 units, since each is a term of the code.
     With more outputs (row g-nets' 128 and 256) the written-out sum is no faster, hence the
     matmul there. For ReLU in float32 on CPU a C loop runs instead, up to 32 outputs
@@ -125,7 +125,7 @@ def _reads_units_major(stack: Stack, w_in: Tensor, traced: bool) -> bool:
 def tile_form(stack: Stack, w_in: Tensor, *, traced: bool, exporting: bool) -> str:
     """The form of the tile MLP's forward (`forward_form`) that `evaluate_parts` runs for
     `stack` with first layers `w_in`: `traced` by `torch.compile` or in gbfunc's compiled
-    bodies (`compiled=True`, never exporting)."""
+    bodies (the `compiled-mlp` path's, never exporting)."""
     genome = stack.genome
     return forward_form(
         one_layer=genome.depth == 1,
