@@ -315,8 +315,8 @@ def test_traced_one_output_forwards_of_wide_tiles_read_the_units_major_column_te
     `relu_one_output`); the weights are unchanged."""
     from gbfunc.cpu import _relu_loops
     from gbfunc.generate import _traced_forms
-    from gbfunc.generate._traced_forms import units_major_columns
-    from gbfunc.generate.torch_ops import evaluate_stack, tile_form
+    from gbfunc.generate._traced_forms import tile_form, units_major_columns
+    from gbfunc.generate.torch_ops import evaluate_stack
 
     lanes = _traced_forms._vector_lanes(torch.float32, "cpu")
     plan = gb.plan(nn.Linear(2 * lanes, 3 * lanes), tile=(lanes, lanes), hidden=5)

@@ -34,7 +34,7 @@ def usable(dtype: torch.dtype, device_type: str) -> bool:
 
 @torch.library.custom_op("gbfunc::hash_table_gradient", mutates_args=(), device_types="cpu")
 def table_gradient(grad: Tensor, packed: Tensor, buckets: int) -> Tensor:
-    """`gradient_reference(grad, packed, buckets)` by the C loop (`usable` must hold)."""
+    """`_spec.gradient_reference(grad, packed, buckets)` by the C loop (`usable` must hold)."""
     tiles = grad.shape[0]
     grad, packed = grad.reshape(tiles, -1).contiguous(), packed.contiguous()
     positions = grad.shape[1]

@@ -25,9 +25,8 @@ import torch
 from torch import Tensor
 
 from .._function import signature_once
-from .._spec import cached_tile_hash
+from .._spec import cached_tile_hash, signed_buckets
 from ._build import Loop, compiled_loop, runnable, splits_added, threads_and_splits, vectorised_cpu
-from ._hash_gradient import signed_buckets
 from ._relu_rows import (
     Placement,
     batched,

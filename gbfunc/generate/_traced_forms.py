@@ -40,7 +40,7 @@ UNROLLED = "unrolled"  # traced, one layer, few outputs: a written-out sum over 
 UNITS_MAJOR = "units-major"  # traced, hidden layers or many outputs: units-major matmuls
 FORMS = (EAGER, C_LOOPS, BY_COLUMNS, BY_UNITS, UNROLLED, UNITS_MAJOR)
 # The forms of a one-layer, one-output forward that read `b_t`, the columns' terms laid out
-# units-major (`tile_mlp`).
+# units-major (`torch_ops.tile_mlp`).
 ONE_OUTPUT_UNITS_MAJOR = (C_LOOPS, BY_COLUMNS)
 
 
@@ -60,8 +60,9 @@ def forward_form(
     more (`one_layer`), `hidden` units and `outputs`: `EAGER` unless `traced` (by
     `torch.compile`, or inside gbfunc's compiled bodies); traced, the C loops where they
     apply (not `exporting`: exported graphs hold standard ops only), else the form written
-    for inductor. `units_major_columns`: a one-output forward is given `b_t` (`tile_mlp`).
-    The one decision the forward's bodies and `gb.explain` (`generate.torch_ops`) share."""
+    for inductor. `units_major_columns`: a one-output forward is given `b_t`
+    (`torch_ops.tile_mlp`). The one decision the bodies and every path's `variant` (through
+    `tile_form`) share."""
     if not traced:
         return EAGER
     relu_c = activation == "relu" and not exporting
@@ -99,7 +100,7 @@ def _unrolls(hidden: int, outputs: int) -> bool:
 
 def terms_form(terms: Terms, activation: str, b_t: Tensor | None, *, traced: bool) -> str:
     """`forward_form` of these terms (not exported), `traced` or not: the form a caller that
-    holds terms rather than a stack (tests, benchmarks) passes to `tile_mlp`."""
+    holds terms rather than a stack (tests, benchmarks) passes to `torch_ops.tile_mlp`."""
     a = terms.a
     return forward_form(
         one_layer=terms.w_hidden is None,
@@ -123,7 +124,7 @@ def _reads_units_major(stack: Stack, w_in: Tensor, traced: bool) -> bool:
 
 
 def tile_form(stack: Stack, w_in: Tensor, *, traced: bool, exporting: bool) -> str:
-    """The form of the tile MLP's forward (`forward_form`) that `evaluate_parts` runs for
+    """The form of the tile MLP's forward (`forward_form`) that `torch_ops.evaluate_parts` runs for
     `stack` with first layers `w_in`: `traced` by `torch.compile` or in gbfunc's compiled
     bodies (the `compiled-mlp` path's, never exporting)."""
     genome = stack.genome
@@ -247,7 +248,7 @@ def _one_output_by_units(row_terms: Tensor, b: Tensor, w: Tensor, activation: st
 
 def reads_units_major_columns(columns: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether compiled one-output forwards of tiles with `columns` evaluation columns are
-    faster from units-major column terms (`tile_mlp`'s `b_t`): where the columns fill at
+    faster from units-major column terms (`torch_ops.tile_mlp`'s `b_t`): where the columns fill at
     least one vector register (`_one_output_by_columns`)."""
     return columns >= _vector_lanes(dtype, torch.device(device).type)
 
@@ -267,7 +268,7 @@ def vectorised_units(row_terms: Tensor) -> int:
 
 def units_major_columns(stack: Stack, leaves: Mapping[str, Tensor]) -> Tensor:
     """`stack_terms(stack, leaves).b` laid out units-major, `(T, H, Q)`: a matmul's own
-    output, which compiled code reads with the columns as the vector axis (`tile_mlp`)."""
+    output, which compiled code reads with the columns as the vector axis (`torch_ops.tile_mlp`)."""
     w_in = leaves["w_in"]
     _, col = code_tables(stack, w_in)
     b_t = w_in[:, stack.row_width :].mT @ col.mT  # (G, H, Q)

@@ -93,8 +93,8 @@ def _forward(terms: Terms, activation: str, b_t: Tensor | None, form: str) -> Te
 
 
 def _backward(grad: Tensor, terms: Terms, activation: str, form: str) -> tuple | None:
-    """The gradients of `terms` but `b_out` through compiled bodies; None where one could not
-    compile."""
+    """The gradients of every term through compiled bodies (`terms.b_out` is None, not read);
+    None where one could not compile."""
     saved = Terms(*(None if x is None else x.detach() for x in terms))
     results = [
         _compiled(_backward_body, grad[lo:hi], *saved.tiles(lo, hi)[:-1], activation, form)

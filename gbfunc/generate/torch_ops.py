@@ -43,7 +43,7 @@ from .._spec import (
 from .._tiling import assemble, block_spans, split_into
 from . import _traced_forms as traced_forms
 from ._policy import Call
-from ._traced_forms import C_LOOPS, EAGER, ONE_OUTPUT_UNITS_MAJOR, UNROLLED, tile_form
+from ._traced_forms import C_LOOPS, EAGER, ONE_OUTPUT_UNITS_MAJOR, UNROLLED
 
 NAME = "torch"
 
@@ -54,10 +54,9 @@ CHUNK_ELEMENTS = 1 << 18
 
 @dataclass(frozen=True)
 class CompiledBodies:
-    """The tile MLP's forward and backward in a traced form, as code compiled once per
-    signature (the `compiled-mlp` path's), each returning None where it cannot compile:
-    `forward(terms, activation, b_t, form)` and `backward(grad, terms, activation, form)`
-    (the gradients of `terms` but `b_out`, joined over its chunks)."""
+    """The `compiled-mlp` path's tile MLP in a traced form, compiled once per signature, each
+    returning None where it cannot compile: `forward(terms, activation, b_t, form)`, and
+    `backward(grad, terms, activation, form)`, every term's gradient (`terms.b_out` unread)."""
 
     forward: Callable[[Terms, str, Tensor | None, str], Tensor | None]
     backward: Callable[[Tensor, Terms, str, str], tuple | None]
@@ -65,21 +64,22 @@ class CompiledBodies:
 
 def refuses(call: Call) -> str | None:
     """None: pure torch generates every stack."""
+    return None
 
 
 def variant(call: Call) -> str:
     """The variant that generates the call's stack (`_traced_forms.forward_form`)."""
-    context = call.context
-    w_in = call.leaves["w_in"]
-    return tile_form(call.stack, w_in, traced=context.compiling, exporting=context.exporting)
+    context, stack, w_in = call.context, call.stack, call.leaves["w_in"]
+    traced, exporting = context.compiling, context.exporting
+    return traced_forms.tile_form(stack, w_in, traced=traced, exporting=exporting)
 
 
 def stack_weights(
     plan: Plan,
     index: int,
     leaves: Mapping[str, Tensor],
-    form: str = EAGER,
-    traced: bool = False,
+    form: str,
+    traced: bool,
     *,
     compiled: CompiledBodies | None = None,
 ) -> dict[str, Tensor]:
@@ -357,9 +357,9 @@ def tile_mlp(
 def forward_no_save(
     terms: Terms, activation: str, b_t: Tensor | None = None, form: str = EAGER
 ) -> Tensor:
-    """`reference` in the form `form` (`forward_form`'s, which `b_t` must fit): eagerly one
-    fused reduction over the units (one layer, one output) or units-major matmuls; traced,
-    the form's body (`_traced_forms`), the matmuls for `UNITS_MAJOR`."""
+    """`reference` in `form` (`_traced_forms.forward_form`'s; `b_t` must fit it): eagerly one
+    reduction (one layer, one output) or units-major matmuls, which the traced `units-major`
+    runs too; the other traced forms' bodies are in `_traced_forms`."""
     a, b, c, _, _, w_out, b_out = terms
     if terms.one_reduction:
         if form == EAGER:
@@ -418,9 +418,9 @@ def _first_layer_again(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
 
 def backward_recompute(grad: Tensor, terms: Terms, activation: str, form: str = EAGER) -> Terms:
     """Gradients of `reference` w.r.t. every term (`terms.b_out` is not read), for the
-    forward's `form` (`forward_form`): eagerly, chunk by chunk; traced, the fused
+    forward's `form` (`_traced_forms.forward_form`): eagerly, chunk by chunk; traced, the fused
     reductions, or the C loops where the forward ran them (`_traced_forms`); units-major
-    matmuls after the other forms."""
+    matmuls for the other forms."""
     if terms.one_reduction and form != EAGER:
         return traced_forms.one_output_backward(grad, terms, activation)
     if form == C_LOOPS:
