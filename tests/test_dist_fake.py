@@ -101,7 +101,8 @@ def test_replicated_parameters_pass_an_averaged_gradient(mesh):
 def test_tensor_parallel_rejects_a_plan_of_another_model(mesh):
     model, _ = _gpt_plan(tile=(16, 16))
     other = gb.plan(torch.nn.Linear(4, 4))
-    with pytest.raises(ValueError, match="the plan and the model have different parameters"):
+    named = r"TensorParallel: parameter #0 is 'weight' \(4, 4\) in the plan but 'wte.weight'"
+    with pytest.raises(ValueError, match=named):
         gbd.TensorParallel(other, model, mesh["tp"])
 
 

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
+from .._check_model import check_matches
 from .._plan import Generated, Plan
 from .._select import Selection
 from .._tiling import Concat, Region, cuts_tiles, full_region
@@ -108,25 +109,13 @@ class TensorParallel:
         mesh: DeviceMesh,
         fused: Mapping[str, int] | None = None,
     ) -> None:
+        check_matches(plan, model, "gb.dist.TensorParallel", "the plan")
         names = dict(model.named_parameters())
-        missing = [p.name for p in plan.params if p.name not in names]
-        extra = sorted(set(names) - {p.name for p in plan.params})
-        if missing or extra:
-            raise ValueError(
-                "gb.dist.TensorParallel: the plan and the model have different parameters "
-                f"(only in the plan: {missing[:3]}; only in the model: {extra[:3]}). "
-                "Was the plan made from another model?"
-            )
         regions: dict[str, Region | Concat] = {}
         self._wrap: dict[str, tuple[tuple[Placement, ...] | None, float, tuple[int, ...]]] = {}
         self.misaligned: tuple[str, ...] = ()
         for p in plan.params:
             param = names[p.name]
-            if tuple(param.shape) != p.shape:
-                raise ValueError(
-                    f"gb.dist.TensorParallel: {p.name} has shape {tuple(param.shape)} in the model "
-                    f"but {p.shape} in the plan."
-                )
             if isinstance(param, DTensor):
                 if param.device_mesh != mesh:
                     raise ValueError(
