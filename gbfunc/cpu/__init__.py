@@ -11,9 +11,9 @@ that serve as sub-ops of the `torch` path's traced forms are chosen with the for
 (`generate._traced_forms.forward_form`, which `gb.explain` names too), and the backward's
 sums and the hashed tables' gradient where their `*_usable` holds.
 
-`GBFUNC_CPU_LOOPS=off|portable|auto` (or `set_mode`) chooses whether and how they are built;
-without a C++ compiler, on other platforms, or with `off`, every call runs through pure torch
-with the same results, to rounding.
+`GBFUNC_CPU_LOOPS=off|portable|auto` (or `set_mode`; the mode in force is `_mode`'s) chooses
+whether and how they are built; without a C++ compiler, on other platforms, or with `off`,
+every call runs through pure torch with the same results, to rounding.
 """
 
 from ._build import compiler, missing_compiler, unavailable_reason

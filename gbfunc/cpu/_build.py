@@ -8,7 +8,8 @@ library loaded only if it is the one that was built) into a private cache folder
 The ISA flags come from torch's public `torch.backends.cpu.get_cpu_capability()` and name the
 build, so a home folder shared by nodes of different CPUs keeps one build each.
 
-The loops are optional. `GBFUNC_CPU_LOOPS` (or `gbfunc.cpu.set_mode`) chooses:
+The loops are optional. `GBFUNC_CPU_LOOPS` (or `gbfunc.cpu.set_mode`; kept in `_mode`, which
+records a failure too) chooses:
 - `auto` (default): on Linux x86-64 with AVX2 or AVX-512, built for that ISA; elsewhere off.
 - `portable`: built without ISA flags (the loops' portable branches), on any CPU.
 - `off`: never built or loaded; every stack runs through pure torch.
