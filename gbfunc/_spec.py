@@ -50,6 +50,13 @@ class Terms(NamedTuple):
         """The terms of tiles `lo:hi` (the first axis)."""
         return Terms(*(tile_rows(x, lo, hi) for x in self))
 
+    @staticmethod
+    def one_layer_gradients(g_a: Tensor, g_b: Tensor, g_w_out: Tensor, grad: Tensor) -> "Terms":
+        """The gradients of one-hidden-layer terms from those of `a`, `b` and `w_out` and the
+        output's gradient `grad` `(T, TH, Q, P)`: `c`'s is `a`'s summed over the rows (`c` is
+        added to every row term), `b_out`'s is `grad` summed over the positions."""
+        return Terms(g_a, g_b, g_a.sum(1), None, None, g_w_out, grad.sum((1, 2)))
+
     @property
     def one_reduction(self) -> bool:
         """One hidden layer and one output (`Stack.one_reduction`): a single fused reduction

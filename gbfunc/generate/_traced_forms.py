@@ -283,14 +283,14 @@ def one_output_backward(grad: Tensor, terms: Terms, activation: str) -> Terms:
     reductions over the positions (`_fused_reductions`); `grad` `(T, TH, Q, 1)`."""
     a, b, c, _, _, w_out, _ = terms
     g_a, g_b, g_w_out = _fused_reductions(grad[..., 0], a, b, c, w_out[..., 0], activation)
-    return Terms(g_a, g_b, g_a.sum(1), None, None, g_w_out[..., None], grad.sum((1, 2)))
+    return Terms.one_layer_gradients(g_a, g_b, g_w_out[..., None], grad)
 
 
 def relu_layer_backward(grad: Tensor, terms: Terms) -> Terms:
     """Gradients of `relu_layer` by the C loop `relu_layer_backward`."""
     a, b, c, _, _, w_out, _ = terms
     g_a, g_b, g_w_out = _relu_loops.relu_layer_backward(grad, a + c[:, None], b, w_out)
-    return Terms(g_a, g_b, g_a.sum(1), None, None, g_w_out, grad.sum((1, 2)))
+    return Terms.one_layer_gradients(g_a, g_b, g_w_out, grad)
 
 
 def _fused_reductions(g: Tensor, a: Tensor, b: Tensor, c: Tensor, w: Tensor, activation: str):

@@ -80,10 +80,15 @@ def _backward_body(grad: Tensor, *inputs) -> tuple:
     return tuple(torch_ops.backward_recompute(grad, Terms(*saved, None), activation, form))
 
 
+def _detached(terms: Terms) -> Terms:
+    """`terms` detached from autograd, which records the Function, not what runs inside."""
+    return Terms(*(None if x is None else x.detach() for x in terms))
+
+
 def _forward(terms: Terms, activation: str, b_t: Tensor | None, form: str) -> Tensor | None:
     """The tile MLP's forward in `form` through compiled bodies, chunk by chunk; None where
-    one could not compile. Detached: autograd records the Function, not what runs inside."""
-    detached = Terms(*(None if x is None else x.detach() for x in terms))
+    one could not compile."""
+    detached = _detached(terms)
     b_t = None if b_t is None else b_t.detach()
     outs = [
         _compiled(_forward_body, *detached.tiles(lo, hi), tile_rows(b_t, lo, hi), activation, form)
@@ -95,7 +100,7 @@ def _forward(terms: Terms, activation: str, b_t: Tensor | None, form: str) -> Te
 def _backward(grad: Tensor, terms: Terms, activation: str, form: str) -> tuple | None:
     """The gradients of every term through compiled bodies (`terms.b_out` is None, not read);
     None where one could not compile."""
-    saved = Terms(*(None if x is None else x.detach() for x in terms))
+    saved = _detached(terms)
     results = [
         _compiled(_backward_body, grad[lo:hi], *saved.tiles(lo, hi)[:-1], activation, form)
         for lo, hi in compiled_chunks(saved)

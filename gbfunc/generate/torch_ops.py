@@ -436,7 +436,7 @@ def backward_recompute(grad: Tensor, terms: Terms, activation: str, form: str = 
     g_z = activate_grad(z, activation).mul_(grad).mul_(w_out[:, None, None, :, 0])
     g_a = g_z.sum(2)
     g_b = g_z.sum(1)
-    return Terms(g_a, g_b, g_a.sum(1), None, None, g_w_out, grad.sum((1, 2)))
+    return Terms.one_layer_gradients(g_a, g_b, g_w_out, grad)
 
 
 def _backward_units_major(grad: Tensor, terms: Terms, activation: str) -> Terms:
