@@ -39,7 +39,7 @@ from torch._functorch.utils import unwrap_dead_wrappers
 
 from .._function import signature_once
 from .._plan import Generated, Stack, tile_places
-from .._spec import code_tables
+from .._spec import Terms, code_tables, reference
 from ._build import Loop, compiled_loop, runnable, splits_added, threads_and_splits
 from ._relu_loops import supported
 from ._relu_tiles import BACKWARD as TILES_BACKWARD, BLOCK_ROWS, FORWARD as TILES_FORWARD
@@ -193,32 +193,19 @@ def _apply_eagerly(*args: object) -> tuple[Tensor, ...]:
     return super(torch.autograd.Function, _Rows).apply(*args)
 
 
-def rows_reference(
-    row_code: Tensor,
-    col_code: Tensor,
-    w_in: Tensor,
-    b_in: Tensor,
-    w_out: Tensor,
-    b_out: Tensor,
-    tiles: list[int],
-    shapes: list[int],
-    scales: list[float],
-) -> list[Tensor]:
-    """`relu_rows` in plain torch: the specification.
+def rows_reference(row_code, col_code, w_in, b_in, w_out, b_out, tiles, shapes, scales):
+    """`relu_rows` in plain torch: the specification, the spec's `reference` placed.
 
     Shapes: row_code `(TH, R)`, col_code `(Q, C)`, w_in `(T, R + C, H)`, b_in `(T, H)`,
     w_out `(T, H, P)`, b_out `(T, P)`, with `Q == 1` (row g-nets) or `P == 1` (one-output
-    g-nets, `_relu_tiles`); `tiles`, `shapes` and `scales` as in `Placement`. Position
-    `(i, q)` of tile `t` is `relu(row_code[i] @ w_in[t, :R] + col_code[q] @ w_in[t, R:] +
-    b_in[t]) @ w_out[t] + b_out[t]`, its `P` values side by side: tile `t` is `(TH, Q * P)`,
-    scaled by its scale, cut to its rows and columns and placed at its offset in its weight.
-    Returns each weight as its matrix.
+    g-nets, `_relu_tiles`); `tiles`, `shapes` and `scales` as in `Placement`. The first layer
+    splits as in `stack_terms` (`a` the row codes', `b` the column codes', `c` `b_in`); tile
+    `t`, its `P` values side by side, is `(TH, Q * P)`, scaled by its scale, cut to its rows
+    and columns and placed at its offset in its weight. Returns each weight as its matrix.
     """
     r = row_code.shape[-1]
-    a = row_code @ w_in[:, :r] + b_in[:, None]  # (T, TH, H)
-    z = a[:, :, None] + (col_code @ w_in[:, r:])[:, None]  # (T, TH, Q, H)
-    out = torch.relu(z) @ w_out[:, None] + b_out[:, None, None]  # (T, TH, Q, P)
-    return placed(out.flatten(2), tiles, shapes, scales)
+    terms = Terms(row_code @ w_in[:, :r], col_code @ w_in[:, r:], b_in, None, None, w_out, b_out)
+    return placed(reference(terms, "relu").flatten(2), tiles, shapes, scales)
 
 
 def placed(
