@@ -89,17 +89,12 @@ def generated(gparams: GParams, plan: Plan, path: Route) -> dict[str, Tensor]:
 
 
 def op_by_op(
-    plan: Plan,
-    gparams: GParams,
-    *,
-    condition: Tensor | None,
-    task: int | Tensor | None,
-    compile: bool | None,
+    plan: Plan, gparams: GParams, *, condition: Tensor | None, task: int | Tensor | None
 ) -> dict[str, Tensor]:
     """Every generated parameter of `plan`, as the `graph` path traces them: the condition
-    folded in, then each stack on the path the dispatcher chooses inside the trace."""
+    folded in, then each stack on the path the dispatcher chooses inside the trace (with
+    `compile=False`: the graph is gbfunc's compiled code, nothing is compiled inside it)."""
     gparams, plan = folded(gparams, plan, condition, task, "gb.apply")
     stacks = gparams["stacks"]
-    return generated(
-        gparams, plan, route(plan, stacks, context_of(stacks, backend="torch", compile=compile))
-    )
+    context = context_of(stacks, backend="torch", compile=False)
+    return generated(gparams, plan, route(plan, stacks, context))

@@ -91,11 +91,6 @@ def cuts_tiles(p: Generated, stack: Stack, region: Region) -> bool:
     return False
 
 
-def region_tiles(p: Generated, stack: Stack, region: Region) -> list[int]:
-    """Ascending indices of the stack's tiles that cover `region` of `p`."""
-    return sorted({t for piece in pieces(p, stack, region) for t in piece_tiles(p, piece)})
-
-
 def lay_out(
     p: Generated, stack: Stack, region: Region, covering: Sequence[Piece], tiles: Sequence[Tensor]
 ) -> Tensor:

@@ -18,6 +18,6 @@ A stack's g-nets reach the kernels as `Terms`, from `stack_terms(stack, leaves)`
 from gbfunc._spec import Terms as Terms, stack_terms as stack_terms
 
 from ._checks import refusal as refusal
-from ._runtime import DTYPES as DTYPES, check_runnable as check_runnable
+from ._runtime import check_runnable as check_runnable
 from .generate import generate as generate
 from .generate_backward import generate_backward as generate_backward

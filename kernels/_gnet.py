@@ -1,7 +1,8 @@
 """Triton building blocks of a g-net, shared by the forward and the backward kernel.
 
-Every block is a `(BLOCK_N, BLOCK_H)` float32 tile of hidden values for `BLOCK_N` positions
-(`BLOCK_I` tile rows x `BLOCK_Q` evaluation columns, row-major). Hidden units past `H` are
+Every block is a `(BLOCK_I * BLOCK_Q, BLOCK_H)` float32 tile of hidden values for `BLOCK_I`
+tile rows x `BLOCK_Q` evaluation columns, row-major (at most the tuned `BLOCK_N` positions:
+`generate.kernel.block_sizes`). Hidden units past `H` are
 zero-padded: their weights load as zero, so they never reach a real output or gradient.
 
 Kernels import these blocks by name and call them unqualified (`first_layer(...)`, never
@@ -65,7 +66,8 @@ def first_layer(
     BLOCK_Q: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """Separable first layer of tile `g`: `z[i, q] = a[i] + b[q] + c`, `(BLOCK_N, BLOCK_H)`."""
+    """Separable first layer of tile `g`: `z[i, q] = a[i] + b[q] + c`,
+    `(BLOCK_I * BLOCK_Q, BLOCK_H)`."""
     h_ok = hid < H
     a = tl.load(
         a_ptr + (g * TH + i[:, None]) * H + hid[None, :],
@@ -146,7 +148,8 @@ def output_weight(wo_ptr, g, hid, p, H, P, BLOCK_P: tl.constexpr):
 def output_layer(
     h, wo_ptr, bo_ptr, g, hid, p, H, P, BLOCK_P: tl.constexpr, PRECISION: tl.constexpr
 ):
-    """G-net outputs `(BLOCK_N, BLOCK_P)`; one output is a row reduction, not a padded dot."""
+    """G-net outputs `(BLOCK_I * BLOCK_Q, BLOCK_P)`; one output is a row reduction, not a
+    padded dot."""
     w = output_weight(wo_ptr, g, hid, p, H, P, BLOCK_P)
     bias = tl.load(bo_ptr + g * P + p, mask=p < P, other=0.0).to(tl.float32)
     # The compiler, unlike the interpreter, goes on past a `return` inside a constexpr `if`.

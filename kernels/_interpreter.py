@@ -68,4 +68,4 @@ def fix() -> bool:
     return faulty
 
 
-FIXED = fix()
+fix()

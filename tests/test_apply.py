@@ -9,6 +9,7 @@ from torch import nn
 from torch.func import functional_call
 
 import gbfunc as gb
+from gbfunc._spec import reference, stack_terms
 
 
 def models() -> dict[str, tuple[nn.Module, dict]]:
@@ -192,8 +193,7 @@ def test_autograd_keeps_about_4_bytes_per_generated_weight():
     stacks = plan.stacks
     plain = gb.memory.saved_bytes(
         lambda: [
-            gb.generate.torch_ops.evaluate_stack(s, gparams["stacks"][s.key], recompute=False)
-            for s in stacks
+            reference(stack_terms(s, gparams["stacks"][s.key]), s.genome.activation) for s in stacks
         ]
     )
     assert plain / gb.report(plan).generated_weights > 100

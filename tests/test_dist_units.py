@@ -13,7 +13,7 @@ import gbfunc as gb
 import gbfunc.dist as gbd
 from benchmarks.bench_comm import rank_owned_traffic, replicated_traffic, torchgb_traffic
 from examples.gpt import GPT, GPTConfig
-from gbfunc._tiling import cuts_tiles, full_region, region_tiles
+from gbfunc._tiling import cuts_tiles, full_region, piece_tiles, pieces
 from gbfunc.generate import torch_ops
 
 # ---------------------------------------------------------------- mesh sizes
@@ -172,6 +172,11 @@ def test_the_torch_path_picks_rows_of_the_whole_stack(options):
     (everything,) = torch_ops.tiles(stack, leaves, range(stack.num_tiles), None)
     (some,) = torch_ops.tiles(stack, leaves, picked, None)
     torch.testing.assert_close(some, everything[picked])
+
+
+def region_tiles(p, stack, region) -> list[int]:
+    """Ascending indices of the stack's tiles that cover `region` of `p`."""
+    return sorted({t for piece in pieces(p, stack, region) for t in piece_tiles(p, piece)})
 
 
 def test_region_tiles_and_alignment():

@@ -5,6 +5,7 @@ from unittest import mock
 
 import pytest
 import torch
+from forms import traced_form
 from hypothesis import example, given, settings, strategies as st
 from threads import on_threads
 
@@ -28,7 +29,6 @@ from gbfunc.generate._traced_forms import (
     _fused_reductions,
     forward_form,
     reads_units_major_columns,
-    terms_form,
 )
 from gbfunc.generate.torch_ops import backward_recompute, tile_mlp
 
@@ -215,7 +215,7 @@ def test_a_compiled_step_through_relu_gnets_runs_the_c_loops(outputs, columns):
     want = torch.autograd.grad(loss(*leaves), leaves)
     a, b, c, w_out, b_out = leaves
     b_t = b.transpose(1, 2) if by_columns else None
-    traced = terms_form(Terms(a, b, c, None, None, w_out, b_out), "relu", b_t, traced=True)
+    traced = traced_form(Terms(a, b, c, None, None, w_out, b_out), "relu", b_t)
     calls = []
     function = _relu_loops.runnable  # what the ops call to run a loop
 

@@ -4,6 +4,7 @@ from unittest import mock
 
 import pytest
 import torch
+from forms import traced_form
 from hypothesis import example, given, strategies as st
 
 from gbfunc._spec import Terms, activate, activate_grad, reference
@@ -11,7 +12,6 @@ from gbfunc.generate._traced_forms import (
     EAGER,
     _fused_reductions,
     _vector_lanes,
-    terms_form,
     vectorised_units,
 )
 from gbfunc.generate.compiled_mlp import compiled_chunks
@@ -26,11 +26,6 @@ from gbfunc.generate.torch_ops import (
 )
 
 ACTIVATIONS = ["relu", "gelu", "tanh", "silu"]
-
-
-def traced_form(terms: Terms, activation: str, b_t: torch.Tensor | None = None) -> str:
-    """The form `torch.compile` traces for these terms, as the route would pass it."""
-    return terms_form(terms, activation, b_t, traced=True)
 
 
 def compiled_square_loss(form: str, backend) -> object:

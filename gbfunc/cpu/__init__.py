@@ -9,7 +9,8 @@ which asks `refusal`; a stack taken runs through `weights` (and `add_hash` for a
 table) where `placement` says its weights land. `gb.explain` shows the decision. The loops
 that serve as sub-ops of the `torch` path's traced forms are chosen with the form
 (`generate._traced_forms.forward_form`, which `gb.explain` names too), and the backward's
-sums and the hashed tables' gradient where their `*_usable` holds.
+sums and the hashed tables' gradient where their own predicates hold (`_relu_loops.sums_usable`,
+`_hash_gradient.usable`).
 
 `GBFUNC_CPU_LOOPS=off|portable|auto` (or `set_mode`; the mode in force is `_mode`'s) chooses
 whether and how they are built; without a C++ compiler, on other platforms, or with `off`,

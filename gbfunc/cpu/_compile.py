@@ -57,15 +57,15 @@ def load_built(
 
 
 @contextlib.contextmanager
-def locked(path: Path, wait_s: float | None = None) -> Iterator[None]:
-    """Hold an exclusive `flock` on `path` (created where missing), waiting at most `wait_s`
-    (default `LOCK_WAIT_S`) for another holder. The kernel drops the lock when its holder's
+def locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive `flock` on `path` (created where missing), waiting at most
+    `LOCK_WAIT_S` for another holder. The kernel drops the lock when its holder's
     process ends, however it ends."""
     if fcntl is None:
         raise OSError(
             "the CPU loops' builds need POSIX file locks (fcntl), which this system lacks"
         )
-    wait_s = LOCK_WAIT_S if wait_s is None else wait_s
+    wait_s = LOCK_WAIT_S
     descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
         deadline = time.monotonic() + wait_s
@@ -92,7 +92,7 @@ def _build(command: list[str], library: Path, inputs: str) -> None:
     partial = library.with_name(f"{library.name}{_PARTIAL}{os.getpid()}")
     try:
         done = subprocess.run(
-            [*command, "-o", str(partial), "-fopenmp"],
+            [*command, "-o", str(partial)],
             capture_output=True,
             text=True,
             timeout=COMPILE_S,

@@ -4,7 +4,8 @@ why), and where its weights land.
 The dispatcher's `cpu-loops` path (`gbfunc.generate.cpu_loops`) asks these two through
 `gbfunc.cpu`'s public names, so that its rule reads none of this package's modules' limits.
 (The C sub-ops that the `torch` path's traced forms call, `_relu_loops`, and the hashed
-tables' gradient, `_hash_gradient`, say where they run by their own `*_usable`.)
+tables' gradient, `_hash_gradient`, say where they run by their own predicates:
+`sums_usable`, `layer_usable`, `one_output_usable`, and `_hash_gradient.usable`.)
 """
 
 from collections.abc import Sequence

@@ -9,6 +9,7 @@ rules read, the call and the policy of gbfunc's own compiles, is in `_policy`; t
 forms for traced code (which `compiled-mlp` and `graph` compile, and an outer
 `torch.compile` traces), their rule and their bodies, in `_traced_forms`, beside the `torch`
 path's own eager bodies (`torch_ops`). These modules stand on
-the plan, the specification, the tiling, `gbfunc.cpu` and `gbfunc.kernels`, never on the
-dispatcher or `gb.apply` (`tests/test_import_graph.py`).
+the plan, the specification, the tiling, `gbfunc.cpu`, `gbfunc.kernels` and the leaves
+below them (the parameter tree and its checks, the compile cache, custom-op and buffer
+helpers), never on the dispatcher or `gb.apply` (`tests/test_import_graph.py`).
 """

@@ -61,8 +61,8 @@ def forward_form(
     `torch.compile`, or inside gbfunc's compiled bodies); traced, the C loops where they
     apply (not `exporting`: exported graphs hold standard ops only), else the form written
     for inductor. `units_major_columns`: a one-output forward is given `b_t`
-    (`torch_ops.tile_mlp`). The one decision the bodies and every path's `variant` (through
-    `tile_form`) share."""
+    (`torch_ops.tile_mlp`). The one decision the bodies and the `variant` of the
+    `torch`, `compiled-mlp` and `graph` paths (through `tile_form`) share."""
     if not traced:
         return EAGER
     relu_c = activation == "relu" and not exporting
@@ -96,23 +96,6 @@ def _unrolls(hidden: int, outputs: int) -> bool:
     (`_loops_layer`), which computes each hidden activation once rather than once per
     output, and so does the backward."""
     return outputs <= 16 and hidden <= 32
-
-
-def terms_form(terms: Terms, activation: str, b_t: Tensor | None, *, traced: bool) -> str:
-    """`forward_form` of these terms (not exported), `traced` or not: the form a caller that
-    holds terms rather than a stack (tests, benchmarks) passes to `torch_ops.tile_mlp`."""
-    a = terms.a
-    return forward_form(
-        one_layer=terms.w_hidden is None,
-        hidden=a.shape[-1],
-        outputs=terms.w_out.shape[-1],
-        activation=activation,
-        dtype=a.dtype,
-        device_type=a.device.type,
-        traced=traced,
-        exporting=False,
-        units_major_columns=b_t is not None,
-    )
 
 
 def _reads_units_major(stack: Stack, w_in: Tensor, traced: bool) -> bool:

@@ -98,8 +98,8 @@ def generate(
 ) -> dict[str, Tensor] | None:
     """Every parameter of `plan` from `gparams` (for `condition` or `task` where the plan
     reads one, as `gb.apply` takes them), the generated ones through the plan's compiled graph
-    (the first call compiles: seconds). `op_by_op(plan, gparams, condition=, task=,
-    compile=)` is what the graph holds: the plan's generated parameters op by op
+    (the first call compiles: seconds). `op_by_op(plan, gparams, condition=, task=)`
+    is what the graph holds: the plan's generated parameters op by op
     (`gb.apply`'s, which asks the dispatcher for each stack's path at trace time). The
     condition is folded in inside the graph, whose inputs are the leaves, and a task id
     enters as a tensor (one graph for every task).
@@ -127,4 +127,4 @@ def _generated(
     gparams = {"stacks": stacks, "free": {}, "frozen": {}}
     if tasks is not None:
         gparams[TASKS] = tasks
-    return op_by_op(plan, gparams, condition=condition, task=task, compile=False)
+    return op_by_op(plan, gparams, condition=condition, task=task)

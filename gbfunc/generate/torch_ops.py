@@ -36,7 +36,6 @@ from .._spec import (
     first_layer,
     hashed_tiles as spec_hashed_tiles,
     plain_eager,
-    reference,
     stack_terms,
     tile_rows,
 )
@@ -113,21 +112,11 @@ def parts_from_tile_mlp(stack: Stack) -> bool:
     return stack.columns > 1
 
 
-def evaluate_stack(
-    stack: Stack,
-    leaves: Mapping[str, Tensor],
-    *,
-    recompute: bool = True,
-    form: str = EAGER,
-    compiled: CompiledBodies | None = None,
-) -> Tensor:
+def evaluate_stack(stack: Stack, leaves: Mapping[str, Tensor], *, form: str = EAGER) -> Tensor:
     """Every tile of a stack, `(T, TH, TW * K)`, from its leaves
     (`gparams["stacks"][stack.key]`): one batched g-net evaluation, in the tile MLP's `form`
-    (`tile_form`), through `compiled` bodies or op by op, with the recomputing backward
-    (`tile_mlp`), or plain autograd where not `recompute`."""
-    (tiles,) = evaluate_parts(
-        stack, leaves, None, recompute=recompute, form=form, compiled=compiled
-    )
+    (`tile_form`), op by op with the recomputing backward (`tile_mlp`)."""
+    (tiles,) = evaluate_parts(stack, leaves, None, form=form)
     return tiles
 
 
@@ -136,7 +125,6 @@ def evaluate_parts(
     leaves: Mapping[str, Tensor],
     spans: Sequence[tuple[int, int]] | None,
     *,
-    recompute: bool = True,
     form: str = EAGER,
     compiled: CompiledBodies | None = None,
 ) -> tuple[Tensor, ...]:
@@ -145,14 +133,10 @@ def evaluate_parts(
     apart (`tile_mlp`)."""
     terms = stack_terms(stack, leaves)
     spans = None if spans is None else tuple(spans)
-    if recompute:
-        reads_b_t = stack.one_reduction and form in ONE_OUTPUT_UNITS_MAJOR
-        b_t = traced_forms.units_major_columns(stack, leaves) if reads_b_t else None
-        activation = stack.genome.activation
-        parts = tile_mlp(terms, activation, form=form, compiled=compiled, b_t=b_t, spans=spans)
-    else:
-        y = reference(terms, stack.genome.activation)
-        parts = y if spans is None else tuple(y[lo:hi] for lo, hi in spans)
+    reads_b_t = stack.one_reduction and form in ONE_OUTPUT_UNITS_MAJOR
+    b_t = traced_forms.units_major_columns(stack, leaves) if reads_b_t else None
+    activation = stack.genome.activation
+    parts = tile_mlp(terms, activation, form=form, compiled=compiled, b_t=b_t, spans=spans)
     parts = (parts,) if spans is None else parts
     ranges = spans or ((0, stack.num_tiles),)
     traced = op_by_op_form(form, compiled) != EAGER

@@ -108,7 +108,7 @@ def _generate_kernel(
 
     z = first_layer(a_ptr, b_ptr, c_ptr, g, i, q, hid, TH, Q, H, BLOCK_I, BLOCK_Q, BLOCK_H)
     h = hidden_stack(z, wh_ptr, bh_ptr, g, DEPTH - 1, hid, H, DEPTH, ACTIVATION, PRECISION)
-    # (BLOCK_N, BLOCK_P) outputs
+    # (BLOCK_I * BLOCK_Q, BLOCK_P) outputs
     y = output_layer(h, wo_ptr, bo_ptr, g, hid, p, H, P, BLOCK_P, PRECISION)
 
     # Tile-and-cut: output (i, q, p) is flat column q * P + p of the tile's row i.
