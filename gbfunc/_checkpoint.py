@@ -10,7 +10,7 @@ nothing is unpickled, and nothing is mutated but the model's buffers, once all i
 The SHA-256 detects accidental damage (a flipped bit, a truncated copy, a hand edit that
 forgot to update it); it is not a signature, and a crafted file can carry a matching one.
 `gb.load` is safe on crafted files because it also checks what it reads: the file kind, the
-header's size and structure, the plan against the model (`_validate`), and every tensor
+header's size and structure, the plan against the model (`_check_plan`), and every tensor
 against the plan, so a file either loads as a consistent checkpoint or raises a
 `gb.CheckpointError`. `gb.save` runs the same checks (`_checkpoint_checks`) before it writes,
 so that it never writes a file `gb.load` would refuse.
@@ -143,7 +143,7 @@ def write_file(path: str, tensors: dict[str, Tensor], metadata: dict[str, str], 
         safetensors.torch.save_file(tensors, tmp, metadata)
 
     try:
-        write_atomic(path, write, sync_directory=False)
+        write_atomic(path, write)
     except (OSError, safetensors.SafetensorError) as e:
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         raise CheckpointError(

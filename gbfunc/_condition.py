@@ -60,6 +60,13 @@ def condition_of(
             f"{condition.dtype}; expected a floating tensor of shape ({width},) (for many "
             "conditions at once, torch.func.vmap over them)."
         )
+    for stack in plan.stacks:
+        w_cond = gparams["stacks"][stack.key].get(COND_LEAF) if stack.genome.condition else None
+        if w_cond is not None and condition.device != w_cond.device:
+            raise ValueError(
+                f"{where}: condition is on {condition.device} but the g-nets of stack "
+                f"{stack.key!r} that read it are on {w_cond.device}; move it there."
+            )
     return condition
 
 
@@ -105,12 +112,7 @@ def conditioned(gparams: GParams, plan: Plan, z: Tensor) -> tuple[GParams, Plan]
         leaves = gparams["stacks"][stack.key]
         if stack.genome.condition:
             leaves = dict(leaves)
-            w_cond = leaves.pop(COND_LEAF)  # (G, width, H)
-            if z.device != w_cond.device:
-                raise ValueError(
-                    f"the condition is on {z.device} but the g-nets of stack {stack.key!r} "
-                    f"are on {w_cond.device}."
-                )
+            w_cond = leaves.pop(COND_LEAF)  # (G, width, H), on z's device (`condition_of`)
             shift = torch.einsum("w,gwh->gh", z.to(w_cond.dtype), w_cond)
             leaves["b_in"] = leaves["b_in"] + shift
         stacks[stack.key] = leaves

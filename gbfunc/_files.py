@@ -10,16 +10,16 @@ import torch
 from torch import Tensor
 
 
-def write_atomic(path: str, write: Callable[[str], None], *, sync_directory: bool = True) -> None:
+def write_atomic(path: str, write: Callable[[str], None]) -> None:
     """Make `path` appear whole or not at all: `write(tmp)`, fsync, then rename over `path`.
 
     The temporary file sits in the same directory (a rename is atomic only within one file
     system). A new file gets the mode the umask gives (as `open` would); an existing file
     keeps its mode, and the temporary file is never more permissive than either. A crash at
     any point leaves the previous `path` untouched; at worst a stale `.NAME.*.tmp` file
-    remains beside it. The directory is then synced, which makes the rename durable; with
-    `sync_directory=False` the caller does that, so that an error raised here always means
-    that `path` was not replaced.
+    remains beside it. The caller then syncs the directory (`sync_dir`), which makes the
+    rename durable: not done here, so that an error raised here always means that `path` was
+    not replaced.
     """
     directory = os.path.dirname(os.path.abspath(path))
     try:
@@ -37,8 +37,6 @@ def write_atomic(path: str, write: Callable[[str], None], *, sync_directory: boo
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    if sync_directory:  # make the rename itself durable
-        sync_dir(directory)
 
 
 def sync_dir(directory: str | os.PathLike) -> None:

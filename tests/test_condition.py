@@ -6,6 +6,7 @@ layer from the definition, one tile at a time.
 """
 
 import pytest
+import safetensors.torch
 import torch
 from hypothesis import given, settings, strategies as st
 from naive import naive_apply
@@ -223,6 +224,14 @@ def test_checkpoints_module_export_report_and_optimizer_keep_the_task_embeddings
     torch.testing.assert_close(functional_call(model, dense, (x,)), before.detach())
     other = gb.export(gparams, plan, task=0)
     assert not torch.equal(other["0.weight"], dense["0.weight"])
+    # One task's (or one condition's) dense model as a plain safetensors file.
+    gb.save_dense(tmp_path / "task2.safetensors", gparams, plan, model=model, task=2)
+    written = safetensors.torch.load_file(tmp_path / "task2.safetensors")
+    torch.testing.assert_close(functional_call(model, written, (x,)), before.detach())
+    z = gparams["tasks"][0].detach()
+    gb.save_dense(tmp_path / "z.safetensors", gparams, plan, model=model, condition=z)
+    written = safetensors.torch.load_file(tmp_path / "z.safetensors")
+    torch.testing.assert_close(written["0.weight"], other["0.weight"])
     assert gb.report(plan).task_params == 12
     assert gb.report(plan).stored_params == gb.report(
         gb.plan(model, tile=(4, 4), hidden=5)
@@ -259,6 +268,11 @@ def test_plans_without_a_condition_keep_their_json_and_conditioned_ones_round_tr
         (lambda g, p, q: gb.apply(g, p, task=4), r"task must be an int in 0\.\.3"),
         (lambda g, p, q: gb.apply(g, p, task=torch.tensor(1.0)), r"0-d integer tensor"),
         (lambda g, p, q: gb.apply(g, p, task=1, condition=torch.ones(3)), "not both"),
+        (
+            lambda g, p, q: gb.apply(g, p, condition=torch.ones(3, device="meta")),
+            r"gb.apply: condition is on meta but the g-nets of stack 's0_4x4' that read it are "
+            "on cpu",
+        ),
         (lambda g, p, q: gb.apply(gb.init(q), q, condition=torch.ones(3)), "read no condition"),
         (
             lambda g, p, q: gb.plan(mlp(), condition=2, tasks=3, overrides={"*": {"condition": 0}}),

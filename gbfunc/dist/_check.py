@@ -58,8 +58,9 @@ def plan_difference(ours: Plan, theirs: Plan) -> str | None:
     return None
 
 
-def _short(text: str, limit: int = 120) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+def _short(text: str) -> str:
+    """`text`, cut to 120 characters for a message."""
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def check_plan(plan: Plan, group: dist.ProcessGroup | None = None) -> None:

@@ -74,9 +74,7 @@ def publish(path: Path, folder: str, manifest: str) -> str | None:
     """
     sync_dir(path / folder)  # its entries are durable before the manifest names them
     legacy = _version(path / MANIFEST) < FIRST_WITH_FOLDER
-    write_atomic(
-        os.fspath(path / MANIFEST), lambda tmp: Path(tmp).write_text(manifest), sync_directory=False
-    )
+    write_atomic(os.fspath(path / MANIFEST), lambda tmp: Path(tmp).write_text(manifest))
     try:  # until the rename is durable, a crash may bring back the manifest it replaced
         sync_dir(path)
     except OSError as e:
