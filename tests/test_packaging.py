@@ -118,10 +118,11 @@ def test_triton_backend_without_the_interpreter_says_how_to_enable_it(tmp_path):
         """,
         tmp_path,
     )
-    if out.strip() != "cuda":
-        assert "gb.apply" in out
-        assert "TRITON_INTERPRET=1" in out
-        assert "backend='torch'" in out
+    if out.strip() == "cuda":
+        pytest.skip("CUDA present: the kernels compile for it, no interpreter is asked for")
+    assert "gb.apply" in out
+    assert "TRITON_INTERPRET=1" in out
+    assert "backend='torch'" in out
 
 
 @pytest.mark.slow
