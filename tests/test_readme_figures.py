@@ -133,17 +133,18 @@ def comm_mib(strategy: str) -> float:
 
 
 MAIN_JOB = "main_job.md"
+MAIN_JOB_XEON = "main_job_xeon.md"  # the same job on an Intel Xeon host
 
 
-def main_job(task: str, arm: str, index: int) -> float:
-    """The main job's seeds run: number `index` of an arm's line (loss mean, s.e., spread,
-    accuracy mean, s.e., spread), or of gb's gap line to `arm` when `arm` starts with `gb - `
-    (loss gap, s.e., accuracy gap, s.e.; signs dropped)."""
-    lines = (RESULTS / MAIN_JOB).read_text().splitlines()
+def main_job(task: str, arm: str, index: int, results: str = MAIN_JOB) -> float:
+    """The main job's seeds run (`results`): number `index` of an arm's line (loss mean, s.e.,
+    spread, accuracy mean, s.e., spread), or of gb's gap line to `arm` when `arm` starts with
+    `gb - ` (loss gap, s.e., accuracy gap, s.e.; signs dropped)."""
+    lines = (RESULTS / results).read_text().splitlines()
     gap = arm.startswith("gb - ")
     prefix = f"[{task}]   gb - {arm[5:]:8s} (" if gap else f"[{task}]   {arm:8s}  loss"
     found = [line for line in lines if line.startswith(prefix)]
-    assert len(found) == 1, f"{MAIN_JOB}: {len(found)} lines of {task} {arm}"
+    assert len(found) == 1, f"{results}: {len(found)} lines of {task} {arm}"
     return float(re.findall(r"\d+\.\d+", found[0])[index])
 
 
@@ -156,11 +157,12 @@ class Figure:
     read: Callable[[], float]
 
 
-def main_job_figures(*phrases: tuple[str, str, str, int]) -> list[Figure]:
+def main_job_figures(*phrases: tuple[str, str, str, int], results: str = MAIN_JOB) -> list[Figure]:
     """One `Figure` per number of each `(task, arm, phrase, first)`: the phrase's numbers
-    are numbers `first`, `first + 1`, ... of the arm's line in the main job's output."""
+    are numbers `first`, `first + 1`, ... of the arm's line in the main job's output
+    (`results`)."""
     return [
-        Figure(phrase, number, lambda t=task, a=arm, i=first + k: main_job(t, a, i))
+        Figure(phrase, number, lambda t=task, a=arm, i=first + k: main_job(t, a, i, results))
         for task, arm, phrase, first in phrases
         for k, number in enumerate(re.findall(r"\d+\.\d+", phrase))
     ]
@@ -261,6 +263,18 @@ FIGURES = [
         ("digits", "gb", "gbfunc 98.39 ± 0.32% (spread 1.67)", 3),
         ("digits", "narrow", "against 98.33 ± 0.20% (spread 1.11) for the narrow CNN", 3),
         ("digits", "gb - narrow", "0.06 ± 0.28 points above it, within noise", 2),
+    ),
+    *main_job_figures(
+        ("charlm", "gb", "the same job printed 1.5661 ± 0.0073 nats (spread 0.0240)", 0),
+        ("charlm", "narrow", "against 1.6431 ± 0.0035 (spread 0.0110)", 0),
+        ("charlm", "gb - narrow", "0.0770 ± 0.0089 below, beyond noise", 0),
+        ("mlp", "gb", "the MLP 96.39 ± 0.42% (spread 1.39)", 3),
+        ("mlp", "narrow", "against 93.89 ± 0.58% (spread 1.94)", 3),
+        ("mlp", "gb - narrow", "2.50 ± 0.56 points above, beyond noise", 2),
+        ("digits", "gb", "the CNN 98.61 ± 0.39% (spread 2.22)", 3),
+        ("digits", "narrow", "against 98.33 ± 0.20% (spread 1.11)", 3),
+        ("digits", "gb - narrow", "0.28 ± 0.30 points above, within noise", 2),
+        results=MAIN_JOB_XEON,
     ),
     # Communication, computed from the plan
     Figure("receives 46 MiB per rank", "46", lambda: comm_mib("replicated")),
