@@ -22,7 +22,9 @@ logs go to `--logs`); the report (`--out`) gives each configuration's seeds, mea
 """
 
 import argparse
+import dataclasses
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -30,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 import gbfunc as gb
 from benchmarks import equal_params as ep, lr_rule, transfer
@@ -58,6 +60,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "embeddings x0.3 rate": {"param_rates": {"tok.weight": 0.3, "pos.weight": 0.3}},
     "embeddings x0.03 rate": {"param_rates": {"tok.weight": 1 / 30, "pos.weight": 1 / 30}},
     "embeddings free": {"plan": {"embeddings": False}},
+    # the model's embeddings drawn at std 1/sqrt(dim), where nn.Embedding draws N(0, 1): the
+    # generated tables then start at their step unit (`step_scale`), not sqrt(dim) above it
+    "warmup200, embeddings at the unit": {"warmup": 200, "embed_std": 1.0},
     # equal_params' tiled genome (no tables, one g-net per tile) under the library's warm-up
     "tiled genome, warmup200": {"warmup": 200, "plan": {"share": False, "hashed": 0}},
 }
@@ -185,6 +190,7 @@ def run(
     table_init: float | None = None,
     param_rates: dict[str, float] | None = None,
     plan: dict[str, Any] | None = None,
+    embed_std: float | None = None,
 ) -> tuple[dict, dict]:
     """`(row, log)` of one run of the gbfunc arm on `corpus` (`CORPORA`, `TRANSFER_CORPORA`).
 
@@ -194,13 +200,16 @@ def run(
     `free` for the free tensors); `table_init`: factor of the tables' initial values;
     `param_rates`: factors of the rates of the leaf rows that generate one parameter (by
     name; Adam's step scaled after the update, which is a per-row rate); `plan`: `gb.plan`
-    options over the genome's.
+    options over the genome's; `embed_std`: the model's embeddings redrawn at this std over
+    `sqrt(dim)` before planning (gbfunc starts a generated weight at its tensor's std).
     """
     torch.set_num_threads(1)
     if corpus in CORPORA:
         task, dense_lr = lr_rule.TASKS[CORPORA[corpus]], lr_rule.DENSE_LR[CORPORA[corpus]]
     else:
         task, dense_lr = transfer.text_task(corpus), transfer.TASKS[corpus][3]
+    if embed_std is not None:
+        task = dataclasses.replace(task, build=_embeddings_at(task.build, embed_std))
     data = task.data()
     options = {**ep.TASKS["charlm"].genomes[lr_rule.MAIN["charlm"]][2], **(plan or {})}
     arm, plan_ = ep.gbfunc_arm(task, "stability", options, seed, data)
@@ -264,6 +273,22 @@ def run(
         "elements": {k: sum(t.numel() for t in ts) for k, ts in monitor.kinds.items()},
     }
     return row, log
+
+
+def _embeddings_at(
+    build: Callable[[int | None], nn.Module], std: float
+) -> Callable[[int | None], nn.Module]:
+    """`build` with every `nn.Embedding` of the model redrawn from N(0, (std / sqrt(dim))^2)."""
+
+    def built(width: int | None) -> nn.Module:
+        model = build(width)
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, nn.Embedding):
+                    module.weight.normal_(0.0, std / math.sqrt(module.embedding_dim))
+        return model
+
+    return built
 
 
 def rms_at(log: dict, names: tuple[str, ...] = ("tok.weight", "pos.weight")) -> dict:
