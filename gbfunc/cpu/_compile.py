@@ -65,10 +65,9 @@ def locked(path: Path) -> Iterator[None]:
         raise OSError(
             "the CPU loops' builds need POSIX file locks (fcntl), which this system lacks"
         )
-    wait_s = LOCK_WAIT_S
     descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
-        deadline = time.monotonic() + wait_s
+        deadline = time.monotonic() + LOCK_WAIT_S
         while True:
             try:
                 fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -77,7 +76,7 @@ def locked(path: Path) -> Iterator[None]:
                 if time.monotonic() >= deadline:
                     raise TimeoutError(
                         f"another process has been building in {path.parent} for over "
-                        f"{wait_s:g} s (it holds {path.name}); not waiting longer"
+                        f"{LOCK_WAIT_S:g} s (it holds {path.name}); not waiting longer"
                     ) from None
                 time.sleep(_POLL_S)
         yield
