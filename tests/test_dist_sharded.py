@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -75,7 +76,38 @@ def save_worker(rank: int, world: int, path: str) -> dict:
     full = owned.gather(local)
     with torch.no_grad():
         loss = loss_fn(functional_call(model, owned.apply(local), (x,)), x).item()
-    return {"digest": _digest(full), "loss": loss, "refused": refused, "untouched": untouched}
+    drifted = _save_drifted(rank, f"{path}-drifted")
+    return {
+        "digest": _digest(full),
+        "loss": loss,
+        "refused": refused,
+        "untouched": untouched,
+        **drifted,
+    }
+
+
+def _drifted_model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16))
+
+
+def _save_drifted(rank: int, path: str) -> dict:
+    """Replicated g-nets (`plan=`) whose copies differ between the ranks where they should
+    not (a free bias) and where they may (BatchNorm's statistics, from each rank's data)."""
+    torch.manual_seed(0)
+    model = _drifted_model()
+    plan = gb.plan(model, tile=(8, 8))
+    gparams = gb.init(plan, seed=0)
+    model(torch.randn(8, 16, generator=torch.Generator().manual_seed(rank)))
+    with torch.no_grad():
+        gparams["free"]["0.bias"] += rank
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gbd.save_sharded(path, gparams, plan=plan)
+    return {
+        "warned": [str(w.message) for w in caught if w.category is RuntimeWarning],
+        "running_mean": model[1].running_mean.clone(),
+        "bias": gparams["free"]["0.bias"].detach().clone(),
+    }
 
 
 def load_worker(rank: int, world: int, path: str) -> dict:
@@ -132,6 +164,23 @@ def test_sharded_checkpoint_of_two_ranks_loads_in_one_process_and_on_four_ranks(
         assert r["rows"] == r["owned"]  # each rank read only its own g-nets
         assert r["step"] == 1
         assert r["loss"] == pytest.approx(written[0]["loss"], abs=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process, below
+def test_what_the_ranks_hold_differently_is_saved_from_rank_0_and_loads(saved):
+    """Each rank's copy of a replicated entry was once written by whichever rank DCP chose,
+    with another rank's digest recorded: a checkpoint that load then called damaged."""
+    path, written = saved
+    assert not torch.equal(written[0]["running_mean"], written[1]["running_mean"])
+    model = _drifted_model()
+    checkpoint = gbd.load_sharded(f"{path}-drifted", model)
+    assert torch.equal(model[1].running_mean, written[0]["running_mean"])
+    assert torch.equal(checkpoint.gparams["free"]["0.bias"], written[0]["bias"])
+    (warning,) = written[0]["warned"]  # the bias, not the statistics; from rank 0 only
+    assert warning.startswith("gb.dist.save_sharded: free/0.bias differ between the ranks")
+    assert "rank's copy is saved" in warning
+    assert written[1]["warned"] == []
 
 
 @pytest.mark.slow

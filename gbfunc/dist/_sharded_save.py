@@ -50,7 +50,9 @@ def save_sharded(
     Call it on every rank (a collective), with this rank's gparams as trained: rank-owned
     g-nets (`owned.shard(...)`) or replicated ones (`plan=`), and free or frozen parameters
     that are plain tensors (replicated) or DTensors (e.g. `gb.dist.ShardedFree.state(...)`:
-    each rank writes its shard, and they reshard on load).
+    each rank writes its shard, and they reshard on load). What several ranks hold (replicated
+    parameters, buffers) is written from the lowest rank's copy: where a parameter's copies
+    differ between ranks, a `RuntimeWarning` names it.
 
     The new checkpoint is written beside the one already at `path`, which is replaced only
     once the new one is complete: a save that raises or is killed leaves the previous
@@ -64,8 +66,9 @@ def save_sharded(
         owned: The `RankOwned` that sharded the g-nets (or give `plan`).
         plan: The plan, for g-nets replicated on every rank of `group` (default: all ranks;
             no process group at all: one process writes everything).
-        buffers: The p-net's buffers, replicated on every rank, as in `gb.save` (default:
-            those of the model the plan was made from, while it is alive).
+        buffers: The p-net's buffers, as in `gb.save` (default: those of the model the plan
+            was made from, while it is alive); rank 0's are written (BatchNorm's statistics
+            differ between ranks unless synchronised, e.g. by `nn.SyncBatchNorm`).
         optimizer: A `torch.optim` optimizer over `local`'s trainable leaves; its state is
             written sharded like its parameters and restored by `load_sharded(optimizer=)`.
         step: Training step, an int >= 0.
@@ -112,6 +115,9 @@ def save_sharded(
     # g-net rows (and their optimizer state) are held whole by one rank: a SHA-256 suffices.
     whole = ("stacks/", f"{OPTIM}stacks/")
     checksums = {k: checksum(v) for k, v in state.items() if not k.startswith(whole)}
+    writer = _writers([digests for digests, _ in every])
+    rank = 0 if group is None else dist.get_rank(group)
+    state = {k: v for k, v in state.items() if isinstance(v, DTensor) or writer[k] == rank}
     try:
         with warnings.catch_warnings():  # one process writing on purpose: not worth a warning
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
@@ -123,7 +129,8 @@ def save_sharded(
             discard(directory, name)
         raise _unwritable(where, directory, e) from e
     if _leads(group):
-        manifest["sha256"] = {k: v for d, _ in every for k, v in d.items()}
+        manifest["sha256"] = {k: every[r][0][k] for k, r in writer.items()}
+        _warn_differing([digests for digests, _ in every], manifest["sha256"], where)
         manifest["checksums"] = checksums
         manifest["data"] = name
         try:
@@ -141,6 +148,40 @@ def save_sharded(
                     stacklevel=2,
                 )
     _agree(group, None, failure, where)  # the manifest is there when any rank returns
+
+
+def _writers(every: list[dict[str, str]]) -> dict[str, int]:
+    """The rank that writes each plain entry: the lowest that holds it. DCP would write an
+    entry that several ranks hold from any of them, and record no digest of the others."""
+    writer: dict[str, int] = {}
+    for rank, digests in enumerate(every):
+        for key in digests:
+            writer.setdefault(key, rank)
+    return writer
+
+
+def _warn_differing(every: list[dict[str, str]], written: dict[str, str], where: str) -> None:
+    """Warn where a parameter that several ranks hold (free, frozen, replicated g-nets, their
+    optimizer state) differs between them: training let the copies drift, and only the lowest
+    rank's is saved. Buffers are left out: BatchNorm's statistics differ between ranks unless
+    synchronised, and rank 0's are kept, as DDP's `broadcast_buffers` keeps them."""
+    differing = sorted(
+        {
+            key
+            for digests in every
+            for key, digest in digests.items()
+            if digest != written[key] and not key.startswith(BUFFERS)
+        }
+    )
+    if differing:
+        more = f" and {len(differing) - 3} more" if differing[3:] else ""
+        warnings.warn(
+            f"{where}: {', '.join(differing[:3])}{more} differ between the ranks that hold "
+            "them; the lowest rank's copy is saved. Are their gradients all-reduced "
+            "(gb.dist.GradSync)?",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _group(owned: object, group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
