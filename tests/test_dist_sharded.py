@@ -206,8 +206,15 @@ def test_sharded_checkpoint_errors_name_the_file_and_the_entry(saved, tmp_path):
     truncated = tmp_path / "truncated"
     shutil.copytree(path, truncated)
     shard = sorted(data_of(truncated).glob("*.distcp"))[0]
-    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    with pytest.raises(gb.CheckpointCorruptError, match="a shard is missing or damaged"):
+    size = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[: size // 2])
+    with pytest.raises(gb.CheckpointCorruptError, match="a shard is missing or damaged") as e:
+        gbd.load_sharded(truncated, model)
+    assert f"{shard} is truncated: it has {size // 2} bytes, its entries need " in str(e.value)
+
+    # A shard file gone.
+    shard.unlink()
+    with pytest.raises(gb.CheckpointCorruptError, match=rf"\({shard} is missing\)"):
         gbd.load_sharded(truncated, model)
 
 

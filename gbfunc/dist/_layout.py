@@ -115,5 +115,5 @@ def reason(error: BaseException) -> str:
         rank, (error, _) = next(iter(error.failures.items()))
         return f"rank {rank}: {reason(error)}"
     if isinstance(error, OSError) and error.strerror:
-        return error.strerror
-    return f"{error!s:.300}"
+        return f"{error.strerror}: {error.filename}" if error.filename else error.strerror
+    return f"{error!s:.300}" or type(error).__name__

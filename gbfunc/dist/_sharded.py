@@ -274,8 +274,9 @@ def _read(
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
             dcp.load(state, checkpoint_id=data, process_group=group, no_dist=not group)
     except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException
+        found = _short_file(data)
         raise CheckpointCorruptError(
-            f"{where}: a shard is missing or damaged ({reason(e)})."
+            f"{where}: a shard is missing or damaged ({found or reason(e)})."
         ) from e
 
 
@@ -382,6 +383,26 @@ def _file_of(path: Path, key: str) -> str:
     except Exception:  # the message still names the entry
         pass
     return str(path)
+
+
+def _short_file(path: Path) -> str | None:
+    """The first DCP data file in `path` that is missing or shorter than its entries need,
+    and how (for messages); None where every file is there and long enough."""
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+        ends: dict[str, int] = {}
+        for info in metadata.storage_data.values():
+            end = info.offset + info.length
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), end)
+    except Exception:  # the caller's message gives DCP's reason instead
+        return None
+    for name, end in sorted(ends.items()):
+        file = path / name
+        if not file.is_file():
+            return f"{file} is missing"
+        if (size := file.stat().st_size) < end:
+            return f"{file} is truncated: it has {size} bytes, its entries need {end}"
+    return None
 
 
 def _assemble(
