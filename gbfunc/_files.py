@@ -15,7 +15,8 @@ def write_atomic(path: str, write: Callable[[str], None]) -> None:
 
     The temporary file sits in the same directory (a rename is atomic only within one file
     system). A new file gets the mode the umask gives (as `open` would); an existing file
-    keeps its mode, and the temporary file is never more permissive than either. A crash at
+    keeps its mode (a read-only one too: the temporary file is its owner's to write until the
+    rename), and the temporary file never grants others more than either. A crash at
     any point leaves the previous `path` untouched; at worst a stale `.NAME.*.tmp` file
     remains beside it. The caller then syncs the directory (`sync_dir`), which makes the
     rename durable: not done here, so that an error raised here always means that `path` was
@@ -26,7 +27,8 @@ def write_atomic(path: str, write: Callable[[str], None]) -> None:
         keep: int | None = stat.S_IMODE(os.stat(path).st_mode)
     except FileNotFoundError:
         keep = None
-    tmp, mode = _create_temp(directory, os.path.basename(path), 0o666 if keep is None else keep)
+    wanted = 0o666 if keep is None else keep | stat.S_IRUSR | stat.S_IWUSR
+    tmp, mode = _create_temp(directory, os.path.basename(path), wanted)
     try:
         write(tmp)
         with open(tmp, "rb+") as f:

@@ -9,6 +9,7 @@ import struct
 import threading
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from forged import forge, in_plan
 from torch import nn
 
 import gbfunc as gb
+from gbfunc._files import write_atomic
 
 
 @pytest.fixture
@@ -108,6 +110,25 @@ def test_new_files_follow_the_umask_and_existing_files_keep_their_mode(tmp_path)
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "private.safetensors").stat().st_mode) == 0o600
     assert stat.S_IMODE(existing.stat().st_mode) == 0o640
+
+
+def test_a_read_only_file_is_replaced_whole_and_stays_read_only(tmp_path):
+    """The temporary file is its owner's to write even where the file it replaces is not
+    (as a non-root user, safetensors could not open a read-only one: permission denied)."""
+    existing = tmp_path / "kept.bin"
+    existing.write_bytes(b"old")
+    existing.chmod(0o444)
+    modes = []
+
+    def write(tmp: str) -> None:
+        modes.append(stat.S_IMODE(os.stat(tmp).st_mode))
+        Path(tmp).write_bytes(b"new")
+
+    write_atomic(str(existing), write)
+    assert modes[0] & 0o600 == 0o600
+    assert modes[0] & 0o077 & ~0o044 == 0  # others get no more than the file gave them
+    assert existing.read_bytes() == b"new"
+    assert stat.S_IMODE(existing.stat().st_mode) == 0o444
 
 
 def _generated(plan: dict, index: int = 0) -> dict:
