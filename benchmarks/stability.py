@@ -10,7 +10,8 @@ gradient norm and Adam's update norm relative to the leaf's norm; every `--every
 generated weights' RMS per layer and their update relative to it. Loss spikes are flagged (a
 step's loss 10% above the median of the 20 before it, after the warm-up). A variant
 (`VARIANTS`) changes one thing: clipping, warm-up, Adam's epsilon, the tables' initial scale,
-a leaf kind's rate.
+a leaf kind's rate, or which seed draws what (the batches' order, the model's own start, the
+g-nets, the tables), to find where the seeds' spread comes from.
 
     python -m benchmarks.stability --steps 300 --variants default clip1
     python -m benchmarks.stability --steps 800 --variants default    # about 3 min a run
@@ -65,6 +66,16 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "warmup200, embeddings at the unit": {"warmup": 200, "embed_std": 1.0},
     # equal_params' tiled genome (no tables, one g-net per tile) under the library's warm-up
     "tiled genome, warmup200": {"warmup": 200, "plan": {"share": False, "hashed": 0}},
+    # where the seeds' spread comes from: the start (genome, model) or the batches' order
+    "warmup200, batches of seed 0": {"warmup": 200, "data_seed": 0},
+    "warmup200, start of seed 0": {"warmup": 200, "model_seed": 0, "genome_seed": 0},
+    "warmup200, batches and model of seed 0": {"warmup": 200, "data_seed": 0, "model_seed": 0},
+    "warmup200, all but the g-nets of seed 0": {
+        "warmup": 200,
+        "data_seed": 0,
+        "model_seed": 0,
+        "table_seed": 0,
+    },
 }
 
 
@@ -191,6 +202,10 @@ def run(
     param_rates: dict[str, float] | None = None,
     plan: dict[str, Any] | None = None,
     embed_std: float | None = None,
+    model_seed: int | None = None,
+    genome_seed: int | None = None,
+    table_seed: int | None = None,
+    data_seed: int | None = None,
 ) -> tuple[dict, dict]:
     """`(row, log)` of one run of the gbfunc arm on `corpus` (`CORPORA`, `TRANSFER_CORPORA`).
 
@@ -201,7 +216,10 @@ def run(
     `param_rates`: factors of the rates of the leaf rows that generate one parameter (by
     name; Adam's step scaled after the update, which is a per-row rate); `plan`: `gb.plan`
     options over the genome's; `embed_std`: the model's embeddings redrawn at this std over
-    `sqrt(dim)` before planning (gbfunc starts a generated weight at its tensor's std).
+    `sqrt(dim)` before planning (gbfunc starts a generated weight at its tensor's std);
+    `model_seed`, `genome_seed`, `table_seed`, `data_seed`: instead of `seed`, the seed of
+    the model's own start (its free tensors), of `gb.init` (g-nets and tables), of the
+    tables alone, or of the batches' order.
     """
     torch.set_num_threads(1)
     if corpus in CORPORA:
@@ -212,7 +230,9 @@ def run(
         task = dataclasses.replace(task, build=_embeddings_at(task.build, embed_std))
     data = task.data()
     options = {**ep.TASKS["charlm"].genomes[lr_rule.MAIN["charlm"]][2], **(plan or {})}
-    arm, plan_ = ep.gbfunc_arm(task, "stability", options, seed, data)
+    arm, plan_ = ep.gbfunc_arm(task, "stability", options, _or(model_seed, seed), data)
+    if _or(genome_seed, seed) != _or(model_seed, seed) or table_seed is not None:
+        arm = dataclasses.replace(arm, tree=_genome_of(plan_, _or(genome_seed, seed), table_seed))
     if table_init is not None:
         with torch.no_grad():
             for leaves in arm.tree["stacks"].values():
@@ -253,7 +273,8 @@ def run(
         return scaled
 
     start = time.perf_counter()
-    loss, _ = ep.train(trained, 1.0, data, steps, task.batch, seed, warmup=warmup, hook=hook)
+    batches = _or(data_seed, seed)
+    loss, _ = ep.train(trained, 1.0, data, steps, task.batch, batches, warmup=warmup, hook=hook)
     seconds = time.perf_counter() - start
     first = max(1, min(100, steps // 10)) if warmup is None else warmup
     log = monitor.log
@@ -273,6 +294,21 @@ def run(
         "elements": {k: sum(t.numel() for t in ts) for k, ts in monitor.kinds.items()},
     }
     return row, log
+
+
+def _genome_of(plan: gb.Plan, seed: int, table_seed: int | None) -> dict:
+    """`gb.init(plan, seed=seed)`, its hashed tables drawn with `table_seed` where given."""
+    gparams = gb.init(plan, seed=seed)
+    if table_seed is not None:
+        tables = gb.init(plan, seed=table_seed)["stacks"]
+        for key, leaves in gparams["stacks"].items():
+            if gb.optim.TABLE_LEAF in leaves:
+                leaves[gb.optim.TABLE_LEAF] = tables[key][gb.optim.TABLE_LEAF]
+    return gparams
+
+
+def _or(chosen: int | None, seed: int) -> int:
+    return seed if chosen is None else chosen
 
 
 def _embeddings_at(

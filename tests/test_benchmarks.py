@@ -825,3 +825,17 @@ def test_bench_paths_forces_each_neighbour_of_a_variant_and_checks_it_equals_the
         assert differences[case.variant] == (0.0, 0.0)
         assert all(max(d) <= 1e-4 for d in differences.values())
     assert (_traced_forms.forward_form, _traced_forms.reads_units_major_columns) == saved
+
+
+def test_stability_draws_the_tables_from_their_own_seed_and_the_rest_from_the_genomes():
+    from benchmarks.stability import _genome_of
+
+    plan = gb.plan(torch.nn.Linear(16, 16), tile=(8, 8), share=True, hidden=8, hashed=6)
+    mixed, of_1, of_0 = _genome_of(plan, 1, 0), gb.init(plan, seed=1), gb.init(plan, seed=0)
+    (key,) = mixed["stacks"]
+    for name, leaf in mixed["stacks"][key].items():
+        source = of_0 if name == gb.optim.TABLE_LEAF else of_1
+        assert torch.equal(leaf, source["stacks"][key][name]), name
+    table = gb.optim.TABLE_LEAF
+    assert not torch.equal(of_1["stacks"][key][table], of_0["stacks"][key][table])
+    assert not torch.equal(of_1["stacks"][key]["w_in"], of_0["stacks"][key]["w_in"])
