@@ -109,7 +109,44 @@ def dp_worker(rank: int, world: int, tmp: str) -> dict:
     generate = lambda g: owned.apply(g, task=1)
     _train(local, generate, model, _sgd(local), range(STEPS), shard, free_sync.wait)
     out["conditioned_diff"] = _max_diff(owned.gather(local), ref)
+    out.update(_one_gnet_two_ranks(mesh))
     return out
+
+
+def _one_gnet_two_ranks(mesh) -> dict:
+    """A plan of one g-net on two ranks, rank-owned: rank 1 owns none of it. It shards, and
+    joins the backward collectives (the tiles' reduce-scatter, the condition's all-reduce)
+    exactly where rank 0 does: with the g-nets and task embeddings training, and with only
+    the free bias training. (Before, `shard` raised on rank 1, and both trainings hung.)"""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 8)
+    plan = gb.plan(model, tile="full", condition=3, tasks=2)
+    owned = gbd.RankOwned(plan)
+    world = torch.distributed.get_world_size()
+    out = {"owns": [len(owned.ownership.gnets(0, r)) for r in range(world)]}
+    for frozen in (False, True):
+        ref = _with_w_cond(gb.init(plan, seed=0))
+        local = owned.shard(_with_w_cond(gb.init(plan, seed=0)))
+        for gparams in (ref, local):
+            for leaf in [*gparams["stacks"][plan.stacks[0].key].values(), gparams["tasks"]]:
+                leaf.requires_grad_(not frozen)
+        _fit_linear(ref, lambda g: gb.apply(g, plan, task=1), model, lambda x: x, lambda: None)
+        sync = gbd.GradSync(list(local["free"].values()), mesh)
+        shard = lambda x: gbd.shard_batch(x, mesh)
+        _fit_linear(local, lambda g: owned.apply(g, task=1), model, shard, sync.wait)
+        out[f"one_gnet_diff_frozen_{frozen}"] = _max_diff(owned.gather(local), ref)
+    return out
+
+
+def _fit_linear(gparams, generate, model, shard, after_backward) -> None:
+    opt = _sgd(gparams)
+    rows = 4 * torch.distributed.get_world_size()
+    for step in range(STEPS):
+        x = shard(torch.randn(rows, 16, generator=torch.Generator().manual_seed(step)))
+        functional_call(model, generate(gparams), (x,)).square().mean().backward()
+        after_backward()
+        opt.step()
+        opt.zero_grad()
 
 
 def _with_w_cond(gparams: dict) -> dict:
@@ -136,3 +173,7 @@ def test_data_parallel_matches_one_process_on_the_global_batch(tmp_path):
     assert results[0]["replicated_bytes"] == replicated_traffic(plan, world).payload
     assert results[0]["owned_bytes"] == rank_owned_traffic(plan, world).payload
     assert sum(r["owned_gnets"] for r in results) == sum(s.num_gnets for s in plan.stacks)
+    for r in results:
+        assert r["owns"] == [1, 0]
+        assert r["one_gnet_diff_frozen_False"] < 2e-5, r
+        assert r["one_gnet_diff_frozen_True"] < 2e-5, r

@@ -148,8 +148,10 @@ class RankOwned:
             leaves = gparams["stacks"][stack.key]
             device = leaves["w_in"].device
             rows = {
-                name: torch.tensor(
-                    self._tiles[s] if name in TILE_LEAVES else self._gnets[s], device=device
+                name: torch.tensor(  # int64 even where this rank owns none of the stack
+                    self._tiles[s] if name in TILE_LEAVES else self._gnets[s],
+                    dtype=torch.long,
+                    device=device,
                 )
                 for name in leaves
             }
@@ -205,8 +207,8 @@ class RankOwned:
             local_stack = self._local_stack(s)
             form = torch_variant(local_stack, leaves)
             own = evaluate_stack(local_stack, leaves, form=form)  # (T_own, TH, TW*K)
-        else:  # nothing owned here, but this rank must still join the backward reduce-scatter
-            own = leaves["w_in"].new_zeros((0, *shape[1:]), requires_grad=torch.is_grad_enabled())
+        else:  # nothing owned here: no rows, but tied to the leaves as the owners' tiles are
+            own = _no_tiles(leaves, shape[1:])
         if own.requires_grad:
             own.register_hook(lambda grad: grad / self.world)  # mean over data-parallel ranks
         padded = torch.cat([own, own.new_zeros((shape[0] - own.shape[0], *shape[1:]))])
@@ -241,6 +243,16 @@ class RankOwned:
             torch.tensor(order, device=out.device)
         ]
         return full.requires_grad_(mine.requires_grad)
+
+
+def _no_tiles(leaves: dict[str, Tensor], tile_shape: tuple[int, ...]) -> Tensor:
+    """Zero tiles `(0, *tile_shape)` for a rank that owns no g-net of a stack, tied to its
+    (empty) leaves so that it joins the backward collectives exactly where an owner does:
+    the tiles' reduce-scatter wherever the leaves need gradients (not where the g-nets are
+    frozen), and the condition's all-reduce, which reaches a conditioned stack's `b_in`."""
+    none = leaves["w_in"].new_zeros((0, *tile_shape))
+    tied = [v.sum() for v in leaves.values() if v.requires_grad]
+    return none + sum(tied) if tied and torch.is_grad_enabled() else none
 
 
 def _with_rest(stacks: dict[str, dict[str, Tensor]], gparams: GParams) -> GParams:
