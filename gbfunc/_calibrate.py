@@ -9,6 +9,7 @@ from torch.utils._pytree import tree_map
 
 from ._apply import apply
 from ._check_gparams import check_gparams
+from ._condition import condition_of
 from ._plan import Generated, Plan
 from ._tree import GParams
 
@@ -16,7 +17,13 @@ _LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
 def calibrate(
-    gparams: GParams, plan: Plan, model: nn.Module, inputs: Tensor | Sequence[Tensor]
+    gparams: GParams,
+    plan: Plan,
+    model: nn.Module,
+    inputs: Tensor | Sequence[Tensor],
+    *,
+    condition: Tensor | None = None,
+    task: int | Tensor | None = None,
 ) -> GParams:
     """Shift biases so that every layer's outputs start at zero mean on `inputs`.
 
@@ -37,6 +44,9 @@ def calibrate(
         plan: The plan of `model`.
         model: The p-net, as passed to `torch.func.functional_call`.
         inputs: A batch of data, or the tuple of positional arguments of `model`.
+        condition: For a conditioned plan, the condition to generate the weights for, as in
+            `gb.apply` (at `gb.init` the condition's weights are zero: any gives the same).
+        task: Instead of `condition`, a task's index.
 
     Returns:
         New gparams (the input is not changed), with the same `requires_grad` flags.
@@ -47,16 +57,23 @@ def calibrate(
         >>> gparams = gb.calibrate(gb.init(plan), plan, model, torch.randn(64, 8))
     """
     check_gparams(gparams, plan, "gb.calibrate")
+    condition_of(gparams, plan, condition, task, "gb.calibrate")
     args = check_inputs(inputs, "gb.calibrate")
+
+    def generate(g: GParams) -> dict[str, Tensor]:  # uncompiled: a few forwards do not pay
+        return apply(g, plan, condition=condition, task=task, compile=False)
+
     gparams = tree_map(lambda t: t.detach().clone().requires_grad_(t.requires_grad), gparams)
     entries = {p.name: p for p in plan.params}
     modules = dict(model.named_modules())
-    for name in _forward_order(model, gparams, plan, args):
+    with torch.no_grad():
+        order = _forward_order(model, generate(gparams), args)
+    for name in order:
         bias = entries.get(f"{name}.bias")
         if bias is None or not (isinstance(bias, Generated) or bias.trainable):
             continue
         with torch.no_grad():
-            mean = _output_mean(model, modules[name], gparams, plan, args)
+            mean = _output_mean(model, modules[name], generate(gparams), args)
             if not bool(mean.isfinite().all()):
                 raise ValueError(
                     f"gb.calibrate: layer {name!r} has non-finite outputs on inputs (their mean "
@@ -96,7 +113,7 @@ def check_inputs(inputs: Tensor | Sequence[Tensor], call: str) -> tuple[Tensor, 
 
 
 def _forward_order(
-    model: nn.Module, gparams: GParams, plan: Plan, args: tuple[Tensor, ...]
+    model: nn.Module, params: dict[str, Tensor], args: tuple[Tensor, ...]
 ) -> list[str]:
     """Names of the linear and convolution modules, in the order `model`'s forward calls them."""
     order: list[str] = []
@@ -106,29 +123,26 @@ def _forward_order(
         if isinstance(module, _LAYERS)
     ]
     try:
-        with torch.no_grad():
-            functional_call(model, _tensors(model, gparams, plan), args)
+        functional_call(model, _with_buffers(model, params), args)
     finally:
         for hook in hooks:
             hook.remove()
     return list(dict.fromkeys(order))
 
 
-def _tensors(model: nn.Module, gparams: GParams, plan: Plan) -> dict[str, Tensor]:
-    """The generated parameters, and copies of the model's buffers for a forward to update.
-    Uncompiled: a few forwards do not pay for compiling the plan's graph."""
-    buffers = {name: b.clone() for name, b in model.named_buffers()}
-    return {**apply(gparams, plan, compile=False), **buffers}
+def _with_buffers(model: nn.Module, params: dict[str, Tensor]) -> dict[str, Tensor]:
+    """`params` and copies of the model's buffers, for a forward to update."""
+    return {**params, **{name: b.clone() for name, b in model.named_buffers()}}
 
 
 def _output_mean(
-    model: nn.Module, layer: nn.Module, gparams: GParams, plan: Plan, args: tuple[Tensor, ...]
+    model: nn.Module, layer: nn.Module, params: dict[str, Tensor], args: tuple[Tensor, ...]
 ) -> Tensor:
     """Mean of `layer`'s output per output unit, over the batch and every position."""
     outputs: list[Tensor] = []
     hook = layer.register_forward_hook(lambda _m, _i, out: outputs.append(out))
     try:
-        functional_call(model, _tensors(model, gparams, plan), args)
+        functional_call(model, _with_buffers(model, params), args)
     finally:
         hook.remove()
     out = outputs[0]

@@ -14,7 +14,8 @@ from torch import Tensor
 from torch.utils._pytree import tree_map
 
 from ._apply import apply
-from ._check_gparams import check_gparams
+from ._check_gparams import TASKS, check_gparams
+from ._condition import condition_of
 from ._numbers import integer, real
 from ._plan import Plan
 from ._tree import GParams
@@ -41,6 +42,8 @@ def fit(
     steps: int = 500,
     lr: float | None = 1e-2,
     compile: bool = False,
+    condition: Tensor | None = None,
+    task: int | Tensor | None = None,
 ) -> Fitted:
     """Regress the g-nets of `gparams` onto `target`'s weights (Adam, cosine schedule).
 
@@ -59,6 +62,10 @@ def fit(
             less of the dense accuracy (`benchmarks/results/fit_trained.md`).
         compile: `torch.compile` the loss and its backward (worth it from a few hundred
             steps; the first call compiles).
+        condition: For a conditioned plan, the condition whose weights are fitted to
+            `target` (as in `gb.apply`): the g-nets, their condition weights included, are
+            fitted; the task embeddings are kept as they are.
+        task: Instead of `condition`, a task's index.
 
     Returns:
         `Fitted(gparams, errors)`, leaves with the `requires_grad` flags of `gparams`.
@@ -73,6 +80,7 @@ def fit(
         <All keys matched successfully>
     """
     check_gparams(gparams, plan, "gb.fit")
+    condition_of(gparams, plan, condition, task, "gb.fit")
     steps, lr = _check_options(plan, target, steps, lr)
     stacks = {
         key: {name: leaf.detach().clone().requires_grad_() for name, leaf in leaves.items()}
@@ -83,7 +91,7 @@ def fit(
             name: _copied(target.get(name, value), value) for name, value in gparams[group].items()
         }
         for group in ("free", "frozen")
-    }
+    } | ({TASKS: gparams[TASKS]} if TASKS in gparams else {})
     weights = {
         p.name: target[p.name]
         .detach()
@@ -93,7 +101,7 @@ def fit(
     norms = {name: w.square().mean().clamp_min(1e-30) for name, w in weights.items()}
 
     def errors(stacks: dict) -> dict[str, Tensor]:
-        params = apply({"stacks": stacks, **rest}, plan)
+        params = apply({"stacks": stacks, **rest}, plan, condition=condition, task=task)
         return {n: (params[n] - w).square().mean() / norms[n] for n, w in weights.items()}
 
     def loss(stacks: dict) -> Tensor:

@@ -270,9 +270,13 @@ class Bottleneck(nn.Module):
 
         `gb.calibrate` on this module's g-nets, e.g. `b.calibrate(next(iter(loader))[0])`
         before training: untrained g-nets can generate layers that are dead behind a ReLU.
+        A conditioned module calibrates for its `condition` or `task`, as its forward runs.
         """
         check_inputs(inputs, "gb.Bottleneck.calibrate")  # named for this call, not gb.calibrate
-        self.load_gparams(calibrate(self.gparams, self.plan, self._pnet, inputs))
+        calibrated = calibrate(
+            self.gparams, self.plan, self._pnet, inputs, condition=self.condition, task=self.task
+        )
+        self.load_gparams(calibrated)
 
     def load_gparams(self, gparams: GParams) -> None:
         """Copy `gparams` (e.g. `gb.load(...).gparams`) into this module's tensors, in place.

@@ -404,3 +404,36 @@ def test_a_sharded_checkpoint_keeps_the_task_embeddings_and_their_optimizer_stat
     torch.testing.assert_close(
         again.state[fresh["tasks"]]["exp_avg"], opt.state[gparams["tasks"]]["exp_avg"]
     )
+
+
+def test_calibrate_and_fit_take_the_condition_their_weights_are_for():
+    model = mlp()
+    plan = gb.plan(model, tile=(4, 4), hidden=5, biases=True, condition=3, tasks=2)
+    gparams, x = conditioned(plan), torch.randn(64, 12)
+
+    def first_layer_mean(gparams: dict, task: int) -> float:
+        params = gb.apply(gparams, plan, task=task)
+        return (x @ params["0.weight"].T + params["0.bias"]).mean().item()
+
+    with pytest.raises(ValueError, match=r"^gb\.calibrate: .*task"):
+        gb.calibrate(gparams, plan, model, x)
+    assert abs(first_layer_mean(gparams, 1)) > 1e-2
+    calibrated = gb.calibrate(gparams, plan, model, x, task=1)
+    assert abs(first_layer_mean(calibrated, 1)) < 1e-4  # generated bias: one shift per layer
+
+    with pytest.raises(ValueError, match=r"^gb\.fit: .*task"):
+        gb.fit(gparams, plan, model.state_dict(), steps=1)
+    fitted = gb.fit(gparams, plan, model.state_dict(), steps=60, task=1)
+    assert torch.equal(fitted.gparams["tasks"], gparams["tasks"])  # kept as they are
+    assert fitted.gparams["tasks"].requires_grad
+    start = gb.fit(gparams, plan, model.state_dict(), steps=1, lr=1e-12, task=1).errors
+    assert sum(fitted.errors.values()) < 0.5 * sum(start.values())
+    error = gb.apply(fitted.gparams, plan, task=1)["0.weight"] - model[0].weight
+    relative = error.square().mean() / model[0].weight.square().mean()
+    assert relative.item() == pytest.approx(fitted.errors["0.weight"], rel=1e-4)
+
+    net = gb.Bottleneck(mlp(), tile=(4, 4), hidden=5, biases=True, condition=3, tasks=2)
+    net.load_gparams(conditioned(net.plan))
+    net.task = 1
+    net.calibrate(x)
+    assert abs(first_layer_mean(net.gparams, 1)) < 1e-4
