@@ -352,6 +352,30 @@ def test_stage_generator_fills_the_stage_and_backpropagates_its_grads():
         torch.testing.assert_close(a, b)
 
 
+def test_stage_generator_takes_the_task_of_a_conditioned_plan():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    plan = gb.plan(model, tile=(8, 8), condition=3, tasks=2)
+    gparams = gb.init(plan, seed=0)
+    with torch.no_grad():  # w_cond starts at zero, where tasks do not matter
+        for leaves in gparams["stacks"].values():
+            leaves["w_cond"].normal_()
+    generator = gbd.StageGenerator(plan, model)
+    generator.load(gparams, task=1)
+    full = gb.apply(gparams, plan, task=1)
+    assert not torch.equal(full["0.weight"], gb.apply(gparams, plan, task=0)["0.weight"])
+    for name, param in model.named_parameters():
+        assert torch.equal(param.detach(), full[name])
+    x = torch.randn(5, 16)
+    model(x).square().mean().backward()
+    generator.backward(gparams, task=1)
+    via_stage = gparams["tasks"].grad.clone()
+    gparams["tasks"].grad = None
+    torch.func.functional_call(model, full, (x,)).square().mean().backward()
+    assert via_stage[1].abs().max() > 0
+    torch.testing.assert_close(via_stage, gparams["tasks"].grad)
+
+
 def test_stage_generator_rejects_misnamed_or_meta_parameters():
     with torch.device("meta"):
         plan = gb.plan(GPT(GPTConfig()), tile=(16, 16))

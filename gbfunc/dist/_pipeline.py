@@ -15,7 +15,7 @@ the schedule.
 """
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from .._plan import Plan
 from .._select import Selection
@@ -57,17 +57,34 @@ class StageGenerator:
                 )
         self.selection = Selection(plan, {n: full_region(p.shape) for n, p in self.params.items()})
 
-    def load(self, gparams: GParams) -> None:
-        """Phase 1: write this stage's weights into its module (no graph); clear its grads."""
+    def load(
+        self,
+        gparams: GParams,
+        *,
+        condition: Tensor | None = None,
+        task: int | Tensor | None = None,
+    ) -> None:
+        """Phase 1: write this stage's weights into its module (no graph); clear its grads.
+        A conditioned plan takes `condition` or `task` as `gb.apply` does."""
         with torch.no_grad():
-            for name, value in self.selection.apply(gparams).items():
+            for name, value in self.selection.apply(
+                gparams, condition=condition, task=task
+            ).items():
                 self.params[name].copy_(value)
         for param in self.params.values():
             param.grad = None
 
-    def backward(self, gparams: GParams) -> None:
-        """Phase 3: regenerate with a graph and backpropagate the stage's `.grad` into `gparams`."""
-        weights = self.selection.apply(gparams)
+    def backward(
+        self,
+        gparams: GParams,
+        *,
+        condition: Tensor | None = None,
+        task: int | Tensor | None = None,
+    ) -> None:
+        """Phase 3: regenerate with a graph and backpropagate the stage's `.grad` into `gparams`
+        (and into `condition` where it needs a gradient); the same `condition` or `task` as
+        `load`'s."""
+        weights = self.selection.apply(gparams, condition=condition, task=task)
         pairs = [
             (weights[name], param.grad)
             for name, param in self.params.items()
