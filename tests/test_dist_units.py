@@ -368,7 +368,7 @@ def test_stage_generator_takes_the_task_of_a_conditioned_plan():
         assert torch.equal(param.detach(), full[name])
     x = torch.randn(5, 16)
     model(x).square().mean().backward()
-    generator.backward(gparams, task=1)
+    generator.backward(gparams)  # for load's task
     via_stage = gparams["tasks"].grad.clone()
     gparams["tasks"].grad = None
     torch.func.functional_call(model, full, (x,)).square().mean().backward()

@@ -56,6 +56,7 @@ class StageGenerator:
                     f"{param.device}; expected a real tensor of shape {known[name].shape}."
                 )
         self.selection = Selection(plan, {n: full_region(p.shape) for n, p in self.params.items()})
+        self._given: dict[str, Tensor | int | None] = {"condition": None, "task": None}
 
     def load(
         self,
@@ -65,26 +66,19 @@ class StageGenerator:
         task: int | Tensor | None = None,
     ) -> None:
         """Phase 1: write this stage's weights into its module (no graph); clear its grads.
-        A conditioned plan takes `condition` or `task` as `gb.apply` does."""
+        A conditioned plan takes `condition` or `task` as `gb.apply` does; `backward` uses
+        the same."""
+        self._given = {"condition": condition, "task": task}
         with torch.no_grad():
-            for name, value in self.selection.apply(
-                gparams, condition=condition, task=task
-            ).items():
+            for name, value in self.selection.apply(gparams, **self._given).items():
                 self.params[name].copy_(value)
         for param in self.params.values():
             param.grad = None
 
-    def backward(
-        self,
-        gparams: GParams,
-        *,
-        condition: Tensor | None = None,
-        task: int | Tensor | None = None,
-    ) -> None:
-        """Phase 3: regenerate with a graph and backpropagate the stage's `.grad` into `gparams`
-        (and into `condition` where it needs a gradient); the same `condition` or `task` as
-        `load`'s."""
-        weights = self.selection.apply(gparams, condition=condition, task=task)
+    def backward(self, gparams: GParams) -> None:
+        """Phase 3: regenerate with a graph (for `load`'s condition or task) and backpropagate
+        the stage's `.grad` into `gparams` (and into the condition, where it needs one)."""
+        weights = self.selection.apply(gparams, **self._given)
         pairs = [
             (weights[name], param.grad)
             for name, param in self.params.items()
