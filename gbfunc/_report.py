@@ -1,11 +1,13 @@
 """`gb.report`: exact parameter counts of a plan, as data and as a table."""
 
 import math
+from collections import Counter
 from dataclasses import dataclass
+from fractions import Fraction
 
 from torch import nn
 
-from ._plan import Free, Generated, Plan, Shaped
+from ._plan import TILE_LEAVES, Free, Generated, Plan, Shaped, Stack
 
 
 @dataclass(frozen=True)
@@ -175,10 +177,7 @@ def report(plan: Plan) -> Report:
         if isinstance(p, Generated):
             stack = plan.stacks[p.stack_index]
             tiles = sum(b.num_tiles for b in p.blocks)
-            # Each tile is charged its g-net's parameters divided among the g-net's tiles.
-            per_tile = (stack.num_params - _embedding_params(stack)) / stack.num_tiles
-            embed = stack.genome.embed_dim if stack.genome.share else 0
-            cost = round(tiles * per_tile) + tiles * embed
+            cost = _cost(stack, p)
             rows.append(Row(p.name, p.shape, "generated", tiles, cost, p.numel / cost, stack.key))
         else:
             assert isinstance(p, Free)
@@ -187,5 +186,15 @@ def report(plan: Plan) -> Report:
     return Report(tuple(rows), (plan.tasks, plan.condition) if plan.tasks else ())
 
 
-def _embedding_params(stack) -> int:
-    return stack.num_tiles * stack.genome.embed_dim if stack.genome.share else 0
+def _cost(stack: Stack, p: Generated) -> int:
+    """The stored parameters that generate `p`: its tiles' own leaves (embeddings, hashed
+    tables) and the g-nets of its tiles, a g-net that also generates other parameters' tiles
+    charged in proportion to its tiles here (with `share=True` a g-net generates one
+    parameter, without it one tile: either way whole, so the rows add up to the plan's)."""
+    shapes = stack.leaf_shapes()
+    per_gnet = sum(math.prod(shape[1:]) for n, shape in shapes.items() if n not in TILE_LEAVES)
+    per_tile = sum(math.prod(shape[1:]) for n, shape in shapes.items() if n in TILE_LEAVES)
+    tiles = [t for b in p.blocks for t in range(b.first_tile, b.first_tile + b.num_tiles)]
+    of_gnet = Counter(stack.gnet_of_tile[t] for t in tiles)
+    share = sum(Fraction(n, stack.tiles_per_gnet[g]) for g, n in of_gnet.items())
+    return round(per_gnet * share) + per_tile * len(tiles)

@@ -33,6 +33,20 @@ def test_linear_counts_match_a_hand_count():
     assert (bias.kind, bias.tiles, bias.gnet_params) == ("free", 0, 128)
 
 
+def test_a_shared_gnet_is_charged_whole_to_the_one_weight_it_generates():
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 16), nn.Linear(16, 48))
+    plan = gb.plan(model, tile=(16, 16), share=True, hashed=12)
+    (stack,) = plan.stacks
+    assert stack.tiles_per_gnet == (16, 4, 3)  # one g-net per weight, of unequal tiles
+    shapes = stack.leaf_shapes()
+    per_tile = sum(math.prod(shapes[n][1:]) for n in ("tile_embed", "tile_hash"))
+    per_gnet = (stack.num_params - stack.num_tiles * per_tile) // stack.num_gnets
+    rows = {r.name: r for r in gb.report(plan).rows if r.kind == "generated"}
+    for name, tiles in (("0.weight", 16), ("1.weight", 4), ("2.weight", 3)):
+        assert rows[name].gnet_params == per_gnet + tiles * per_tile, name
+    assert gb.report(plan).gnet_params == stack.num_params  # the rows add up exactly
+
+
 def test_conv_kernel_in_code_and_in_output():
     conv = nn.Conv2d(16, 8, 3)
     in_code = gb.plan(conv, tile=(4, 4))
