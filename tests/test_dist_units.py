@@ -495,6 +495,20 @@ def test_sharded_free_refuses_a_plan_of_another_model_before_sharding():
     assert other[0].weight.device.type == "cpu"  # not released to meta
 
 
+def test_sharded_free_releases_a_generated_weight_under_every_name_it_has():
+    """A head whose weight is the embedding's (tied by parameter, not in `forward`) stays
+    tied to the released one: left real, FSDP2 sharded it as a free parameter that nothing
+    trained, and `functional_call` used it instead of the generated weight."""
+    from gbfunc.dist._fsdp import _release
+
+    model = nn.ModuleDict({"emb": nn.Embedding(16, 8), "head": nn.Linear(8, 16, bias=False)})
+    model["head"].weight = model["emb"].weight
+    released = _release(model, "emb.weight")
+    assert released.is_meta
+    assert model["emb"].weight is released
+    assert model["head"].weight is released
+
+
 def test_init_mesh_follows_a_started_gloo_group_even_where_cuda_is_available(
     process_group, monkeypatch
 ):

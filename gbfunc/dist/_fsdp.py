@@ -98,10 +98,13 @@ class ShardedFree:
 
 
 def _release(model: nn.Module, name: str) -> nn.Parameter:
-    """Replace parameter `name` of `model` by a `meta` one of its shape; return the new one."""
-    owner, _, leaf = name.rpartition(".")
-    module = model.get_submodule(owner)
-    old = module.get_parameter(leaf)
+    """Replace parameter `name` of `model` by a `meta` one of its shape, under every name it
+    has (a tied weight, e.g. a head sharing the embedding's, stays tied: left real, FSDP2
+    would shard it as a free parameter and `functional_call` would use it); return it."""
+    old = model.get_parameter(name)
     new = nn.Parameter(torch.empty_like(old, device="meta"), requires_grad=old.requires_grad)
-    module.register_parameter(leaf, new)
+    for module in model.modules():
+        for leaf, param in list(module.named_parameters(recurse=False, remove_duplicate=False)):
+            if param is old:
+                module.register_parameter(leaf, new)
     return new
