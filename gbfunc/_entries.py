@@ -115,13 +115,16 @@ def free_reason(entry: Entry, opts: dict[str, object], flags: dict[str, bool]) -
 
 def _kept_table(module: nn.Module) -> str | None:
     """Why an embedding table must stay free (as `gb.report` says it), if it must: its module
-    keeps a padding row at zero (no gradient reaches it), or renormalises looked-up rows in
-    place (`max_norm`), neither of which a generated table, rebuilt by every step, can do."""
+    keeps a padding row at zero (no gradient reaches it), renormalises looked-up rows in
+    place (`max_norm`), or gives the table a sparse gradient (`sparse=True`), none of which a
+    generated table, rebuilt by every step from dense g-nets, can do."""
     padding, max_norm = getattr(module, "padding_idx", None), getattr(module, "max_norm", None)
     if padding is not None:
         return f"embedding with padding_idx={padding}, whose row must stay zero"
     if max_norm is not None:
         return f"embedding with max_norm={max_norm}, which renormalises the table in place"
+    if getattr(module, "sparse", False):
+        return "embedding with sparse=True, whose gradient is sparse"
     return None
 
 

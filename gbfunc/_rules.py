@@ -130,10 +130,11 @@ def layouts_of(module: nn.Module) -> dict[str, Layout]:
 
 def _derived(module: nn.Module, local: object, params: Mapping[str, object]) -> bool:
     """Whether `local` names a tensor `module` computes from its parameters rather than holds
-    (`torch.nn.utils.parametrizations.weight_norm`, the legacy `weight_norm` hook)."""
+    (`torch.nn.utils.parametrizations.weight_norm` and the like, the legacy `weight_norm` and
+    `spectral_norm` hooks, which keep `weight_g`/`weight_v` and `weight_orig`)."""
     if not isinstance(local, str) or local in params:
         return False
-    legacy = f"{local}_g" in params and f"{local}_v" in params
+    legacy = (f"{local}_g" in params and f"{local}_v" in params) or f"{local}_orig" in params
     return legacy or parametrize.is_parametrized(module, local)
 
 

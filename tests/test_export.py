@@ -128,6 +128,7 @@ def _table_model(table: dict) -> nn.Module:
         ({"padding_idx": 0}, "embedding with padding_idx=0, whose row must stay zero"),
         ({"padding_idx": -1}, "embedding with padding_idx=9, whose row must stay zero"),
         ({"max_norm": 1.0}, "embedding with max_norm=1.0, which renormalises the table in place"),
+        ({"sparse": True}, "embedding with sparse=True, whose gradient is sparse"),
     ],
 )
 def test_padding_and_max_norm_tables_stay_free_and_export_as_their_module_keeps_them(table, reason):

@@ -112,6 +112,20 @@ def test_weight_norm_layers_start_at_their_own_values(legacy):
     torch.testing.assert_close(out, model[0](x))  # the weight-normed layer exactly
 
 
+def test_a_legacy_spectral_norm_layer_stays_free_and_the_rest_is_planned():
+    """`torch.nn.utils.spectral_norm` keeps `weight_orig` and computes `weight` in a hook:
+    the Linear rule's `weight` was taken for a parameter, and planning raised."""
+    torch.manual_seed(0)
+    model = nn.Sequential(torch.nn.utils.spectral_norm(nn.Linear(32, 32)), nn.Linear(32, 8))
+    model.eval()  # no power iteration: the layer's weight is fixed
+    plan = gb.plan(model, tile=(8, 8))
+    assert [p.name for p in plan.generated] == ["1.weight"]
+    assert "0.weight_orig" in {p.name for p in plan.free}
+    x = torch.randn(16, 32)
+    out = functional_call(model[0], _prefixed(gb.apply(gb.init(plan), plan), "0."), (x,))
+    torch.testing.assert_close(out, model[0](x))
+
+
 def _prefixed(params: dict, prefix: str) -> dict:
     return {k.removeprefix(prefix): v for k, v in params.items() if k.startswith(prefix)}
 
