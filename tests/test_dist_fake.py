@@ -89,6 +89,24 @@ def test_tensor_parallel_rank_generates_exactly_its_shards(mesh, tile, aligned):
         assert shards.selection.num_tiles == total // 4
 
 
+def test_a_weight_too_small_for_every_tp_rank_is_refused_alike_on_every_rank(mesh):
+    """5 or 6 rows over 4 ranks: DTensor's chunks of 2 leave the last rank none. Only that
+    rank raised (a region it could not fit), and the others went on into collectives."""
+    from torch.distributed.tensor import Shard
+
+    for shape in ((5, 8), (6, 8), (4, 8), (7, 8)):
+        message = None
+        try:
+            local_region(shape, (Shard(0),), mesh["tp"], "w")  # this process is tp rank 1
+        except ValueError as error:
+            message = str(error)
+        if shape[0] in (5, 6):
+            assert message.startswith(f"gb.dist.TensorParallel: w has {shape[0]} along dim 0")
+            assert "the last rank would hold none of it" in message
+        else:
+            assert message is None, message  # 4 and 7 rows: the last rank holds 1 row either way
+
+
 def test_replicated_parameters_pass_an_averaged_gradient(mesh):
     model, plan = _gpt_plan(tile=(16, 16))
     parallelize_module(model, mesh["tp"], tp_plan(model))

@@ -38,6 +38,13 @@ def local_region(
             start, stop = spans[placement.dim]
             size = stop - start
             chunk = -(-size // mesh.size(dim))
+            if (mesh.size(dim) - 1) * chunk >= size:  # the same on every rank: all raise
+                raise ValueError(
+                    f"gb.dist.TensorParallel: {name} has {size} along dim {placement.dim}, "
+                    f"which DTensor cuts into chunks of {chunk} for {mesh.size(dim)} ranks: "
+                    "the last rank would hold none of it. Leave it out of the tensor-parallel "
+                    "plan (replicated), or use fewer tensor-parallel ranks."
+                )
             lo = min(start + coordinate[dim] * chunk, stop)
             spans[placement.dim] = [lo, min(lo + chunk, stop)]
         elif not placement.is_replicate():
