@@ -60,8 +60,8 @@ def penalty(
     strength: float = STRENGTH,
 ) -> Tensor:
     """`strength` times the mean over the tasks of `targets` of the squared distance
-    (summed over every p-net parameter) between what `gparams` generate for the task now
-    and its target. Generated in one `vmap`ped call over the tasks.
+    (summed over every floating-point p-net parameter) between what `gparams` generate for
+    the task now and its target. Generated in one `vmap`ped call over the tasks.
 
     Args:
         gparams: The genome being trained.
@@ -81,6 +81,8 @@ def penalty(
     now = vmap(lambda t: apply(gparams, plan, task=t))(index)
     total = 0
     for name, values in now.items():
+        if not values.is_floating_point():  # a frozen mask or count: never trained, never moved
+            continue
         wanted = torch.stack([targets[t][name] for t in ids]).to(values)
         total = total + (values - wanted).square().sum()
     return strength * total / len(ids)

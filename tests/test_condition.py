@@ -367,6 +367,24 @@ def test_the_continual_penalty_is_zero_at_its_targets_and_pulls_back_to_them():
         gb.continual.targets(gb.init(plain), plain, tasks=[0])
 
 
+def test_the_continual_penalty_leaves_a_frozen_mask_out():
+    """A frozen bool parameter never moves; subtracting two bool tensors raised."""
+    model = mlp()
+    model.register_parameter("mask", nn.Parameter(torch.ones(3, dtype=torch.bool), False))
+    plan = gb.plan(model, tile=(4, 4), hidden=5, condition=3, tasks=2)
+    gparams = conditioned(plan)
+    earlier = gb.continual.targets(gparams, plan, tasks=[0])
+    assert earlier[0]["mask"].dtype == torch.bool
+    with torch.no_grad():
+        gparams["tasks"][0] += 0.5
+    moved = gb.continual.penalty(gparams, plan, earlier)
+    floats = [k for k in earlier[0] if k != "mask"]
+    by_hand = sum(
+        (gb.apply(gparams, plan, task=0)[k] - earlier[0][k]).square().sum() for k in floats
+    )
+    torch.testing.assert_close(moved, gb.continual.STRENGTH * by_hand)
+
+
 @needs_loops
 def test_compiled_vmap_over_conditions_gives_each_conditions_weights():
     """`torch.compile(vmap(gb.apply))` over conditions, for a plan the C loops take, gives
