@@ -161,8 +161,10 @@ def plan(
             f"gb.plan: compression_of must be one of {', '.join(map(repr, SCOPES))}, got "
             f"{compression_of!r}."
         )
-    options = _compress(entries, options, flags, compression, compression_of, tile is not None)
     tasks = integer("gb.plan", "tasks", tasks, minimum=0)
+    embeddings = tasks * condition if isinstance(condition, int) else 0  # (checked below)
+    asked = (compression, compression_of, embeddings)
+    options = _compress(entries, options, flags, asked, tile is not None)
     result = replace(_build(entries, options, flags), tasks=tasks).naming(model)
     if not result.generated:
         raise ValueError(
@@ -220,18 +222,19 @@ def _compress(
     entries: list[Entry],
     options: list[dict[str, object]],
     flags: dict[str, bool],
-    compression: float | None,
-    scope: str,
+    asked: tuple[float | None, str, int],
     tile_given: bool,
 ) -> list[dict[str, object]]:
-    """`options` with the hashed tables sized, or the tiles chosen, to reach `compression`."""
+    """`options` with the hashed tables sized, or the tiles chosen, to reach `compression` of
+    `scope` (`asked`: the two, and the task embeddings' parameters, stored besides)."""
+    compression, scope, stored = asked
     if any(o["hashed"] == AUTO for o in options):
         if compression is None:
             raise ValueError(
                 "gb.plan: hashed='auto' sizes the tables to reach compression=; pass "
                 "compression=, or give hashed= a number of buckets."
             )
-        goal = Goal(entries, flags, compression, scope)
+        goal = Goal(entries, flags, compression, scope, stored)
         if tile_given:
             return size_tables(goal, options)
         for tile in TABLE_TILES:  # the first tile whose tables can reach the target
@@ -245,7 +248,7 @@ def _compress(
         return options
     if tile_given:
         raise ValueError("gb.plan: pass either tile or compression, not both.")
-    return search_tile(Goal(entries, flags, compression, scope), options)
+    return search_tile(Goal(entries, flags, compression, scope, stored), options)
 
 
 def _build(entries: list[Entry], options: list[dict[str, object]], flags: dict[str, bool]) -> Plan:

@@ -32,12 +32,14 @@ class UnreachableError(ValueError):
 
 class Goal(NamedTuple):
     """What `compression=` asks of a plan: the ratio `target` of `scope` (one of `SCOPES`)
-    over its `entries`, with its `flags`."""
+    over its `entries`, with its `flags`; `stored` parameters that the plan stores besides
+    the model's (task embeddings), which the whole model's ratio counts as `gb.report` does."""
 
     entries: list[Entry]
     flags: dict[str, bool]
     target: float
     scope: str
+    stored: int = 0
 
     def unreachable(
         self, options: list[dict[str, object]], reach: Reach, found: str, otherwise: str
@@ -53,16 +55,17 @@ class Goal(NamedTuple):
 
 class _Ratio:
     """The ratio `compression=` targets: `generated` weights / `spent` g-net parameters, plus
-    (whole model) the `kept` parameters stored whole on both sides."""
+    (whole model) the `kept` parameters stored whole on both sides and the `stored` ones
+    (task embeddings) on the stored side."""
 
-    def __init__(self, whole: bool, kept: int) -> None:
-        self.whole, self.kept = whole, kept
+    def __init__(self, whole: bool, kept: int, stored: int) -> None:
+        self.whole, self.kept, self.stored = whole, kept, stored
 
     def __call__(self, generated: int, spent: int, left_free: int = 0) -> float:
         if not self.whole:
             return generated / spent
         kept = self.kept + left_free
-        return (generated + kept) / (spent + kept)
+        return (generated + kept) / (spent + kept + self.stored)
 
 
 class _Scan(NamedTuple):
@@ -112,7 +115,7 @@ def search_tile(goal: Goal, options: list[dict[str, object]]) -> list[dict[str, 
 
 def _scan_tiles(goal: Goal, options: list[dict[str, object]]) -> _Scan:
     """The ratio of every candidate tile, against the goal's target."""
-    entries, flags, target, scope = goal
+    entries, flags, target, scope, stored = goal
     fixed_weights, fixed = 0, 0  # weights and g-net parameters of tiles the caller fixed
     kept = 0  # parameters that stay free whatever the tile
     searched: dict[tuple, int] = {}  # (genome, window, block shapes) -> parameters like it
@@ -133,7 +136,7 @@ def _scan_tiles(goal: Goal, options: list[dict[str, object]]) -> _Scan:
             searched[key] = searched.get(key, 0) + 1
     if not searched:
         raise ValueError("gb.plan: compression= has no parameter to choose a tile for.")
-    measure = _Ratio(scope == "model", kept)
+    measure = _Ratio(scope == "model", kept, stored)
     dims = {d for (_, _, blocks) in searched for shape in blocks for d in shape}
     sizes = sorted(
         {-(-d // n) for d in dims for n in range(1, 65)}
@@ -264,7 +267,7 @@ def _tables(
     """The plan's ratio (of the goal's scope) as a function of the table factor `k`, the
     `hashed="auto"` tables as `(entry index, tiles, positions per tile)`, and the `k` of one
     bucket per position."""
-    entries, flags, _, scope = goal
+    entries, flags, _, scope, stored = goal
     weights, spent = 0, 0  # generated weights, and g-net parameters other than auto tables
     kept = 0  # parameters that stay free
     auto: list[tuple[int, int, int]] = []  # (entry index, tiles, positions per tile)
@@ -283,7 +286,7 @@ def _tables(
                 positions = tile[0] * tile[1] * math.prod(window)
                 auto.append((index, math.prod(tile_grid(rows, cols, tile)), positions))
 
-    measure = _Ratio(scope == "model", kept)
+    measure = _Ratio(scope == "model", kept, stored)
 
     def ratio(k: float) -> float:
         return measure(weights, spent + sum(tiles * _buckets(k, p) for _, tiles, p in auto))
