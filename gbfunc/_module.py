@@ -35,17 +35,22 @@ from ._report import Report, report
 from ._tree import GParams
 from .optim import param_groups
 
-_ESCAPES = {"%25": "%", "%2E": "."}
+# Names a top-level parameter or buffer may have that a `ParameterDict` (or `_Buffers`)
+# already uses for an attribute or method: registering them raises "attribute exists".
+_TAKEN = frozenset(dir(nn.ParameterDict)) | {"get"}
 
 
 def escape(name: str) -> str:
-    """`name` as an `nn.Module` attribute: `%` -> `%25`, then `.` -> `%2E` (reversible)."""
-    return name.replace("%", "%25").replace(".", "%2E")
+    """`name` as an `nn.Module` attribute: `%` -> `%25`, then `.` -> `%2E`, and the first
+    character of a name the holding dict already uses (`keys`, `values`, ...) as `%XX`
+    (reversible: every `%` in the result is an escape)."""
+    key = name.replace("%", "%25").replace(".", "%2E")
+    return f"%{ord(key[0]):02X}{key[1:]}" if key in _TAKEN else key
 
 
 def unescape(key: str) -> str:
     """Inverse of `escape`."""
-    return re.sub("%25|%2E", lambda m: _ESCAPES[m[0]], key)
+    return re.sub("%([0-9A-F]{2})", lambda m: chr(int(m[1], 16)), key)
 
 
 class _Buffers(nn.Module):

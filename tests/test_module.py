@@ -50,6 +50,35 @@ def test_escape_of_names_that_look_escaped():
     assert unescape(escape("%2E.%25")) == "%2E.%25"
 
 
+def test_top_level_names_a_dict_already_uses_are_escaped_too():
+    """A key-value memory's `keys` and `values` (free) and a frozen `get`: the parameter
+    dicts already have those attributes, and registering them raised."""
+
+    class Memory(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+            self.keys = nn.Parameter(torch.randn(4, 8))
+            self.values = nn.Parameter(torch.randn(4, 8))
+            self.get = nn.Parameter(torch.ones(8), requires_grad=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (self.proj(x) @ self.keys.T).softmax(-1) @ self.values * self.get
+
+    for name in ("keys", "values", "get"):
+        assert escape(name) != name
+        assert unescape(escape(name)) == name
+    torch.manual_seed(0)
+    model = Memory()
+    net = gb.Bottleneck(model, tile=(4, 4))
+    x = torch.randn(2, 8)
+    expected = functional_call(model, gb.apply(net.gparams, net.plan), (x,))
+    torch.testing.assert_close(net(x), expected)
+    again = gb.Bottleneck(Memory(), tile=(4, 4))
+    again.load_state_dict(net.state_dict())
+    torch.testing.assert_close(again(x), net(x))
+
+
 def test_parameters_are_the_stacks_and_free_leaves_under_escaped_names():
     model = mlp()
     b = gb.Bottleneck(model, tile=(8, 8))
