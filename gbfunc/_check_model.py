@@ -1,6 +1,7 @@
 """Checks on the user's p-net: that it is a plain module, and that it matches a plan."""
 
 from torch import nn
+from torch.nn.parameter import UninitializedTensorMixin
 
 from ._plan import Plan
 
@@ -25,7 +26,18 @@ def check_module(model: object, where: str) -> nn.Module:
             f"{where}: model is a torch.compile'd OptimizedModule; pass model._orig_mod and "
             "compile the function that calls gb.apply instead."
         )
+    lazy = next((n for n, p in model.named_parameters() if is_lazy(p)), None)
+    if lazy is not None:
+        raise ValueError(
+            f"{where}: parameter {lazy!r} is uninitialised (a lazy module such as "
+            "nn.LazyLinear): run one forward pass on the model first, so that it has a shape."
+        )
     return model
+
+
+def is_lazy(tensor: object) -> bool:
+    """Whether `tensor` is a lazy module's parameter or buffer, which has no shape yet."""
+    return isinstance(tensor, UninitializedTensorMixin)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -416,6 +416,12 @@ def _plan_cases_2(tmp: Path | None) -> dict[str, Case]:
             TypeError,
             r"torch.compile'd OptimizedModule; pass model._orig_mod",
         ),
+        "plan-lazy": Case(
+            lambda: gb.plan(nn.Sequential(nn.LazyLinear(8), nn.Linear(8, 4)), tile=(4, 4)),
+            ValueError,
+            r"gb.plan: parameter '0.weight' is uninitialised \(a lazy module such as "
+            r"nn.LazyLinear\): run one forward pass",
+        ),
     }
 
 
