@@ -98,12 +98,13 @@ def search_tile(goal: Goal, options: list[dict[str, object]]) -> list[dict[str, 
             found = _scan_tiles(goal._replace(flags=fl), opts)
             return found.lo, found.hi, found.reached
 
-        raise goal.unreachable(
-            options,
-            reach,
-            f"with these g-nets: tiles give {scan.lo:.2f}x to {scan.hi:.2f}x",
-            "change hidden/depth, or pass tile= directly",
+        found = (
+            f"with these g-nets: tiles give {scan.lo:.2f}x to {scan.hi:.2f}x"
+            if scan.nearest is not None
+            else "with these g-nets: under every tile they cost more than the weights they "
+            "would generate, which then stay free"
         )
+        raise goal.unreachable(options, reach, found, "change hidden/depth, or pass tile= directly")
     tile = scan.nearest[1]
     if scan.close:
         squarest = min(scan.close, key=lambda c: (c[0], c[2]))

@@ -184,6 +184,17 @@ def test_compression_of_the_model_counts_the_task_embeddings_as_gb_report_does(s
     assert rep.compression == pytest.approx(6, rel=0.10)
 
 
+def test_compression_of_a_model_too_small_for_any_gnet_says_so():
+    """Every tile left every weight free, and the message read 'tiles give infx to 0.00x'."""
+    model = nn.Sequential(nn.Linear(8, 12), nn.Linear(12, 10))
+    with pytest.raises(ValueError, match="cannot be reached within 10%") as caught:
+        gb.plan(model, compression=1.5)
+    message = str(caught.value)
+    assert "under every tile they cost more than the weights they would generate" in message
+    assert "share=True generates no weight under any tile" in message
+    assert "inf" not in message
+
+
 def test_compression_with_shared_gnets_reaches_hundreds():
     model = nn.Sequential(nn.Linear(784, 512), nn.Linear(512, 512))
     rep = gb.report(gb.plan(model, compression=300, compression_of="generated", share=True))
