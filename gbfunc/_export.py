@@ -64,6 +64,12 @@ def export(
         return dense
     # Tied parameters appear once in the plan (first name) and under every alias here.
     canonical = {id(param): name for name, param in model.named_parameters()}
+    empty = next((k for k, v in model.state_dict(keep_vars=True).items() if _on_meta(v)), None)
+    if empty is not None:  # (the plan's own tensors are real: gb.init drew them)
+        raise ValueError(
+            f"gb.export: the model's {empty!r} is on the meta device, with no values to "
+            "export; pass a model whose buffers hold values (e.g. built on the CPU)."
+        )
     return {
         key: dense[canonical[id(value)]] if id(value) in canonical else _copy(value)
         for key, value in model.state_dict(keep_vars=True).items()
@@ -127,6 +133,12 @@ def save_dense(
     tensors = standalone(state)
     header = {"format": "pt", **(metadata or {})}
     write_file(path, tensors, header, "gb.save_dense")
+
+
+def _on_meta(value: object) -> bool:
+    """Whether state_dict entry `value` has no values (meta), counting only what `export`
+    copies from the model: not its parameters, which the plan gives."""
+    return isinstance(value, Tensor) and value.is_meta and not isinstance(value, nn.Parameter)
 
 
 def _copy(value: object) -> object:

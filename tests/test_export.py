@@ -118,6 +118,21 @@ def test_gpt2_generated_weights_export_into_a_fresh_model_and_transformers(
         torch.testing.assert_close(served(ids).logits, want, rtol=0, atol=0)
 
 
+def test_a_model_on_meta_with_buffers_is_refused_by_name(tmp_path):
+    """Its buffers have no values: exported as they were, the state dict could not be loaded,
+    and gb.save_dense failed with torch's 'Cannot copy out of meta tensor'."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8))
+    plan = gb.plan(model, tile=(4, 3))
+    gparams = gb.init(plan)
+    with pytest.raises(ValueError, match=r"^gb\.export: the model's '1\.running_mean' is on the"):
+        gb.export(gparams, plan, model=model)
+    with pytest.raises(ValueError, match=r"^gb\.export: the model's '1\.running_mean'"):
+        gb.save_dense(tmp_path / "dense.safetensors", gparams, plan, model=model)
+    assert not (tmp_path / "dense.safetensors").exists()
+    assert set(gb.export(gparams, plan)) == {p.name for p in plan.params}  # no model: fine
+
+
 def _table_model(table: dict) -> nn.Module:
     return nn.Sequential(nn.Embedding(10, 4, **table), nn.Linear(4, 8))
 
