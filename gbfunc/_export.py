@@ -5,6 +5,7 @@ from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from ._apply import apply
 from ._check_gparams import check_gparams, leaves
@@ -28,7 +29,9 @@ def export(
     """Materialise the dense weights that `gparams` generate, as a `state_dict`.
 
     Args:
-        gparams: From `gb.init(plan)` (or trained from it).
+        gparams: From `gb.init(plan)` (or trained from it). Under `gb.dist.ShardedFree`,
+            `sharded.state(gparams)`, which holds the trained free parameters, as shards:
+            they are gathered whole, a collective, so call it on every rank.
         plan: The plan that made `gparams`.
         model: The p-net. With it the result is exactly `model.state_dict()`'s keys (tied
             aliases such as GPT-2's `lm_head.weight`, and buffers copied from `model`), so
@@ -58,7 +61,10 @@ def export(
         params = apply(gparams, plan, condition=condition, task=task, compile=False)
     dense: dict[str, Tensor] = {}
     for p in plan.params:
-        value = params[p.name].detach().to(getattr(torch, p.dtype))
+        value = params[p.name].detach()
+        if isinstance(value, DTensor):  # a shard (`ShardedFree.state`): gathered, collectively
+            value = value.full_tensor()
+        value = value.to(getattr(torch, p.dtype))
         dense[p.name] = value.clone() if isinstance(p, Free) else value  # free ones alias gparams
     if model is None:
         return dense
@@ -96,7 +102,9 @@ def save_dense(
 
     Args:
         path: Target file, conventionally `*.safetensors`.
-        gparams: From `gb.init(plan)` (or trained from it).
+        gparams: From `gb.init(plan)` (or trained from it). Under `gb.dist.ShardedFree`,
+            `sharded.state(gparams)`, which holds the trained free parameters, as shards:
+            they are gathered whole, a collective, so call it on every rank.
         plan: The plan that made `gparams`.
         model: The p-net. With it the file holds exactly `model.state_dict()`'s keys (tied
             aliases as copies, buffers copied from `model`), as `gb.export` returns them;

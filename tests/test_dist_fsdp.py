@@ -119,8 +119,9 @@ def save_then_train_worker(rank: int, world: int, path: str) -> dict:
     state = sharded.state(gparams)
     gbd.save_sharded(path, state, plan=plan, optimizer=training[0], step=RESUME_AT)
     saved = _values(plan, state)
+    dense = gb.export(state, plan)  # the shards gathered whole, on every rank
     _train(model, gparams, sharded, training, range(RESUME_AT, RESUME_AT + 1))
-    return {"saved": saved, "after": _values(plan, sharded.state(gparams))}
+    return {"saved": saved, "dense": dense, "after": _values(plan, sharded.state(gparams))}
 
 
 def resume_worker(rank: int, world: int, path: str) -> dict:
@@ -141,6 +142,11 @@ def test_fsdp2_checkpoint_of_two_ranks_resumes_on_four_and_loads_in_one_process(
     two = spawn(save_then_train_worker, 2, path)
     four = spawn(resume_worker, 4, path)
     saved, after = two[0]["saved"], two[0]["after"]
+    for r in two:  # gb.export of the sharded state: the free parameters whole, not shards
+        for name, value in r["dense"].items():
+            assert type(value) is torch.Tensor, name
+        for name in (n for n in saved if "/" not in n):  # the free parameters
+            assert torch.equal(r["dense"][name], saved[name]), name
     for r in four:
         assert r["step"] == RESUME_AT
         differ = [k for k in saved if not torch.equal(r["loaded"][k], saved[k])]
