@@ -173,11 +173,14 @@ def report(plan: Plan) -> Report:
         hint = " Pass gb.plan(model) instead." if isinstance(plan, nn.Module) else ""
         raise TypeError(f"gb.report: plan must be a gb.Plan, got {type(plan).__name__}.{hint}")
     rows = []
+    owners: dict[int, tuple[int, ...]] = {}  # per stack, each tile's g-net (computed once)
     for p in plan.params:
         if isinstance(p, Generated):
             stack = plan.stacks[p.stack_index]
             tiles = sum(b.num_tiles for b in p.blocks)
-            cost = _cost(stack, p)
+            if p.stack_index not in owners:
+                owners[p.stack_index] = stack.gnet_of_tile
+            cost = _cost(stack, p, owners[p.stack_index])
             rows.append(Row(p.name, p.shape, "generated", tiles, cost, p.numel / cost, stack.key))
         else:
             assert isinstance(p, Free)
@@ -186,15 +189,16 @@ def report(plan: Plan) -> Report:
     return Report(tuple(rows), (plan.tasks, plan.condition) if plan.tasks else ())
 
 
-def _cost(stack: Stack, p: Generated) -> int:
+def _cost(stack: Stack, p: Generated, owner: tuple[int, ...]) -> int:
     """The stored parameters that generate `p`: its tiles' own leaves (embeddings, hashed
     tables) and the g-nets of its tiles, a g-net that also generates other parameters' tiles
     charged in proportion to its tiles here (with `share=True` a g-net generates one
-    parameter, without it one tile: either way whole, so the rows add up to the plan's)."""
+    parameter, without it one tile: either way whole, so the rows add up to the plan's).
+    `owner`: each tile's g-net (`Stack.gnet_of_tile`, which builds it on every read)."""
     shapes = stack.leaf_shapes()
     per_gnet = sum(math.prod(shape[1:]) for n, shape in shapes.items() if n not in TILE_LEAVES)
     per_tile = sum(math.prod(shape[1:]) for n, shape in shapes.items() if n in TILE_LEAVES)
     tiles = [t for b in p.blocks for t in range(b.first_tile, b.first_tile + b.num_tiles)]
-    of_gnet = Counter(stack.gnet_of_tile[t] for t in tiles)
+    of_gnet = Counter(owner[t] for t in tiles)
     share = sum(Fraction(n, stack.tiles_per_gnet[g]) for g, n in of_gnet.items())
     return round(per_gnet * share) + per_tile * len(tiles)
