@@ -173,14 +173,12 @@ def report(plan: Plan) -> Report:
         hint = " Pass gb.plan(model) instead." if isinstance(plan, nn.Module) else ""
         raise TypeError(f"gb.report: plan must be a gb.Plan, got {type(plan).__name__}.{hint}")
     rows = []
-    owners: dict[int, tuple[int, ...]] = {}  # per stack, each tile's g-net (computed once)
+    charges = [_Charges.of(stack) for stack in plan.stacks]
     for p in plan.params:
         if isinstance(p, Generated):
             stack = plan.stacks[p.stack_index]
             tiles = sum(b.num_tiles for b in p.blocks)
-            if p.stack_index not in owners:
-                owners[p.stack_index] = stack.gnet_of_tile
-            cost = _cost(stack, p, owners[p.stack_index])
+            cost = charges[p.stack_index].cost(stack, p)
             rows.append(Row(p.name, p.shape, "generated", tiles, cost, p.numel / cost, stack.key))
         else:
             assert isinstance(p, Free)
@@ -189,16 +187,29 @@ def report(plan: Plan) -> Report:
     return Report(tuple(rows), (plan.tasks, plan.condition) if plan.tasks else ())
 
 
-def _cost(stack: Stack, p: Generated, owner: tuple[int, ...]) -> int:
-    """The stored parameters that generate `p`: its tiles' own leaves (embeddings, hashed
-    tables) and the g-nets of its tiles, a g-net that also generates other parameters' tiles
-    charged in proportion to its tiles here (with `share=True` a g-net generates one
-    parameter, without it one tile: either way whole, so the rows add up to the plan's).
-    `owner`: each tile's g-net (`Stack.gnet_of_tile`, which builds it on every read)."""
-    shapes = stack.leaf_shapes()
-    per_gnet = sum(math.prod(shape[1:]) for n, shape in shapes.items() if n not in TILE_LEAVES)
-    per_tile = sum(math.prod(shape[1:]) for n, shape in shapes.items() if n in TILE_LEAVES)
-    tiles = [t for b in p.blocks for t in range(b.first_tile, b.first_tile + b.num_tiles)]
-    of_gnet = Counter(owner[t] for t in tiles)
-    share = sum(Fraction(n, stack.tiles_per_gnet[g]) for g, n in of_gnet.items())
-    return round(per_gnet * share) + per_tile * len(tiles)
+@dataclass(frozen=True)
+class _Charges:
+    """What a stack's stored parameters cost per g-net and per tile (its tiles' own leaves:
+    embeddings, hashed tables), and each tile's g-net; read once per stack
+    (`Stack.gnet_of_tile` builds its tuple on every read)."""
+
+    per_gnet: int
+    per_tile: int
+    owner: tuple[int, ...]
+
+    @classmethod
+    def of(cls, stack: Stack) -> "_Charges":
+        shapes = stack.leaf_shapes()
+        per_tile = sum(math.prod(shapes[n][1:]) for n in TILE_LEAVES if n in shapes)
+        per_gnet = sum(math.prod(s[1:]) for n, s in shapes.items() if n not in TILE_LEAVES)
+        return cls(per_gnet, per_tile, stack.gnet_of_tile)
+
+    def cost(self, stack: Stack, p: Generated) -> int:
+        """The stored parameters that generate `p`: its tiles' own leaves and the g-nets of
+        its tiles, a g-net that also generates other parameters' tiles charged in proportion
+        to its tiles here (with `share=True` a g-net generates one parameter, without it one
+        tile: either way whole, so the rows add up to the plan's)."""
+        tiles = [t for b in p.blocks for t in range(b.first_tile, b.first_tile + b.num_tiles)]
+        of_gnet = Counter(self.owner[t] for t in tiles)
+        share = sum(Fraction(n, stack.tiles_per_gnet[g]) for g, n in of_gnet.items())
+        return round(self.per_gnet * share) + self.per_tile * len(tiles)
