@@ -70,7 +70,8 @@ def export(
         return dense
     # Tied parameters appear once in the plan (first name) and under every alias here.
     canonical = {id(param): name for name, param in model.named_parameters()}
-    empty = next((k for k, v in model.state_dict(keep_vars=True).items() if _on_meta(v)), None)
+    state = model.state_dict(keep_vars=True)
+    empty = next((k for k, v in state.items() if _on_meta(v)), None)
     if empty is not None:  # (the plan's own tensors are real: gb.init drew them)
         raise ValueError(
             f"gb.export: the model's {empty!r} is on the meta device, with no values to "
@@ -78,7 +79,7 @@ def export(
         )
     return {
         key: dense[canonical[id(value)]] if id(value) in canonical else _copy(value)
-        for key, value in model.state_dict(keep_vars=True).items()
+        for key, value in state.items()
     }
 
 

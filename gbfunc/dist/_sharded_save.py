@@ -115,7 +115,8 @@ def save_sharded(
     # g-net rows (and their optimizer state) are held whole by one rank: a SHA-256 suffices.
     whole = ("stacks/", f"{OPTIM}stacks/")
     checksums = {k: checksum(v) for k, v in state.items() if not k.startswith(whole)}
-    writer = _writers([digests for digests, _ in every])
+    held = [digests for digests, _ in every]  # each rank's plain entries and their digests
+    writer = _writers(held)
     rank = 0 if group is None else dist.get_rank(group)
     state = {k: v for k, v in state.items() if isinstance(v, DTensor) or writer[k] == rank}
     try:
@@ -129,8 +130,8 @@ def save_sharded(
             discard(directory, name)
         raise _unwritable(where, directory, e) from e
     if _leads(group):
-        manifest["sha256"] = {k: every[r][0][k] for k, r in writer.items()}
-        _warn_differing([digests for digests, _ in every], manifest["sha256"], where)
+        manifest["sha256"] = {k: held[r][k] for k, r in writer.items()}
+        _warn_differing(held, manifest["sha256"], where)
         manifest["checksums"] = checksums
         manifest["data"] = name
         try:
