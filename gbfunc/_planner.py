@@ -162,9 +162,13 @@ def plan(
             f"{compression_of!r}."
         )
     tasks = integer("gb.plan", "tasks", tasks, minimum=0)
-    embeddings = tasks * condition if isinstance(condition, int) else 0  # (checked below)
-    asked = (compression, compression_of, embeddings)
-    options = _compress(entries, options, flags, asked, tile is not None)
+    task_params = tasks * condition if isinstance(condition, int) else 0  # (checked below)
+    goal = (
+        None
+        if compression is None
+        else Goal(entries, flags, compression, compression_of, task_params)
+    )
+    options = _compress(goal, options, tile is not None)
     result = replace(_build(entries, options, flags), tasks=tasks).naming(model)
     if not result.generated:
         raise ValueError(
@@ -219,22 +223,16 @@ def _check_stored_size(plan: Plan) -> None:
 
 
 def _compress(
-    entries: list[Entry],
-    options: list[dict[str, object]],
-    flags: dict[str, bool],
-    asked: tuple[float | None, str, int],
-    tile_given: bool,
+    goal: Goal | None, options: list[dict[str, object]], tile_given: bool
 ) -> list[dict[str, object]]:
-    """`options` with the hashed tables sized, or the tiles chosen, to reach `compression` of
-    `scope` (`asked`: the two, and the task embeddings' parameters, stored besides)."""
-    compression, scope, stored = asked
+    """`options` with the hashed tables sized, or the tiles chosen, to reach `goal` (None:
+    no compression= asked)."""
     if any(o["hashed"] == AUTO for o in options):
-        if compression is None:
+        if goal is None:
             raise ValueError(
                 "gb.plan: hashed='auto' sizes the tables to reach compression=; pass "
                 "compression=, or give hashed= a number of buckets."
             )
-        goal = Goal(entries, flags, compression, scope, stored)
         if tile_given:
             return size_tables(goal, options)
         for tile in TABLE_TILES:  # the first tile whose tables can reach the target
@@ -244,11 +242,11 @@ def _compress(
             except UnreachableError as e:
                 unreachable = e
         raise unreachable
-    if compression is None:
+    if goal is None:
         return options
     if tile_given:
         raise ValueError("gb.plan: pass either tile or compression, not both.")
-    return search_tile(Goal(entries, flags, compression, scope, stored), options)
+    return search_tile(goal, options)
 
 
 def _build(entries: list[Entry], options: list[dict[str, object]], flags: dict[str, bool]) -> Plan:

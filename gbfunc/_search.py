@@ -39,7 +39,7 @@ class Goal(NamedTuple):
     flags: dict[str, bool]
     target: float
     scope: str
-    stored: int = 0
+    stored: int
 
     def unreachable(
         self, options: list[dict[str, object]], reach: Reach, found: str, otherwise: str
