@@ -1,7 +1,7 @@
 """Checks on the user's p-net: that it is a plain module, and that it matches a plan."""
 
 from torch import nn
-from torch.nn.parameter import UninitializedTensorMixin
+from torch.nn.parameter import UninitializedParameter
 
 from ._plan import Plan
 
@@ -26,18 +26,15 @@ def check_module(model: object, where: str) -> nn.Module:
             f"{where}: model is a torch.compile'd OptimizedModule; pass model._orig_mod and "
             "compile the function that calls gb.apply instead."
         )
-    lazy = next((n for n, p in model.named_parameters() if is_lazy(p)), None)
+    lazy = next(
+        (n for n, p in model.named_parameters() if isinstance(p, UninitializedParameter)), None
+    )
     if lazy is not None:
         raise ValueError(
             f"{where}: parameter {lazy!r} is uninitialised (a lazy module such as "
             "nn.LazyLinear): run one forward pass on the model first, so that it has a shape."
         )
     return model
-
-
-def is_lazy(tensor: object) -> bool:
-    """Whether `tensor` is a lazy module's parameter or buffer, which has no shape yet."""
-    return isinstance(tensor, UninitializedTensorMixin)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
