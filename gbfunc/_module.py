@@ -130,7 +130,8 @@ class Bottleneck(nn.Module):
 
     A conditioned plan (`condition=`, `tasks=`) generates the weights of the condition
     vector in `b.condition`, or of the task embedding `b.task` names (`b.tasks`, a
-    parameter); set one before calling, e.g. `b.task = 2`.
+    parameter); set one before calling, e.g. `b.task = 2`. A compiled module does not
+    recompile when `b.task` changes: `forward` reads the task as a tensor.
 
     Examples:
         >>> b = gb.Bottleneck(nn.Linear(64, 32), tile=(16, 16))
@@ -199,7 +200,10 @@ class Bottleneck(nn.Module):
         if TASKS in gparams:
             self.tasks = nn.Parameter(gparams[TASKS].detach(), requires_grad=True)
         self.condition: Tensor | None = None  # what `forward` generates for, if conditioned
-        self.task: int | None = None
+        self._task: int | None = None
+        # `forward`'s view of `_task`: a 0-d tensor, whose value `torch.compile` does not
+        # specialise on (an int attribute would recompile the module for every task).
+        self._task_index: Tensor | None = None
         self.register_load_state_dict_post_hook(_relink)  # `assign=True` replaces buffers
         self.train(model.training)
 
@@ -215,6 +219,27 @@ class Bottleneck(nn.Module):
         if self._plan.model() is not self._pnet:  # `source` is not part of a plan's equality
             self._plan = self._plan.naming(self._pnet)
         return self._plan
+
+    @property
+    def task(self) -> int | None:
+        """The task embedding `forward`, `export` and `calibrate` generate for (None: none)."""
+        return self._task
+
+    @task.setter
+    def task(self, task: int | None) -> None:
+        if task is not None:
+            count = self._plan.tasks
+            if not count:
+                raise ValueError(
+                    "gb.Bottleneck.task: this module has no task embeddings; make it with "
+                    "gb.Bottleneck(model, condition=<width>, tasks=<n>), or set b.condition."
+                )
+            if isinstance(task, bool) or not isinstance(task, int) or not 0 <= task < count:
+                raise ValueError(
+                    f"gb.Bottleneck.task must be an int in 0..{count - 1} or None, got {task!r}."
+                )
+        self._task = task
+        self._task_index = None if task is None else torch.tensor(task, device=self.tasks.device)
 
     @property
     def gparams(self) -> GParams:
@@ -244,7 +269,7 @@ class Bottleneck(nn.Module):
         their inputs by it (transformers' `Trainer` drops unnamed dataset columns) see the
         wrapped model's arguments.
         """
-        tensors = apply(self.gparams, self._plan, condition=self.condition, task=self.task)
+        tensors = apply(self.gparams, self._plan, condition=self.condition, task=self._task_index)
         for name in self._buffer_aliases:
             tensors[name] = self.pnet_buffers.get(name)
         return functional_call(self._pnet, tensors, args, kwargs)

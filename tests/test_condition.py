@@ -200,6 +200,34 @@ def test_a_compiled_step_with_a_condition_is_one_graph_and_equals_eager():
     assert bool((want["tasks"][:2] == 0).all())
 
 
+def test_a_compiled_bottleneck_takes_every_task_without_recompiling():
+    # An int `b.task` read by `forward` made dynamo recompile per task, eager after 8.
+    net = gb.Bottleneck(mlp(), tile=(4, 4), hidden=5, condition=3, tasks=10)
+    net.load_gparams(conditioned(net.plan))
+    x = torch.randn(2, 12)
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(net, backend=counting, fullgraph=True)
+    for task in range(10):
+        net.task = task
+        torch.testing.assert_close(compiled(x), net(x))
+        assert net.task == task
+    assert len(graphs) == 1
+    net.task = None
+    with pytest.raises(ValueError, match=r"condition of width 3: pass condition= .* task="):
+        net(x)
+    for bad in (10, -1, True, 1.0):
+        with pytest.raises(ValueError, match=r"^gb\.Bottleneck\.task must be an int in 0\.\.9"):
+            net.task = bad
+    plain = gb.Bottleneck(mlp(), tile=(4, 4), hidden=5, condition=3)
+    with pytest.raises(ValueError, match=r"^gb\.Bottleneck\.task: this module has no task"):
+        plain.task = 0
+
+
 def test_checkpoints_module_export_report_and_optimizer_keep_the_task_embeddings(tmp_path):
     model = mlp()
     net = gb.Bottleneck(model, tile=(4, 4), hidden=5, condition=3, tasks=4)
