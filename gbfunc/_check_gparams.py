@@ -95,7 +95,7 @@ def check_gparams(
             raise ValueError(f"{where}: {_path(keys)} is on the meta device: it has no values.")
         if values and not bool(torch.isfinite(node).all()):
             raise ValueError(f"{where}: {_path(keys)} contains NaN or inf.")
-    _check_free_dtypes(free_floats, stack_floats, where)
+    _check_free_dtypes(free_floats, stack_floats, plan, where)
     for keys in _paths(gparams, plan):
         if keys not in expected:
             raise ValueError(f"{where}: {_path(keys)} is not in the plan. {hint}")
@@ -110,21 +110,25 @@ def _fits(got: tuple[int, ...], want: tuple[int, ...], fewer_rows: bool) -> bool
 def _check_free_dtypes(
     free: list[tuple[tuple[str, ...], Tensor]],
     stacks: list[tuple[tuple[str, ...], Tensor]],
+    plan: Plan,
     where: str,
 ) -> None:
-    """Free and frozen floating leaves share one dtype, that of the stacks where they all
-    share one (`gb.init`'s `dtype=`): the generated and the free weights meet in one forward.
-    Stacks may differ from each other (each is generated on its own)."""
+    """Each free and frozen floating leaf has the model's dtype for it (`gb.init`'s default)
+    or the one dtype of the stacks where they all share one (else of the first free leaf;
+    `gb.init`'s `dtype=`): the generated and the free weights meet in one forward. Stacks
+    may differ from each other (each is generated on its own)."""
     reference = free[0] if free else None
     if len({node.dtype for _, node in stacks}) == 1:
         reference = stacks[0]
+    own = {p.name: getattr(torch, p.dtype) for p in plan.free}
     for keys, node in free:
-        if reference is not None and node.dtype != reference[1].dtype:
-            raise TypeError(
-                f"{where}: {_path(keys)} has dtype {node.dtype} but {_path(reference[0])} is "
-                f"{reference[1].dtype}; the free leaves share the g-nets' dtype (gb.init's "
-                "dtype=)."
-            )
+        if reference is None or node.dtype in (reference[1].dtype, own[keys[1]]):
+            continue
+        raise TypeError(
+            f"{where}: {_path(keys)} has dtype {node.dtype} but {_path(reference[0])} is "
+            f"{reference[1].dtype}; a free leaf has the g-nets' dtype (gb.init's dtype=) or "
+            f"its parameter's in the model ({own[keys[1]]})."
+        )
 
 
 def _leaf(gparams: object, keys: tuple[str, ...], missing: Callable[[str], str]) -> object:

@@ -3,6 +3,7 @@
 import bisect
 import itertools
 import math
+from collections.abc import Iterable
 from dataclasses import replace
 
 import torch
@@ -11,7 +12,7 @@ from torch import Tensor, nn
 from ._check_gparams import TASKS
 from ._check_model import check_matches
 from ._numbers import integer
-from ._plan import TILE_LEAVES, Plan, Stack
+from ._plan import TILE_LEAVES, Plan, Shaped, Stack
 from ._spec import HASH_GAIN, reference, stack_terms
 from ._tree import GParams
 from .generate.torch_ops import CHUNK_ELEMENTS, tile_chunks
@@ -25,7 +26,7 @@ def init(
     *,
     values: str = "model",
     model: nn.Module | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     requires_grad: bool = True,
 ) -> GParams:
@@ -47,6 +48,10 @@ def init(
         values: `"model"`: free and frozen parameters copy the model's; `"draw"`: drawn.
         model: Where `"model"` values come from; default the model the plan was made from.
         dtype: Floating dtype of every floating leaf (integer frozen parameters keep theirs).
+            None: the model's, so that a bfloat16 model gets bfloat16 weights: a stack's
+            leaves take the dtype of the weights it generates, free and frozen parameters
+            keep theirs, task embeddings take the generated weights' (float32 where the
+            weights' dtypes differ).
         device: Where the leaves live. `"meta"`: empty leaves of the same shapes and dtypes,
             nothing drawn or evaluated. Elsewhere the tiles are evaluated on the CPU in
             chunks, so memory stays within a few times the largest stack's weights.
@@ -67,23 +72,24 @@ def init(
         raise TypeError(
             f"gb.init: plan must be a gb.Plan (from gb.plan), got {type(plan).__name__}."
         )
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"gb.init: dtype must be a floating torch.dtype, got {dtype!r}.")
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise TypeError(f"gb.init: dtype must be a floating torch.dtype or None, got {dtype!r}.")
     seed = integer("gb.init", "seed", seed, minimum=-(2**63), maximum=2**64 - 1)  # torch's range
     source = _value_source(plan, values, model)
     if device is not None and torch.device(device).type == "meta":
         return _on_meta(plan, dtype, requires_grad)
     gen = torch.Generator().manual_seed(seed)
 
-    def finish(x: Tensor, trainable: bool) -> Tensor:
-        x = x.to(dtype=dtype if x.is_floating_point() else x.dtype, device=device)
+    def finish(x: Tensor, trainable: bool, kind: torch.dtype) -> Tensor:
+        x = x.to(dtype=kind if x.is_floating_point() else x.dtype, device=device)
         return x.requires_grad_(trainable and requires_grad)
 
     # Each stack is cast and moved once drawn, so only one stack's float64 leaves are alive.
-    stacks = {
-        s.key: {n: finish(v, True) for n, v in _init_stack(s, gen, _starts(plan, i)).items()}
-        for i, s in enumerate(plan.stacks)
-    }
+    stacks = {}
+    for i, s in enumerate(plan.stacks):
+        kind = _leaf_dtype(dtype, plan.generated_by(i))
+        leaves = _init_stack(s, gen, _starts(plan, i))
+        stacks[s.key] = {n: finish(v, True, kind) for n, v in leaves.items()}
     free: dict[str, Tensor] = {}
     frozen: dict[str, Tensor] = {}
     for p in plan.free:
@@ -94,35 +100,49 @@ def init(
             value = _draw_free(p.init, p.shape, gen)
             if not getattr(torch, p.dtype).is_floating_point:  # integer and bool keep theirs
                 value = value.to(getattr(torch, p.dtype))
-        (free if p.trainable else frozen)[p.name] = finish(value, p.trainable)
+        kind = _leaf_dtype(dtype, (p,))
+        (free if p.trainable else frozen)[p.name] = finish(value, p.trainable, kind)
     gparams = {"stacks": stacks, "free": free, "frozen": frozen}
     if plan.tasks:  # drawn last, so that a plan's other leaves do not depend on it
-        gparams[TASKS] = finish(_normal((plan.tasks, plan.condition), 1.0, gen), True)
+        table = _normal((plan.tasks, plan.condition), 1.0, gen)
+        gparams[TASKS] = finish(table, True, _leaf_dtype(dtype, plan.generated))
     return gparams
 
 
-def _on_meta(plan: Plan, dtype: torch.dtype, requires_grad: bool) -> GParams:
+def _leaf_dtype(dtype: torch.dtype | None, params: Iterable[Shaped]) -> torch.dtype:
+    """The floating dtype of leaves standing for `params`: `dtype` where given, else the one
+    dtype `params` share, float32 where they differ or it is not floating."""
+    if dtype is not None:
+        return dtype
+    kinds = {getattr(torch, p.dtype) for p in params}
+    kind = kinds.pop() if len(kinds) == 1 else torch.float32
+    return kind if kind.is_floating_point else torch.float32
+
+
+def _on_meta(plan: Plan, dtype: torch.dtype | None, requires_grad: bool) -> GParams:
     """The leaves `init` returns, as empty `meta` tensors of the same shapes and dtypes:
     nothing is drawn, evaluated or copied, so a plan of any size costs no memory (to trace
     `gb.apply` or size a model before allocating it)."""
 
     def empty(shape: tuple[int, ...], kind: torch.dtype, trainable: bool) -> Tensor:
-        kind = dtype if kind.is_floating_point else kind  # integer and bool keep theirs
         x = torch.empty(shape, dtype=kind, device="meta")
         return x.requires_grad_(trainable and requires_grad)
 
-    stacks = {
-        s.key: {n: empty(shape, dtype, True) for n, shape in s.leaf_shapes().items()}
-        for s in plan.stacks
-    }
+    stacks = {}
+    for i, s in enumerate(plan.stacks):
+        kind = _leaf_dtype(dtype, plan.generated_by(i))
+        stacks[s.key] = {n: empty(shape, kind, True) for n, shape in s.leaf_shapes().items()}
     free: dict[str, Tensor] = {}
     frozen: dict[str, Tensor] = {}
     for p in plan.free:
-        value = empty(p.shape, getattr(torch, p.dtype), p.trainable)
-        (free if p.trainable else frozen)[p.name] = value
+        own = getattr(torch, p.dtype)  # integer and bool keep theirs
+        kind = _leaf_dtype(dtype, (p,)) if own.is_floating_point else own
+        (free if p.trainable else frozen)[p.name] = empty(p.shape, kind, p.trainable)
     gparams = {"stacks": stacks, "free": free, "frozen": frozen}
     if plan.tasks:
-        gparams[TASKS] = empty((plan.tasks, plan.condition), dtype, True)
+        gparams[TASKS] = empty(
+            (plan.tasks, plan.condition), _leaf_dtype(dtype, plan.generated), True
+        )
     return gparams
 
 

@@ -177,7 +177,7 @@ class Bottleneck(nn.Module):
         first = model.get_parameter(plan.generated[0].name)
         # A p-net on the meta device is fine (its dense weights are never read); ours are real.
         device = None if first.is_meta else first.device
-        gparams = init(plan, seed=seed, model=model, dtype=first.dtype, device=device)
+        gparams = init(plan, seed=seed, model=model, device=device)
         self.stacks = nn.ModuleDict(
             {escape(key): _parameter_dict(leaves) for key, leaves in gparams["stacks"].items()}
         )

@@ -432,10 +432,14 @@ def _init_cases(tmp: Path | None) -> dict[str, Case]:
             lambda: gb.init(mlp()), TypeError, "gb.init: plan must be a gb.Plan .*got Sequential"
         ),
         "init-int-dtype": Case(
-            lambda: gparams(dtype=torch.int32), TypeError, "floating torch.dtype, got torch.int32"
+            lambda: gparams(dtype=torch.int32),
+            TypeError,
+            "floating torch.dtype or None, got torch.int32",
         ),
         "init-str-dtype": Case(
-            lambda: gparams(dtype="float32"), TypeError, "floating torch.dtype, got 'float32'"
+            lambda: gparams(dtype="float32"),
+            TypeError,
+            "floating torch.dtype or None, got 'float32'",
         ),
         "init-float-seed": Case(
             lambda: gparams(seed=1.5), TypeError, r"seed must be an integer in \[.*\], got 1\.5"

@@ -201,6 +201,47 @@ def test_drawn_integer_parameters_keep_their_dtype():
     assert torch.equal(steps, torch.zeros_like(steps))
 
 
+class _HalfPrecision(nn.Module):
+    """bfloat16 layers around a float32 LayerNorm, as mixed-precision models keep them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(24, 16, dtype=torch.bfloat16)
+        self.norm = nn.LayerNorm(16)
+        self.b = nn.Linear(16, 4, dtype=torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.norm(torch.relu(self.a(x)).float()).to(torch.bfloat16))
+
+
+def test_the_default_dtype_is_the_models_so_a_bfloat16_model_runs():
+    # gb.init drew float32 leaves whatever the model, so a bfloat16 p-net failed at forward
+    # with torch's dtype error.
+    model = _HalfPrecision()
+    plan = gb.plan(model, tile=(8, 8))
+    gparams = gb.init(plan)
+    for stack in gparams["stacks"].values():
+        assert {t.dtype for t in stack.values()} == {torch.bfloat16}
+    assert gparams["free"]["a.bias"].dtype == torch.bfloat16
+    assert gparams["free"]["norm.weight"].dtype == torch.float32
+    meta = gb.init(plan, device="meta")
+    pairs = zip(pytree.tree_leaves(meta), pytree.tree_leaves(gparams), strict=True)
+    assert all(m.dtype == r.dtype for m, r in pairs)
+    params = gb.apply(gparams, plan)
+    assert {n: t.dtype for n, t in params.items()} == {
+        n: t.dtype for n, t in model.named_parameters()
+    }
+    x = torch.randn(3, 24, dtype=torch.bfloat16)
+    assert functional_call(model, params, (x,)).dtype == torch.bfloat16
+    assert gb.Bottleneck(model, tile=(8, 8))(x).dtype == torch.bfloat16
+    widened = gb.init(plan, dtype=torch.float64)  # an explicit dtype is every leaf's
+    assert {t.dtype for t in pytree.tree_leaves(widened)} == {torch.float64}
+    gb.apply(widened, plan)
+    mixed = dict(gparams, free=dict(gparams["free"], **{"a.bias": widened["free"]["a.bias"]}))
+    with pytest.raises(TypeError, match=r"\['a\.bias'\] has dtype torch\.float64 but .*bfloat16"):
+        gb.apply(mixed, plan)
+
+
 @pytest.mark.parametrize("hidden", [8, 10])
 def test_init_ties_hidden_units_in_fours_so_each_gnet_starts_odd(hidden):
     """Units 4k..4k+3 share first-layer weights up to the signs (+a+b, +a-b, -a+b, -a-b), and
