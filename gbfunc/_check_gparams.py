@@ -5,7 +5,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ._plan import Plan
+from ._plan import Plan, shared_dtype
 
 _GROUPS = ("stacks", "free", "frozen")
 TASKS = "tasks"  # the task embeddings, a tensor of its own, where the plan has them
@@ -120,14 +120,16 @@ def _check_free_dtypes(
     reference = free[0] if free else None
     if len({node.dtype for _, node in stacks}) == 1:
         reference = stacks[0]
-    own = {p.name: getattr(torch, p.dtype) for p in plan.free}
+    own = {("free", p.name): shared_dtype((p,)) for p in plan.free}
+    own |= {("frozen", name): kind for (_, name), kind in own.items()}
+    own[(TASKS,)] = shared_dtype(plan.generated)
     for keys, node in free:
-        if reference is None or node.dtype in (reference[1].dtype, own[keys[1]]):
+        if reference is None or node.dtype in (reference[1].dtype, own[keys]):
             continue
         raise TypeError(
             f"{where}: {_path(keys)} has dtype {node.dtype} but {_path(reference[0])} is "
             f"{reference[1].dtype}; a free leaf has the g-nets' dtype (gb.init's dtype=) or "
-            f"its parameter's in the model ({own[keys[1]]})."
+            f"the model's ({own[keys]})."
         )
 
 

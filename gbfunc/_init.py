@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from ._check_gparams import TASKS
 from ._check_model import check_matches
 from ._numbers import integer
-from ._plan import TILE_LEAVES, Plan, Shaped, Stack
+from ._plan import TILE_LEAVES, Free, Generated, Plan, Stack, shared_dtype
 from ._spec import HASH_GAIN, reference, stack_terms
 from ._tree import GParams
 from .generate.torch_ops import CHUNK_ELEMENTS, tile_chunks
@@ -109,14 +109,9 @@ def init(
     return gparams
 
 
-def _leaf_dtype(dtype: torch.dtype | None, params: Iterable[Shaped]) -> torch.dtype:
-    """The floating dtype of leaves standing for `params`: `dtype` where given, else the one
-    dtype `params` share, float32 where they differ or it is not floating."""
-    if dtype is not None:
-        return dtype
-    kinds = {getattr(torch, p.dtype) for p in params}
-    kind = kinds.pop() if len(kinds) == 1 else torch.float32
-    return kind if kind.is_floating_point else torch.float32
+def _leaf_dtype(dtype: torch.dtype | None, params: Iterable[Generated | Free]) -> torch.dtype:
+    """The floating dtype of leaves standing for `params`: `dtype` where given, else theirs."""
+    return shared_dtype(params) if dtype is None else dtype
 
 
 def _on_meta(plan: Plan, dtype: torch.dtype | None, requires_grad: bool) -> GParams:

@@ -10,7 +10,7 @@ import itertools
 import json
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
@@ -28,6 +28,14 @@ class Shaped:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+
+def shared_dtype(params: Iterable["Generated | Free"]) -> torch.dtype:
+    """The floating dtype `params` share; float32 where they differ or it is not floating:
+    `gb.init`'s default for a leaf that stands for them (a stack's, the task embeddings)."""
+    kinds = {getattr(torch, p.dtype) for p in params}
+    kind = kinds.pop() if len(kinds) == 1 else torch.float32
+    return kind if kind.is_floating_point else torch.float32
 
 
 @dataclass(frozen=True)
