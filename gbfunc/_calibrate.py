@@ -9,6 +9,7 @@ from torch.utils._pytree import tree_map
 
 from ._apply import apply
 from ._check_gparams import check_gparams
+from ._check_model import check_matches
 from ._condition import condition_of
 from ._plan import Generated, Plan
 from ._tree import GParams
@@ -57,6 +58,7 @@ def calibrate(
         >>> gparams = gb.calibrate(gb.init(plan), plan, model, torch.randn(64, 8))
     """
     check_gparams(gparams, plan, "gb.calibrate")
+    check_matches(plan, model, "gb.calibrate", "the plan")
     condition_of(gparams, plan, condition, task, "gb.calibrate")
     args = check_inputs(inputs, "gb.calibrate")
 
@@ -69,7 +71,7 @@ def calibrate(
     with torch.no_grad():
         order = _forward_order(model, generate(gparams), args)
     for name in order:
-        bias = entries.get(f"{name}.bias")
+        bias = entries.get(f"{name}.bias" if name else "bias")  # "": the model is the layer
         if bias is None or not (isinstance(bias, Generated) or bias.trainable):
             continue
         with torch.no_grad():
@@ -90,6 +92,11 @@ def calibrate(
 def check_inputs(inputs: Tensor | Sequence[Tensor], call: str) -> tuple[Tensor, ...]:
     """`inputs` as a tuple of positional arguments, refusing empty or non-finite tensors:
     a layer's mean over no values, or over a NaN, would make every bias it shifts NaN."""
+    if not isinstance(inputs, Tensor | Sequence):
+        raise TypeError(
+            f"{call}: inputs must be a tensor or a sequence of the model's positional "
+            f"arguments, got {type(inputs).__name__}."
+        )
     args = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
     if not args:
         raise ValueError(f"{call}: inputs is empty; pass a batch of data (at least one example).")
@@ -138,7 +145,8 @@ def _with_buffers(model: nn.Module, params: dict[str, Tensor]) -> dict[str, Tens
 def _output_mean(
     model: nn.Module, layer: nn.Module, params: dict[str, Tensor], args: tuple[Tensor, ...]
 ) -> Tensor:
-    """Mean of `layer`'s output per output unit, over the batch and every position."""
+    """Mean of `layer`'s output per output unit, over the batch and every position (an
+    unbatched input, which `nn.Linear` and `nn.ConvNd` take, has no batch dimension)."""
     outputs: list[Tensor] = []
     hook = layer.register_forward_hook(lambda _m, _i, out: outputs.append(out))
     try:
@@ -146,8 +154,10 @@ def _output_mean(
     finally:
         hook.remove()
     out = outputs[0]
-    unit = out.dim() - 1 if isinstance(layer, nn.Linear) else 1
-    return out.mean([d for d in range(out.dim()) if d != unit])
+    spatial = 0 if isinstance(layer, nn.Linear) else len(layer.kernel_size)
+    unit = out.dim() - 1 - spatial
+    others = [d for d in range(out.dim()) if d != unit]
+    return out.mean(others) if others else out  # `mean([])` would average every dimension
 
 
 def _shift_generated(gparams: GParams, plan: Plan, param: Generated, shift: float) -> None:

@@ -21,7 +21,7 @@ def layer_outputs(model: nn.Module, params: dict, x: torch.Tensor) -> dict[str, 
     hooks = [
         m.register_forward_hook(lambda _m, _i, out, n=n: outputs.__setitem__(n, out))
         for n, m in model.named_modules()
-        if isinstance(m, nn.Linear | nn.Conv2d)
+        if isinstance(m, nn.Linear | nn.Conv1d | nn.Conv2d)
     ]
     with torch.no_grad():
         functional_call(model, params, (x,))
@@ -31,6 +31,7 @@ def layer_outputs(model: nn.Module, params: dict, x: torch.Tensor) -> dict[str, 
 
 
 X = torch.rand(128, 1, 5, 5, generator=torch.Generator().manual_seed(0)) + 0.5  # all positive
+X1 = torch.rand(16, 2, 7, generator=torch.Generator().manual_seed(1)) + 1.0
 
 
 @pytest.mark.parametrize("biases", [True, False])
@@ -92,3 +93,42 @@ def test_buffers_stay_and_the_module_calibrates_in_place():
         assert torch.equal(value, before[name]), name  # no running statistics were updated
     outputs = layer_outputs(model, gb.apply(b.gparams, b.plan), x)
     assert abs(float(outputs["3"].mean())) < 1e-5
+
+
+@pytest.mark.parametrize("biases", [False, True])
+def test_a_model_that_is_the_layer_itself_calibrates(biases):
+    # The root module's name is "": its bias, "bias", was looked up as ".bias" and skipped.
+    for model, x in ((nn.Linear(8, 4), torch.rand(32, 8) + 1.0), (nn.Conv1d(2, 3, 3), X1)):
+        plan = gb.plan(model, tile="full", biases=biases, hidden=4)
+        calibrated = gb.calibrate(gb.init(plan, seed=0), plan, model, x)
+        with torch.no_grad():
+            out = functional_call(model, gb.apply(calibrated, plan), (x,))
+        means = out.mean([d for d in range(out.dim()) if d != 1])
+        if biases:  # a generated bias moves by one shift: the units' means average to zero
+            assert abs(float(means.mean())) < 1e-5, means
+        else:
+            torch.testing.assert_close(means, torch.zeros_like(means), atol=1e-5, rtol=0)
+
+
+def test_unbatched_inputs_are_averaged_per_unit():
+    # A 1-d input to nn.Linear was reduced over every dimension (`mean([])`); a (C, L) input
+    # to nn.Conv1d was read as (N, C), wrong or a raw shape error.
+    for model, x in (
+        (nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 3)), torch.rand(8) + 1.0),
+        (nn.Sequential(nn.Conv1d(2, 6, 3), nn.ReLU(), nn.Conv1d(6, 3, 3)), X1[0]),
+        (nn.Sequential(nn.Conv1d(2, 5, 3)), X1[0]),  # 5 output positions, 5 channels
+    ):
+        plan = gb.plan(model, tile="full", hidden=4)
+        calibrated = gb.calibrate(gb.init(plan, seed=0), plan, model, x)
+        for out in layer_outputs(model, gb.apply(calibrated, plan), x).values():
+            means = out.mean(list(range(1, out.dim()))) if out.dim() > 1 else out  # unit first
+            torch.testing.assert_close(means, torch.zeros_like(means), atol=1e-5, rtol=0)
+
+
+def test_a_model_other_than_the_plans_and_inputs_of_another_type_are_named():
+    model = cnn()
+    plan = gb.plan(model, tile=(4, 4), hidden=4)
+    with pytest.raises(ValueError, match=r"^gb\.calibrate: parameter '0\.weight' has shape"):
+        gb.calibrate(gb.init(plan), plan, nn.Sequential(nn.Linear(3, 2)), X)
+    with pytest.raises(TypeError, match=r"^gb\.calibrate: inputs must be a tensor .* got int"):
+        gb.calibrate(gb.init(plan), plan, model, 3)
