@@ -27,7 +27,8 @@ class Fitted(NamedTuple):
 
     Attributes:
         gparams: The fitted g-nets; free parameters copied from the target.
-        errors: Per generated parameter, `||generated - target||^2 / ||target||^2`.
+        errors: Per generated parameter, `||generated - target||^2 / ||target||^2` (over
+            the weight's starting variance instead where the target is all but zero).
     """
 
     gparams: GParams
@@ -48,8 +49,11 @@ def fit(
     """Regress the g-nets of `gparams` onto `target`'s weights (Adam, cosine schedule).
 
     Each generated parameter's squared error is divided by the target's mean square, so
-    every weight counts equally whatever its scale. Free and frozen parameters are copied
-    from `target` where it has them. `gparams` is not modified.
+    every weight counts equally whatever its scale; a target all but zero (a mean square
+    below `1e-12` of the weight's starting variance, such as a zero-initialised layer) is
+    measured against that variance instead, since dividing by its own would overflow the
+    gradients. Free and frozen parameters are copied from `target` where it has them, and
+    must be finite and of their parameters' shapes. `gparams` is not modified.
 
     Args:
         gparams: The starting point, from `gb.init(plan)` or a previous fit.
@@ -91,14 +95,14 @@ def fit(
             name: _copied(target.get(name, value), value) for name, value in gparams[group].items()
         }
         for group in ("free", "frozen")
-    } | ({TASKS: gparams[TASKS]} if TASKS in gparams else {})
+    } | ({TASKS: _copied(gparams[TASKS], gparams[TASKS])} if TASKS in gparams else {})
     weights = {
         p.name: target[p.name]
         .detach()
         .to(gparams["stacks"][plan.stacks[p.stack_index].key]["w_in"])
         for p in plan.generated
     }
-    norms = {name: w.square().mean().clamp_min(1e-30) for name, w in weights.items()}
+    norms = {p.name: _reference(weights[p.name], p.init_std**2) for p in plan.generated}
 
     def errors(stacks: dict) -> dict[str, Tensor]:
         params = apply({"stacks": stacks, **rest}, plan, condition=condition, task=task)
@@ -229,6 +233,14 @@ def train_alternating(
     return gparams
 
 
+def _reference(target: Tensor, start_variance: float) -> Tensor:
+    """What a target's squared error is divided by: its mean square, or the weight's starting
+    variance where the target is all but zero (its gradients would overflow Adam's moments:
+    a zero target left the weight unfitted, its error reported as 4e28)."""
+    square = target.square().mean()
+    return square if float(square) >= 1e-12 * start_variance else square.new_tensor(start_variance)
+
+
 def _copied(value: Tensor, like: Tensor) -> Tensor:
     return value.detach().to(device=like.device, dtype=like.dtype, copy=True)
 
@@ -243,11 +255,21 @@ def _check_options(
     for p in plan.generated:
         if p.name not in target:
             raise KeyError(f"gb.fit: target has no {p.name!r}, a generated parameter of the plan.")
-        if tuple(target[p.name].shape) != p.shape:
-            raise ValueError(
-                f"gb.fit: target[{p.name!r}] has shape {tuple(target[p.name].shape)}; the plan "
-                f"generates {p.shape}."
+    for p in plan.params:
+        if p.name not in target:
+            continue  # a free or frozen parameter keeps gparams' value
+        value = target[p.name]
+        if not isinstance(value, Tensor):
+            raise TypeError(
+                f"gb.fit: target[{p.name!r}] must be a Tensor, got {type(value).__name__}."
             )
+        if tuple(value.shape) != p.shape:
+            raise ValueError(
+                f"gb.fit: target[{p.name!r}] has shape {tuple(value.shape)}; the plan's "
+                f"parameter has {p.shape}."
+            )
+        if value.is_floating_point() and not bool(value.isfinite().all()):
+            raise ValueError(f"gb.fit: target[{p.name!r}] contains NaN or inf.")
     return (
         integer("gb.fit", "steps", steps, minimum=1),
         real("gb.fit", "lr", lr, above=0, optional=True),

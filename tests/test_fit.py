@@ -2,6 +2,7 @@
 training: direct p-net training alternating with fits, blended by an annealed epsilon)."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -85,6 +86,53 @@ def test_fit_rejects_bad_input(kwargs, message):
     args = {"target": dict(model.named_parameters()), **kwargs}
     with pytest.raises((KeyError, ValueError), match=message):
         gb.fit(gb.init(plan), plan, args.pop("target"), **args)
+
+
+@pytest.mark.parametrize(
+    ("entry", "value", "error", "message"),
+    [
+        ("2.weight", torch.full((4, 16), float("nan")), ValueError, "contains NaN or inf"),
+        ("0.bias", torch.zeros(3), ValueError, r"has shape \(3,\); .* has \(16,\)"),
+        ("0.bias", torch.zeros(1).expand(16).numpy(), TypeError, "must be a Tensor, got ndarray"),
+        ("2.bias", torch.tensor([1.0, float("inf"), 0.0, 0.0]), ValueError, "contains NaN or inf"),
+    ],
+)
+def test_fit_names_a_bad_target_entry(entry, value, error, message):
+    # A NaN target gave NaN g-nets silently; a free entry of the wrong shape was blamed on
+    # gparams ("made by gb.init with a different plan?"); a numpy one raised AttributeError.
+    model, plan = small()
+    target = {n: p.detach() for n, p in model.named_parameters()} | {entry: value}
+    with pytest.raises(error, match=rf"^gb\.fit: target\['{re.escape(entry)}'\] {message}"):
+        gb.fit(gb.init(plan), plan, target, steps=1)
+
+
+def test_fit_fits_a_zero_target_against_the_weights_starting_variance():
+    # Divided by its own mean square (clamped at 1e-30), a zero target's gradients overflowed
+    # Adam's moments: the weight did not move, and its error read 4e28.
+    model, plan = small()
+    with torch.no_grad():
+        model[2].weight.zero_()
+    target = {n: p.detach() for n, p in model.named_parameters()}
+    start = gb.init(plan, seed=0)
+    fitted = gb.fit(start, plan, target, steps=100)
+    with torch.no_grad():
+        before = gb.apply(start, plan)["2.weight"].square().mean()
+        after = gb.apply(fitted.gparams, plan)["2.weight"].square().mean()
+    assert float(after) < 0.05 * float(before)
+    start_variance = plan.generated[1].init_std ** 2
+    assert fitted.errors["2.weight"] == pytest.approx(float(after) / start_variance, rel=1e-4)
+
+
+def test_fit_copies_the_task_embeddings():
+    # They were returned as the input's own storage: a step on the fitted ones moved both.
+    model = nn.Sequential(nn.Linear(24, 16), nn.ReLU(), nn.Linear(16, 4))
+    plan = gb.plan(model, tile=(8, 8), hidden=8, condition=3, tasks=2)
+    start = gb.init(plan)
+    fitted = gb.fit(start, plan, model.state_dict(), steps=1, task=0).gparams
+    assert torch.equal(fitted["tasks"], start["tasks"])
+    assert (
+        fitted["tasks"].untyped_storage().data_ptr() != start["tasks"].untyped_storage().data_ptr()
+    )
 
 
 def test_alternating_training_blends_with_the_annealed_epsilon():
