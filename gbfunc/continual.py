@@ -44,6 +44,11 @@ def targets(gparams: GParams, plan: Plan, tasks: Iterable[int]) -> dict[int, dic
         tasks: The earlier tasks' ids.
     """
     check_gparams(gparams, plan, "gb.continual.targets")
+    if not isinstance(tasks, Iterable):
+        raise TypeError(
+            f"gb.continual.targets: tasks must be an iterable of task ids (e.g. [0, 1]), got "
+            f"{type(tasks).__name__}."
+        )
     ids = list(tasks)
     _check_ids(ids, plan, "gb.continual.targets")
     with torch.no_grad():
@@ -73,8 +78,14 @@ def penalty(
     """
     check_gparams(gparams, plan, "gb.continual.penalty")
     strength = real("gb.continual.penalty", "strength", strength, minimum=0)
+    if not isinstance(targets, Mapping):
+        raise TypeError(
+            "gb.continual.penalty: targets must map task ids to parameters (from "
+            f"gb.continual.targets), got {type(targets).__name__}."
+        )
     ids = list(targets)
     _check_ids(ids, plan, "gb.continual.penalty")
+    _check_targets(targets, plan)
     if not ids:
         return gparams["tasks"].new_zeros(())
     index = torch.tensor(ids, device=gparams["tasks"].device)
@@ -86,6 +97,24 @@ def penalty(
         wanted = torch.stack([targets[t][name] for t in ids]).to(values)
         total = total + (values - wanted).square().sum()
     return strength * total / len(ids)
+
+
+def _check_targets(targets: Mapping[int, Mapping[str, Tensor]], plan: Plan) -> None:
+    """Each task's targets hold every floating-point parameter of the plan at its shape: one
+    missing would raise a bare `KeyError`, one of another shape broadcast silently."""
+    for task, params in targets.items():
+        for p in plan.params:
+            if not getattr(torch, p.dtype).is_floating_point:
+                continue
+            value = params.get(p.name) if isinstance(params, Mapping) else None
+            if isinstance(value, Tensor) and tuple(value.shape) == p.shape:
+                continue
+            got = f"shape {tuple(value.shape)}" if isinstance(value, Tensor) else repr(value)
+            raise ValueError(
+                f"gb.continual.penalty: targets[{task}][{p.name!r}] must be a tensor of shape "
+                f"{p.shape}, got {got}; take targets with gb.continual.targets(gparams, plan, "
+                "tasks)."
+            )
 
 
 def _check_ids(ids: list[int], plan: Plan, where: str) -> None:

@@ -393,6 +393,18 @@ def test_the_continual_penalty_is_zero_at_its_targets_and_pulls_back_to_them():
     plain = gb.plan(model, tile=(4, 4), hidden=5, condition=3)
     with pytest.raises(ValueError, match="no task embeddings"):
         gb.continual.targets(gb.init(plain), plain, tasks=[0])
+    # A missing entry raised a bare KeyError; a (1, n) one broadcast into a wrong penalty.
+    short = {1: {k: v for k, v in earlier[1].items() if k != "0.weight"}}
+    flat = {1: dict(earlier[1], **{"0.weight": earlier[1]["0.weight"][:1]})}
+    for bad, got in ((short, "None"), (flat, r"shape \(1, 12\)")):
+        with pytest.raises(
+            ValueError, match=rf"^gb\.continual\.penalty: targets\[1\]\['0\.weight'\] .* got {got}"
+        ):
+            gb.continual.penalty(gparams, plan, bad)
+    with pytest.raises(TypeError, match=r"targets must map task ids .* got list"):
+        gb.continual.penalty(gparams, plan, [earlier[1]])
+    with pytest.raises(TypeError, match=r"tasks must be an iterable .* got int"):
+        gb.continual.targets(gparams, plan, tasks=1)
 
 
 def test_the_continual_penalty_leaves_a_frozen_mask_out():
