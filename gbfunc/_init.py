@@ -18,6 +18,8 @@ from ._tree import GParams
 from .generate.torch_ops import CHUNK_ELEMENTS, tile_chunks
 
 VALUES = ("model", "draw")
+# The dtypes g-nets generate in: torch's matmuls take no float8 (`gb.apply` would fail).
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def init(
@@ -47,7 +49,8 @@ def init(
         seed: Same seed, same tensors, bitwise (drawn on the CPU, then moved).
         values: `"model"`: free and frozen parameters copy the model's; `"draw"`: drawn.
         model: Where `"model"` values come from; default the model the plan was made from.
-        dtype: Floating dtype of every floating leaf (integer frozen parameters keep theirs).
+        dtype: Floating dtype of every floating leaf (integer frozen parameters keep theirs):
+            float16, bfloat16, float32 or float64.
             None: the model's, so that a bfloat16 model gets bfloat16 weights: a stack's
             leaves take the dtype of the weights it generates, free and frozen parameters
             keep theirs, task embeddings take the generated weights' (float32 where the
@@ -72,8 +75,10 @@ def init(
         raise TypeError(
             f"gb.init: plan must be a gb.Plan (from gb.plan), got {type(plan).__name__}."
         )
-    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-        raise TypeError(f"gb.init: dtype must be a floating torch.dtype or None, got {dtype!r}.")
+    if dtype is not None and dtype not in DTYPES:
+        raise TypeError(
+            f"gb.init: dtype must be one of {', '.join(map(str, DTYPES))} or None, got {dtype!r}."
+        )
     seed = integer("gb.init", "seed", seed, minimum=-(2**63), maximum=2**64 - 1)  # torch's range
     source = _value_source(plan, values, model)
     if device is not None and torch.device(device).type == "meta":

@@ -434,12 +434,13 @@ def _init_cases(tmp: Path | None) -> dict[str, Case]:
         "init-int-dtype": Case(
             lambda: gparams(dtype=torch.int32),
             TypeError,
-            "floating torch.dtype or None, got torch.int32",
+            r"dtype must be one of torch\.float16, .*torch\.float64 or None, got torch\.int32",
         ),
         "init-str-dtype": Case(
-            lambda: gparams(dtype="float32"),
-            TypeError,
-            "floating torch.dtype or None, got 'float32'",
+            lambda: gparams(dtype="float32"), TypeError, "or None, got 'float32'"
+        ),
+        "init-float8-dtype": Case(  # accepted, then gb.apply failed in torch's bmm
+            lambda: gparams(dtype=torch.float8_e4m3fn), TypeError, "or None, got torch.float8"
         ),
         "init-float-seed": Case(
             lambda: gparams(seed=1.5), TypeError, r"seed must be an integer in \[.*\], got 1\.5"
