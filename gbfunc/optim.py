@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map
 
 from ._check_gparams import TASKS, check_gparams
 from ._condition import COND_LEAF
@@ -110,9 +110,14 @@ def schedule(
         >>> opt = torch.optim.AdamW(groups)
         >>> sched = gb.optim.schedule(opt, steps=800)  # 200 steps of warm-up
     """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"gb.optim.schedule: optimizer must be a torch.optim.Optimizer, got "
+            f"{type(optimizer).__name__}."
+        )
     steps = integer("gb.optim.schedule", "steps", steps, minimum=1)
     warmup = max(1, steps // 4) if warmup is None else warmup
-    warmup = integer("gb.optim.schedule", "warmup", warmup, minimum=1)
+    warmup = integer("gb.optim.schedule", "warmup", warmup, minimum=1, maximum=steps)
     final = real("gb.optim.schedule", "final", final, minimum=0)
 
     def factor(step: int) -> float:
@@ -146,6 +151,11 @@ def adamw_init(gparams: dict) -> AdamState:
     The counter is float64, so the bias corrections `1 - beta ** step` keep full precision
     (in float32, `1 - 0.999 ** 1` is off by 1e-4 relative) without leaving the graph.
     """
+    if not isinstance(gparams, dict) or "frozen" not in gparams:
+        raise TypeError(
+            f"gb.optim.adamw_init: gparams must be the dict made by gb.init, got "
+            f"{type(gparams).__name__}."
+        )
     zeros = tree_map(lambda p: torch.zeros_like(p, requires_grad=False), _trainable(gparams))
     return {
         "step": torch.zeros((), dtype=torch.float64),
@@ -164,7 +174,13 @@ def adamw_update(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
 ) -> tuple[dict, AdamState]:
-    """One AdamW step (decoupled weight decay, bias-corrected), returning new trees."""
+    """One AdamW step (decoupled weight decay, bias-corrected), returning new trees.
+
+    `grads` (from `torch.func.grad` of the same gparams) and `state` (from `adamw_init`) must
+    hold the trainable leaves of `gparams` at their shapes: checked from the shapes alone.
+    """
+    if not torch.compiler.is_compiling():  # eager calls: dynamo need not trace the check
+        _check_like(gparams, grads, state)
     b1, b2 = betas
     step = state["step"] + 1
     m = tree_map(lambda m, g: b1 * m + (1 - b1) * g, state["m"], _trainable(grads))
@@ -177,3 +193,37 @@ def adamw_update(
     new = tree_map(update, _trainable(gparams), m, v)
     new["frozen"] = gparams["frozen"]
     return new, {"step": step, "m": m, "v": v}
+
+
+def _check_like(gparams: dict, grads: dict, state: AdamState) -> None:
+    """Raise unless `grads` and `state`'s moments hold `gparams`' trainable leaves at their
+    shapes: trees of another plan raised pytree's arity errors, and a wrongly shaped
+    gradient was broadcast into the update."""
+    where = "gb.optim.adamw_update"
+    if not isinstance(state, dict):
+        raise TypeError(f"{where}: state must be adamw_init's dict, got {type(state).__name__}.")
+    want = dict(tree_flatten_with_path(_trainable(gparams))[0])
+    for name, tree in (
+        ("grads", grads),
+        ("state['m']", state.get("m")),
+        ("state['v']", state.get("v")),
+    ):
+        if not isinstance(tree, dict):
+            raise TypeError(
+                f"{where}: {name} must be a dict like gparams, got {type(tree).__name__}."
+            )
+        got = dict(tree_flatten_with_path(_trainable(tree) if name == "grads" else tree)[0])
+        missing = [path for path in want if path not in got]  # in gparams' order
+        if missing:
+            raise ValueError(
+                f"{where}: {name} has no leaf at {keystr(missing[0])}; is it of another plan?"
+            )
+        extra = [path for path in got if path not in want]
+        if extra:
+            raise ValueError(f"{where}: {name} has a leaf at {keystr(extra[0])} that gparams lack.")
+        for path, leaf in got.items():
+            if tuple(leaf.shape) != tuple(want[path].shape):
+                raise ValueError(
+                    f"{where}: {name}{keystr(path)} has shape {tuple(leaf.shape)}; gparams' "
+                    f"has {tuple(want[path].shape)}."
+                )

@@ -326,6 +326,32 @@ def test_functional_adamw_matches_torch_optim_adamw(weight_decay):
     assert not any(t.requires_grad for t in tree_leaves(state))
 
 
+def test_functional_adamw_names_trees_that_do_not_match_the_gparams():
+    # Trees of another plan raised pytree's "Node arity mismatch"; a gradient of shape (1, n)
+    # was broadcast into the update.
+    model = nn.Sequential(nn.Linear(12, 16), nn.Linear(16, 5))
+    plan = gb.plan(model, tile=(8, 8))
+    gparams = gb.init(plan, requires_grad=False)
+    grads = torch.func.grad(loss_fn(model, plan))(gparams, *batch_xy())
+    state = gb.optim.adamw_init(gparams)
+    other = gb.init(gb.plan(nn.Linear(12, 16), tile=(8, 8)), requires_grad=False)
+    flat = dict(grads, free=dict(grads["free"], **{"0.bias": grads["free"]["0.bias"][:1]}))
+    for args, message in (
+        (
+            (grads, gb.optim.adamw_init(other)),
+            r"state\['m'\] has no leaf at \['stacks'\]\['s1_5x8'\]",
+        ),
+        ((other, state), r"grads has no leaf at \['stacks'\]\['s1_5x8'\]\['w_in'\]"),
+        ((flat, state), r"grads\['free'\]\['0\.bias'\] has shape \(1,\); gparams' has \(16,\)"),
+    ):
+        with pytest.raises(ValueError, match=rf"^gb\.optim\.adamw_update: {message}"):
+            gb.optim.adamw_update(gparams, *args)
+    with pytest.raises(TypeError, match=r"state must be adamw_init's dict, got list"):
+        gb.optim.adamw_update(gparams, grads, [state])
+    with pytest.raises(TypeError, match=r"^gb\.optim\.adamw_init: gparams must be the dict"):
+        gb.optim.adamw_init([1])
+
+
 def test_functional_adamw_defaults_are_lr_1e_3_without_weight_decay():
     """The defaults are documented values (torch's AdamW decays by 1e-2; this one does not)."""
     model = nn.Sequential(nn.Linear(12, 16), nn.Linear(16, 5))
