@@ -312,6 +312,7 @@ SETUP = [
     "on an H200 GPU",
     "generated a 67M-weight matrix",
     "at 1M weights",
+    "fullgraph there (2026-11-28)",  # a date: gpu_tests_triton_op.log's run
     "`hidden 8, tile 64`",
     "on the digits CNN (5 seeds)",
     "On the character transformer (3 seeds)",
