@@ -76,7 +76,7 @@ def _unrunnable(call: Call) -> tuple[str, Exception] | None:
         kernels.check_runnable("gb.apply", torch.device(context.device))
     except RuntimeError as error:
         return "the kernels cannot run in this process", error
-    reason = kernels.refusal(call.stack, context.dtype)
+    reason = kernels.refusal(call.stack, call.leaves["w_out"].dtype)  # stacks' dtypes may differ
     if reason is None:
         return None
     error = TypeError if reason.startswith("dtype") else ValueError

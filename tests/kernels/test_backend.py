@@ -213,6 +213,18 @@ class TestBadInput:
         ):
             gb.apply(gparams, self.plan, backend="triton")
 
+    def test_each_stack_is_judged_by_its_own_dtype(self):
+        # The rule read the first stack's dtype for all: a float64 second stack was sent to
+        # the kernels, whose launcher raised; on CUDA with "auto" it would not fall back.
+        gparams = gb.init(self.plan, device=KERNEL_DEVICE)
+        _, second = (s.key for s in self.plan.stacks)
+        gparams["stacks"][second] = tree_map(torch.Tensor.double, gparams["stacks"][second])
+        why = explanation(self.plan, gparams["stacks"], cuda_call("auto"))
+        assert why.route.stacks == ("triton", "torch")
+        assert why.reasons[second]["triton"].startswith("dtype float64")
+        with pytest.raises(TypeError, match=rf"\[{second!r}\] has dtype float64; the kernels"):
+            gb.apply(gparams, self.plan, backend="triton")
+
     @pytest.mark.slow
     def test_triton_on_cpu_cannot_be_compiled(self):
         gparams = gb.init(self.plan)
