@@ -15,7 +15,9 @@ class CompiledCache:
     Each key compiles its own copy of the function's code: dynamo keeps compiled graphs on the
     code object and caps their number, so sharing one would recompile (and fall back to eager)
     once there are more keys than that cap. A key whose compile fails (e.g. no C++ compiler
-    for inductor) warns once, naming `what`, and is remembered: `call` returns None for it.
+    for inductor), or whose code dynamo recompiles past its limit (what the key leaves out
+    changed too often: strides, devices), warns once, naming `what`, and is remembered:
+    `call` returns None for it.
     It also returns None, silently, while dynamo is switched off
     (`torch._dynamo.config.disable`, a debugging setting), where `torch.compile(fullgraph=True)`
     would raise "found no compiled frames".
@@ -56,7 +58,10 @@ class CompiledCache:
             return None
         try:
             return compiled(*args)
-        except torch._dynamo.exc.BackendCompilerFailed as error:
+        except (
+            torch._dynamo.exc.BackendCompilerFailed,
+            torch._dynamo.exc.FailOnRecompileLimitHit,  # fullgraph=True raises, not falls back
+        ) as error:
             self._compiled[key] = None
             warnings.warn(
                 f"gbfunc: compiling {self.what} failed ({type(error).__name__}: {error}); it "

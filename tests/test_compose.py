@@ -581,7 +581,16 @@ def test_eager_compiles_fuse_multiply_adds_without_touching_inductors_settings(m
     assert inductor_config.get_config_copy() == before
 
 
-def test_a_plan_that_fails_to_compile_warns_once_and_runs_op_by_op(monkeypatch):
+@pytest.mark.parametrize(
+    "error",
+    [
+        torch._dynamo.exc.BackendCompilerFailed(print, RuntimeError("no gcc"), None),
+        # fullgraph=True raises past dynamo's recompile limit, where others fall back to eager
+        torch._dynamo.exc.FailOnRecompileLimitHit("no gcc: recompile_limit reached"),
+    ],
+    ids=["compile failed", "recompile limit"],
+)
+def test_a_plan_that_fails_to_compile_warns_once_and_runs_op_by_op(monkeypatch, error):
     from gbfunc import _compiled as _compiled_module
     from gbfunc._compiled import CompiledCache
     from gbfunc.generate import graph as _graph
@@ -590,7 +599,7 @@ def test_a_plan_that_fails_to_compile_warns_once_and_runs_op_by_op(monkeypatch):
 
     def failing(*args):
         calls.append(1)
-        raise torch._dynamo.exc.BackendCompilerFailed(print, RuntimeError("no gcc"), None)
+        raise error
 
     monkeypatch.setattr(torch, "compile", lambda fn, **options: failing)
     # Tried even where dynamo is switched off (under mutmut): torch.compile is the fake above.
@@ -614,6 +623,43 @@ def test_a_plan_that_fails_to_compile_warns_once_and_runs_op_by_op(monkeypatch):
     for params in (first, second):
         for name, value in expected.items():
             torch.testing.assert_close(params[name], value)
+
+
+def test_the_graph_is_compiled_per_grad_mode_and_leaf_dtypes_and_flags(monkeypatch):
+    """Dynamo recompiles one code object for a new grad mode, dtype or `requires_grad`, and
+    with fullgraph=True raised past its limit of 8 (a freezing schedule, with evaluation
+    between, reached it). Each of them is now part of the key, so each compiles its own copy."""
+    from gbfunc._compiled import CompiledCache
+    from gbfunc.generate import graph as _graph
+
+    keys = []
+    cache = CompiledCache("gb.apply's graph")
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)  # op by op, counted
+    monkeypatch.setattr(_graph, "_GRAPHS", cache)
+    monkeypatch.setattr(cache, "_compiled", _Recording(keys))
+    model = nn.Linear(24, 20)
+    plan = gb.plan(model, tile=(8, 8), hidden=4, activation="tanh")
+    gparams = gb.init(plan, seed=1)
+    gb.apply(gparams, plan, compile=True)
+    gb.apply(gparams, plan, compile=True)  # the same key
+    with torch.no_grad():
+        gb.apply(gparams, plan, compile=True)
+    (leaves,) = gparams["stacks"].values()
+    leaves["w_in"].requires_grad_(False)
+    gb.apply(gparams, plan, compile=True)
+    assert len(keys) == len(set(keys)) == 3
+
+
+class _Recording(dict):
+    """A dict that records each key set in it."""
+
+    def __init__(self, keys: list) -> None:
+        super().__init__()
+        self.keys_set = keys
+
+    def __setitem__(self, key, value) -> None:
+        self.keys_set.append(key)
+        super().__setitem__(key, value)
 
 
 def test_eager_apply_runs_op_by_op_while_dynamo_is_switched_off(monkeypatch):

@@ -106,7 +106,12 @@ def generate(
     Returns None, having warned once, where the plan cannot be compiled (e.g. no C++
     compiler): run it op by op."""
     stacks = gparams["stacks"]
-    key = (plan, tuple((k, tuple(v)) for k, v in stacks.items()))
+    # What dynamo would otherwise recompile one code object for, past its limit of 8 (each
+    # key compiles its own copy): the grad mode and each leaf's dtype and requires_grad.
+    leaves = tuple(
+        (k, tuple((n, t.dtype, t.requires_grad) for n, t in v.items())) for k, v in stacks.items()
+    )
+    key = (plan, leaves, torch.is_grad_enabled())
     tasks = gparams.get(TASKS) if task is not None else None
     task = torch.tensor(task) if isinstance(task, int) else task
     graph = _GRAPHS.call(key, _generated, op_by_op, plan, stacks, tasks, condition, task)
