@@ -166,10 +166,23 @@ def _constant(make: Callable[..., Tensors], *args: Hashable) -> Tensors:
     return cached(make, *args)
 
 
-@functools.lru_cache(maxsize=256)
 def cached(make: Callable[..., Made], *args: Hashable) -> Made:
-    # Outside any torch.func transform: made inside one, they would be its wrapped tensors.
-    with torch._C._DisableFuncTorch():
+    """`make(*args)`, made once and kept, as plain tensors whatever the caller's state; made
+    anew inside a TorchDispatchMode, whose tensors (a FakeTensorMode's) must not be kept."""
+    if torch._C._len_torch_dispatch_stack() > 0:
+        return _plain(make, *args)
+    return _kept(make, *args)
+
+
+@functools.lru_cache(maxsize=256)
+def _kept(make: Callable[..., Made], *args: Hashable) -> Made:
+    return _plain(make, *args)
+
+
+def _plain(make: Callable[..., Made], *args: Hashable) -> Made:
+    # Outside any torch.func transform (made inside one, they would be its wrapped tensors)
+    # and outside inference mode (its tensors cannot be saved for a later backward).
+    with torch._C._DisableFuncTorch(), torch.inference_mode(False):
         return make(*args)
 
 

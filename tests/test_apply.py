@@ -415,3 +415,50 @@ def test_compiled_gradients_through_per_weight_tile_mlp_outputs_match_eager_ones
         got = torch.compile(grad(loss), backend="aot_eager", fullgraph=True)(gparams)
         for g, w in zip(*map(torch.utils._pytree.tree_leaves, (got, want)), strict=True):
             torch.testing.assert_close(g, w)
+
+
+# Shapes no other test uses, so that the code tables are first made here.
+_MODE_PLANS = {
+    "relu one output": (nn.Linear(13, 11), {"tile": (7, 5), "hidden": 4}),
+    "tanh two outputs": (
+        nn.Linear(13, 9),
+        {"tile": (5, 7), "hidden": 4, "outputs": 2, "activation": "tanh"},
+    ),
+    "hashed": (nn.Linear(11, 13), {"tile": (7, 5), "hidden": 4, "hashed": 3}),
+}
+
+
+@pytest.mark.parametrize("name", list(_MODE_PLANS))
+def test_a_first_call_under_inference_mode_leaves_training_working(name):
+    # The code tables and hash signs made there were cached as inference tensors, which a
+    # later training step's backward could not save.
+    model, options = _MODE_PLANS[name]
+    plan = gb.plan(model, **options)
+    gparams = gb.init(plan, seed=0)
+    with torch.inference_mode():
+        evaluated = gb.apply(gparams, plan, compile=False)["weight"]
+    for compile in (False, True):  # torch; the C loops where built, else torch again
+        weight = gb.apply(gparams, plan, compile=compile)["weight"]
+        (gradient,) = torch.autograd.grad(
+            weight.square().sum(), gparams["stacks"][plan.stacks[0].key]["w_out"]
+        )
+        assert bool(gradient.abs().sum() > 0)
+        torch.testing.assert_close(weight.detach(), evaluated)
+
+
+def test_under_a_fake_tensor_mode_every_path_stays_in_torch_and_keeps_nothing_fake():
+    # The C loops read a FakeTensor's data pointer (a segfault), and the code tables made
+    # under the mode were cached: the next real call mixed them with real tensors.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = nn.Linear(11, 9)
+    plan = gb.plan(model, tile=(5, 3), hidden=4)
+    gparams = gb.init(plan, seed=0)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = mode.from_tensor(gparams["stacks"][plan.stacks[0].key]["w_out"])
+        assert gb.explain(gparams, plan, compile=True).route.stacks == ("torch",)
+        weight = gb.apply(gparams, plan, compile=True)["weight"]
+        assert type(weight) is type(fake)
+        assert weight.shape == (9, 11)
+    real = gb.apply(gparams, plan, compile=False)["weight"]
+    torch.testing.assert_close(real, naive_apply(gparams, plan)["weight"].float())

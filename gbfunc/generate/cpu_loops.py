@@ -31,6 +31,8 @@ def refuses(call: Call) -> str | None:
         return "torch.export keeps standard ops"
     if context.dynamo_off:
         return "dynamo is switched off (torch._dynamo.config.disable)"
+    if context.dispatch_mode:  # a FakeTensorMode's tensors have no data for the loops
+        return "a TorchDispatchMode is active: it would not see the loops' work"
     if not context.compiling:
         if context.transformed:
             return "called eagerly inside a torch.func transform (compile it to take them)"
