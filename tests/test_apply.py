@@ -462,3 +462,39 @@ def test_under_a_fake_tensor_mode_every_path_stays_in_torch_and_keeps_nothing_fa
         assert weight.shape == (9, 11)
     real = gb.apply(gparams, plan, compile=False)["weight"]
     torch.testing.assert_close(real, naive_apply(gparams, plan)["weight"].float())
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"hidden": 4}, {"hidden": 4, "outputs": 4}, {"hidden": 4, "hashed": 3}],
+    ids=["one output", "rows", "hashed"],
+)
+@pytest.mark.parametrize("compile", [False, True], ids=["torch", "cpu-loops"])
+def test_batched_gradients_give_the_jacobian_row_by_row(options, compile):
+    # The torch path multiplied a batched gradient into an unbatched tensor in place (vmap
+    # refuses); the loops' backward read batched gradients' missing storage, and their ops
+    # cannot run under autograd's legacy vmap (`is_grads_batched=True`).
+    plan = gb.plan(nn.Linear(7, 5), tile=(4, 4), **options)
+    gparams = gb.init(plan, seed=0)
+    path = gb.explain(gparams, plan, compile=compile).route.stacks
+    if compile and path != ("cpu-loops",):
+        pytest.skip(f"the CPU loops are not built here ({path})")
+    leaves = gparams["stacks"][plan.stacks[0].key]
+
+    def generated(w_out):
+        stacks = {plan.stacks[0].key: dict(leaves, w_out=w_out)}
+        return gb.apply(dict(gparams, stacks=stacks), plan, compile=False)["weight"]
+
+    for name in ("w_out", "tile_hash") if "hashed" in options else ("w_out",):
+        weight = gb.apply(gparams, plan, compile=compile)["weight"]
+        rows = torch.eye(weight.numel()).reshape(-1, *weight.shape)
+        (jacobian,) = torch.autograd.grad(
+            weight, leaves[name], rows, retain_graph=True, is_grads_batched=True
+        )
+        by_row = torch.stack(
+            [torch.autograd.grad(weight, leaves[name], r, retain_graph=True)[0] for r in rows]
+        )
+        torch.testing.assert_close(jacobian, by_row)
+        if name == "w_out" and not compile:  # jacrev: vmap over the torch path's backward
+            jacobian = torch.func.jacrev(generated)(leaves["w_out"].detach())
+            torch.testing.assert_close(jacobian.reshape(by_row.shape), by_row)

@@ -87,7 +87,10 @@ class _HashWeights(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        g_table = hash_weights_backward(list(grads), ctx.buckets, *ctx.numbers)
+        if all(g is None or torch._C._has_storage(g) for g in grads):
+            g_table = hash_weights_backward(list(grads), ctx.buckets, *ctx.numbers)
+        else:  # batched (`is_grads_batched=True`: autograd's legacy vmap takes no list op)
+            g_table = _table_gradient_reference(list(grads), ctx.buckets, *ctx.numbers)
         return (g_table, None, None, None, None, *grads)
 
 
@@ -207,6 +210,27 @@ def _(info, in_dims, grads, buckets, positions, tile_rows, placement, gain):
         for per_weight, _ in batched_gradients(info.batch_size, grads, in_dims[0], (), ())
     ]
     return torch.stack(each), 0
+
+
+def _table_gradient_reference(
+    grads: list[Tensor | None],
+    buckets: int,
+    positions: int,
+    tile_rows: int,
+    placement: str,
+    gain: float,
+) -> Tensor:
+    """`hash_weights_backward` by autograd through `hash_weights_reference` (plain torch)."""
+    tiles, shapes, scales = decoded(placement).numbers
+    present = next(g for g in grads if g is not None)
+    with torch.enable_grad():
+        table = torch.zeros(len(tiles) // 5, buckets, dtype=present.dtype, requires_grad=True)
+        zeros = [table.new_zeros(shapes[i], shapes[i + 1]) for i in range(0, len(shapes), 2)]
+        scales = [s * gain for s in scales]
+        weights = hash_weights_reference(zeros, table, positions, tile_rows, tiles, shapes, scales)
+        pairs = [(w, g) for w, g in zip(weights, grads, strict=True) if g is not None]
+        (g_table,) = torch.autograd.grad([w for w, _ in pairs], table, [g for _, g in pairs])
+    return g_table
 
 
 def _save_backward(ctx, inputs: tuple, output) -> None:

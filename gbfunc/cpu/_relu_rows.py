@@ -176,8 +176,12 @@ class _Rows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        # Batched gradients (`is_grads_batched=True`, autograd's legacy vmap, which takes
+        # neither the loops, having no storage, nor the ops): the specification's backward.
+        if not all(torch._C._has_storage(g) for g in grads):
+            gradients = _backward_reference(list(grads), *ctx.saved_tensors, *ctx.where.numbers)
         # The op (with its vmap and autograd rules) unless direct without create_graph.
-        if not ctx.direct or torch.is_grad_enabled():
+        elif not ctx.direct or torch.is_grad_enabled():
             gradients = relu_rows_backward(list(grads), *ctx.saved_tensors, ctx.where.encoded)
         else:
             gradients = _backward(list(grads), *ctx.saved_tensors, ctx.where)

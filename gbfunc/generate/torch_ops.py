@@ -417,7 +417,8 @@ def backward_recompute(grad: Tensor, terms: Terms, activation: str, form: str = 
     h = activate(z, activation).reshape(num_tiles, -1, hidden)  # (T, TH*Q, H)
     g_w_out = h.transpose(1, 2) @ grad.reshape(num_tiles, -1, 1)  # (T, H, 1)
     del h
-    g_z = activate_grad(z, activation).mul_(grad).mul_(w_out[:, None, None, :, 0])
+    # `grad` first out of place: under vmap (`jacrev`) it may be batched where `z` is not.
+    g_z = (activate_grad(z, activation) * grad).mul_(w_out[:, None, None, :, 0])
     g_a = g_z.sum(2)
     g_b = g_z.sum(1)
     return Terms.one_layer_gradients(g_a, g_b, g_w_out, grad)
