@@ -32,6 +32,7 @@ from ._relu_rows import (
     batched,
     batched_gradients,
     decoded,
+    legacy_batched,
     new_weights,
     placed,
     placement_tables,
@@ -87,10 +88,12 @@ class _HashWeights(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        if all(g is None or torch._C._has_storage(g) for g in grads):
-            g_table = hash_weights_backward(list(grads), ctx.buckets, *ctx.numbers)
-        else:  # batched (`is_grads_batched=True`: autograd's legacy vmap takes no list op)
+        if legacy_batched(
+            grads
+        ):  # `is_grads_batched=True`: autograd's legacy vmap takes no list op
             g_table = _table_gradient_reference(list(grads), ctx.buckets, *ctx.numbers)
+        else:
+            g_table = hash_weights_backward(list(grads), ctx.buckets, *ctx.numbers)
         return (g_table, None, None, None, None, *grads)
 
 

@@ -178,7 +178,7 @@ class _Rows(torch.autograd.Function):
     def backward(ctx, *grads):
         # Batched gradients (`is_grads_batched=True`, autograd's legacy vmap, which takes
         # neither the loops, having no storage, nor the ops): the specification's backward.
-        if not all(torch._C._has_storage(g) for g in grads):
+        if legacy_batched(grads):
             gradients = _backward_reference(list(grads), *ctx.saved_tensors, *ctx.where.numbers)
         # The op (with its vmap and autograd rules) unless direct without create_graph.
         elif not ctx.direct or torch.is_grad_enabled():
@@ -186,6 +186,14 @@ class _Rows(torch.autograd.Function):
         else:
             gradients = _backward(list(grads), *ctx.saved_tensors, ctx.where)
         return (None, None, *gradients, None, None)
+
+
+def legacy_batched(grads: tuple[Tensor | None, ...]) -> bool:
+    """Whether eager gradients are autograd's legacy batched tensors, which have no storage
+    (never so in traced code, where dynamo cannot ask)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not all(g is None or torch._C._has_storage(g) for g in grads)
 
 
 def _apply_eagerly(*args: object) -> tuple[Tensor, ...]:
