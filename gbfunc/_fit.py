@@ -200,6 +200,18 @@ def train_alternating(
         >>> loss(gparams) < loss(start)
         True
     """
+    check_gparams(gparams, plan, "gb.train_alternating")
+    if plan.condition:
+        raise ValueError(
+            "gb.train_alternating: the plan's g-nets read a condition, and alternating training "
+            "fits one weight set; fit a conditioned genome with gb.fit(..., condition= or task=)."
+        )
+    if start is not None:
+        check_weights(plan, start, "gb.train_alternating: start")
+    if not callable(train_dense):
+        raise TypeError(
+            f"gb.train_alternating: train_dense must be callable, got {type(train_dense).__name__}."
+        )
     generations = integer("gb.train_alternating", "generations", generations, minimum=1)
     anneal = real("gb.train_alternating", "anneal", anneal, above=0)
     fit_steps = integer("gb.train_alternating", "fit_steps", fit_steps, minimum=1)
@@ -220,13 +232,8 @@ def train_alternating(
                 )
             for name in generated.keys() - names:
                 begin[name] = trained[name].detach().clone() if name in trained else generated[name]
-        trained = dict(train_dense(begin, n))
-        missing = names - trained.keys()
-        if missing:
-            raise KeyError(
-                f"gb.train_alternating: train_dense returned no {sorted(missing)[0]!r}; it must "
-                "return every parameter it was given."
-            )
+        trained = train_dense(begin, n)
+        check_weights(plan, trained, f"gb.train_alternating: train_dense(params, {n})'s result")
         gparams, errors = fit(gparams, plan, trained, steps=fit_steps, lr=fit_lr, compile=compile)
         if on_generation is not None:
             on_generation(n, gparams, errors)
@@ -249,28 +256,32 @@ def _check_options(
     plan: Plan, target: Mapping[str, Tensor], steps: object, lr: object
 ) -> tuple[int, float | None]:
     """`steps` as an int >= 1 and `lr` as a float > 0 or None; raises unless they are, and
-    unless `target` holds every generated weight at its shape."""
-    if not isinstance(target, Mapping):
-        raise TypeError(f"gb.fit: target must map names to tensors, got {type(target).__name__}.")
-    for p in plan.generated:
-        if p.name not in target:
-            raise KeyError(f"gb.fit: target has no {p.name!r}, a generated parameter of the plan.")
-    for p in plan.params:
-        if p.name not in target:
-            continue  # a free or frozen parameter keeps gparams' value
-        value = target[p.name]
-        if not isinstance(value, Tensor):
-            raise TypeError(
-                f"gb.fit: target[{p.name!r}] must be a Tensor, got {type(value).__name__}."
-            )
-        if tuple(value.shape) != p.shape:
-            raise ValueError(
-                f"gb.fit: target[{p.name!r}] has shape {tuple(value.shape)}; the plan's "
-                f"parameter has {p.shape}."
-            )
-        if value.is_floating_point() and not bool(value.isfinite().all()):
-            raise ValueError(f"gb.fit: target[{p.name!r}] contains NaN or inf.")
+    unless `target` holds every generated weight (`check_weights`)."""
+    check_weights(plan, target, "gb.fit: target")
     return (
         integer("gb.fit", "steps", steps, minimum=1),
         real("gb.fit", "lr", lr, above=0, optional=True),
     )
+
+
+def check_weights(plan: Plan, weights: object, what: str) -> None:
+    """Raise unless `weights` (named `what` in the message) maps every generated parameter of
+    `plan`, and any other it has, to a finite tensor of its shape."""
+    if not isinstance(weights, Mapping):
+        raise TypeError(f"{what} must map names to tensors, got {type(weights).__name__}.")
+    for p in plan.generated:
+        if p.name not in weights:
+            raise KeyError(f"{what} has no {p.name!r}, a generated parameter of the plan.")
+    for p in plan.params:
+        if p.name not in weights:
+            continue  # a free or frozen parameter keeps gparams' value
+        value = weights[p.name]
+        if not isinstance(value, Tensor):
+            raise TypeError(f"{what}[{p.name!r}] must be a Tensor, got {type(value).__name__}.")
+        if tuple(value.shape) != p.shape:
+            raise ValueError(
+                f"{what}[{p.name!r}] has shape {tuple(value.shape)}; the plan's parameter has "
+                f"{p.shape}."
+            )
+        if value.is_floating_point() and not bool(value.isfinite().all()):
+            raise ValueError(f"{what}[{p.name!r}] contains NaN or inf.")

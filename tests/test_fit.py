@@ -199,8 +199,36 @@ def test_alternating_training_rejects_bad_options():
     _, plan = small()
     with pytest.raises(ValueError, match="generations must be"):
         gb.train_alternating(gb.init(plan), plan, lambda p, n: p, generations=0)
-    with pytest.raises(KeyError, match="train_dense returned no"):
+    with pytest.raises(KeyError, match=r"train_dense\(params, 0\)'s result has no '0\.weight'"):
         gb.train_alternating(gb.init(plan), plan, lambda p, n: {}, generations=1)
+    # Each of these raised raw (KeyError, a torch size mismatch, "'NoneType' object is not
+    # iterable", AttributeError) or, for a (1, n) start, broadcast it silently.
+    model, _ = small()
+    start = {n: p.detach() for n, p in model.named_parameters()}
+    for args, kwargs, error, message in (
+        (
+            (plan, lambda p, n: None),
+            {},
+            TypeError,
+            r"train_dense\(params, 0\)'s result must map names to tensors, got NoneType",
+        ),
+        ((plan, lambda p, n: p), {"start": {}}, KeyError, r"start has no '0\.weight'"),
+        (
+            (plan, lambda p, n: p),
+            {"start": dict(start, **{"0.weight": start["0.weight"][:1]})},
+            ValueError,
+            r"start\['0\.weight'\] has shape \(1, 24\)",
+        ),
+        ((plan, "train"), {}, TypeError, "train_dense must be callable, got str"),
+        (("plan", lambda p, n: p), {}, TypeError, "plan must be a gb.Plan"),
+    ):
+        with pytest.raises(
+            error, match=rf"^\"?gb\.train_alternating: {message}"
+        ):  # KeyError: "..."
+            gb.train_alternating(gb.init(plan), *args, generations=1, fit_steps=1, **kwargs)
+    conditioned = gb.plan(model, tile=(8, 8), hidden=8, condition=3)
+    with pytest.raises(ValueError, match=r"^gb\.train_alternating: the plan's g-nets read"):
+        gb.train_alternating(gb.init(conditioned), conditioned, lambda p, n: p, generations=1)
     called = []
     for option, message in (("fit_lr", "fit_lr must be"), ("fit_steps", "fit_steps must be")):
         with pytest.raises(ValueError, match=rf"gb\.train_alternating: {message}"):
