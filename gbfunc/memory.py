@@ -1,6 +1,6 @@
 """Measure what autograd keeps for backward (`gb.memory.saved_bytes`)."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterator
 
 import torch
 
@@ -8,19 +8,38 @@ import torch
 def saved_bytes(fn: Callable[[], object]) -> int:
     """Bytes of distinct tensor storage autograd saves for backward while `fn()` runs.
 
+    A sparse tensor counts its indices' and values' storage, a nested one its buffers';
+    a tensor with no storage to read (a subclass without one) counts its elements. `fn` may
+    not run `torch.func` transforms: they do not take autograd's saved-tensor hooks.
+
     Examples:
         >>> x = torch.randn(1000, requires_grad=True)
         >>> gb.memory.saved_bytes(lambda: x.exp())  # exp saves its output
         4000
     """
-    storages: dict[tuple[int, int], int] = {}
+    storages: dict[Hashable, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if t.device.type != "meta":
-            storage = t.untyped_storage()
-            storages[(storage.data_ptr(), t.device.index or 0)] = storage.nbytes()
+            storages.update(_storages(t))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn()
     return sum(storages.values())
+
+
+def _storages(t: torch.Tensor) -> Iterator[tuple[Hashable, int]]:
+    """`(key, bytes)` of each storage holding `t`'s values; equal keys share one storage."""
+    if t.is_sparse:
+        yield from (s for part in (t._indices(), t._values()) for s in _storages(part))
+    elif t.is_nested:
+        parts = [t.values(), t.offsets()] if t.layout == torch.jagged else [t.values()]
+        yield from (s for part in parts if part is not None for s in _storages(part))
+    else:
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a subclass with no storage of its own
+            yield ("tensor", id(t)), t.nelement() * t.element_size()
+            return
+        yield (storage.data_ptr(), t.device.type, t.device.index or 0), storage.nbytes()

@@ -199,6 +199,18 @@ def test_autograd_keeps_about_4_bytes_per_generated_weight():
     assert plain / gb.report(plan).generated_weights > 100
 
 
+def test_saved_bytes_counts_sparse_and_nested_tensors_by_their_buffers():
+    # Their `untyped_storage()` raised (NotImplementedError, "invalid python storage").
+    sparse = torch.randn(8, 8).to_sparse().requires_grad_()
+    dense = torch.randn(8, 3, requires_grad=True)
+    values, indices = sparse._values(), sparse._indices()
+    want = values.numel() * 4 + indices.numel() * 8 + dense.numel() * 4
+    assert gb.memory.saved_bytes(lambda: torch.sparse.mm(sparse, dense)) == want
+    parts = [torch.randn(2, 3), torch.randn(4, 3)]
+    nested = torch.nested.nested_tensor(parts, layout=torch.jagged, requires_grad=True)
+    assert gb.memory.saved_bytes(lambda: nested.sin()) == 6 * 3 * 4 + 3 * 8  # values, offsets
+
+
 def test_weights_left_free_start_with_their_modules_own_init():
     model = nn.ModuleDict(
         {
