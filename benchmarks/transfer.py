@@ -11,12 +11,14 @@ Chosen before any run (2026-11-28, 04:10 UTC), none used by an earlier run here:
 
 For each, over 3 seeds: gbfunc at `gb.optim.param_groups`' default rates times `scale` in
 (1/3, 1/2, 1, 2, 3) (the free tensors at the main job's dense rate), and the narrow model of
-as many parameters at each of its rates (the transformer: 0.03 and 0.06, the best two of
-`equal_params`' sweep; the MLP: `equal_params`' four). The text tasks are the main job's
-character transformer and hashed genome at ~20x, 800 steps, batch 32; every arm warms up
-over a quarter of the steps (`gb.optim.schedule`'s default) on `equal_params`' protocol.
+as many parameters at each of its rates (the transformer: 0.06 and 0.03, the best and the
+third of `equal_params`' sweep at ~20x, where 0.1 came second; the MLP: `equal_params`'
+four). The text tasks are the main job's character transformer and hashed genome at ~20x,
+800 steps, batch 32; every arm warms up over a quarter of the steps (`gb.optim.schedule`'s
+default) on `equal_params`' protocol.
 The report gives each configuration's mean, standard error and seed spread, the default
-against the best scale, and the default against the narrow model at its best rate.
+against each scale paired by seed (a paired t-test at 5%, `examples.seeds`), the best scale
+so ranked, and the default against the narrow model at its best rate.
 
     python -m benchmarks.transfer --tasks digits-rows email package-docs   # 2 processes
     python -m benchmarks.transfer --tasks package-docs --scales 1 --lrs 0.06  # a part
@@ -28,6 +30,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import statistics
 import sysconfig
 from collections import Counter
@@ -43,6 +46,7 @@ import gbfunc as gb
 from benchmarks import equal_params as ep, lr_rule
 from benchmarks._meta import RESULTS, header_md, markdown_table, write_results
 from examples.data import CharCorpus, pydoc_text
+from examples.seeds import Stat
 from examples.tasks import CharLMConfig, MLPConfig
 
 SCALES = (1 / 3, 1 / 2, 1.0, 2.0, 3.0)
@@ -163,10 +167,9 @@ def jobs(task_name: str, seeds: Sequence[int] = SEEDS) -> list[tuple[str, str, f
     return [(task_name, arm, value, seed) for arm, value in arms for seed in seeds]
 
 
-def paired_gap(rows: list[dict], task_name: str, a: float, b: float) -> tuple[float, float, int]:
+def paired_gap(rows: list[dict], task_name: str, a: float, b: float) -> Stat:
     """gbfunc at scale `a` minus scale `b` over the seeds both ran (the same init and batches
-    at a seed, so the seed's own luck cancels): the mean difference, its standard error and
-    the number of seeds."""
+    at a seed, so the seed's own luck cancels), with its label (`examples.seeds`)."""
     metric = "val_loss" if TASKS[task_name][0] == "text" else "val_acc"
     unit = 1.0 if metric == "val_loss" else 100.0
     by = {
@@ -174,10 +177,10 @@ def paired_gap(rows: list[dict], task_name: str, a: float, b: float) -> tuple[fl
         for r in rows
         if r["task"] == task_name and r["arm"] == "gbfunc"
     }
-    diffs = [by[a, s] - by[b, s] for v, s in by if v == a and (b, s) in by]
-    if len(diffs) < 2:
-        return float("nan"), float("nan"), len(diffs)
-    return statistics.mean(diffs), statistics.stdev(diffs) / len(diffs) ** 0.5, len(diffs)
+    seeds = sorted(s for v, s in by if v == a and (b, s) in by)
+    if not seeds:
+        return Stat(math.nan, math.nan, math.nan, 0)
+    return Stat.of([by[a, s] - by[b, s] for s in seeds])
 
 
 def summary(rows: list[dict], task_name: str) -> list[dict]:
@@ -190,7 +193,7 @@ def summary(rows: list[dict], task_name: str) -> list[dict]:
             groups.setdefault((r["arm"], r["value"]), []).append(r[metric] * scale)
     out = []
     for (arm, value), scores in sorted(groups.items()):
-        sd = statistics.stdev(scores) if len(scores) > 1 else 0.0
+        sd = statistics.stdev(scores) if len(scores) > 1 else math.nan  # one seed: no s.e.
         out.append(
             {
                 "arm": arm,
@@ -253,29 +256,41 @@ def _mean(row: dict) -> float:
 
 
 def verdict(found: list[dict], lower: bool, rows: list[dict], task_name: str) -> str:
-    """The default against the best scale and against the narrow model's best rate."""
+    """The default against every other scale, paired by seed over the seeds both ran (means
+    over different seeds would rank configurations by their seeds' luck), the best scale so
+    ranked, and the default against the narrow model's best rate."""
     best = min if lower else max
     gb_rows = [r for r in found if r["arm"] == "gbfunc"]
     narrow = [r for r in found if r["arm"] == "narrow"]
     default = next((r for r in gb_rows if r["value"] == 1.0), None)
     if default is None:
         return ""
-    top = best(gb_rows, key=_mean)
     lines = [
         f"\n- the default (scale 1): {default['mean']:.4g} +- {default['se']:.2g} (spread "
-        f"{default['spread']:.3g}, {default['seeds']} seeds); the best scale, "
-        f"{top['value']:.3g}: {top['mean']:.4g} (default - best: "
-        f"{default['mean'] - top['mean']:+.4f})"
+        f"{default['spread']:.3g}, {default['seeds']} seeds)"
     ]
-    sign = -1 if lower else 1
-    ahead = (r for r in gb_rows if sign * (r["mean"] - default["mean"]) > 0)
-    for scale in ahead:  # every scale ahead of the default on the mean, however many seeds
-        gap, se, n = paired_gap(rows, task_name, 1.0, scale["value"])
-        noise = "beyond noise" if abs(gap) > 2 * se else "within noise"
+    ahead: dict[float, Stat] = {}  # how far each scale is ahead of the default, paired
+    for scale in (r["value"] for r in gb_rows if r["value"] != 1.0):
+        gap = paired_gap(rows, task_name, 1.0, scale)
+        if gap.n == 0:
+            continue
+        ahead[scale] = gap
+        se = f" +- {gap.se:.4f}" if gap.n > 1 else ""
         lines.append(
-            f"- paired over the {n} seeds both ran: default - scale {scale['value']:.3g} = "
-            f"{gap:+.4f} +- {se:.4f} ({noise}: |gap| against 2 s.e.)"
+            f"- paired over the {gap.n} seeds both ran: default - scale {scale:.3g} = "
+            f"{gap.mean:+.4f}{se} ({gap.label})"
         )
+    sign = 1 if lower else -1  # a scale is ahead where default - scale has this sign
+    ranked = {v: g for v, g in ahead.items() if g.n > 1 and sign * g.mean > 0}
+    if ranked:
+        top = max(ranked, key=lambda v: sign * ranked[v].mean)
+        gap = ranked[top]
+        lines.append(
+            f"- the best scale, paired with the default: {top:.3g} (default - best: "
+            f"{gap.mean:+.4f} +- {gap.se:.4f} over {gap.n} seeds, {gap.label})"
+        )
+    else:
+        lines.append("- the best scale, paired with the default: the default (no scale ahead)")
     if narrow:
         rival = best(narrow, key=_mean)
         params = {r["arm"]: r["params"] for r in rows if r["task"] == task_name}

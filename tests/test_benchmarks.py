@@ -784,7 +784,10 @@ def test_transfer_reports_the_default_against_the_best_scale_and_the_narrow_mode
     assert default["spread"] == pytest.approx(0.02)
     assert default["se"] == pytest.approx(0.01 / 3**0.5)
     text = transfer.report(rows)
-    assert "the best scale, 3: 1.71 (default - best: +0.1000)" in text
+    # Paired over the seeds both ran: scale 3 ahead by 0.1 at every seed (s.e. 0), 1/3 behind.
+    assert "default - scale 3 = +0.1000 +- 0.0000 (beyond noise)" in text
+    assert "default - scale 0.333 = -0.1000 +- 0.0000 (beyond noise)" in text
+    assert "the best scale, paired with the default: 3 (default - best: +0.1000" in text
     assert "the narrow model at its best rate, 0.06: 1.75" in text
     assert "gbfunc's default - narrow: +0.0600" in text
     assert "## digits-rows\n\nNot run." in text

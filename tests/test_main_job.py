@@ -11,8 +11,9 @@ from torch.func import functional_call
 
 import gbfunc as gb
 from examples.data import CharCorpus, digits_split, pydoc_text
-from examples.main_job import NOISE, Stat, main, paired_gap, run_tasks
+from examples.main_job import main, run_tasks
 from examples.models import CharTransformer, DigitsCNN
+from examples.seeds import Stat, critical, paired_gap
 from examples.tasks import CharLMConfig, DigitsConfig
 
 TINY_CHARLM = CharLMConfig(
@@ -49,6 +50,13 @@ def test_stat_and_paired_gap() -> None:
     assert gap.se == pytest.approx(0, abs=1e-12)
     assert gap.label == "beyond noise"
     assert Stat.of([0.1, -0.1]).label == "within noise"
+    # A paired t-test at 5%: 2.58 s.e. over 3 seeds is within noise (t = 4.30 at 2 degrees of
+    # freedom; twice the s.e. labelled it beyond), over 6 seeds beyond (t = 2.57).
+    assert critical(3) == pytest.approx(4.303, abs=1e-3)
+    assert critical(5) == pytest.approx(2.776, abs=1e-3)
+    three = Stat(mean=-0.0307, se=0.0119, spread=0.05, n=3)
+    assert three.label == "within noise"
+    assert Stat(mean=-0.0307, se=0.0119, spread=0.05, n=6).label == "beyond noise"
     assert paired_gap([2.0, 3.0, 4.0], [1.0]).n == 1  # only the seeds both arms have
     assert Stat.of([0.5]).label == "not ranked (one seed)"
 
@@ -97,7 +105,8 @@ def test_charlm_writes_checkpoint_plot_and_table(tmp_path: Path, capsys) -> None
     gap, se, label = gaps["narrow"]
     assert gap == pytest.approx(result.loss_gap("narrow").mean, abs=1e-4)
     assert se == pytest.approx(result.loss_gap("narrow").se, abs=1e-4)
-    assert label == ("beyond noise" if abs(gap) > NOISE * se else "within noise")
+    n = result.loss_gap("narrow").n
+    assert label == ("beyond noise" if abs(gap) > critical(n) * se else "within noise")
     assert "[charlm]   gb - dense    (1 seed)  loss " in out
     summary = out[out.index("\nsummary:") :]
     # Loss and accuracy, vs dense and low rank; the summary's the loss's.

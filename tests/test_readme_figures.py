@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from examples.seeds import critical
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -169,6 +171,9 @@ def main_job_figures(*phrases: tuple[str, str, str, int], results: str = MAIN_JO
 
 
 FIGURES = [
+    # The main job's noise rule (examples.seeds): Student's t at 2 and 4 degrees of freedom
+    Figure("above 4.30 standard errors at 3 seeds", "4.30", lambda: critical(3)),
+    Figure("seeds, 2.78 at 5)", "2.78", lambda: critical(5)),
     # Step time and memory
     Figure("matrix 1.96x as fast as", "1.96", lambda: gpu("67108864 fwd ")),
     Figure("1.66x forward and backward", "1.66", lambda: gpu("67108864 fwd+bwd")),
@@ -313,6 +318,8 @@ SETUP = [
     "generated a 67M-weight matrix",
     "at 1M weights",
     "fullgraph there (2026-11-28)",  # a date: gpu_tests_triton_op.log's run
+    "a paired t-test at 5%",
+    "at 3 seeds",
     "`hidden 8, tile 64`",
     "on the digits CNN (5 seeds)",
     "On the character transformer (3 seeds)",
