@@ -9,7 +9,6 @@ compiled torch forms, the C loops, the Triton kernels) must return.
 kernels' reference the tiling), nothing above them (`tests/test_import_graph.py`).
 """
 
-import functools
 import math
 from collections.abc import Callable, Hashable, Mapping
 from typing import NamedTuple, TypeVar
@@ -167,16 +166,21 @@ def _constant(make: Callable[..., Tensors], *args: Hashable) -> Tensors:
 
 
 def cached(make: Callable[..., Made], *args: Hashable) -> Made:
-    """`make(*args)`, made once and kept, as plain tensors whatever the caller's state; made
-    anew inside a TorchDispatchMode, whose tensors (a FakeTensorMode's) must not be kept."""
-    if torch._C._len_torch_dispatch_stack() > 0:
-        return _plain(make, *args)
-    return _kept(make, *args)
+    """`make(*args)`, made once and kept, as plain tensors whatever the caller's state. Made
+    inside a TorchDispatchMode, they are kept only where they are plain tensors: a
+    FakeTensorMode's would enter every later call."""
+    key = (make, *args)
+    if key in _MADE:
+        return _MADE[key]
+    made = _plain(make, *args)
+    if all(type(t) is Tensor for t in ((made,) if isinstance(made, Tensor) else made)):
+        if len(_MADE) >= 256:
+            _MADE.clear()
+        _MADE[key] = made
+    return made
 
 
-@functools.lru_cache(maxsize=256)
-def _kept(make: Callable[..., Made], *args: Hashable) -> Made:
-    return _plain(make, *args)
+_MADE: dict[tuple, Tensor | Tensors] = {}
 
 
 def _plain(make: Callable[..., Made], *args: Hashable) -> Made:
