@@ -45,10 +45,11 @@ def main() -> None:
     for step, (x, y) in zip(range(args.steps), batches, strict=False):
         generator.load(gparams)  # phase 1: this stage's weights, no graph
         losses: list[torch.Tensor] = []
-        if index == 0:
-            schedule.step(x)
+        inputs = (x,) if index == 0 else ()  # phase 2: all micro-batches
+        if last:  # the first stage too, where it is the only one (--pp 1)
+            schedule.step(*inputs, target=y, losses=losses)
         else:
-            schedule.step(target=y, losses=losses)  # phase 2: all micro-batches
+            schedule.step(*inputs)
         generator.backward(gparams)  # phase 3: stage gradients into the g-nets
         sync.wait()
         opt.step()

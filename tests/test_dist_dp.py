@@ -1,6 +1,7 @@
 """Data parallel on real gloo ranks: replicated and rank-owned g-nets equal one big-batch
 process, and a restart from a checkpoint continues the same trajectory."""
 
+import datetime
 import hashlib
 import os
 
@@ -110,6 +111,56 @@ def dp_worker(rank: int, world: int, tmp: str) -> dict:
     _train(local, generate, model, _sgd(local), range(STEPS), shard, free_sync.wait)
     out["conditioned_diff"] = _max_diff(owned.gather(local), ref)
     out.update(_one_gnet_two_ranks(mesh))
+    out.update(_grad_sync_cases(mesh))
+    return out
+
+
+def _grad_sync_cases(mesh) -> dict:
+    """`GradSync` against gradients summed by hand, in one process's terms: a leaf no rank
+    used keeps `.grad` None (it got zeros, which AdamW decays and moves); `overlap=False`
+    reduces two backward passes once, with a pipeline mesh's divisor of 1 (the advice to
+    wait after each pass summed the first pass's sum again); a `GradSync` rebuilt over the
+    same leaves replaces the old one (whose hooks raised "accumulated twice")."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from gbfunc.dist._mesh import _with_timeout
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    inputs = [[torch.full((3,), 1.0 + rank + 10 * k) for k in range(2)] for rank in range(world)]
+    used, unused = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
+    sync = gbd.GradSync([used, unused], mesh)
+    (used * inputs[rank][0]).sum().backward()
+    sync.wait()
+    out = {
+        "unused_grad": unused.grad,
+        "used_grad_ok": bool(torch.allclose(used.grad, sum(x[0] for x in inputs) / world)),
+    }
+    pipeline = init_device_mesh("cpu", (world, 1, 1), mesh_dim_names=("pp", "dp", "tp"))
+    leaf = torch.ones(3, requires_grad=True)
+    sync = gbd.GradSync([leaf], pipeline, overlap=False)
+    for k in range(2):  # two stages' (or micro-batches') backward passes before one wait
+        (leaf * inputs[rank][k]).sum().backward()
+    sync.wait()
+    want = sum(x for per_rank in inputs for x in per_rank)  # summed: pp's divisor is 1
+    out["accumulated_ok"] = bool(torch.allclose(leaf.grad, want))
+    leaf.grad = None
+    for _ in range(2):  # steps with a rebuilt sync over the same leaf
+        sync = gbd.GradSync([leaf], mesh)
+        (leaf * inputs[rank][0]).sum().backward()
+        sync.wait()
+        leaf.grad = None
+    out["rebuilt_ok"] = True
+    # init_mesh's timeout for the groups of every dimension, those narrower than the world
+    # included (torch gave them its 30-minute default).
+    timeout = datetime.timedelta(seconds=7)
+    dims = ("pp", "dp", "tp")
+    timed = init_device_mesh(
+        "cpu", (world, 1, 1), mesh_dim_names=dims, backend_override=_with_timeout("gloo", timeout)
+    )
+    cpu = torch.device("cpu")
+    out["group_timeouts"] = [
+        timed[d].get_group()._get_backend(cpu).options._timeout.total_seconds() for d in dims
+    ]
     return out
 
 
@@ -177,3 +228,8 @@ def test_data_parallel_matches_one_process_on_the_global_batch(tmp_path):
         assert r["owns"] == [1, 0]
         assert r["one_gnet_diff_frozen_False"] < 2e-5, r
         assert r["one_gnet_diff_frozen_True"] < 2e-5, r
+        assert r["unused_grad"] is None, r
+        assert r["used_grad_ok"], r
+        assert r["accumulated_ok"], r
+        assert r["rebuilt_ok"], r
+        assert r["group_timeouts"] == [7.0, 7.0, 7.0], r

@@ -136,12 +136,12 @@ def test_grad_sync_buckets_divides_by_dp_and_counts_bytes(mesh):
     assert sync._works  # some buckets were all-reduced while backward was still running
     local = [None if t.grad is None else t.grad.clone() for t in leaves]
     sync.wait()  # the fake all-reduce leaves each bucket as it was: local / dp
-    for t, g in zip(leaves, local, strict=True):
-        torch.testing.assert_close(t.grad, torch.zeros_like(t) if g is None else g / 2)
+    for t, g in zip(leaves, local, strict=True):  # no rank's gradient: None, as in one process
+        torch.testing.assert_close(t.grad, None if g is None else g / 2)
     assert sync.comm_bytes == replicated_traffic(plan, WORLD).payload
     assert len(sync._buckets) > 3
     loss_fn(functional_call(model, gb.apply(gparams, plan), (x,)), x).backward()
-    with pytest.raises(RuntimeError, match="accumulated twice in one step"):
+    with pytest.raises(RuntimeError, match=r"accumulated twice before sync\.wait\(\) .*overlap"):
         loss_fn(functional_call(model, gb.apply(gparams, plan), (x,)), x).backward()
 
 

@@ -319,6 +319,10 @@ def test_plan_difference_names_the_first_differing_parameter():
         == "parameter 'blocks.1.attn.q.weight', field 'kind': Generated vs Free"
     )
     assert "stack 's0_16x16'" in gbd.plan_difference(base, gb.plan(model, tile=(16, 16), hidden=8))
+    # Plans that differ only in their task embeddings were "equal" (None): check_plan then
+    # said "differs from rank 0's at None".
+    tasks = [gb.plan(model, tile=(16, 16), condition=3, tasks=n) for n in (2, 3)]
+    assert gbd.plan_difference(*tasks) == "the plan, field 'tasks': 2 vs 3"
 
 
 # ---------------------------------------------------------------- pipeline stage, one process

@@ -8,11 +8,12 @@ from .._plan import Plan
 
 
 def _entries(plan: Plan) -> list[tuple[str, dict[str, str]]]:
-    """`(label, {field: repr})` for every parameter, then every stack; `kind` first."""
+    """`(label, {field: repr})` of the plan's own field (its task embeddings), then every
+    parameter, then every stack; `kind` first."""
     entries = [(f"parameter {p.name!r}", p) for p in plan.params] + [
         (f"stack {s.key!r}", s) for s in plan.stacks
     ]
-    return [
+    return [("the plan", {"tasks": repr(plan.tasks)})] + [
         (label, {"kind": type(x).__name__, **{k: repr(v) for k, v in asdict(x).items()}})
         for label, x in entries
     ]
@@ -21,7 +22,8 @@ def _entries(plan: Plan) -> list[tuple[str, dict[str, str]]]:
 def plan_difference(ours: Plan, theirs: Plan) -> str | None:
     """The first difference between two plans, in words, or `None` when they are equal.
 
-    Parameters are compared in order, then stacks, field by field; `gb.dist.check_plan`
+    The plans' task embeddings are compared, then parameters in order, then stacks, field by
+    field; `gb.dist.check_plan`
     names this difference in its error.
 
     Args:

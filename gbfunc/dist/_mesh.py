@@ -90,7 +90,9 @@ def init_mesh(
         pp: Pipeline-parallel size.
         device_type: `"cuda"` or `"cpu"`; default: the CPU when a gloo process group is
             already started, else CUDA when available.
-        timeout: Process-group timeout, used when this call starts the process group.
+        timeout: Process-group timeout, used when this call starts the process group: then
+            the mesh's groups of each dimension get it too (torch would give those its
+            30-minute default).
 
     Returns:
         A 3-D `DeviceMesh`; `mesh["dp"]`, `mesh["tp"]` and `mesh["pp"]` are its sub-meshes.
@@ -102,12 +104,32 @@ def init_mesh(
     """
     if device_type is None:
         device_type = _default_device_type()
+    overrides = None
     if not dist.is_initialized():
         if device_type == "cuda":
             torch.cuda.set_device(_local_gpu())
-        _start_process_group("nccl" if device_type == "cuda" else "gloo", timeout)
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        _start_process_group(backend, timeout)
+        overrides = _with_timeout(backend, timeout)
     shape = mesh_shape(dist.get_world_size(), dp=dp, tp=tp, pp=pp)
-    return init_device_mesh(device_type, (shape.pp, shape.dp, shape.tp), mesh_dim_names=DIMS)
+    return init_device_mesh(
+        device_type,
+        (shape.pp, shape.dp, shape.tp),
+        mesh_dim_names=DIMS,
+        backend_override=overrides,
+    )
+
+
+def _with_timeout(backend: str, timeout: datetime.timedelta) -> dict | None:
+    """`init_device_mesh`'s `backend_override` giving each dimension's groups `timeout`;
+    None where this torch's backend options do not say how (then torch's default)."""
+    try:
+        gloo = backend == "gloo"
+        options = dist.ProcessGroupGloo._Options() if gloo else dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+    except (AttributeError, TypeError):
+        return None
+    return {dim: (backend, options) for dim in DIMS}
 
 
 def _default_device_type() -> str:

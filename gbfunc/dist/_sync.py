@@ -7,6 +7,8 @@ the mean loss, the same on every rank, so identical optimizer steps keep replica
 bitwise identical.
 """
 
+import functools
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -45,7 +47,9 @@ class GradSync:
 
     Post-accumulate-grad hooks start each bucket's asynchronous all-reduce as soon as all its
     leaves have gradients, in the same bucket order on every rank; `wait()` starts the rest
-    (leaves without a gradient count as zeros), waits and writes the results into `.grad`.
+    (leaves without a gradient count as zeros), waits and writes the results into `.grad`. A
+    leaf that no rank gave a gradient keeps `.grad` None, as in one process, so that an
+    optimizer skips it.
 
     Args:
         leaves: Trainable tensors, identical in shape and order on every rank (see
@@ -53,6 +57,10 @@ class GradSync:
         mesh: The mesh spanning every rank; gradients are divided by its `"dp"` size. Default:
             pure data parallel over the world.
         bucket_bytes: Target size of one bucket.
+        overlap: Start each bucket's all-reduce during backward. `False`: all in `wait()`,
+            once per step, whatever the number of backward passes before it (gradient
+            accumulation, or several pipeline stages on one rank, whose gradients a reduce
+            started after the first pass would miss).
 
     Examples:
         On every rank, under `torchrun`:
@@ -67,6 +75,7 @@ class GradSync:
         mesh: DeviceMesh | None = None,
         *,
         bucket_bytes: int = BUCKET_BYTES,
+        overlap: bool = True,
     ) -> None:
         world = dist.get_world_size()
         if mesh is not None and mesh.size() != world:
@@ -87,11 +96,21 @@ class GradSync:
             self._buckets[-1].append(leaf)
             size += nbytes
         self._bucket_of = {id(t): i for i, bucket in enumerate(self._buckets) for t in bucket}
-        for bucket in self._buckets:
-            for leaf in bucket:
-                leaf.register_post_accumulate_grad_hook(self._ready)
-        self.comm_bytes = 0  # payload all-reduced by the last `wait()`
+        # The hooks hold this object weakly: one rebuilt over the same leaves replaces it.
+        hook = functools.partial(_on_gradient, weakref.ref(self))
+        self._hooks = (
+            [leaf.register_post_accumulate_grad_hook(hook) for b in self._buckets for leaf in b]
+            if overlap
+            else []
+        )
+        self.comm_bytes = 0  # gradient payload all-reduced by the last `wait()`
         self._reset()
+
+    def close(self) -> None:
+        """Remove the hooks from the leaves (a new `GradSync` over them takes over)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     def _reset(self) -> None:
         self._pending = [len(b) for b in self._buckets]
@@ -101,8 +120,9 @@ class GradSync:
     def _ready(self, leaf: Tensor) -> None:
         if id(leaf) in self._seen:
             raise RuntimeError(
-                "gb.dist.GradSync: a gradient was accumulated twice in one step; call "
-                "sync.wait() after each backward pass."
+                "gb.dist.GradSync: a gradient was accumulated twice before sync.wait() "
+                "(gradient accumulation, or several pipeline stages on this rank): build it "
+                "with overlap=False, which all-reduces once, in wait()."
             )
         self._seen.add(id(leaf))
         index = self._bucket_of[id(leaf)]
@@ -113,7 +133,9 @@ class GradSync:
     def _launch(self, index: int) -> None:
         bucket = self._buckets[index]
         grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in bucket]
-        flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.divisor)
+        # One flag per leaf after its values: whether this rank had a gradient for it.
+        had = bucket[0].new_tensor([float(t.grad is not None) for t in bucket])
+        flat = torch.cat([*(g.reshape(-1) for g in grads), had]).div_(self.divisor)
         try:
             work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)
         except RuntimeError as error:
@@ -127,13 +149,25 @@ class GradSync:
         self.comm_bytes = 0
         for bucket, (work, flat) in zip(self._buckets, self._works, strict=True):
             wait_or_raise(work, "the gradient all-reduce")
-            self.comm_bytes += flat.numel() * flat.element_size()
+            self.comm_bytes += (flat.numel() - len(bucket)) * flat.element_size()
+            # Read the flags (a host sync) only where this rank lacked a gradient.
+            unused = [False] * len(bucket)
+            if any(t.grad is None for t in bucket):
+                unused = (flat[-len(bucket) :] == 0).tolist()
             offset = 0
-            for t in bucket:
+            for t, no_rank_had_one in zip(bucket, unused, strict=True):
                 g = flat[offset : offset + t.numel()].view_as(t)
                 offset += t.numel()
+                if no_rank_had_one:
+                    continue  # its `.grad` stays None, as in one process
                 if t.grad is None:
                     t.grad = g.clone()
                 else:
                     t.grad.copy_(g)
         self._reset()
+
+
+def _on_gradient(sync: "weakref.ref[GradSync]", leaf: Tensor) -> None:
+    """A leaf's post-accumulate-grad hook: tell its `GradSync`, if it is still alive."""
+    if (owner := sync()) is not None:
+        owner._ready(leaf)
