@@ -326,14 +326,19 @@ def test_functional_adamw_matches_torch_optim_adamw(weight_decay):
     assert not any(t.requires_grad for t in tree_leaves(state))
 
 
-def test_functional_adamw_names_trees_that_do_not_match_the_gparams():
-    # Trees of another plan raised pytree's "Node arity mismatch"; a gradient of shape (1, n)
-    # was broadcast into the update.
+def _adamw_start() -> tuple[dict, dict, dict]:
+    """A two-layer MLP's gparams (not requiring grad), a gradient of them, AdamW's start."""
     model = nn.Sequential(nn.Linear(12, 16), nn.Linear(16, 5))
     plan = gb.plan(model, tile=(8, 8))
     gparams = gb.init(plan, requires_grad=False)
     grads = torch.func.grad(loss_fn(model, plan))(gparams, *batch_xy())
-    state = gb.optim.adamw_init(gparams)
+    return gparams, grads, gb.optim.adamw_init(gparams)
+
+
+def test_functional_adamw_names_trees_that_do_not_match_the_gparams():
+    # Trees of another plan raised pytree's "Node arity mismatch"; a gradient of shape (1, n)
+    # was broadcast into the update.
+    gparams, grads, state = _adamw_start()
     other = gb.init(gb.plan(nn.Linear(12, 16), tile=(8, 8)), requires_grad=False)
     flat = dict(grads, free=dict(grads["free"], **{"0.bias": grads["free"]["0.bias"][:1]}))
     for args, message in (
@@ -354,11 +359,7 @@ def test_functional_adamw_names_trees_that_do_not_match_the_gparams():
 
 def test_functional_adamw_defaults_are_lr_1e_3_without_weight_decay():
     """The defaults are documented values (torch's AdamW decays by 1e-2; this one does not)."""
-    model = nn.Sequential(nn.Linear(12, 16), nn.Linear(16, 5))
-    plan = gb.plan(model, tile=(8, 8))
-    gparams = gb.init(plan, requires_grad=False)
-    grads = torch.func.grad(loss_fn(model, plan))(gparams, *batch_xy())
-    state = gb.optim.adamw_init(gparams)
+    gparams, grads, state = _adamw_start()
     default, _ = gb.optim.adamw_update(gparams, grads, state)
     explicit, _ = gb.optim.adamw_update(gparams, grads, state, lr=1e-3, weight_decay=0.0)
     for a, b in zip(tree_leaves(default), tree_leaves(explicit), strict=True):

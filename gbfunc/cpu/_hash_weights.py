@@ -215,15 +215,10 @@ def _(info, in_dims, grads, buckets, positions, tile_rows, placement, gain):
     return torch.stack(each), 0
 
 
-def _table_gradient_reference(
-    grads: list[Tensor | None],
-    buckets: int,
-    positions: int,
-    tile_rows: int,
-    placement: str,
-    gain: float,
-) -> Tensor:
-    """`hash_weights_backward` by autograd through `hash_weights_reference` (plain torch)."""
+def _table_gradient_reference(grads: list[Tensor | None], buckets: int, *numbers: object) -> Tensor:
+    """`hash_weights_backward(grads, buckets, *numbers)` by autograd through
+    `hash_weights_reference` (plain torch)."""
+    positions, tile_rows, placement, gain = numbers
     tiles, shapes, scales = decoded(placement).numbers
     present = next(g for g in grads if g is not None)
     with torch.enable_grad():
