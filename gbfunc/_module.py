@@ -355,9 +355,13 @@ class Bottleneck(nn.Module):
         return self
 
     def _apply(self, fn, recurse: bool = True):  # nn.Module's signature
-        """`.to()`, `.half()`, ...: convert this module's tensors, then share buffers again."""
+        """`.to()`, `.half()`, ...: convert this module's tensors, then share buffers again. The
+        task's tensor moves too: a plain attribute, not a buffer, since DDP would broadcast
+        rank 0's over each rank's own task."""
         super()._apply(fn, recurse)
         self._link_buffers()
+        if self._task_index is not None:
+            self._task_index = fn(self._task_index)
         return self
 
     def _link_buffers(self) -> None:

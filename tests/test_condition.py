@@ -226,6 +226,9 @@ def test_a_compiled_bottleneck_takes_every_task_without_recompiling():
     plain = gb.Bottleneck(mlp(), tile=(4, 4), hidden=5, condition=3)
     with pytest.raises(ValueError, match=r"^gb\.Bottleneck\.task: this module has no task"):
         plain.task = 0
+    net.task = 3
+    net.to("meta")  # the task's tensor moves with the module, as a buffer would
+    assert net._task_index.device.type == net.tasks.device.type == "meta"
 
 
 def test_checkpoints_module_export_report_and_optimizer_keep_the_task_embeddings(tmp_path):

@@ -1,7 +1,6 @@
 """Data parallel on real gloo ranks: replicated and rank-owned g-nets equal one big-batch
 process, and a restart from a checkpoint continues the same trajectory."""
 
-import datetime
 import hashlib
 import os
 
@@ -123,8 +122,6 @@ def _grad_sync_cases(mesh) -> dict:
     same leaves replaces the old one (whose hooks raised "accumulated twice")."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from gbfunc.dist._mesh import _with_timeout
-
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     inputs = [[torch.full((3,), 1.0 + rank + 10 * k) for k in range(2)] for rank in range(world)]
     used, unused = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
@@ -144,23 +141,14 @@ def _grad_sync_cases(mesh) -> dict:
     want = sum(x for per_rank in inputs for x in per_rank)  # summed: pp's divisor is 1
     out["accumulated_ok"] = bool(torch.allclose(leaf.grad, want))
     leaf.grad = None
-    for _ in range(2):  # steps with a rebuilt sync over the same leaf
-        sync = gbd.GradSync([leaf], mesh)
+    rebuilt = []
+    for _ in range(3):  # steps with a rebuilt sync over the same leaf (the old one's hooks
+        sync = gbd.GradSync([leaf], mesh)  # raised from the third)
         (leaf * inputs[rank][0]).sum().backward()
         sync.wait()
+        rebuilt.append(bool(torch.allclose(leaf.grad, sum(x[0] for x in inputs) / world)))
         leaf.grad = None
-    out["rebuilt_ok"] = True
-    # init_mesh's timeout for the groups of every dimension, those narrower than the world
-    # included (torch gave them its 30-minute default).
-    timeout = datetime.timedelta(seconds=7)
-    dims = ("pp", "dp", "tp")
-    timed = init_device_mesh(
-        "cpu", (world, 1, 1), mesh_dim_names=dims, backend_override=_with_timeout("gloo", timeout)
-    )
-    cpu = torch.device("cpu")
-    out["group_timeouts"] = [
-        timed[d].get_group()._get_backend(cpu).options._timeout.total_seconds() for d in dims
-    ]
+    out["rebuilt_ok"] = all(rebuilt)
     return out
 
 
@@ -232,4 +220,3 @@ def test_data_parallel_matches_one_process_on_the_global_batch(tmp_path):
         assert r["used_grad_ok"], r
         assert r["accumulated_ok"], r
         assert r["rebuilt_ok"], r
-        assert r["group_timeouts"] == [7.0, 7.0, 7.0], r

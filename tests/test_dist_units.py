@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given
 from torch import nn
+from torchrun import torchrun
 
 import gbfunc as gb
 import gbfunc.dist as gbd
@@ -527,3 +528,22 @@ def test_init_mesh_names_a_machine_with_fewer_gpus_than_ranks(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     with pytest.raises(ValueError, match=r"LOCAL_RANK=1, but this machine has 1 CUDA device"):
         gbd.init_mesh()
+
+
+MESH_TIMEOUTS = """
+import datetime, torch, gbfunc.dist as gbd
+mesh = gbd.init_mesh(pp=2, timeout=datetime.timedelta(seconds=7))  # starts the group
+cpu = torch.device("cpu")
+for dim in ("pp", "dp", "tp"):
+    print(dim, mesh[dim].get_group()._get_backend(cpu).options._timeout.total_seconds())
+"""
+
+
+@pytest.mark.slow
+def test_init_mesh_gives_its_timeout_to_every_dimensions_groups(tmp_path):
+    # torch made the groups of dimensions narrower than the world (here dp and tp, one rank
+    # each beside pp's two) with its 30-minute default: a hung peer there waited that long.
+    (tmp_path / "mesh_timeouts.py").write_text(MESH_TIMEOUTS)
+    log = torchrun(tmp_path, "mesh_timeouts.py", cwd=tmp_path)
+    for dim in ("pp", "dp", "tp"):
+        assert log.count(f"{dim} 7.0") == 2, log

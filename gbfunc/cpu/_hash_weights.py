@@ -88,9 +88,8 @@ class _HashWeights(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        if legacy_batched(
-            grads
-        ):  # `is_grads_batched=True`: autograd's legacy vmap takes no list op
+        # `is_grads_batched=True`: autograd's legacy vmap takes no op of a list of tensors
+        if legacy_batched(grads):
             g_table = _table_gradient_reference(list(grads), ctx.buckets, *ctx.numbers)
         else:
             g_table = hash_weights_backward(list(grads), ctx.buckets, *ctx.numbers)

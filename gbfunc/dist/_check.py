@@ -9,7 +9,7 @@ from .._plan import Plan
 
 def _entries(plan: Plan) -> list[tuple[str, dict[str, str]]]:
     """`(label, {field: repr})` of the plan's own field (its task embeddings), then every
-    parameter, then every stack; `kind` first."""
+    parameter, then every stack (a parameter's or stack's `kind` first)."""
     entries = [(f"parameter {p.name!r}", p) for p in plan.params] + [
         (f"stack {s.key!r}", s) for s in plan.stacks
     ]
@@ -23,15 +23,15 @@ def plan_difference(ours: Plan, theirs: Plan) -> str | None:
     """The first difference between two plans, in words, or `None` when they are equal.
 
     The plans' task embeddings are compared, then parameters in order, then stacks, field by
-    field; `gb.dist.check_plan`
-    names this difference in its error.
+    field; `gb.dist.check_plan` names this difference in its error.
 
     Args:
         ours: One plan, e.g. rank 0's; its values come first in the result.
         theirs: The plan to compare it with, e.g. another rank's.
 
     Returns:
-        The first parameter or stack that differs and the field, with both values (each
+        The first difference: the task embeddings' count, or the first parameter or stack
+            that differs and the field, with both values (each
             cut to 120 characters); or the entry one plan has beyond the other's; `None`
             when the plans are equal.
 

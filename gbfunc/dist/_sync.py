@@ -96,21 +96,21 @@ class GradSync:
             self._buckets[-1].append(leaf)
             size += nbytes
         self._bucket_of = {id(t): i for i, bucket in enumerate(self._buckets) for t in bucket}
-        # The hooks hold this object weakly: one rebuilt over the same leaves replaces it.
+        # The hooks hold this object weakly, and go with it: a GradSync dropped (or closed)
+        # and rebuilt over the same leaves leaves no hook of its own behind.
         hook = functools.partial(_on_gradient, weakref.ref(self))
         self._hooks = (
             [leaf.register_post_accumulate_grad_hook(hook) for b in self._buckets for leaf in b]
             if overlap
             else []
         )
+        weakref.finalize(self, _remove, self._hooks)
         self.comm_bytes = 0  # gradient payload all-reduced by the last `wait()`
         self._reset()
 
     def close(self) -> None:
-        """Remove the hooks from the leaves (a new `GradSync` over them takes over)."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
+        """Remove the hooks from the leaves now (they go when this object does, too)."""
+        _remove(self._hooks)
 
     def _reset(self) -> None:
         self._pending = [len(b) for b in self._buckets]
@@ -133,8 +133,14 @@ class GradSync:
     def _launch(self, index: int) -> None:
         bucket = self._buckets[index]
         grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in bucket]
-        # One flag per leaf after its values: whether this rank had a gradient for it.
-        had = bucket[0].new_tensor([float(t.grad is not None) for t in bucket])
+        # One flag per leaf after its values: whether this rank had a gradient for it (made
+        # on the device: a list copied from the host would wait for the backward so far).
+        had = torch.cat(
+            [
+                g.new_ones(1) if t.grad is not None else g.new_zeros(1)
+                for t, g in zip(bucket, grads, strict=True)
+            ]
+        )
         flat = torch.cat([*(g.reshape(-1) for g in grads), had]).div_(self.divisor)
         try:
             work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)
@@ -165,6 +171,13 @@ class GradSync:
                 else:
                     t.grad.copy_(g)
         self._reset()
+
+
+def _remove(hooks: list) -> None:
+    """Remove every hook handle in `hooks`, emptying the list."""
+    for handle in hooks:
+        handle.remove()
+    hooks.clear()
 
 
 def _on_gradient(sync: "weakref.ref[GradSync]", leaf: Tensor) -> None:
