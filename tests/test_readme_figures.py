@@ -159,6 +159,13 @@ class Figure:
     read: Callable[[], float]
 
 
+def trainable(task: str, arm: str) -> int:
+    """The arm's trainable parameters, as the main job printed them for `task`."""
+    text = (RESULTS / MAIN_JOB).read_text()
+    line = re.search(rf"\[{task}\] trainable parameters: .*", text)[0]
+    return int(re.search(rf"{arm} ([\d,]+)", line)[1].replace(",", ""))
+
+
 def main_job_figures(*phrases: tuple[str, str, str, int], results: str = MAIN_JOB) -> list[Figure]:
     """One `Figure` per number of each `(task, arm, phrase, first)`: the phrase's numbers
     are numbers `first`, `first + 1`, ... of the arm's line in the main job's output
@@ -171,6 +178,17 @@ def main_job_figures(*phrases: tuple[str, str, str, int], results: str = MAIN_JO
 
 
 FIGURES = [
+    # The main job's narrow arms against gbfunc's trainable parameters
+    Figure(
+        "12% more on the transformer",
+        "12",
+        lambda: 100 * (trainable("charlm", "narrow") / trainable("charlm", "gb") - 1),
+    ),
+    Figure(
+        "14% fewer on the CNN",
+        "14",
+        lambda: 100 * (1 - trainable("digits", "narrow") / trainable("digits", "gb")),
+    ),
     # The main job's noise rule (examples.seeds): Student's t at 2 and 4 degrees of freedom
     Figure("above 4.30 standard errors at 3 seeds", "4.30", lambda: critical(3)),
     Figure("seeds, 2.78 at 5)", "2.78", lambda: critical(5)),
