@@ -106,6 +106,7 @@ class GradSync:
         )
         weakref.finalize(self, _remove, self._hooks)
         self.comm_bytes = 0  # gradient payload all-reduced by the last `wait()`
+        self._all_had: dict[int, Tensor] = {}  # per bucket: every leaf had a gradient
         self._reset()
 
     def close(self) -> None:
@@ -135,12 +136,17 @@ class GradSync:
         grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in bucket]
         # One flag per leaf after its values: whether this rank had a gradient for it (made
         # on the device: a list copied from the host would wait for the backward so far).
-        had = torch.cat(
-            [
-                g.new_ones(1) if t.grad is not None else g.new_zeros(1)
-                for t, g in zip(bucket, grads, strict=True)
-            ]
-        )
+        if all(t.grad is not None for t in bucket):  # the hooks' case: made once
+            if index not in self._all_had:
+                self._all_had[index] = bucket[0].new_ones(len(bucket))
+            had = self._all_had[index]
+        else:
+            had = torch.cat(
+                [
+                    g.new_ones(1) if t.grad is not None else g.new_zeros(1)
+                    for t, g in zip(bucket, grads, strict=True)
+                ]
+            )
         flat = torch.cat([*(g.reshape(-1) for g in grads), had]).div_(self.divisor)
         try:
             work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)
