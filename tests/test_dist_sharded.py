@@ -257,6 +257,26 @@ def test_one_process_resumes_gnets_and_adamw_bitwise(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_factored_optimizer_state_of_the_gnets_is_refused_and_the_checkpoint_kept(tmp_path):
+    # Adafactor's row_var/col_var are not shaped like their g-net leaves: saved as one entry
+    # each, from the lowest rank, rank-owned shards loaded rank 0's state without a word.
+    model, plan, gparams, opt = _small()
+    gbd.save_sharded(tmp_path, gparams, plan=plan, optimizer=opt, step=2)
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    factored = torch.optim.Adafactor(gb.trainable_leaves(gparams))
+    _steps(model, plan, gparams, factored, 1)
+    stack = plan.stacks[0].key
+    with pytest.raises(
+        ValueError,
+        match=rf"^gb\.dist\.save_sharded: optimizer state 'row_var' of stacks/{stack}/w_in has "
+        r"shape .* Use an optimizer whose state is shaped like its parameters",
+    ):
+        gbd.save_sharded(tmp_path, gparams, plan=plan, optimizer=factored, step=3)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+    assert gbd.load_sharded(tmp_path, model).step == 2
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_a_bad_resume_is_refused_before_anything_changes(tmp_path):
     model, plan, gparams, opt = _small()
     with pytest.raises(TypeError, match=r"pass `owned` .* or `plan=`"):

@@ -69,7 +69,7 @@ def state_entries(
             leaf = known[id(param)]
             kinds[leaf.name] = {}
             for key, value in optimizer.state.get(param, {}).items():
-                described = kinds[leaf.name][key] = _describe(value, param, leaf)
+                described = kinds[leaf.name][key] = _describe(value, param, leaf, key, where)
                 kind = described["kind"]
                 if kind == "rows":
                     for i, row in enumerate(leaf.rows or ()):
@@ -79,13 +79,26 @@ def state_entries(
     return entries, {"groups": groups, "state": kinds}
 
 
-def _describe(value: object, param: Tensor, leaf: Leaf) -> dict[str, Any]:
-    """What the manifest keeps of one state value: its kind, and a tensor's dtype and shape."""
+def _describe(value: object, param: Tensor, leaf: Leaf, key: str, where: str) -> dict[str, Any]:
+    """What the manifest keeps of one state value: its kind, and a tensor's dtype and shape.
+
+    Raises `ValueError` for a g-net leaf's state tensor of another shape than the leaf's: a
+    factored state (Adafactor's `row_var`, `col_var`) is not split by the leaf's rows, so it
+    could not follow them to another rank or world size; each rank's would be saved as one.
+    """
     if not isinstance(value, Tensor):
         return {"kind": "value", "value": _plain(value, "optimizer state", leaf.name)}
     kind = "tensor"
     if value.shape == param.shape:
         kind = "rows" if leaf.rows is not None else "like"
+    elif leaf.rows is not None and value.dim() > 0:
+        raise ValueError(
+            f"{where}: optimizer state {key!r} of {leaf.name} has shape {tuple(value.shape)}, "
+            f"not its parameter's {tuple(param.shape)}: state that is not split by the g-nets' "
+            "rows (a factored optimizer's, such as Adafactor's) cannot follow them across "
+            "ranks. Use an optimizer whose state is shaped like its parameters (Adam, AdamW, "
+            "SGD), or gb.dist.save_replicated for g-nets replicated on every rank."
+        )
     dtype = str(value.dtype).removeprefix("torch.")
     return {"kind": kind, "dtype": dtype, "shape": list(value.shape)}
 
