@@ -71,8 +71,9 @@ def condition_of(
 
 
 def _task_embedding(gparams: GParams, plan: Plan, task: int | Tensor, where: str) -> Tensor:
-    """Row `task` of `gparams["tasks"]`; an int is range-checked, a 0-d integer tensor (one
-    of a `vmap`ped batch of task ids) is indexed as it is."""
+    """Row `task` of `gparams["tasks"]`; an int is range-checked, and so is a 0-d integer
+    tensor where reading it is free (eager, untransformed, on the CPU); one of a `vmap`ped
+    batch of task ids, or on a GPU (a host sync), is indexed as it is."""
     if not plan.tasks:
         raise ValueError(
             f"{where}: task= needs learned task embeddings; make the plan with "
@@ -85,6 +86,12 @@ def _task_embedding(gparams: GParams, plan: Plan, task: int | Tensor, where: str
                 f"{where}: task must be an int or a 0-d integer tensor, got a {task.dtype} "
                 f"tensor of shape {tuple(task.shape)} (for many tasks, torch.func.vmap over "
                 "their ids)."
+            )
+        readable = task.device.type == "cpu" and not torch.compiler.is_compiling()
+        readable = readable and torch._C._functorch.peek_interpreter_stack() is None
+        if readable and not 0 <= int(task) < plan.tasks:
+            raise ValueError(
+                f"{where}: task must be in 0..{plan.tasks - 1}, got tensor({int(task)})."
             )
         return table.index_select(0, task.reshape(1).to(table.device)).squeeze(0)
     if isinstance(task, bool) or not isinstance(task, int) or not 0 <= task < plan.tasks:

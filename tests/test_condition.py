@@ -298,6 +298,11 @@ def test_plans_without_a_condition_keep_their_json_and_conditioned_ones_round_tr
         (lambda g, p, q: gb.apply(g, p, condition=torch.ones(4)), r"shape \(4,\) .* \(3,\)"),
         (lambda g, p, q: gb.apply(g, p, task=4), r"task must be an int in 0\.\.3"),
         (lambda g, p, q: gb.apply(g, p, task=torch.tensor(1.0)), r"0-d integer tensor"),
+        # eager, on the CPU: read and checked (it raised torch's bare IndexError)
+        (
+            lambda g, p, q: gb.apply(g, p, task=torch.tensor(4)),
+            r"task must be in 0\.\.3, got tensor\(4\)",
+        ),
         (lambda g, p, q: gb.apply(g, p, task=1, condition=torch.ones(3)), "not both"),
         (
             lambda g, p, q: gb.apply(g, p, condition=torch.ones(3, device="meta")),
