@@ -211,7 +211,10 @@ def run(
             )
     samples, first = round_ms(steps, rounds, inner)
     times = {
-        name: Timing.of(v, samples["plain compiled" if "compiled" in name else "plain eager"])
+        # by the suffix: "... eager uncompiled" holds "compiled" too
+        name: Timing.of(
+            v, samples["plain compiled" if name.endswith(" compiled") else "plain eager"]
+        )
         for name, v in samples.items()
     }
     print(f"\n## {title}  (torch {torch.__version__}, {torch.get_num_threads()} threads)")

@@ -48,9 +48,11 @@ def first_call(arm: str, layers: int) -> float:
 
 
 def measured(arm: str, layers: int) -> float:
-    """`first_call` in a fresh process with an empty inductor cache of its own."""
+    """`first_call` in a fresh process with empty caches of its own: inductor's, and the one
+    gbfunc builds its CPU loops into (a new user builds them on the first call, too)."""
     with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+        loops = os.path.join(cache, "gbfunc")
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "GBFUNC_CACHE_DIR": loops}
         call = f"first_call({arm!r}, {layers})"
         code = f"from benchmarks.compile_time import first_call; print({call})"
         root = Path(__file__).resolve().parent.parent
