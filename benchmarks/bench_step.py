@@ -192,6 +192,13 @@ def cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
+def baseline(variant: str) -> str:
+    """The plain step a variant's times are divided by: the compiled one for a compiled step,
+    else the eager one. By the suffix: "... eager uncompiled" holds "compiled" too, and a
+    test for the word divided it by the plain compiled step."""
+    return "plain compiled" if variant.endswith(" compiled") else "plain eager"
+
+
 def run(
     title: str, model: nn.Module, batch: tuple, genomes: dict[str, dict], rounds: int, inner: int
 ) -> None:
@@ -210,13 +217,7 @@ def run(
                 model, plan, batch, cross_entropy, eager_compile=False
             )
     samples, first = round_ms(steps, rounds, inner)
-    times = {
-        # by the suffix: "... eager uncompiled" holds "compiled" too
-        name: Timing.of(
-            v, samples["plain compiled" if name.endswith(" compiled") else "plain eager"]
-        )
-        for name, v in samples.items()
-    }
+    times = {name: Timing.of(v, samples[baseline(name)]) for name, v in samples.items()}
     print(f"\n## {title}  (torch {torch.__version__}, {torch.get_num_threads()} threads)")
     head = ("variant", "compression", "eager ms", "x plain", "compiled ms", "x plain", "first s")
     print(

@@ -485,6 +485,16 @@ def test_bench_step_ratios_are_per_round_so_that_the_machines_drift_cancels():
     assert Timing.of([6.0, 6.0, 6.0, 3.0, 3.0], plain).ratio == 1.5  # medians: 6.0 / 2.0 = 3.0
 
 
+def test_bench_step_divides_each_variant_by_the_plain_step_of_its_mode():
+    # "... eager uncompiled" holds "compiled": it was divided by the plain compiled step.
+    from benchmarks.bench_step import baseline
+
+    assert baseline("row g-nets eager uncompiled") == "plain eager"
+    assert baseline("row g-nets eager") == "plain eager"
+    assert baseline("row g-nets compiled") == "plain compiled"
+    assert baseline("plain compiled") == "plain compiled"
+
+
 def test_step_budget_takes_the_steps_excess_over_its_target_off_the_generation():
     from benchmarks.step_budget import generation_budget, sgemm_gflops
 
