@@ -8,7 +8,8 @@ import torch
 def saved_bytes(fn: Callable[[], object]) -> int:
     """Bytes of distinct tensor storage autograd saves for backward while `fn()` runs.
 
-    A sparse tensor counts its indices' and values' storage, a nested one its buffers';
+    A sparse tensor (COO or compressed: CSR, CSC, BSR, BSC) counts its indices' and values'
+    storage, a nested one its buffers';
     a tensor with no storage to read (a subclass without one) counts its elements. `fn` may
     not run `torch.func` transforms: they do not take autograd's saved-tensor hooks.
 
@@ -29,10 +30,19 @@ def saved_bytes(fn: Callable[[], object]) -> int:
     return sum(storages.values())
 
 
+_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
 def _storages(t: torch.Tensor) -> Iterator[tuple[Hashable, int]]:
     """`(key, bytes)` of each storage holding `t`'s values; equal keys share one storage."""
     if t.is_sparse:
         yield from (s for part in (t._indices(), t._values()) for s in _storages(part))
+    elif t.layout in _COMPRESSED:
+        by_rows = t.layout in (torch.sparse_csr, torch.sparse_bsr)
+        index = (
+            (t.crow_indices(), t.col_indices()) if by_rows else (t.ccol_indices(), t.row_indices())
+        )
+        yield from (s for part in (*index, t.values()) for s in _storages(part))
     elif t.is_nested:
         parts = [t.values(), t.offsets()] if t.layout == torch.jagged else [t.values()]
         yield from (s for part in parts if part is not None for s in _storages(part))

@@ -199,6 +199,7 @@ def test_autograd_keeps_about_4_bytes_per_generated_weight():
     assert plain / gb.report(plan).generated_weights > 100
 
 
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
 def test_saved_bytes_counts_sparse_and_nested_tensors_by_their_buffers():
     # Their `untyped_storage()` raised (NotImplementedError, "invalid python storage").
     sparse = torch.randn(8, 8).to_sparse().requires_grad_()
@@ -209,6 +210,27 @@ def test_saved_bytes_counts_sparse_and_nested_tensors_by_their_buffers():
     parts = [torch.randn(2, 3), torch.randn(4, 3)]
     nested = torch.nested.nested_tensor(parts, layout=torch.jagged, requires_grad=True)
     assert gb.memory.saved_bytes(lambda: nested.sin()) == 6 * 3 * 4 + 3 * 8  # values, offsets
+    # A compressed layout (CSR) counted as dense: its indices' and values' storage instead.
+    csr = torch.eye(50).to_sparse_csr()
+    parts = (csr.crow_indices(), csr.col_indices(), csr.values())
+    want = sum(t.untyped_storage().nbytes() for t in parts)
+    assert (
+        gb.memory.saved_bytes(lambda: _Keeps.apply(torch.ones(1, requires_grad=True), csr)) == want
+    )
+    assert want < csr.shape[0] * csr.shape[1] * 4
+
+
+class _Keeps(torch.autograd.Function):
+    """Saves its second input for backward, as is."""
+
+    @staticmethod
+    def forward(ctx, x, kept):
+        ctx.save_for_backward(kept)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 def test_weights_left_free_start_with_their_modules_own_init():
