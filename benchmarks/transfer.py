@@ -269,19 +269,19 @@ def verdict(found: list[dict], lower: bool, rows: list[dict], task_name: str) ->
         f"\n- the default (scale 1): {default['mean']:.4g} +- {default['se']:.2g} (spread "
         f"{default['spread']:.3g}, {default['seeds']} seeds)"
     ]
-    ahead: dict[float, Stat] = {}  # how far each scale is ahead of the default, paired
+    gaps: dict[float, Stat] = {}  # default - scale, paired, for every scale with a shared seed
     for scale in (r["value"] for r in gb_rows if r["value"] != 1.0):
         gap = paired_gap(rows, task_name, 1.0, scale)
         if gap.n == 0:
             continue
-        ahead[scale] = gap
+        gaps[scale] = gap
         se = f" +- {gap.se:.4f}" if gap.n > 1 else ""
         lines.append(
             f"- paired over the {gap.n} seeds both ran: default - scale {scale:.3g} = "
             f"{gap.mean:+.4f}{se} ({gap.label})"
         )
     sign = 1 if lower else -1  # a scale is ahead where default - scale has this sign
-    ranked = {v: g for v, g in ahead.items() if g.n > 1 and sign * g.mean > 0}
+    ranked = {v: g for v, g in gaps.items() if g.n > 1 and sign * g.mean > 0}
     if ranked:
         top = max(ranked, key=lambda v: sign * ranked[v].mean)
         gap = ranked[top]
