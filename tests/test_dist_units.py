@@ -531,11 +531,14 @@ def test_init_mesh_names_a_machine_with_fewer_gpus_than_ranks(monkeypatch):
 
 
 MESH_TIMEOUTS = """
-import datetime, torch, gbfunc.dist as gbd
+import datetime, pathlib, torch, torch.distributed as dist, gbfunc.dist as gbd
 mesh = gbd.init_mesh(pp=2, timeout=datetime.timedelta(seconds=7))  # starts the group
 cpu = torch.device("cpu")
-for dim in ("pp", "dp", "tp"):
-    print(dim, mesh[dim].get_group()._get_backend(cpu).options._timeout.total_seconds())
+# One file per rank: two ranks printing to the one pipe interleave their lines.
+pathlib.Path(f"timeouts{dist.get_rank()}.txt").write_text("".join(
+    f"{dim} {mesh[dim].get_group()._get_backend(cpu).options._timeout.total_seconds()}\\n"
+    for dim in ("pp", "dp", "tp")
+))
 """
 
 
@@ -544,6 +547,7 @@ def test_init_mesh_gives_its_timeout_to_every_dimensions_groups(tmp_path):
     # torch made the groups of dimensions narrower than the world (here dp and tp, one rank
     # each beside pp's two) with its 30-minute default: a hung peer there waited that long.
     (tmp_path / "mesh_timeouts.py").write_text(MESH_TIMEOUTS)
-    log = torchrun(tmp_path, "mesh_timeouts.py", cwd=tmp_path)
-    for dim in ("pp", "dp", "tp"):
-        assert log.count(f"{dim} 7.0") == 2, log
+    torchrun(tmp_path, "mesh_timeouts.py", cwd=tmp_path)
+    for rank in (0, 1):
+        lines = (tmp_path / f"timeouts{rank}.txt").read_text().splitlines()
+        assert lines == ["pp 7.0", "dp 7.0", "tp 7.0"], (rank, lines)
