@@ -19,9 +19,13 @@ architecture whose parameter count is nearest, and a *low-rank* model (every wei
 Every arm runs over several seeds (the task's `seeds` and `arm_seeds`: on the transformer 3
 for gbfunc and the narrow model and 1 for the dense and low-rank ones, which are far from
 gbfunc and cost most; 5 on the digits CNN and 3 on the MLP; `--seeds` sets every arm's). A
-seed sets the initialisation, the batch order and, on digits, the train/validation split. The
-job prints each arm's mean +- standard error (and the seeds' spread, max - min) of the final
-validation loss and accuracy, and for each gap between gbfunc and another arm the mean of the
+seed sets the initialisation, the batch order and, on digits, the train/validation split.
+The curves are on validation data; the scores the job ranks by are on a test set that no rate
+or size was chosen on (`benchmarks.equal_params` chose them on validation data), the same for
+every seed: help topics held out whole, none of whose paragraphs occurs in training
+(`examples.data.pydoc_held_out`), and 360 digits (`digits_held_out`). The job prints each
+arm's mean +- standard error (and the seeds' spread, max - min) of the test loss and
+accuracy, and for each gap between gbfunc and another arm the mean of the
 per-seed differences +- its standard error, "beyond noise" where a two-sided paired t-test
 at 5% rejects "no gap" (|gap| > 4.30 s.e. at 3 seeds, 2.78 at 5) and "within noise" where it
 does not ("not ranked (one seed)" where the other arm has one seed). It saves the first
@@ -51,7 +55,7 @@ from torch.func import functional_call
 
 import gbfunc as gb
 from examples.baselines import smallest_low_rank, weight_matrices
-from examples.data import CharCorpus, char_batch, char_windows, digits_split, pydoc_text
+from examples.data import CharCorpus, char_batch, char_windows, digits_held_out, pydoc_held_out
 from examples.models import CharTransformer, DigitsCNN, digits_mlp
 from examples.seeds import RULE, Stat, paired_gap
 from examples.tasks import EVAL_TOKENS, CharLMConfig, DigitsConfig, MLPConfig
@@ -118,31 +122,31 @@ class ArmRun:
 
 @dataclass(frozen=True)
 class Result:
-    """What a task produced; `val_loss` / `val_acc` map arm name to its final score per seed."""
+    """What a task produced; `test_loss` / `test_acc` map arm name to its test score per seed."""
 
     task: str
     report: gb.Report
-    val_loss: dict[str, list[float]]
-    val_acc: dict[str, list[float]]
+    test_loss: dict[str, list[float]]
+    test_acc: dict[str, list[float]]
     checkpoint: Path
     plot: Path
     seconds: float  # the task's jobs' time, summed
     by_accuracy: bool = False  # the summary ranks this task by accuracy
 
     def loss(self, arm: str) -> Stat:
-        return Stat.of(self.val_loss[arm])
+        return Stat.of(self.test_loss[arm])
 
     def acc(self, arm: str) -> Stat:
-        return Stat.of([100 * a for a in self.val_acc[arm]])
+        return Stat.of([100 * a for a in self.test_acc[arm]])
 
     def loss_gap(self, arm: str, other: str = "gb") -> Stat:
         """`other - arm` in nats, paired by seed."""
-        return paired_gap(self.val_loss[other], self.val_loss[arm])
+        return paired_gap(self.test_loss[other], self.test_loss[arm])
 
     def acc_gap(self, arm: str, other: str = "gb") -> Stat:
         """`other - arm` in accuracy points, paired by seed."""
         return paired_gap(
-            [100 * a for a in self.val_acc[other]], [100 * a for a in self.val_acc[arm]]
+            [100 * a for a in self.test_acc[other]], [100 * a for a in self.test_acc[arm]]
         )
 
 
@@ -157,8 +161,10 @@ def with_baselines(
 
 def setup_charlm(cfg: CharLMConfig, device: torch.device) -> Setup:
     """The character-level transformer and its arms; see the module docstring."""
-    corpus = CharCorpus.from_text(pydoc_text())
+    corpus = CharCorpus.from_parts(*pydoc_held_out())
     train_ids, val_ids = corpus.train.to(device), corpus.val.to(device)
+    assert corpus.test is not None
+    test_x, test_y = char_windows(corpus.test.to(device), cfg.context)
     entropy = corpus.unigram_entropy()
     torch.manual_seed(cfg.seed)
     model = CharTransformer(corpus.vocab_size, cfg.context, cfg.width, cfg.depth, cfg.heads)
@@ -173,7 +179,7 @@ def setup_charlm(cfg: CharLMConfig, device: torch.device) -> Setup:
     )
     arms = with_baselines(model, plan, narrow, cfg, device)
     val_x, val_y = char_windows(val_ids, cfg.context)
-    # Curve points use evenly spaced windows; the final score uses every window.
+    # Curve points use evenly spaced validation windows; the final score every test window.
     pick = torch.linspace(0, len(val_x) - 1, min(cfg.eval_windows, len(val_x))).long()
     eval_batch = max(1, EVAL_TOKENS // cfg.context)
 
@@ -186,10 +192,11 @@ def setup_charlm(cfg: CharLMConfig, device: torch.device) -> Setup:
         return evaluate(arm.model, arm.params(), val_x[pick], val_y[pick], eval_batch)
 
     def final(arm: Arm) -> tuple[float, float]:
-        return evaluate(arm.model, arm.params(), val_x, val_y, eval_batch)
+        return evaluate(arm.model, arm.params(), test_x, test_y, eval_batch)
 
     header = [
-        f"[charlm] {len(corpus.train):,} train / {len(corpus.val):,} val characters, "
+        f"[charlm] {len(corpus.train):,} train / {len(corpus.val):,} val / "
+        f"{len(corpus.test):,} test characters (by topic), "
         f"vocabulary {corpus.vocab_size}, unigram entropy {entropy:.3f} nats; plan {dict(cfg.plan)}"
     ]
     title = f"char transformer on pydoc topics (gb: {gb.report(plan).generated_compression:.0f}x)"
@@ -236,7 +243,9 @@ def setup_digits(cfg: DigitsConfig, device: torch.device) -> Setup:
         device,
     )
     arms = with_baselines(model, plan, narrow, cfg, device)
-    header = [f"[digits] 1437 train / 360 val images (8x8, 10 classes); plan {dict(cfg.plan)}"]
+    header = [
+        f"[digits] 1077 train / 360 val / 360 test images (8x8, 10 classes); plan {dict(cfg.plan)}"
+    ]
     return digits_setup("CNN", arms, plan, cfg, device, header)
 
 
@@ -259,8 +268,10 @@ def digits_setup(
     device: torch.device,
     header: list[str],
 ) -> Setup:
-    """Batches and scores of a digits task, on the seed's train/validation split."""
-    x_train, y_train, x_val, y_val = (t.to(device) for t in digits_split(seed=cfg.seed))
+    """Batches and scores of a digits task: the seed's train/validation split, the test set."""
+    x_train, y_train, x_val, y_val, x_test, y_test = (
+        t.to(device) for t in digits_held_out(seed=cfg.seed)
+    )
 
     def batches() -> Batches:
         gen = torch.Generator().manual_seed(cfg.seed)
@@ -271,8 +282,11 @@ def digits_setup(
     def validate(arm: Arm) -> tuple[float, float]:
         return evaluate(arm.model, arm.params(), x_val, y_val, len(x_val))
 
+    def final(arm: Arm) -> tuple[float, float]:
+        return evaluate(arm.model, arm.params(), x_test, y_test, len(x_test))
+
     title = f"{what} on scikit-learn digits (gb: {gb.report(plan).compression:.0f}x whole model)"
-    return Setup(plan, arms, batches, validate, validate, header, title, accuracy=True)
+    return Setup(plan, arms, batches, validate, final, header, title, accuracy=True)
 
 
 SETUPS: dict[str, tuple[Callable[[Any, torch.device], Setup], type[TrainConfig]]] = {
@@ -313,7 +327,7 @@ def run_jobs(jobs: Sequence[Job], processes: int) -> list[ArmRun]:
     def report(run: ArmRun) -> None:
         done.append(run)
         print(
-            f"[{run.task}] seed {run.seed} {run.arm}: validation loss {run.loss:.4f}, "
+            f"[{run.task}] seed {run.seed} {run.arm}: test loss {run.loss:.4f}, "
             f"accuracy {100 * run.acc:.2f}% ({run.seconds:.0f} s; {len(done)}/{len(jobs)} jobs)",
             flush=True,
         )
@@ -394,7 +408,7 @@ def finish(
         else ", ".join(f"{n} {plural(c, 'seed')}" for n, c in counts.items())
     )
     print(
-        f"[{task}] final validation scores over seeds {seeds[0]}-{seeds[-1]} ({how_many}): "
+        f"[{task}] test scores over seeds {seeds[0]}-{seeds[-1]} ({how_many}): "
         "mean +- standard error (spread: max - min over the seeds)"
     )
     for n in names:
@@ -435,17 +449,17 @@ def finish(
 
 def summary_lines(r: Result) -> list[str]:
     """Two lines of the final summary: the arms' means, and gbfunc's gaps with their labels."""
-    names = list(r.val_loss)
-    seeds = {len(v) for v in r.val_loss.values()}
+    names = list(r.test_loss)
+    seeds = {len(v) for v in r.test_loss.values()}
     n = f"{seeds.pop()} seeds" if len(seeds) == 1 else f"{max(seeds)} seeds where not said"
     if r.by_accuracy:
         means = "  ".join(f"{a} {fmt(r.acc(a), 2, '%')}" for a in names)
         gaps = ", ".join(f"vs {a} {signed(r.acc_gap(a), 2, ' points')}" for a in names if a != "gb")
-        what = "val accuracy"
+        what = "test accuracy"
     else:
         means = "  ".join(f"{a} {fmt(r.loss(a), 3)}" for a in names)
         gaps = ", ".join(f"vs {a} {signed(r.loss_gap(a), 3, ' nats')}" for a in names if a != "gb")
-        what = "val loss"
+        what = "test loss"
     return [
         f"  {r.task:6s}  {r.report.generated_compression:4.1f}x generated "
         f"({r.report.compression:4.1f}x whole model), {n}, {what}: {means}  "

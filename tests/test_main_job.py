@@ -10,7 +10,13 @@ import torch
 from torch.func import functional_call
 
 import gbfunc as gb
-from examples.data import CharCorpus, digits_split, pydoc_text
+from examples.data import (
+    CharCorpus,
+    digits_held_out,
+    digits_split,
+    pydoc_held_out,
+    pydoc_text,
+)
 from examples.main_job import main, run_tasks
 from examples.models import CharTransformer, DigitsCNN
 from examples.seeds import Stat, critical, paired_gap
@@ -37,6 +43,49 @@ def test_data_is_real_and_split() -> None:
     assert len(x_train) + len(x_val) == 1797
     assert set(y_val.tolist()) == set(range(10))
     assert float(x_train.max()) == 1.0
+
+
+def _windows(text: str, n: int) -> set[str]:
+    return {text[i : i + n] for i in range(len(text) - n + 1)}
+
+
+def test_pydoc_test_text_was_neither_trained_nor_chosen_on() -> None:
+    train, val, test = pydoc_held_out()
+    total = len(train) + len(val) + len(test)
+    assert 0.07 < len(test) / total < 0.11
+    assert 0.08 < len(val) / total < 0.12
+    # Validation is the part of `from_text`'s split that rates were chosen on.
+    chosen_on = CharCorpus.from_text(pydoc_text())
+    chosen_text = chosen_on.decode(chosen_on.val)
+    assert val.endswith(chosen_text[-300:])
+    assert 0.85 * len(chosen_text) < len(val) < len(chosen_text) + 10_000  # less repeats
+    # No 128-character window of a held-out part occurs in training: `compound` holds the
+    # topics `while`, `with` and `try`, which a split by characters put on both sides.
+    seen = _windows(train, 128)
+    assert not _windows(test, 128) & seen
+    assert not _windows(val, 128) & seen
+    assert not _windows(test, 128) & _windows(val, 128)
+    assert 'The "while" statement is used for repeated execution' in train  # in `compound`
+    corpus = CharCorpus.from_parts(train, val, test)
+    assert corpus.chars == chosen_on.chars
+    assert corpus.test is not None
+    assert corpus.decode(corpus.test) == test
+
+
+def _images(x: torch.Tensor) -> set[tuple[float, ...]]:
+    return {tuple(image.flatten().tolist()) for image in x}  # digits has no two alike
+
+
+def test_digits_test_images_were_not_chosen_on_and_stay_fixed() -> None:
+    _, _, chosen_on, _ = digits_split(seed=0)  # equal_params' validation images
+    first, second = digits_held_out(seed=0), digits_held_out(seed=1)
+    for x_train, _, x_val, _, x_test, y_test in (first, second):
+        assert (len(x_train), len(x_val), len(x_test)) == (1077, 360, 360)
+        assert set(y_test.tolist()) == set(range(10))
+        assert len(_images(x_train) | _images(x_val) | _images(x_test)) == 1797
+    assert torch.equal(first[4], second[4])  # the same test set for every seed
+    assert not torch.equal(first[2], second[2])  # each seed's own validation split
+    assert not _images(first[4]) & _images(chosen_on)
 
 
 def test_stat_and_paired_gap() -> None:
@@ -82,12 +131,12 @@ def test_charlm_writes_checkpoint_plot_and_table(tmp_path: Path, capsys) -> None
     assert len(_table_totals(out)) == 2
     assert result.plot.is_file()
     assert result.plot.stat().st_size > 10_000
-    assert list(result.val_loss) == ARMS
+    assert list(result.test_loss) == ARMS
     # The task's own seeds per arm: 2 (TINY_CHARLM.seeds), the dense and low-rank arms 1.
     seeds = {"dense": 1, "gb": 2, "narrow": 2, "low rank": 1}
-    assert {name: len(v) for name, v in result.val_loss.items()} == seeds
-    assert {name: len(v) for name, v in result.val_acc.items()} == seeds
-    values = [x for v in (*result.val_loss.values(), *result.val_acc.values()) for x in v]
+    assert {name: len(v) for name, v in result.test_loss.items()} == seeds
+    assert {name: len(v) for name, v in result.test_acc.items()} == seeds
+    values = [x for v in (*result.test_loss.values(), *result.test_acc.values()) for x in v]
     assert all(math.isfinite(x) for x in values)
     assert "(dense 1 seed, gb 2 seeds, narrow 2 seeds, low rank 1 seed)" in out
     # Every arm's mean +- s.e. (spread) over its seeds, as printed and as the result holds them.
@@ -96,7 +145,7 @@ def test_charlm_writes_checkpoint_plot_and_table(tmp_path: Path, capsys) -> None
     for name, (mean, se, spread) in arms.items():
         stat = result.loss(name)
         assert (mean, se, spread) == pytest.approx((stat.mean, stat.se, stat.spread), abs=1e-4)
-    one = f"[charlm]   dense     loss {result.val_loss['dense'][0]:.4f} (1 seed)"
+    one = f"[charlm]   dense     loss {result.test_loss['dense'][0]:.4f} (1 seed)"
     assert one in out
     # gb's gap to the narrow arm, paired by seed and labelled as its printed numbers say; to
     # the arms of one seed, the gap without an s.e.
@@ -139,12 +188,12 @@ def test_cli_digits(tmp_path: Path, capsys) -> None:
     # The saved g-nets regenerate a model that scores what the run reported.
     cfg = DigitsConfig()
     ckpt = gb.load(result.checkpoint, DigitsCNN(cfg.channels, cfg.hidden))
-    _, _, x_val, y_val = digits_split()
+    *_, x_test, y_test = digits_held_out()
     with torch.no_grad():
         params = gb.apply(ckpt.gparams, ckpt.plan)
-        logits = functional_call(DigitsCNN(cfg.channels, cfg.hidden), params, (x_val,))
-    accuracy = float((logits.argmax(-1) == y_val).float().mean())
-    assert accuracy == pytest.approx(result.val_acc["gb"][0])  # the checkpoint is seed 0's
+        logits = functional_call(DigitsCNN(cfg.channels, cfg.hidden), params, (x_test,))
+    accuracy = float((logits.argmax(-1) == y_test).float().mean())
+    assert accuracy == pytest.approx(result.test_acc["gb"][0])  # the checkpoint is seed 0's
 
 
 def _counts(out: str, task: str) -> dict[str, int]:
@@ -161,8 +210,8 @@ def test_cli_digits_trains_narrow_and_low_rank_arms_at_gb_size(tmp_path: Path, c
     out = capsys.readouterr().out
     counts = _counts(out, "digits")
     assert "8 jobs (one arm, one seed each) on 2 process(es)" in out
-    assert list(result.val_acc) == ARMS
-    assert all(len(v) == 2 for v in result.val_acc.values())
+    assert list(result.test_acc) == ARMS
+    assert all(len(v) == 2 for v in result.test_acc.values())
     assert len(_gap_lines(out, "digits")) == 3
     assert counts["gb"] == result.report.stored_params
     assert counts["dense"] == result.report.dense_params
@@ -174,7 +223,7 @@ def test_cli_mlp_says_why_it_has_no_low_rank_arm(tmp_path: Path, capsys) -> None
     args = ["--task", "mlp", "--steps", "3", "--seeds", "2", "--jobs", "1"]
     (result,) = main([*args, "--out", str(tmp_path)])
     out = capsys.readouterr().out
-    assert list(result.val_acc) == ["dense", "gb", "narrow"]
+    assert list(result.test_acc) == ["dense", "gb", "narrow"]
     assert result.report.compression >= 90  # the paper's genome at ~100x, biases generated
     counts = _counts(out, "mlp")
     assert abs(counts["narrow"] / counts["gb"] - 1) <= 0.1  # the equal-parameter baseline
