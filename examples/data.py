@@ -33,11 +33,12 @@ def pydoc_held_out(test_fraction: float = 0.1) -> tuple[str, str, str]:
 
     Validation: the topics in the last tenth of `pydoc_text`, the validation part of
     `CharCorpus.from_text(pydoc_text())` on which `benchmarks.equal_params` chose rates and
-    sizes. Test: topics of the rest, taken in a fixed shuffled order while they fit in
-    `test_fraction` of the characters; nothing was ever chosen on them. Training: the other
-    topics. Topics repeat each other (`compound` holds `while`, `with` and `try`), so the
-    paragraphs of validation that also occur in training, and those of test that occur in
-    either, are dropped: no held-out paragraph was seen in training.
+    sizes (it now trains on this training part and chooses on this validation part). Test:
+    topics of the rest, taken in a fixed shuffled order while they fit in `test_fraction` of
+    the characters; nothing was ever chosen on them. Training: the other topics. Topics
+    repeat each other (`compound` holds `while`, `with` and `try`), so the paragraphs of
+    validation that also occur in training, and those of test that occur in either, are
+    dropped: no held-out paragraph was seen in training.
     """
     topics = pydoc_topics()
     cut = int(len(pydoc_text()) * 0.9)
@@ -165,8 +166,9 @@ def digits_held_out(
 
     Test: 360 images (a fifth) of the training part of `digits_split(seed=0)`, the same for
     every seed; `benchmarks.equal_params` chose rates and sizes on that split's validation
-    part, never on these. `seed` splits the other 1437 images into 1077 for training and 360
-    for validation. Images and labels as in `digits_split`.
+    part, never on these (it now trains and chooses on seed 0's other two parts). `seed`
+    splits the other 1437 images into 1077 for training and 360 for validation. Images and
+    labels as in `digits_split`.
     """
     from sklearn.model_selection import train_test_split
 
