@@ -36,12 +36,13 @@ from ._checkpoint_checks import (
     CheckpointError,
     CheckpointMismatchError as CheckpointMismatchError,  # imported from here, as the others
     CheckpointNotFoundError,
+    CheckpointUnreadableError as CheckpointUnreadableError,
     CheckpointVersionError,
     buffers_to_save,
     check_checkpoint,
     checkpoint_path,
 )
-from ._files import check_no_meta, standalone, sync_dir, write_atomic
+from ._files import FILE_KINDS, check_no_meta, standalone, sync_dir, write_atomic
 from ._numbers import as_integer, integer
 from ._plan import Plan
 from ._serial import flatten, plan_from_json, plan_to_json, unflatten
@@ -143,14 +144,14 @@ def write_file(path: str, tensors: dict[str, Tensor], metadata: dict[str, str], 
         safetensors.torch.save_file(tensors, tmp, metadata)
 
     try:
-        write_atomic(path, write)
+        written = write_atomic(path, write)
     except (OSError, safetensors.SafetensorError) as e:
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         raise CheckpointError(
             f"{where}: {path}: cannot be written ({reason}); any previous file there is unchanged."
         ) from e
     try:  # the file is whole and in place: only the rename's durability is left
-        sync_dir(os.path.dirname(os.path.abspath(path)))
+        sync_dir(os.path.dirname(written))
     except OSError as e:
         warnings.warn(
             f"{where}: {path}: written whole, but its folder could not be synced "
@@ -367,32 +368,25 @@ def _read_file(path: str, where: str) -> bytes:
     except (FileNotFoundError, NotADirectoryError):
         raise CheckpointNotFoundError(f"{where}: no such file.") from None
     except IsADirectoryError:
-        raise CheckpointNotFoundError(f"{where}: is a directory, not a checkpoint file.") from None
+        raise CheckpointUnreadableError(
+            f"{where}: is a directory, not a checkpoint file."
+        ) from None
     except OSError as e:
-        raise CheckpointNotFoundError(f"{where}: cannot be read ({e.strerror}).") from None
+        raise CheckpointUnreadableError(f"{where}: cannot be read ({e.strerror}).") from None
     with os.fdopen(fd, "rb") as f:
         info = os.fstat(f.fileno())
         _check_regular(stat.S_IFMT(info.st_mode), where)
         try:
             return f.read(info.st_size)
         except OSError as e:
-            raise CheckpointNotFoundError(f"{where}: cannot be read ({e.strerror}).") from None
-
-
-_KINDS = {
-    stat.S_IFCHR: "a character device",
-    stat.S_IFBLK: "a block device",
-    stat.S_IFIFO: "a FIFO",
-    stat.S_IFSOCK: "a socket",
-    stat.S_IFDIR: "a directory",
-}
+            raise CheckpointUnreadableError(f"{where}: cannot be read ({e.strerror}).") from None
 
 
 def _check_regular(kind: int, where: str) -> None:
     if kind != stat.S_IFREG:
+        what = FILE_KINDS.get(kind, "not a file")
         raise CheckpointCorruptError(
-            f"{where}: not a regular file ({_KINDS.get(kind, 'not a file')}); a checkpoint is a "
-            "file written by gb.save."
+            f"{where}: not a regular file ({what}); a checkpoint is a file written by gb.save."
         )
 
 

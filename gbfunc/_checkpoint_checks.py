@@ -29,6 +29,12 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """The checkpoint file does not exist."""
 
 
+class CheckpointUnreadableError(CheckpointError):
+    """Something is at the checkpoint's path but cannot be read: no permission, an I/O error,
+    a directory. Not a `FileNotFoundError`, so that code which starts afresh where no
+    checkpoint exists does not then save over one it could not read."""
+
+
 class CheckpointCorruptError(CheckpointError):
     """The file is truncated, altered (hash mismatch) or not a gbfunc checkpoint."""
 

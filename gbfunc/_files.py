@@ -1,6 +1,7 @@
 """Atomic file writes and tensors that safetensors accepts."""
 
 import contextlib
+import errno
 import os
 import secrets
 import stat
@@ -10,23 +11,32 @@ import torch
 from torch import Tensor
 
 
-def write_atomic(path: str, write: Callable[[str], None]) -> None:
+def write_atomic(path: str, write: Callable[[str], None]) -> str:
     """Make `path` appear whole or not at all: `write(tmp)`, fsync, then rename over `path`.
+    Returns the path written: `path` with its symbolic links resolved, so that a link keeps
+    pointing at the file it named, which is the one replaced.
 
     The temporary file sits in the same directory (a rename is atomic only within one file
     system). A new file gets the mode the umask gives (as `open` would); an existing file
     keeps its mode (a read-only one too: the temporary file is its owner's to write until the
-    rename), and the temporary file never grants others more than either. A crash at
-    any point leaves the previous `path` untouched; at worst a stale `.NAME.*.tmp` file
-    remains beside it. The caller then syncs the directory (`sync_dir`), which makes the
-    rename durable: not done here, so that an error raised here always means that `path` was
-    not replaced.
+    rename), and the temporary file never grants others more than either. Anything but a
+    regular file at `path` (a directory, a FIFO, a device) is refused before anything is
+    written (`OSError`): a rename would put a file in a device's place. A crash at any point
+    leaves the previous `path` untouched; at worst a stale `.NAME.*.tmp` file remains beside
+    it. The caller then syncs the directory (`sync_dir`), which makes the rename durable: not
+    done here, so that an error raised here always means that `path` was not replaced.
     """
-    directory = os.path.dirname(os.path.abspath(path))
+    path = os.path.realpath(path)
+    directory = os.path.dirname(path)
     try:
-        keep: int | None = stat.S_IMODE(os.stat(path).st_mode)
+        info = os.stat(path)
     except FileNotFoundError:
-        keep = None
+        keep: int | None = None
+    else:
+        if not stat.S_ISREG(info.st_mode):
+            kind = FILE_KINDS.get(stat.S_IFMT(info.st_mode), "not a file")
+            raise OSError(errno.EINVAL, f"not a regular file but {kind}")
+        keep = stat.S_IMODE(info.st_mode)
     wanted = 0o666 if keep is None else keep | stat.S_IRUSR | stat.S_IWUSR
     tmp, mode = _create_temp(directory, os.path.basename(path), wanted)
     try:
@@ -39,6 +49,16 @@ def write_atomic(path: str, write: Callable[[str], None]) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+    return path
+
+
+FILE_KINDS = {  # what `stat.S_IFMT` gives, in words, for all but a regular file
+    stat.S_IFDIR: "a directory",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFSOCK: "a socket",
+}
 
 
 def sync_dir(directory: str | os.PathLike) -> None:
@@ -56,8 +76,8 @@ def _create_temp(directory: str, name: str, mode: int) -> tuple[str, int]:
 
     Returns its path and the mode it got, read back so the umask is never set to be read.
     """
-    for _ in range(100):
-        tmp = os.path.join(directory, f".{name}.{secrets.token_hex(6)}.tmp")
+    for _ in range(100):  # the name cut so that the temporary one fits where `name` does
+        tmp = os.path.join(directory, f".{name[:200]}.{secrets.token_hex(6)}.tmp")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
         except FileExistsError:

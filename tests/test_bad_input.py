@@ -172,7 +172,7 @@ def _probe_cases(tmp: Path | None) -> dict[str, Case]:
         "save-onto-a-folder": Case(
             lambda: gb.save(tmp, gparams(), PLAN),
             gb.CheckpointError,
-            r"cannot be written \(Is a directory\)",
+            r"cannot be written \(not a regular file but a directory\)",
         ),
         "save-nul-in-path": Case(
             lambda: gb.save(f"{tmp}/a\0b.safetensors", gparams(), PLAN),
@@ -574,7 +574,7 @@ def _save_load_cases_1(tmp: Path | None, meta_g: dict) -> dict[str, Case]:
             "none.safetensors: no such file",
         ),
         "load-directory": Case(
-            lambda: gb.load(tmp, mlp()), gb.CheckpointNotFoundError, "is a directory"
+            lambda: gb.load(tmp, mlp()), gb.CheckpointUnreadableError, "is a directory"
         ),
         "load-dense-file": corrupt_load(
             tmp, "dense.safetensors", "dense.safetensors: not a gbfunc checkpoint"

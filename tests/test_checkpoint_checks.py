@@ -304,7 +304,12 @@ def test_a_file_that_cannot_be_opened_says_why(tmp_path):
     os.symlink(a, b)
     os.symlink(b, a)
     strerror = os.strerror(errno.ELOOP)
-    load_fails(a, re.escape(f": cannot be read ({strerror})."), gb.CheckpointNotFoundError)
+    error = load_fails(
+        a, re.escape(f": cannot be read ({strerror})."), gb.CheckpointUnreadableError
+    )
+    # Not "no checkpoint here": a resume that starts afresh on FileNotFoundError would then
+    # save over a checkpoint it could not read.
+    assert not isinstance(error, FileNotFoundError)
 
 
 def test_a_read_error_after_opening_says_why(saved, monkeypatch):
@@ -328,4 +333,41 @@ def test_a_read_error_after_opening_says_why(saved, monkeypatch):
 
     monkeypatch.setattr(os, "fdopen", lambda fd, *a, **k: FailingRead(real_fdopen(fd, *a, **k)))
     strerror = os.strerror(errno.EIO)
-    load_fails(saved, re.escape(f": cannot be read ({strerror})."), gb.CheckpointNotFoundError)
+    error = load_fails(
+        saved, re.escape(f": cannot be read ({strerror})."), gb.CheckpointUnreadableError
+    )
+    assert not isinstance(error, FileNotFoundError)
+
+
+# -- where gb.save writes -----------------------------------------------------------------
+
+
+def test_save_through_a_symlink_replaces_the_file_it_names_and_keeps_the_link(saved, planned):
+    plan, gparams = planned
+    link = saved.parent / "latest.safetensors"
+    link.symlink_to(saved.name)
+    gb.save(link, gparams, plan, step=7)
+    assert link.is_symlink()
+    assert os.readlink(link) == saved.name
+    assert gb.load(saved, model()).step == 7
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_save_refuses_a_path_that_holds_no_regular_file_and_leaves_it(tmp_path, planned, kind):
+    plan, gparams = planned
+    path = tmp_path / "c.safetensors"
+    os.mkfifo(path) if kind == "fifo" else path.mkdir()
+    what = {"fifo": "a FIFO", "directory": "a directory"}[kind]
+    with pytest.raises(gb.CheckpointError, match=f"{re.escape(str(path))}: cannot be written") as e:
+        gb.save(path, gparams, plan)
+    assert f"not a regular file but {what}" in str(e.value)
+    assert path.is_fifo() if kind == "fifo" else path.is_dir()
+    assert os.listdir(tmp_path) == [path.name]
+
+
+def test_save_takes_a_file_name_as_long_as_the_file_system_allows(tmp_path, planned):
+    plan, gparams = planned
+    path = tmp_path / ("c" * (os.pathconf(tmp_path, "PC_NAME_MAX") - len(".safetensors")))
+    path = path.with_name(path.name + ".safetensors")
+    gb.save(path, gparams, plan, step=3)  # its temporary file's name must fit too
+    assert gb.load(path, model()).step == 3

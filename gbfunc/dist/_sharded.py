@@ -37,6 +37,7 @@ from .._checkpoint import (
     CheckpointCorruptError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
+    CheckpointUnreadableError,
     CheckpointVersionError,
     content_hash,
     restore_buffers,
@@ -361,7 +362,10 @@ def _manifest(path: Path, where: str) -> dict[str, Any]:
         raise CheckpointNotFoundError(f"{where}: no {MANIFEST}; not a sharded gbfunc checkpoint.")
     try:
         manifest = json.loads(target.read_text())
-    except (OSError, ValueError) as e:
+    except OSError as e:
+        reason = e.strerror or e
+        raise CheckpointUnreadableError(f"{where}: cannot read {MANIFEST} ({reason}).") from None
+    except ValueError as e:  # not UTF-8, or not JSON
         raise CheckpointCorruptError(f"{where}: unreadable {MANIFEST} ({e!s:.200}).") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointCorruptError(f"{where}: {MANIFEST} is not a {FORMAT} manifest.")
