@@ -83,10 +83,29 @@ def check_checkpoint(
     """
     check_plan(plan, model, where, corrupt=corrupt, mismatch=CheckpointMismatchError)
     if model is None:
+        _check_buffer_names(plan, buffers, where)
         return
     mine = persistent_buffers(model)
     for name, value in buffers.items():
         check_buffer(name, value.dtype, tuple(value.shape), mine, where)
+
+
+def _check_buffer_names(plan: Plan, buffers: Mapping[str, Tensor], where: str) -> None:
+    """Without the model, what the plan knows: a buffer may not be one of its parameters (a
+    whole `state_dict` passed as buffers), nor, where the plan named its model's buffers
+    (`Plan.buffer_names`, kept by copies and pickles), a name outside them."""
+    parameters = {p.name for p in plan.params}
+    for name in buffers:
+        if name in parameters:
+            raise CheckpointMismatchError(
+                f"{where}: buffers holds {name!r}, a parameter of the plan, not a buffer: pass "
+                "the model's buffers alone (a state_dict holds its parameters too)."
+            )
+        if plan.buffer_names and name not in plan.buffer_names:
+            raise CheckpointMismatchError(
+                f"{where}: the checkpoint holds buffer {name!r}, which the plan's model did not "
+                f"have (it had {', '.join(map(repr, plan.buffer_names))})."
+            )
 
 
 def check_buffer(
@@ -145,7 +164,8 @@ def buffers_to_save(
             f"{where}: buffers must be an nn.Module, a {{name: tensor}} mapping or None, got "
             f"{type(buffers).__name__}."
         )
-    check_no_meta({f"buffer {n!r}": t for n, t in found.items()}, where)
+    remedy = "Pass buffers= a model (or {name: tensor}) that holds them."
+    check_no_meta({f"buffer {n!r}": t for n, t in found.items()}, where, remedy)
     check_checkpoint(plan, model, found, where, corrupt=CheckpointError)
     return {n: t.detach() for n, t in found.items()}
 

@@ -107,13 +107,15 @@ def standalone(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def check_no_meta(tensors: dict[str, Tensor], where: str) -> None:
+def check_no_meta(tensors: dict[str, Tensor], where: str, remedy: str = "") -> None:
     """Raise `ValueError` for the first tensor on the `meta` device (it has no values).
 
     Args:
         tensors: `{label: tensor}`; the label names the tensor in the message.
         where: Prefix of the message, e.g. `"gb.save"`.
+        remedy: A sentence that ends the message: what to pass instead.
     """
     for label, t in tensors.items():
         if t.device == torch.device("meta"):
-            raise ValueError(f"{where}: {label} is on the meta device: it has no values to write.")
+            message = f"{where}: {label} is on the meta device: it has no values to write."
+            raise ValueError(f"{message} {remedy}".rstrip())

@@ -6,10 +6,12 @@ writes the file and every rank reads it back with `gb.load`. Rank-owned g-nets u
 """
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor, nn
 
 from ._checkpoint import CheckpointError, save
 from ._plan import Plan
@@ -22,6 +24,7 @@ def save_replicated(
     plan: Plan,
     *,
     group: dist.ProcessGroup | None = None,
+    buffers: nn.Module | Mapping[str, Tensor] | None = None,
     opt_state: object = None,
     step: int | None = None,
     meta: dict[str, Any] | None = None,
@@ -38,6 +41,8 @@ def save_replicated(
         gparams: This rank's replica (identical on every rank).
         plan: The plan that made `gparams`.
         group: Process group (default: the world).
+        buffers: As in `gb.save`: the p-net's buffers (BatchNorm statistics), needed where
+            the plan's model is gone or on `meta`.
         opt_state: As in `gb.save`.
         step: As in `gb.save`.
         meta: As in `gb.save`.
@@ -51,12 +56,12 @@ def save_replicated(
         7
     """
     if not (dist.is_available() and dist.is_initialized()):
-        save(path, gparams, plan, opt_state=opt_state, step=step, meta=meta)
+        save(path, gparams, plan, buffers=buffers, opt_state=opt_state, step=step, meta=meta)
         return
     error: BaseException | None = None
     if dist.get_rank(group) == 0:
         try:
-            save(path, gparams, plan, opt_state=opt_state, step=step, meta=meta)
+            save(path, gparams, plan, buffers=buffers, opt_state=opt_state, step=step, meta=meta)
         except Exception as e:  # reported to the other ranks, then re-raised here
             error = e
     # One collective doubles as the barrier: the file is complete when it returns.

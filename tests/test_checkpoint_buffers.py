@@ -131,7 +131,8 @@ MISFIT_BUFFERS = [
 def test_buffers_that_do_not_fit_the_model_are_refused_and_nothing_changes(
     tmp_path, buffers, message
 ):
-    plan = gb.plan(bn_net(), tile=(8, 8))  # its model is gone: gb.save cannot check buffers
+    # Its model gone and its buffers' names unknown: gb.save cannot check the buffers.
+    plan = replace(gb.plan(bn_net(), tile=(8, 8)), buffer_names=())
     path = tmp_path / "c.safetensors"
     gb.save(path, gb.init(plan), plan, buffers=buffers)
     target = bn_net()
@@ -301,6 +302,37 @@ def test_gb_save_refuses_buffers_that_do_not_fit_the_plans_model(tmp_path, buffe
         gbd.save_sharded(tmp_path / "s", gb.init(plan), plan=plan, buffers=buffers)
     assert not path.exists()
     assert not (tmp_path / "s" / "gbfunc.json").exists()
+
+
+def test_without_the_model_gb_save_still_refuses_names_the_plan_knows_are_wrong(tmp_path):
+    model = bn_net()
+    copied = pickle.loads(pickle.dumps(gb.plan(model, tile=(8, 8))))  # no model: names only
+    path = tmp_path / "c.safetensors"
+    with pytest.raises(gb.CheckpointMismatchError, match=r"'0\.weight', a parameter of the plan"):
+        gb.save(path, gb.init(copied), copied, buffers=model.state_dict())
+    extra = {**dict(model.named_buffers()), "9.extra": torch.zeros(1)}
+    with pytest.raises(gb.CheckpointMismatchError, match=r"buffer '9\.extra', which the plan's"):
+        gb.save(path, gb.init(copied), copied, buffers=extra)
+    assert not path.exists()  # each would have written a file that gb.load refuses
+    gb.save(path, gb.init(copied), copied, buffers=dict(model.named_buffers()))
+    assert gb.load(path, model).step is None
+
+
+def test_save_replicated_takes_the_buffers_of_a_plan_made_on_meta(tmp_path):
+    model = bn_net()
+    trained = gb.Bottleneck(model, tile=(8, 8))
+    trained_statistics(trained)
+    with torch.device("meta"):
+        on_meta = bn_net()
+    plan = gb.plan(on_meta, tile=(8, 8))
+    path = tmp_path / "c.safetensors"
+    with pytest.raises(ValueError, match=r"is on the meta device.*Pass buffers= a model"):
+        gbd.save_replicated(path, gb.init(plan, device="cpu"), plan)
+    gbd.save_replicated(path, gb.init(plan, device="cpu"), plan, buffers=model)
+    fresh = bn_net(seed=1)
+    gb.load(path, fresh)
+    assert torch.equal(fresh[1].running_mean, model[1].running_mean)
+    assert not torch.equal(model[1].running_mean, torch.zeros(16))  # trained statistics
 
 
 def test_gb_save_refuses_another_models_buffers(tmp_path):
