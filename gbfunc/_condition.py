@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from ._check_gparams import TASKS
+from ._numbers import as_integer
 from ._plan import Plan
 from ._tree import GParams
 
@@ -81,7 +82,8 @@ def _task_embedding(gparams: GParams, plan: Plan, task: int | Tensor, where: str
         )
     table = gparams[TASKS]
     if isinstance(task, Tensor):
-        if task.dim() != 0 or task.is_floating_point() or task.is_complex():
+        not_integer = task.is_floating_point() or task.is_complex() or task.dtype == torch.bool
+        if task.dim() != 0 or not_integer:
             raise ValueError(
                 f"{where}: task must be an int or a 0-d integer tensor, got a {task.dtype} "
                 f"tensor of shape {tuple(task.shape)} (for many tasks, torch.func.vmap over "
@@ -93,10 +95,18 @@ def _task_embedding(gparams: GParams, plan: Plan, task: int | Tensor, where: str
             raise ValueError(
                 f"{where}: task must be in 0..{plan.tasks - 1}, got tensor({int(task)})."
             )
-        return table.index_select(0, task.reshape(1).to(table.device)).squeeze(0)
-    if isinstance(task, bool) or not isinstance(task, int) or not 0 <= task < plan.tasks:
-        raise ValueError(f"{where}: task must be an int in 0..{plan.tasks - 1}, got {task!r}.")
-    return table[task]
+        index = task.reshape(1).to(table.device, torch.int64)  # index_select takes int64
+        return table.index_select(0, index).squeeze(0)
+    return table[task_number(task, plan.tasks, where)]
+
+
+def task_number(task: object, tasks: int, where: str) -> int:
+    """`task` as an int in `0..tasks - 1` (Python's or numpy's integers; not a bool), or a
+    `ValueError` that begins with `where`."""
+    number = None if isinstance(task, bool) else as_integer(task)
+    if isinstance(task, Tensor) or number is None or not 0 <= number < tasks:
+        raise ValueError(f"{where}: task must be an int in 0..{tasks - 1}, got {task!r}.")
+    return number
 
 
 def without_condition(

@@ -29,6 +29,7 @@ from ._check_model import check_matches, check_module
 from ._checkpoint import load
 from ._export import export
 from ._init import init
+from ._numbers import as_integer
 from ._plan import Plan
 from ._planner import plan as make_plan
 from ._report import Report, report
@@ -234,10 +235,12 @@ class Bottleneck(nn.Module):
                     "gb.Bottleneck.task: this module has no task embeddings; make it with "
                     "gb.Bottleneck(model, condition=<width>, tasks=<n>), or set b.condition."
                 )
-            if isinstance(task, bool) or not isinstance(task, int) or not 0 <= task < count:
+            number = None if isinstance(task, bool) else as_integer(task)
+            if number is None or not 0 <= number < count:
                 raise ValueError(
                     f"gb.Bottleneck.task must be an int in 0..{count - 1} or None, got {task!r}."
                 )
+            task = number
         self._task = task
         self._task_index = None if task is None else torch.tensor(task, device=self.tasks.device)
 
@@ -355,13 +358,19 @@ class Bottleneck(nn.Module):
         return self
 
     def _apply(self, fn, recurse: bool = True):  # nn.Module's signature
-        """`.to()`, `.half()`, ...: convert this module's tensors, then share buffers again. The
-        task's tensor moves too: a plain attribute, not a buffer, since DDP would broadcast
-        rank 0's over each rank's own task."""
+        """`.to()`, `.half()`, ...: convert this module's tensors, then share buffers again.
+
+        The task's index and the condition, plain attributes (not buffers: DDP would
+        broadcast rank 0's over each rank's own), follow the g-nets' device. The index is
+        made again from `task`, not converted by `fn`: `to_empty` would leave it garbage,
+        `.double()` a float."""
         super()._apply(fn, recurse)
         self._link_buffers()
-        if self._task_index is not None:
-            self._task_index = fn(self._task_index)
+        if self._task is not None:
+            self._task_index = torch.tensor(self._task, device=self.tasks.device)
+        if self.condition is not None:  # a conditioned genome has its `w_cond` parameters
+            device = next(self.parameters()).device
+            self.condition = self.condition.to(device)
         return self
 
     def _link_buffers(self) -> None:

@@ -298,6 +298,7 @@ def test_plans_without_a_condition_keep_their_json_and_conditioned_ones_round_tr
         (lambda g, p, q: gb.apply(g, p, condition=torch.ones(4)), r"shape \(4,\) .* \(3,\)"),
         (lambda g, p, q: gb.apply(g, p, task=4), r"task must be an int in 0\.\.3"),
         (lambda g, p, q: gb.apply(g, p, task=torch.tensor(1.0)), r"0-d integer tensor"),
+        (lambda g, p, q: gb.apply(g, p, task=torch.tensor(True)), r"0-d integer tensor"),
         # eager, on the CPU: read and checked (it raised torch's bare IndexError)
         (
             lambda g, p, q: gb.apply(g, p, task=torch.tensor(4)),
@@ -330,6 +331,55 @@ def test_bad_conditions_are_refused_with_the_argument_named(call, message):
     plain = gb.plan(mlp(), tile=(4, 4), hidden=5)
     with pytest.raises((ValueError, TypeError), match=message):
         call(gb.init(plan), plan, plain)
+
+
+def test_a_task_may_be_any_integer_number_or_0d_integer_tensor():
+    import numpy as np
+
+    plan = gb.plan(mlp(), tile=(4, 4), hidden=5, condition=3, tasks=4)
+    gparams = gb.init(plan)
+    with torch.no_grad():
+        gparams["tasks"].normal_()
+    want = gb.apply(gparams, plan, task=2)
+    # numpy's integers, as everywhere in gbfunc; tensors of the narrow integer dtypes, which
+    # index_select refused with torch's message (eager) and gather under vmap
+    for task in (
+        np.int64(2),
+        torch.tensor(2, dtype=torch.uint8),
+        torch.tensor(2, dtype=torch.int16),
+    ):
+        close(gb.apply(gparams, plan, task=task), want)
+    batched = vmap(lambda t: gb.apply(gparams, plan, task=t))(torch.arange(4, dtype=torch.uint8))
+    close({k: v[2] for k, v in batched.items()}, want)
+    close(gb.export(gparams, plan, task=np.int64(2)), want)
+    net = gb.Bottleneck(mlp(), tile=(4, 4), hidden=5, condition=3, tasks=4)
+    net.task = np.int64(3)
+    assert net.task == 3
+    assert type(net.task) is int
+
+
+def test_a_bottlenecks_task_and_condition_survive_to_empty_type_and_to():
+    x = torch.randn(2, 12)
+    net = gb.Bottleneck(mlp(), tile=(4, 4), hidden=5, condition=3, tasks=4)
+    with torch.no_grad():
+        net.tasks.normal_()
+        for name, p in net.named_parameters():
+            if name.endswith("w_cond"):
+                p.normal_()
+    net.task = 2
+    want = net(x)
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    net.to_empty(device="cpu")  # it left the task's index as uninitialised memory
+    net.load_state_dict(state)
+    torch.testing.assert_close(net(x), want)
+    net.double()  # it made the index a float64 tensor, which gb.apply refuses
+    torch.testing.assert_close(net(x.double()), want.double())
+    net.float()
+    net.task = None
+    net.condition = torch.randn(3)
+    net.to("meta")  # the condition stayed behind on the CPU
+    assert net.condition.device.type == "meta"
+    assert net(x.to("meta")).device.type == "meta"
 
 
 def test_task_without_embeddings_asks_for_tasks():
