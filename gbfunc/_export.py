@@ -52,11 +52,23 @@ def export(
         >>> nn.Linear(64, 32).load_state_dict(sd, strict=True)
         <All keys matched successfully>
     """
-    check_gparams(gparams, plan, "gb.export")
-    check_no_meta(leaves(gparams, plan), "gb.export")
+    return _exported(gparams, plan, model, condition, task, "gb.export")
+
+
+def _exported(
+    gparams: GParams,
+    plan: Plan,
+    model: nn.Module | None,
+    condition: Tensor | None,
+    task: int | None,
+    where: str,
+) -> dict[str, Tensor]:
+    """`export`'s work, its errors named for the call `where` (`gb.export`, `gb.save_dense`)."""
+    check_gparams(gparams, plan, where)
+    check_no_meta(leaves(gparams, plan), where)
     if model is not None:
-        check_matches(plan, model, "gb.export", "the plan")
-    condition_of(gparams, plan, condition, task, "gb.export")  # named for this call
+        check_matches(plan, model, where, "the plan")
+    condition_of(gparams, plan, condition, task, where)  # named for this call
     with torch.no_grad():  # once: not worth compiling
         params = apply(gparams, plan, condition=condition, task=task, compile=False)
     dense: dict[str, Tensor] = {}
@@ -74,7 +86,7 @@ def export(
     empty = next((k for k, v in state.items() if _on_meta(v)), None)
     if empty is not None:  # (the plan's own tensors are real: gb.init drew them)
         raise ValueError(
-            f"gb.export: the model's {empty!r} is on the meta device, with no values to "
+            f"{where}: the model's {empty!r} is on the meta device, with no values to "
             "export; pass a model whose buffers hold values (e.g. built on the CPU)."
         )
     return {
@@ -132,7 +144,7 @@ def save_dense(
         raise TypeError(
             f"gb.save_dense: metadata must map str to str (safetensors' header), got {metadata!r}."
         )
-    state = export(gparams, plan, model=model, condition=condition, task=task)
+    state = _exported(gparams, plan, model, condition, task, "gb.save_dense")
     for key, value in state.items():
         if not isinstance(value, Tensor):
             raise TypeError(

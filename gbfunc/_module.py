@@ -272,6 +272,7 @@ class Bottleneck(nn.Module):
         their inputs by it (transformers' `Trainer` drops unnamed dataset columns) see the
         wrapped model's arguments.
         """
+        self._check_condition_set()
         tensors = apply(self.gparams, self._plan, condition=self.condition, task=self._task_index)
         for name in self._buffer_aliases:
             tensors[name] = self.pnet_buffers.get(name)
@@ -280,9 +281,27 @@ class Bottleneck(nn.Module):
     def export(self) -> dict[str, Tensor]:
         """The dense `state_dict` of the p-net, `gb.export(b.gparams, b.plan, model=b.pnet)`
         (for a conditioned plan, at `b.condition` or `b.task`)."""
+        self._check_condition_set()
         return export(
             self.gparams, self.plan, model=self._pnet, condition=self.condition, task=self.task
         )
+
+    def _check_condition_set(self) -> None:
+        """Raise, in the module's words, unless exactly one of `task` and `condition` is set
+        where the g-nets read a condition (`gb.apply` would name its own arguments). It reads
+        the task's index, not the int, which `torch.compile` would specialise on."""
+        if not self._plan.condition:
+            return
+        if self.condition is None and self._task_index is None:
+            tasks = f"b.task (0..{self._plan.tasks - 1}) or " if self._plan.tasks else ""
+            raise ValueError(
+                f"gb.Bottleneck: its g-nets read a condition of width {self._plan.condition}: "
+                f"set {tasks}b.condition (a tensor of shape ({self._plan.condition},))."
+            )
+        if self.condition is not None and self._task_index is not None:
+            raise ValueError(
+                "gb.Bottleneck: both b.task and b.condition are set; set the other to None."
+            )
 
     def report(self) -> Report:
         """Parameter counts and compression, `gb.report(b.plan)`."""

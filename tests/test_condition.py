@@ -218,8 +218,15 @@ def test_a_compiled_bottleneck_takes_every_task_without_recompiling():
         assert net.task == task
     assert len(graphs) == 1
     net.task = None
-    with pytest.raises(ValueError, match=r"condition of width 3: pass condition= .* task="):
+    unset = r"^gb\.Bottleneck: its g-nets read a condition of width 3: set b\.task \(0\.\.9\) or "
+    with pytest.raises(ValueError, match=unset + r"b\.condition \(a tensor of shape \(3,\)\)"):
         net(x)
+    with pytest.raises(ValueError, match=unset):
+        net.export()
+    net.task, net.condition = 1, torch.ones(3)
+    with pytest.raises(ValueError, match=r"^gb\.Bottleneck: both b\.task and b\.condition"):
+        net(x)
+    net.condition = None
     for bad in (10, -1, True, 1.0):
         with pytest.raises(ValueError, match=r"^gb\.Bottleneck\.task must be an int in 0\.\.9"):
             net.task = bad
@@ -239,7 +246,7 @@ def test_checkpoints_module_export_report_and_optimizer_keep_the_task_embeddings
             if name.endswith("w_cond"):
                 p.normal_()
     x = torch.randn(2, 12)
-    with pytest.raises(ValueError, match=r"condition of width 3: pass condition= .* task="):
+    with pytest.raises(ValueError, match=r"condition of width 3: set b\.task \(0\.\.3\) or b"):
         net(x)
     net.task = 2
     before = net(x)
