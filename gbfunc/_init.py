@@ -1,9 +1,10 @@
 """`gb.init`: draw the g-net stacks and free parameters of a plan, reproducibly."""
 
 import bisect
+import contextlib
 import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
 import torch
@@ -55,9 +56,12 @@ def init(
             leaves take the dtype of the weights it generates, free and frozen parameters
             keep theirs, task embeddings take the generated weights' (float32 where the
             weights' dtypes differ).
-        device: Where the leaves live. `"meta"`: empty leaves of the same shapes and dtypes,
-            nothing drawn or evaluated. Elsewhere the tiles are evaluated on the CPU in
-            chunks, so memory stays within a few times the largest stack's weights.
+        device: Where the leaves live; default torch's default device, as for any tensor
+            made without one (the CPU, unless `with torch.device(...)` or
+            `torch.set_default_device` says otherwise). `"meta"`: empty leaves of the same
+            shapes and dtypes, nothing drawn or evaluated. Elsewhere the leaves are drawn and
+            the tiles evaluated on the CPU in chunks, so memory stays within a few times the
+            largest stack's weights, then moved.
         requires_grad: Mark trainable leaves `requires_grad` (for `torch.optim` and
             `.backward()`); pass False for purely functional training with `torch.func`.
 
@@ -81,8 +85,27 @@ def init(
         )
     seed = integer("gb.init", "seed", seed, minimum=-(2**63), maximum=2**64 - 1)  # torch's range
     source = _value_source(plan, values, model)
-    if device is not None and torch.device(device).type == "meta":
+    default = torch.get_default_device()
+    device = default if device is None else torch.device(device)
+    if device.type == "meta":
         return _on_meta(plan, dtype, requires_grad)
+    # Drawn on the CPU whatever the default device, then moved (the context's function mode
+    # would slow every op where the default already is the CPU).
+    on_cpu = contextlib.nullcontext() if default.type == "cpu" else torch.device("cpu")
+    with on_cpu:
+        return _drawn(plan, seed, dtype, device, requires_grad, source)
+
+
+def _drawn(
+    plan: Plan,
+    seed: int,
+    dtype: torch.dtype | None,
+    device: torch.device,
+    requires_grad: bool,
+    source: Mapping[str, Tensor] | None,
+) -> GParams:
+    """`init`'s leaves, drawn on the CPU from `seed` (free ones copied from `source` where
+    given) and moved to `device`."""
     gen = torch.Generator().manual_seed(seed)
 
     def finish(x: Tensor, trainable: bool, kind: torch.dtype) -> Tensor:
@@ -100,7 +123,7 @@ def init(
     for p in plan.free:
         if source is not None:
             # Copied straight to where the leaf will live (no round trip through the CPU).
-            value = source[p.name].detach().to(device or "cpu", copy=True)
+            value = source[p.name].detach().to(device, copy=True)
         else:
             value = _draw_free(p.init, p.shape, gen)
             if not getattr(torch, p.dtype).is_floating_point:  # integer and bool keep theirs

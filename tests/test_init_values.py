@@ -339,6 +339,21 @@ def test_a_meta_init_draws_and_evaluates_nothing():
     assert all(v.is_meta and v.requires_grad for v in leaves.values())
 
 
+def test_init_follows_torchs_default_device_and_draws_on_the_cpu_under_any():
+    # Under `with torch.device("meta")` (how FSDP2 users build a model) gb.init and
+    # gb.Bottleneck raised "Tensor.item() cannot be called on meta tensors".
+    plan = gb.plan(nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)), tile=(4, 4), hashed=8)
+    real = gb.init(plan, seed=3)
+    with torch.device("meta"):
+        on_meta = gb.init(plan, seed=3)
+        module = gb.Bottleneck(nn.Linear(8, 8), tile=(4, 4))
+        drawn_anyway = gb.init(plan, seed=3, device="cpu")
+    assert {t.device.type for t in pytree.tree_leaves(on_meta)} == {"meta"}
+    assert {p.device.type for p in module.parameters()} == {"meta"}
+    for got, want in zip(pytree.tree_leaves(drawn_anyway), pytree.tree_leaves(real), strict=True):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("options", [{}, {"share": True}, {"hashed": 3}])
 def test_a_meta_init_is_shaped_like_a_real_one_and_traces(options):
     """Same leaves, shapes, dtypes and `requires_grad` as a real init (integer frozen parameters
