@@ -85,6 +85,12 @@ def free_reason(entry: Entry, opts: dict[str, object], flags: dict[str, bool]) -
         entry.name, entry.shape, entry.module, entry.local, entry.layout
     )  # fmt: skip
     if not entry.trainable:
+        if opts["generate"]:
+            raise ValueError(
+                f"gb.plan: {name} was asked to be generated, but it is frozen "
+                "(requires_grad=False), and generated weights train through their g-nets: "
+                "unfreeze it, or do not ask."
+            )
         return "frozen (requires_grad=False)"
     if math.prod(shape) == 0:
         return "empty (a dimension of size 0)"
@@ -129,17 +135,28 @@ def _kept_table(module: nn.Module) -> str | None:
 
 
 def tile_for(
-    name: str, opts: dict[str, object], rows: int, cols: int, outputs: int
+    name: str, opts: dict[str, object], rows: int, cols: int, outputs: int, layout: Layout
 ) -> tuple[int, int]:
+    """The tile of a `(rows, cols)` block of parameter `name` (`layout` says whether it is a
+    bias, a column of one value per row, and into how many blocks the parameter splits). An
+    explicit tile larger than the block is refused; a bias takes only its rows (a tile set
+    for a whole layer, weight and bias, fits the bias)."""
     tile = opts["tile"]
     if tile == "full":
         th, tw = rows, cols
     else:
         th, tw = tile
+        if layout.bias:
+            tw = cols
         if opts.get("explicit_tile") and (th > rows or tw > cols):
+            part = (
+                f"{name}'s weight matrix"
+                if layout.splits == 1
+                else f"each of the {layout.splits} blocks that {name} is cut into"
+            )
             raise ValueError(
-                f"gb.plan: tile {tile} is larger than {name}'s weight matrix ({rows}, {cols}); "
-                "use a tile that fits, or 'full'."
+                f"gb.plan: tile {tile} is larger than {part} ({rows}, {cols}); use a tile that "
+                "fits, or 'full'."
             )
         th, tw = min(th, rows), min(tw, cols)
     if outputs > tw:

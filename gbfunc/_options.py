@@ -1,6 +1,7 @@
 """`gb.plan`'s options: checked, and resolved per parameter from the overrides that match it."""
 
 import fnmatch
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import fields
 
@@ -82,6 +83,23 @@ def check_patterns(rules: Rules, names: list[str]) -> None:
             shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
             raise ValueError(
                 f"gb.plan: pattern {pattern!r} matches no parameter (parameters: {shown})."
+            )
+
+
+def warn_unused(rules: Rules, generated: set[str], reasons: dict[str, str]) -> None:
+    """Warn of each override whose genome options reach no generated parameter: every name
+    it matches stays free (`reasons`: why, by name), so they change nothing."""
+    for pattern, over in rules:
+        options = sorted(set(over) - {"generate", "explicit_tile"})
+        matched = [n for n in reasons if fnmatch.fnmatchcase(n, pattern)]
+        if options and not any(fnmatch.fnmatchcase(n, pattern) for n in generated) and matched:
+            why = "; ".join(f"{n}: {reasons[n]}" for n in matched[:3])
+            more = ", ..." if len(matched) > 3 else ""
+            warnings.warn(
+                f"gb.plan: overrides[{pattern!r}] sets {', '.join(options)}, but every parameter "
+                f"it matches stays free ({why}{more}), so they change nothing.",
+                UserWarning,
+                stacklevel=3,
             )
 
 

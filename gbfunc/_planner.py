@@ -18,7 +18,14 @@ from ._entries import (
 )
 from ._genome import AUTO, Genome, check_genome
 from ._numbers import integer, real
-from ._options import DEFAULT_TILE, check_patterns, check_tile, normalise_overrides, resolve
+from ._options import (
+    DEFAULT_TILE,
+    check_patterns,
+    check_tile,
+    normalise_overrides,
+    resolve,
+    warn_unused,
+)
 from ._plan import (
     Block,
     Free,
@@ -170,6 +177,7 @@ def plan(
     )
     options = _compress(goal, options, tile is not None)
     result = replace(_build(entries, options, flags), tasks=tasks).naming(model)
+    warn_unused(rules, {p.name for p in result.generated}, {p.name: p.reason for p in result.free})
     if not result.generated:
         raise ValueError(
             f"gb.plan: {type(model).__name__} has no parameter to generate: "
@@ -267,7 +275,7 @@ def _build(entries: list[Entry], options: list[dict[str, object]], flags: dict[s
             continue
         stack_id, blocks = None, []
         for rows, cols in block_shapes(shape, layout.splits, layout.split_dim):
-            tile = tile_for(entry.name, opts, rows, cols, genome.outputs)
+            tile = tile_for(entry.name, opts, rows, cols, genome.outputs, layout)
             check_labels(entry.name, genome, rows, cols, tile)
             stack_id, block = stacks.add(genome, tile, shape[2:], rows, cols)
             blocks.append(block)

@@ -130,7 +130,7 @@ def _scan_tiles(goal: Goal, options: list[dict[str, object]]) -> _Scan:
         if opts.get("explicit_tile"):
             fixed_weights += math.prod(shape)
             for rows, cols in blocks:
-                tile = tile_for(name, opts, rows, cols, genome.outputs)
+                tile = tile_for(name, opts, rows, cols, genome.outputs, layout)
                 fixed += block_cost(genome, shape[2:], rows, cols, tile)
         else:
             key = (genome, shape[2:], blocks)
@@ -281,7 +281,7 @@ def _tables(
         genome = genome_for({**opts, "hashed": 0} if sized else opts, window, layout)
         weights += math.prod(shape)
         for rows, cols in block_shapes(shape, layout.splits, layout.split_dim):
-            tile = tile_for(entry.name, opts, rows, cols, genome.outputs)
+            tile = tile_for(entry.name, opts, rows, cols, genome.outputs, layout)
             spent += block_cost(genome, window, rows, cols, tile)
             if sized:
                 positions = tile[0] * tile[1] * math.prod(window)

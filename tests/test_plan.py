@@ -247,6 +247,30 @@ def test_bad_options_name_the_culprit(kwargs, error, match):
         gb.plan(nn.Sequential(nn.Linear(40, 30), nn.LayerNorm(30)), **kwargs)
 
 
+def test_a_tile_set_for_a_whole_layer_fits_its_bias():
+    # The bias is a column of one value per row: the tile's rows apply, its width does not
+    # (it raised "tile (4, 4) is larger than 0.bias's weight matrix (8, 1)").
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    plan = gb.plan(model, biases=True, overrides={"0.*": {"tile": (4, 4)}})
+    assert [s.tile for s in plan.stacks][:2] == [(4, 4), (4, 1)]
+    with pytest.raises(ValueError, match=r"tile \(16, 4\) is larger than 0\.weight's weight"):
+        gb.plan(model, biases=True, overrides={"0.*": {"tile": (16, 4)}})
+    with pytest.raises(ValueError, match=r"larger than each of the 3 blocks that in_proj_weight"):
+        gb.plan(nn.MultiheadAttention(8, 2), overrides={"in_proj_weight": {"tile": (16, 8)}})
+
+
+def test_options_that_reach_only_free_parameters_are_not_silently_dropped():
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 4))
+    with pytest.warns(UserWarning, match=r"overrides\['1\.weight'\] sets tile, but every "):
+        gb.plan(model, tile=(4, 4), overrides={"1.weight": {"tile": (2, 2)}})
+    with pytest.warns(UserWarning, match=r"sets hidden, .*0\.weight: left free by the caller"):
+        gb.plan(model, tile=(4, 4), free=["0.weight"], overrides={"0.weight": {"hidden": 3}})
+    gb.plan(model, tile=(4, 4), overrides={"0.*": {"hidden": 3}})  # the weight takes it: quiet
+    model[0].weight.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"0\.weight was asked to be generated, but it is froz"):
+        gb.plan(model, tile=(4, 4), overrides={"0.weight": {"generate": True}})
+
+
 def test_models_without_generatable_parameters_are_rejected():
     with pytest.raises(ValueError, match="LayerNorm has no parameter to generate"):
         gb.plan(nn.LayerNorm(8))
