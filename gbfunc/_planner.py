@@ -169,7 +169,10 @@ def plan(
             f"{compression_of!r}."
         )
     tasks = integer("gb.plan", "tasks", tasks, minimum=0)
-    task_params = tasks * condition if isinstance(condition, int) else 0  # (checked below)
+    # The task table is (tasks, width), the width of whichever layers read a condition: the
+    # top-level one or an override's (one width in all, `_check_condition`).
+    width = max((o["condition"] for o in options if isinstance(o["condition"], int)), default=0)
+    task_params = tasks * width
     goal = (
         None
         if compression is None

@@ -176,10 +176,16 @@ def test_compression_is_reached_within_ten_percent(target):
 
 
 @pytest.mark.parametrize("sizing", [{}, {"hashed": "auto"}])
-def test_compression_of_the_model_counts_the_task_embeddings_as_gb_report_does(sizing):
-    """50 tasks of width 64 store 3,200 parameters: left out, 6x came out 4.72x."""
+@pytest.mark.parametrize(
+    "width",
+    [{"condition": 64}, {"overrides": {"0.weight": {"condition": 64}}}],
+    ids=["condition", "an override's condition"],
+)
+def test_compression_of_the_model_counts_the_task_embeddings_as_gb_report_does(sizing, width):
+    """50 tasks of width 64 store 3,200 parameters: left out, 6x came out 4.72x (and 5.2x
+    where only an override set the width, which the search did not read)."""
     model = nn.Sequential(nn.Linear(128, 256), nn.Linear(256, 128))
-    rep = gb.report(gb.plan(model, compression=6, condition=64, tasks=50, **sizing))
+    rep = gb.report(gb.plan(model, compression=6, tasks=50, **width, **sizing))
     assert rep.task_params == 50 * 64
     assert rep.compression == pytest.approx(6, rel=0.10)
 
