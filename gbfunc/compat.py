@@ -27,8 +27,11 @@ What differs from torchGB, on purpose:
   so the replicas stay identical without further communication; `save` writes on rank 0 only.
 """
 
+import json
+import math
 import os
-from collections.abc import Callable, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence, Set
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -45,25 +48,45 @@ from ._replicated import save_replicated
 from ._report import report
 
 OptimizerFactory = Callable[[list[Tensor]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer, float], Any]  # torchGB's: f(optimizer, lr)
+_SCHEDULER = "compat.scheduler"  # the scheduler's state, in the checkpoint's meta
 
 
 class GenomicBottleneck:
     """Generate `model`'s weights with g-nets, driven by torchGB's method calls.
 
+    The constructor takes torchGB's arguments, current and older: `GenomicBottleneck(model,
+    local_rank_dict, hidden_dim=..., scheduler=..., lr=..., gnet_batchsize=...,
+    ignore_layers=..., compression=..., hypernet_type=...)`, and the older
+    `GenomicBottleneck(model, num_batches, ...)`.
+
     Args:
         model: The p-net, plain or wrapped in DDP/DataParallel or torch.compile.
-        num_batches: Accepted for torchGB scripts that pass it (older torchGB versions used
-            it for a scheduler that they no longer build); unused.
+        local_rank_dict: torchGB's map from rank to device (a dict, which it needs on CPU);
+            the g-nets live on the model's device, every rank holding them all, so it is
+            not used. An int here is older torchGB's `num_batches`.
         hidden_dim: Hidden width of every g-net.
         lr: Learning rate of the default g-net optimizer.
         compression: Choose tiles for this ratio of generated weights per g-net parameter
-            (torchGB's count; `gb.plan(compression_of="generated")`); exclusive with `tile`.
+            (torchGB's count; `gb.plan(compression_of="generated")`); exclusive with `tile`
+            and `gnet_batchsize`.
         ignore_layers: Parameters whose dotted name contains any of these substrings stay
             free (torchGB's rule; substrings that match nothing are ignored, as in torchGB).
         tile: `(TH, TW)` or `"full"` (see `gb.plan`); default `gb.plan`'s.
+        gnet_batchsize: torchGB's tile size in weights: square tiles of
+            `ceil(sqrt(gnet_batchsize))` rows and columns, as torchGB tiles matrices (its
+            convolutions divide by the kernel's size first; here the tile is the kernel
+            matrix's, as for `tile`).
+        scheduler: torchGB's `f(optimizer, lr) -> scheduler` for the g-net optimizer,
+            stepped by `step()` after the optimizer; its state is saved and loaded with the
+            g-nets (it must be JSON-serialisable, as torch's schedulers' is).
+        hypernet_type: `"g-net"` (or `"gnet"`), torchGB's default; its other types
+            (stochastic g-nets, low rank, XOX) are not implemented here and are refused.
         seed: Seed of `gb.init`.
         optimizer: `f(leaves) -> torch.optim.Optimizer` for the g-net stacks; default
             `AdamW(lr=lr, betas=(0.9, 0.95), weight_decay=0.1)`, torchGB's.
+        num_batches: Older torchGB's second argument, also accepted by name; unused (it
+            sized a scheduler that those versions no longer built).
 
     Examples:
         >>> gnets = GenomicBottleneck(nn.Linear(256, 256), hidden_dim=32, tile=(64, 64))
@@ -74,21 +97,39 @@ class GenomicBottleneck:
     def __init__(
         self,
         model: nn.Module,
-        num_batches: int | None = None,
+        local_rank_dict: Mapping[int, object] | int | None = None,
         *,
         hidden_dim: int = 32,
         lr: float = 1e-3,
         compression: float | None = None,
         ignore_layers: Sequence[str] = (),
         tile: tuple[int, int] | str | None = None,
+        gnet_batchsize: int | None = None,
+        scheduler: SchedulerFactory | None = None,
+        hypernet_type: str = "g-net",
         seed: int = 0,
         optimizer: OptimizerFactory | None = None,
+        num_batches: int | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(
                 f"GenomicBottleneck: model must be an nn.Module, got {type(model).__name__}."
             )
+        if not isinstance(local_rank_dict, Mapping):  # older torchGB's num_batches
+            integer("GenomicBottleneck", "num_batches", local_rank_dict, optional=True)
         integer("GenomicBottleneck", "num_batches", num_batches, optional=True)
+        if hypernet_type not in ("g-net", "gnet"):
+            raise ValueError(
+                f"GenomicBottleneck: hypernet_type={hypernet_type!r} is not implemented here; "
+                "only torchGB's default, 'g-net' (gbfunc's genome options cover others: see "
+                "gb.plan)."
+            )
+        if scheduler is not None and not callable(scheduler):
+            raise TypeError(
+                f"GenomicBottleneck: scheduler must be a callable f(optimizer, lr) or None, "
+                f"got {scheduler!r}."
+            )
+        tile = _tile_of(gnet_batchsize, tile, compression)
         hidden_dim, lr, compression, seed = _check_options(
             hidden_dim, lr, compression, ignore_layers, tile, seed, optimizer
         )
@@ -118,6 +159,7 @@ class GenomicBottleneck:
             lambda leaves: torch.optim.AdamW(leaves, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
         )
         self.optimizer = self._make_optimizer(_leaves(stacks))
+        self.scheduler = None if scheduler is None else scheduler(self.optimizer, lr)
         self._weights: dict[str, Tensor] = {}
 
     def predict_weights(self) -> None:
@@ -163,8 +205,10 @@ class GenomicBottleneck:
         self.optimizer.zero_grad(set_to_none=True)
 
     def step(self) -> None:
-        """Update the g-nets."""
+        """Update the g-nets, then step the scheduler (where one was given), as torchGB."""
         self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
 
     def train(self, mode: bool = True) -> "GenomicBottleneck":
         """Set the p-net's training mode (torchGB's `train()`, with `mode` as in `nn.Module`)."""
@@ -185,7 +229,16 @@ class GenomicBottleneck:
         Under `torch.distributed` rank 0 writes and every rank returns once the file is
         complete (`gb.dist.save_replicated`); call it on every rank.
         """
-        meta = {"writer": "gbfunc.compat.GenomicBottleneck"}
+        meta: dict[str, object] = {"writer": "gbfunc.compat.GenomicBottleneck"}
+        if self.scheduler is not None:
+            meta[_SCHEDULER] = self.scheduler.state_dict()
+            try:
+                json.dumps(meta)
+            except (TypeError, ValueError) as e:
+                raise TypeError(
+                    f"GenomicBottleneck.save: the scheduler's state is not JSON-serialisable "
+                    f"({e}); a checkpoint stores it as JSON."
+                ) from None
         save_replicated(
             fname, self.gparams, self.plan, opt_state=self.optimizer.state_dict(), meta=meta
         )
@@ -205,24 +258,39 @@ class GenomicBottleneck:
                 f"GenomicBottleneck.load: {os.fspath(fname)}: {_difference(ckpt.plan, self.plan)}; "
                 "build the GenomicBottleneck with the options the checkpoint was saved with."
             )
+        where = f"GenomicBottleneck.load: {os.fspath(fname)}"
         stacks = ckpt.gparams["stacks"]  # equal plans: same p-net dtypes, so same leaf dtypes
-        optimizer = self._make_optimizer(_leaves(stacks))
-        if ckpt.opt_state is not None:
+        schedule = (ckpt.meta or {}).get(_SCHEDULER)
+        if ckpt.opt_state is not None:  # tried on a throwaway optimizer first
+            trial = self._make_optimizer([t.detach().clone() for t in _leaves(stacks)])
             try:
-                optimizer.load_state_dict(ckpt.opt_state)
+                trial.load_state_dict(ckpt.opt_state)
             except (ValueError, KeyError, TypeError) as e:
                 raise CheckpointMismatchError(
-                    f"GenomicBottleneck.load: {os.fspath(fname)}: the optimizer state does not fit "
-                    f"this optimizer ({e})."
+                    f"{where}: the optimizer state does not fit this optimizer ({e})."
                 ) from None
+        if schedule is not None and self.scheduler is None:
+            raise CheckpointMismatchError(
+                f"{where}: it holds a scheduler's state, and this GenomicBottleneck has no "
+                "scheduler; build it with the scheduler= it was saved with."
+            )
         # first: it writes all or none, so that a failure changes nothing
-        restore_buffers(pnet, buffers, f"GenomicBottleneck.load: {os.fspath(fname)}")
+        restore_buffers(pnet, buffers, where)
+        # In place, into the leaves the optimizer (and a scheduler on it) already holds.
         with torch.no_grad():
             for group in ("free", "frozen"):
                 for name, value in ckpt.gparams[group].items():
                     self._params[name].copy_(value)
-            self.gparams["stacks"] = stacks
-            self.optimizer = optimizer
+            for key, leaves in stacks.items():
+                for name, value in leaves.items():
+                    self.gparams["stacks"][key][name].copy_(value)
+        if ckpt.opt_state is not None:
+            self.optimizer.load_state_dict(ckpt.opt_state)
+        else:
+            self.optimizer.state.clear()
+        if self.scheduler is not None and schedule is not None:
+            self.scheduler.load_state_dict(schedule)
+        with torch.no_grad():
             self.predict_weights()
         self._weights = {}
 
@@ -270,6 +338,23 @@ def _check_options(
             f"got {optimizer!r}."
         )
     return checked
+
+
+def _tile_of(
+    gnet_batchsize: object, tile: tuple[int, int] | str | None, compression: object
+) -> tuple[int, int] | str | None:
+    """`tile`, or torchGB's square tile of about `gnet_batchsize` weights where that is given
+    (then neither `tile` nor `compression` may be)."""
+    if gnet_batchsize is None:
+        return tile
+    size = integer("GenomicBottleneck", "gnet_batchsize", gnet_batchsize, minimum=1)
+    if tile is not None or compression is not None:
+        raise ValueError(
+            "GenomicBottleneck: pass one of gnet_batchsize, tile and compression (each sets "
+            "the tiles)."
+        )
+    side = math.isqrt(size - 1) + 1  # ceil(sqrt(size)), as torchGB
+    return (side, side)
 
 
 def _leaves(stacks: dict[str, dict[str, Tensor]]) -> list[Tensor]:

@@ -143,6 +143,51 @@ def test_save_load_resumes_exactly(tmp_path):
     assert torchgb_loop(other, gnets2, optimizer2, x, y, steps=3) == straight
 
 
+def test_torchgbs_current_signature_and_scheduler_resume_exactly(tmp_path):
+    """torchGB HEAD's GenomicBottleneck(model, local_rank_dict, ..., scheduler=f(opt, lr),
+    gnet_batchsize=...) runs as written; the scheduler's state is saved with the g-nets."""
+    x, y = batch((16,))
+
+    def halving(optimizer, lr):
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+
+    def build(seed: int) -> tuple[nn.Module, GenomicBottleneck, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = mlp()
+        gnets = GenomicBottleneck(
+            model, {0: "cpu"}, hidden_dim=8, scheduler=halving, lr=3e-3, gnet_batchsize=250,
+            ignore_layers=[], compression=None, hypernet_type="g-net", seed=seed,
+        )  # fmt: skip
+        return model, gnets, torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+    model, gnets, optimizer = build(0)
+    assert {s.tile for s in gnets.plan.stacks} <= {(16, 16), (3, 16)}  # ceil(sqrt(250)) = 16
+    torchgb_loop(model, gnets, optimizer, x, y, steps=3)
+    gnets.save(tmp_path / "g.safetensors")
+    torch.save(optimizer.state_dict(), tmp_path / "opt.pt")
+    straight = torchgb_loop(model, gnets, optimizer, x, y, steps=3)
+
+    other, gnets2, optimizer2 = build(1)
+    held, schedule = gnets2.optimizer, gnets2.scheduler
+    gnets2.load(tmp_path / "g.safetensors")
+    optimizer2.load_state_dict(torch.load(tmp_path / "opt.pt"))
+    # The same optimizer and scheduler objects: a scheduler a user built on gnets.optimizer
+    # before resuming kept driving a discarded optimizer.
+    assert gnets2.optimizer is held
+    assert gnets2.scheduler is schedule
+    assert schedule.last_epoch == 3
+    assert torchgb_loop(other, gnets2, optimizer2, x, y, steps=3) == straight
+    assert gnets2.optimizer.param_groups[0]["lr"] == pytest.approx(3e-3 / 8)
+
+    with pytest.raises(ValueError, match=r"hypernet_type='xox' is not implemented"):
+        GenomicBottleneck(mlp(), {0: "cpu"}, hypernet_type="xox")
+    with pytest.raises(ValueError, match="pass one of gnet_batchsize, tile and compression"):
+        GenomicBottleneck(mlp(), gnet_batchsize=100, tile=(8, 8))
+    plain = GenomicBottleneck(mlp(), hidden_dim=8, gnet_batchsize=250)  # no scheduler
+    with pytest.raises(gb.CheckpointMismatchError, match="holds a scheduler's state"):
+        plain.load(tmp_path / "g.safetensors")
+
+
 def test_load_rejects_a_checkpoint_with_other_gnets_and_changes_nothing(tmp_path):
     GenomicBottleneck(mlp(), tile=(16, 16)).save(tmp_path / "g.safetensors")
     model = mlp()
