@@ -25,8 +25,10 @@ def advice(
     target: float,
     scope: str,
     reach: Reach,
+    stored: int = 0,
 ) -> str:
-    """The sentences an `UnreachableError` ends with (after the ratios the search found)."""
+    """The sentences an `UnreachableError` ends with (after the ratios the search found);
+    `stored`: parameters stored besides the g-nets and the parameters (task embeddings)."""
     text = ""
     variants: list[tuple[str, list[dict[str, object]], dict[str, bool]]] = []
     if scope == "model":
@@ -34,11 +36,11 @@ def advice(
         if whole:
             kept = sum(whole.values())
             total = sum(math.prod(e.shape) for e in entries)
+            tasks = f" and the {stored:,} of the task embeddings" if stored else ""
             text += (
                 f" The whole model's ratio counts the {kept:,} parameters stored whole (free "
-                f"and frozen), which cap it at {total / kept:.2f}x whatever the g-nets: "
-                + "; ".join(f"{label}: {n:,}" for label, n in whole.items())
-                + "."
+                f"and frozen){tasks}, which cap it at {total / (kept + stored):.2f}x whatever "
+                "the g-nets: " + "; ".join(f"{label}: {n:,}" for label, n in whole.items()) + "."
             )
         variants = [(f"{flag}=True", options, {**flags, flag: True}) for flag in generating]
         if len(generating) > 1:

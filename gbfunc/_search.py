@@ -48,7 +48,7 @@ class Goal(NamedTuple):
         `advice` on options that would reach it, then what else to change (`otherwise`)."""
         return UnreachableError(
             f"gb.plan: compression={self.target} cannot be reached within 10% {found}."
-            + advice(self.entries, options, self.flags, self.target, self.scope, reach)
+            + advice(self.entries, options, self.flags, self.target, self.scope, reach, self.stored)
             + f" Otherwise {otherwise}."
         )
 

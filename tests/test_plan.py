@@ -668,6 +668,14 @@ def test_an_unreachable_whole_model_target_says_what_counts():
         r"biases=True gives [\d.]+x to [\d.]+x\. compression_of='generated'",
     ):
         gb.plan(model, compression=200, share=True)
+    # Task embeddings are stored too: the cap counts them (it said 33.00x here).
+    tasks_cap = (2 * 64 * 64 + 256) / (256 + 40 * 8)
+    with pytest.raises(
+        ValueError,
+        match=r"stored whole \(free and frozen\) and the 320 of the task embeddings, which cap "
+        rf"it at {tasks_cap:.2f}x",
+    ):
+        gb.plan(model, compression=200, share=True, condition=8, tasks=40)
     with pytest.raises(ValueError, match=r"gb\.plan: compression_of must be one of 'model', "):
         gb.plan(model, compression=2, compression_of="weights")
 
