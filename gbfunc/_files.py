@@ -76,8 +76,11 @@ def _create_temp(directory: str, name: str, mode: int) -> tuple[str, int]:
 
     Returns its path and the mode it got, read back so the umask is never set to be read.
     """
-    for _ in range(100):  # the name cut so that the temporary one fits where `name` does
-        tmp = os.path.join(directory, f".{name[:200]}.{secrets.token_hex(6)}.tmp")
+    short = name  # cut to 200 bytes, so that the temporary name fits where `name` does
+    while len(os.fsencode(short)) > 200:
+        short = short[:-1]
+    for _ in range(100):
+        tmp = os.path.join(directory, f".{short}.{secrets.token_hex(6)}.tmp")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
         except FileExistsError:

@@ -325,6 +325,7 @@ class Bottleneck(nn.Module):
         A conditioned module calibrates for its `condition` or `task`, as its forward runs.
         """
         check_inputs(inputs, "gb.Bottleneck.calibrate")  # named for this call, not gb.calibrate
+        self._check_condition_set()
         calibrated = calibrate(
             self.gparams, self.plan, self._pnet, inputs, condition=self.condition, task=self.task
         )

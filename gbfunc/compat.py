@@ -27,7 +27,6 @@ What differs from torchGB, on purpose:
   so the replicas stay identical without further communication; `save` writes on rank 0 only.
 """
 
-import json
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence, Set
@@ -49,7 +48,8 @@ from ._report import report
 
 OptimizerFactory = Callable[[list[Tensor]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer, float], Any]  # torchGB's: f(optimizer, lr)
-_SCHEDULER = "compat.scheduler"  # the scheduler's state, in the checkpoint's meta
+# With a scheduler, the checkpoint's opt_state is {_OPTIMIZER: ..., _SCHEDULER: ...}.
+_OPTIMIZER, _SCHEDULER = "compat.optimizer", "compat.scheduler"
 
 
 class GenomicBottleneck:
@@ -79,7 +79,7 @@ class GenomicBottleneck:
             matrix's, as for `tile`).
         scheduler: torchGB's `f(optimizer, lr) -> scheduler` for the g-net optimizer,
             stepped by `step()` after the optimizer; its state is saved and loaded with the
-            g-nets (it must be JSON-serialisable, as torch's schedulers' is).
+            optimizer's.
         hypernet_type: `"g-net"` (or `"gnet"`), torchGB's default; its other types
             (stochastic g-nets, low rank, XOX) are not implemented here and are refused.
         seed: Seed of `gb.init`.
@@ -159,6 +159,7 @@ class GenomicBottleneck:
             lambda leaves: torch.optim.AdamW(leaves, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
         )
         self.optimizer = self._make_optimizer(_leaves(stacks))
+        self._make_scheduler, self._lr = scheduler, lr
         self.scheduler = None if scheduler is None else scheduler(self.optimizer, lr)
         self._weights: dict[str, Tensor] = {}
 
@@ -224,59 +225,43 @@ class GenomicBottleneck:
         return report(self.plan).compression
 
     def save(self, fname: str | os.PathLike) -> None:
-        """Write g-nets, free parameters and g-net optimizer state (`gb.save` format).
+        """Write g-nets, free parameters and g-net optimizer state (`gb.save` format), and the
+        scheduler's state where there is a scheduler (then `opt_state` is `{"optimizer": ...,
+        "scheduler": ...}`, both stored as they are: int keys, tensors and all).
 
         Under `torch.distributed` rank 0 writes and every rank returns once the file is
         complete (`gb.dist.save_replicated`); call it on every rank.
         """
-        meta: dict[str, object] = {"writer": "gbfunc.compat.GenomicBottleneck"}
+        state: dict[str, object] = self.optimizer.state_dict()
         if self.scheduler is not None:
-            meta[_SCHEDULER] = self.scheduler.state_dict()
-            try:
-                json.dumps(meta)
-            except (TypeError, ValueError) as e:
-                raise TypeError(
-                    f"GenomicBottleneck.save: the scheduler's state is not JSON-serialisable "
-                    f"({e}); a checkpoint stores it as JSON."
-                ) from None
-        save_replicated(
-            fname, self.gparams, self.plan, opt_state=self.optimizer.state_dict(), meta=meta
-        )
+            state = {_OPTIMIZER: state, _SCHEDULER: self.scheduler.state_dict()}
+        meta = {"writer": "gbfunc.compat.GenomicBottleneck"}
+        save_replicated(fname, self.gparams, self.plan, opt_state=state, meta=meta)
 
     def load(self, fname: str | os.PathLike) -> None:
-        """Restore a file written by `save`: g-nets, optimizer state, free parameters and the
-        model's buffers.
+        """Restore a file written by `save`: g-nets, optimizer and scheduler state, free
+        parameters and the model's buffers, into this object's own tensors, optimizer and
+        scheduler (so that whatever holds them, a scheduler built on `optimizer` say, stays
+        in step).
 
-        Everything is read and checked first (file, hash, model, plan, optimizer state); only
-        then is anything replaced, and the p-net's generated weights are re-predicted.
+        Everything is read and checked first (file, hash, model, plan, optimizer and scheduler
+        state, on throwaway copies); only then is anything replaced, and the p-net's
+        generated weights are re-predicted.
         """
         first = next(iter(self.gparams["stacks"].values()))["w_in"]
         pnet = unwrap(self.model)
+        where = f"GenomicBottleneck.load: {os.fspath(fname)}"
         ckpt, buffers = read(fname, pnet, "GenomicBottleneck.load", device=first.device)
         if ckpt.plan != self.plan:
             raise CheckpointMismatchError(
-                f"GenomicBottleneck.load: {os.fspath(fname)}: {_difference(ckpt.plan, self.plan)}; "
+                f"{where}: {_difference(ckpt.plan, self.plan)}; "
                 "build the GenomicBottleneck with the options the checkpoint was saved with."
             )
-        where = f"GenomicBottleneck.load: {os.fspath(fname)}"
         stacks = ckpt.gparams["stacks"]  # equal plans: same p-net dtypes, so same leaf dtypes
-        schedule = (ckpt.meta or {}).get(_SCHEDULER)
-        if ckpt.opt_state is not None:  # tried on a throwaway optimizer first
-            trial = self._make_optimizer([t.detach().clone() for t in _leaves(stacks)])
-            try:
-                trial.load_state_dict(ckpt.opt_state)
-            except (ValueError, KeyError, TypeError) as e:
-                raise CheckpointMismatchError(
-                    f"{where}: the optimizer state does not fit this optimizer ({e})."
-                ) from None
-        if schedule is not None and self.scheduler is None:
-            raise CheckpointMismatchError(
-                f"{where}: it holds a scheduler's state, and this GenomicBottleneck has no "
-                "scheduler; build it with the scheduler= it was saved with."
-            )
+        optimizer_state, scheduler_state = _split_state(ckpt.opt_state)
+        self._try_states(stacks, optimizer_state, scheduler_state, where)
         # first: it writes all or none, so that a failure changes nothing
         restore_buffers(pnet, buffers, where)
-        # In place, into the leaves the optimizer (and a scheduler on it) already holds.
         with torch.no_grad():
             for group in ("free", "frozen"):
                 for name, value in ckpt.gparams[group].items():
@@ -284,15 +269,43 @@ class GenomicBottleneck:
             for key, leaves in stacks.items():
                 for name, value in leaves.items():
                     self.gparams["stacks"][key][name].copy_(value)
-        if ckpt.opt_state is not None:
-            self.optimizer.load_state_dict(ckpt.opt_state)
+        if optimizer_state is not None:
+            self.optimizer.load_state_dict(optimizer_state)
         else:
             self.optimizer.state.clear()
-        if self.scheduler is not None and schedule is not None:
-            self.scheduler.load_state_dict(schedule)
+        if self.scheduler is not None and scheduler_state is not None:
+            self.scheduler.load_state_dict(scheduler_state)
         with torch.no_grad():
             self.predict_weights()
         self._weights = {}
+
+    def _try_states(
+        self,
+        stacks: dict[str, dict[str, Tensor]],
+        optimizer_state: dict | None,
+        scheduler_state: dict | None,
+        where: str,
+    ) -> None:
+        """Raise `CheckpointMismatchError` unless the states load into an optimizer (and a
+        scheduler) made as this object's were, over copies of the checkpoint's leaves."""
+        if scheduler_state is not None and self.scheduler is None:
+            raise CheckpointMismatchError(
+                f"{where}: it holds a scheduler's state, and this GenomicBottleneck has no "
+                "scheduler; build it with the scheduler= it was saved with."
+            )
+        if optimizer_state is None:
+            return
+        copies = [t.detach().clone().requires_grad_(t.requires_grad) for t in _leaves(stacks)]
+        trial = self._make_optimizer(copies)
+        try:
+            trial.load_state_dict(optimizer_state)
+            if scheduler_state is not None and self._make_scheduler is not None:
+                self._make_scheduler(trial, self._lr).load_state_dict(scheduler_state)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointMismatchError(
+                f"{where}: the optimizer or scheduler state does not fit this one "
+                f"({type(e).__name__}: {e})."
+            ) from None
 
     def __repr__(self) -> str:
         rep = report(self.plan)
@@ -338,6 +351,14 @@ def _check_options(
             f"got {optimizer!r}."
         )
     return checked
+
+
+def _split_state(opt_state: object) -> tuple[dict | None, dict | None]:
+    """A checkpoint's `(optimizer state, scheduler state)`: `save` wraps the two together
+    where there is a scheduler, else stores the optimizer's alone."""
+    if isinstance(opt_state, dict) and set(opt_state) == {_OPTIMIZER, _SCHEDULER}:
+        return opt_state[_OPTIMIZER], opt_state[_SCHEDULER]
+    return (opt_state if isinstance(opt_state, dict) else None), None
 
 
 def _tile_of(

@@ -365,9 +365,23 @@ def test_save_refuses_a_path_that_holds_no_regular_file_and_leaves_it(tmp_path, 
     assert os.listdir(tmp_path) == [path.name]
 
 
-def test_save_takes_a_file_name_as_long_as_the_file_system_allows(tmp_path, planned):
+@pytest.mark.parametrize("letter", ["c", "é"])  # one byte, two bytes
+def test_save_takes_a_file_name_as_long_as_the_file_system_allows(tmp_path, planned, letter):
     plan, gparams = planned
-    path = tmp_path / ("c" * (os.pathconf(tmp_path, "PC_NAME_MAX") - len(".safetensors")))
-    path = path.with_name(path.name + ".safetensors")
+    room = os.pathconf(tmp_path, "PC_NAME_MAX") - len(".safetensors")
+    path = tmp_path / (letter * (room // len(letter.encode())) + ".safetensors")
     gb.save(path, gparams, plan, step=3)  # its temporary file's name must fit too
     assert gb.load(path, model()).step == 3
+
+
+def test_a_sharded_checkpoint_whose_folder_cannot_be_searched_is_unreadable(tmp_path, monkeypatch):
+    import pathlib
+
+    import gbfunc.dist as gbd
+
+    def denied(self):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+
+    monkeypatch.setattr(pathlib.Path, "is_file", denied)  # (root may search any folder)
+    with pytest.raises(gb.CheckpointUnreadableError, match=r"cannot read gbfunc\.json"):
+        gbd.load_sharded(tmp_path / "s", model())

@@ -148,8 +148,8 @@ def test_torchgbs_current_signature_and_scheduler_resume_exactly(tmp_path):
     gnet_batchsize=...) runs as written; the scheduler's state is saved with the g-nets."""
     x, y = batch((16,))
 
-    def halving(optimizer, lr):
-        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    def halving(optimizer, lr):  # its milestones, a Counter with int keys, must come back whole
+        return torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=[4, 5], gamma=0.5)
 
     def build(seed: int) -> tuple[nn.Module, GenomicBottleneck, torch.optim.Optimizer]:
         torch.manual_seed(seed)
@@ -177,7 +177,7 @@ def test_torchgbs_current_signature_and_scheduler_resume_exactly(tmp_path):
     assert gnets2.scheduler is schedule
     assert schedule.last_epoch == 3
     assert torchgb_loop(other, gnets2, optimizer2, x, y, steps=3) == straight
-    assert gnets2.optimizer.param_groups[0]["lr"] == pytest.approx(3e-3 / 8)
+    assert gnets2.optimizer.param_groups[0]["lr"] == pytest.approx(3e-3 / 4)
 
     with pytest.raises(ValueError, match=r"hypernet_type='xox' is not implemented"):
         GenomicBottleneck(mlp(), {0: "cpu"}, hypernet_type="xox")
@@ -186,6 +186,25 @@ def test_torchgbs_current_signature_and_scheduler_resume_exactly(tmp_path):
     plain = GenomicBottleneck(mlp(), hidden_dim=8, gnet_batchsize=250)  # no scheduler
     with pytest.raises(gb.CheckpointMismatchError, match="holds a scheduler's state"):
         plain.load(tmp_path / "g.safetensors")
+
+    def constant(optimizer, lr):
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+    other = GenomicBottleneck(mlp(), hidden_dim=8, gnet_batchsize=250, scheduler=constant)
+    before = [t.detach().clone() for t in other.optimizer.param_groups[0]["params"]]
+    with pytest.raises(gb.CheckpointMismatchError, match="scheduler state does not fit"):
+        other.load(tmp_path / "g.safetensors")  # checked before anything changed
+    after = other.optimizer.param_groups[0]["params"]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_load_takes_an_optimizer_factory_that_keeps_the_trainable_leaves(tmp_path):
+    def trainable_only(leaves):
+        return torch.optim.AdamW([t for t in leaves if t.requires_grad], lr=1e-3)
+
+    GenomicBottleneck(mlp(), tile=(16, 16)).save(tmp_path / "g.safetensors")
+    gnets = GenomicBottleneck(mlp(), tile=(16, 16), seed=3, optimizer=trainable_only)
+    gnets.load(tmp_path / "g.safetensors")  # its trial copies were not trainable: no leaves
 
 
 def test_load_rejects_a_checkpoint_with_other_gnets_and_changes_nothing(tmp_path):

@@ -223,6 +223,8 @@ def test_a_compiled_bottleneck_takes_every_task_without_recompiling():
         net(x)
     with pytest.raises(ValueError, match=unset):
         net.export()
+    with pytest.raises(ValueError, match=unset):
+        net.calibrate(x)
     net.task, net.condition = 1, torch.ones(3)
     with pytest.raises(ValueError, match=r"^gb\.Bottleneck: both b\.task and b\.condition"):
         net(x)

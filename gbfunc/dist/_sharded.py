@@ -358,15 +358,16 @@ def _fill(into: GParams, loaded: GParams) -> None:
 
 def _manifest(path: Path, where: str) -> dict[str, Any]:
     target = path / MANIFEST
-    if not target.is_file():
-        raise CheckpointNotFoundError(f"{where}: no {MANIFEST}; not a sharded gbfunc checkpoint.")
     try:
-        manifest = json.loads(target.read_text())
+        found = target.is_file()  # (it raises where the folder cannot be searched)
+        manifest = json.loads(target.read_text()) if found else None
     except OSError as e:
         reason = e.strerror or e
         raise CheckpointUnreadableError(f"{where}: cannot read {MANIFEST} ({reason}).") from None
     except ValueError as e:  # not UTF-8, or not JSON
         raise CheckpointCorruptError(f"{where}: unreadable {MANIFEST} ({e!s:.200}).") from None
+    if not found:
+        raise CheckpointNotFoundError(f"{where}: no {MANIFEST}; not a sharded gbfunc checkpoint.")
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointCorruptError(f"{where}: {MANIFEST} is not a {FORMAT} manifest.")
     if manifest.get("format_version") not in READABLE_VERSIONS:
