@@ -21,7 +21,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.filesystem as dcp_files
+import torch.utils._pytree as pytree
 from sharded_files import data_of, entries, rewrite
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.func import functional_call
@@ -254,6 +256,36 @@ def test_one_process_resumes_gnets_and_adamw_bitwise(tmp_path):
     _steps(model, plan, fresh, fresh_opt, 1)
     for ours, theirs in zip(gb.trainable_leaves(fresh), gb.trainable_leaves(gparams), strict=True):
         assert torch.equal(ours, theirs)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_leaves_in_another_dtype_than_the_models_load_as_saved(tmp_path, dtype):
+    # The free leaves' templates took the model's dtype: DCP read float64 values into float32
+    # ones, and the load called the shard damaged (a checksum mismatch).
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    plan = gb.plan(model, tile=(4, 4))
+    gparams = gb.init(plan, seed=0, dtype=dtype)
+    gbd.save_sharded(tmp_path, gparams, plan=plan, step=1)
+    loaded = gbd.load_sharded(tmp_path, model).gparams
+    into = gb.init(plan, seed=1, dtype=dtype)
+    gbd.load_sharded(tmp_path, model, into=into)
+    for got in (loaded, into):
+        for ours, theirs in zip(pytree.tree_leaves(got), pytree.tree_leaves(gparams), strict=True):
+            assert ours.dtype == theirs.dtype
+            assert torch.equal(ours, theirs)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_meta_json_cannot_write_is_refused_before_anything_is_written(tmp_path):
+    model, plan, gparams, _ = _small()
+    gbd.save_sharded(tmp_path, gparams, plan=plan, step=1)
+    before = sorted(os.listdir(tmp_path))
+    # json.dumps took it; the manifest's sort_keys=True did not, after the shards were written
+    with pytest.raises(TypeError, match=r"meta must be JSON-serialisable: '<' not supported"):
+        gbd.save_sharded(tmp_path, gparams, plan=plan, step=2, meta={1: "a", "b": 2})
+    assert sorted(os.listdir(tmp_path)) == before
+    assert gbd.load_sharded(tmp_path, model).step == 1
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

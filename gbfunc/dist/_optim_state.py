@@ -6,7 +6,8 @@ tensors shaped like their parameter are split the same way (one entry per g-net 
 whole tensor, sharded as the parameter is), so the state reshards to another world size with
 the parameters; other tensors (AdamW's `step`) are one entry per parameter, and plain values
 go into the manifest. Entries are named after parameters, not after their positions, so a
-checkpoint restores into a new optimizer built over the same gparams in any order.
+checkpoint restores into a new optimizer built over the same gparams on any number of ranks;
+its groups must hold the parameters in the saved order, which the load checks by name.
 """
 
 from dataclasses import dataclass

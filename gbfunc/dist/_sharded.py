@@ -237,8 +237,9 @@ def _templates(
         target = into[kind][p.name] if into is not None else None
         if isinstance(target, DTensor):
             state[f"{kind}/{p.name}"] = torch.empty_like(target.detach())
-        else:
-            state[f"{kind}/{p.name}"] = torch.empty(p.shape, dtype=getattr(torch, p.dtype))
+        else:  # as saved (gb.init(dtype=) may differ from the model); older manifests: plan's
+            dtype = dtypes.get(f"{kind}/{p.name}", getattr(torch, p.dtype))
+            state[f"{kind}/{p.name}"] = torch.empty(p.shape, dtype=dtype)
     if plan.tasks:
         dtype = dtypes.get(TASKS)
         if dtype is None:

@@ -136,9 +136,9 @@ def save_sharded(
         manifest["data"] = name
         try:
             late = publish(directory, name, json.dumps(manifest, sort_keys=True))
-        except OSError as e:  # the manifest is the previous one
+        except Exception as e:  # the manifest is the previous one; no rank left waiting
             discard(directory, name)
-            failure = _unwritable(where, directory, e)
+            failure = _unwritable(where, directory, e) if isinstance(e, OSError) else e
         else:
             if late is not None:  # the new checkpoint is in place: no failure of the save
                 warnings.warn(
@@ -222,7 +222,7 @@ def _prepare(
     """This rank's entries, and the manifest but for what depends on every rank's."""
     step = integer(where, "step", step, minimum=0, optional=True)
     try:
-        json.dumps(meta)
+        json.dumps(meta, sort_keys=True)  # as the manifest is written: mixed key types fail
     except (TypeError, ValueError) as e:
         raise TypeError(f"{where}: meta must be JSON-serialisable: {e}.") from None
     state = _value_entries(local, rows, where)
@@ -243,6 +243,11 @@ def _prepare(
             f"stacks/{key}/{leaf}": str(v.dtype).removeprefix("torch.")
             for key, leaves in local["stacks"].items()
             for leaf, v in leaves.items()
+        }
+        | {
+            f"{kind}/{name}": str(v.dtype).removeprefix("torch.")
+            for kind in ("free", "frozen")
+            for name, v in local[kind].items()
         }
         | ({TASKS: str(local[TASKS].dtype).removeprefix("torch.")} if TASKS in local else {}),
         "buffers": {
