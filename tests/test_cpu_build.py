@@ -3,6 +3,8 @@ build another process holds, a library cut short in the cache, and loops switche
 failing after code was traced with them. Rows 1 and 4 run real processes: one that is killed,
 one that would crash on a bad library."""
 
+import contextlib
+import errno
 import os
 import re
 import signal
@@ -81,12 +83,12 @@ def test_a_build_killed_midway_leaves_nothing_that_makes_the_next_one_wait(tmp_p
     builds at once, and finds the loop equal to its specification."""
     cache, started = tmp_path / "cache", tmp_path / "compiler-started"
     hanging = tmp_path / "hanging-compiler"
-    hanging.write_text(f"#!/bin/sh\ntouch {started}\nexec sleep 300\n")
+    # The compiler runs in a process group of its own (so that a timeout kills all of it):
+    # it writes its pid where this test can end it.
+    hanging.write_text(f"#!/bin/sh\necho $$ > {started}.pid\ntouch {started}\nexec sleep 300\n")
     hanging.chmod(0o755)
     victim = subprocess.Popen(
-        [sys.executable, "-c", BUILD_AND_CHECK],
-        env=environment(cache, CXX=str(hanging)),
-        start_new_session=True,  # its compiler too, to clean up after
+        [sys.executable, "-c", BUILD_AND_CHECK], env=environment(cache, CXX=str(hanging))
     )
     try:
         deadline = time.monotonic() + 120
@@ -100,7 +102,11 @@ def test_a_build_killed_midway_leaves_nothing_that_makes_the_next_one_wait(tmp_p
         began = time.monotonic()
         next_one = build_and_check(cache)
     finally:
-        os.killpg(victim.pid, signal.SIGKILL)
+        victim.kill()
+        victim.wait()
+        if started.exists():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(Path(f"{started}.pid").read_text()), signal.SIGKILL)
     assert next_one.returncode == 0, next_one.stderr[-3000:]
     assert next_one.stdout.startswith("usable []"), next_one.stdout
     assert time.monotonic() - began < 120
@@ -200,3 +206,81 @@ def test_a_loop_never_loaded_says_so_instead_of_calling_nothing(fresh_loops):
             _build.runnable(_relu_loops._SUMS, 9)
     finally:
         gb.cpu.set_mode(None)
+
+
+def test_a_cache_without_flock_or_read_only_still_takes_the_lock_path(tmp_path, monkeypatch):
+    """A read-only cache (a container image's) could not open its lock file for writing, and
+    a file system without flock raised ENOLCK: either turned the loops off even with a good
+    build there. A read-only lock file takes the lock; without flock the build goes on
+    unlocked, and leaves other builds' temporary files alone."""
+    lock = tmp_path / _compile.LOCK_NAME
+    lock.touch()
+    real_open = os.open
+
+    def read_only(path, flags, *args):
+        if flags & os.O_CREAT:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, flags, *args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "open", read_only)
+        with _compile.locked(lock) as held:
+            assert held
+
+    def no_locks(descriptor, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(_compile.fcntl, "flock", no_locks)
+    with _compile.locked(lock) as held:
+        assert not held
+
+
+def _fake_compiler(tmp_path: Path, body: str) -> str:
+    script = tmp_path / "cc"
+    script.write_text("#!/bin/sh\n" + body)
+    script.chmod(0o755)
+    return str(script)
+
+
+def test_a_compiler_over_its_time_is_killed_with_everything_it_started(tmp_path, monkeypatch):
+    """The timeout killed the driver alone: cc1plus, as or ld ran on, unbounded."""
+    started = tmp_path / "child.pid"
+    compiler = _fake_compiler(tmp_path, f"sleep 60 & echo $! > {started}\nwait\n")
+    monkeypatch.setattr(_compile, "COMPILE_S", 1.0)
+    with pytest.raises(TimeoutError, match="the compiler ran over 1 s"):
+        _compile._compile([compiler])
+    child = int(started.read_text())
+    time.sleep(0.2)
+    assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text()
+
+
+def test_a_build_that_fails_after_compiling_leaves_no_partial_file(tmp_path, monkeypatch):
+    """A full disk at the record's write left the library's and the record's temporary files
+    on the full disk until that library was built again."""
+    compiler = _fake_compiler(tmp_path, 'for last; do :; done\necho built > "$last"\n')
+    real_write = Path.write_text
+
+    def disk_full(self, *args, **kwargs):
+        if _compile._PARTIAL in self.name:
+            real_write(self, "")  # the file exists, then the disk is full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
+        return real_write(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", disk_full)
+    library = tmp_path / "lib.so"
+    with pytest.raises(OSError, match="No space left"):
+        _compile._build([compiler], library, "inputs")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cc"]
+
+
+def test_the_cache_folder_variable_takes_a_home_relative_or_relative_path(tmp_path, monkeypatch):
+    """A quoted GBFUNC_CACHE_DIR="~/.cache/gbfunc" made a folder named '~' in every working
+    directory, each with its own builds."""
+    from gbfunc.cpu import _cache
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv(_cache.CACHE_VARIABLE, "~/.cache/gbfunc")
+    assert _cache.cache_root() == tmp_path / ".cache" / "gbfunc"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(_cache.CACHE_VARIABLE, "here")
+    assert _cache.cache_root() == tmp_path / "here"

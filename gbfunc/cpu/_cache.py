@@ -19,11 +19,12 @@ CACHE_VARIABLE = "GBFUNC_CACHE_DIR"
 
 
 def cache_root() -> Path:
-    """The root of gbfunc's cache: `$GBFUNC_CACHE_DIR`, else the platform's per-user cache
-    folder with `gbfunc` appended (`$XDG_CACHE_HOME` or `~/.cache` on Linux)."""
+    """The root of gbfunc's cache: `$GBFUNC_CACHE_DIR` (`~` expanded, relative to the current
+    folder if relative), else the platform's per-user cache folder with `gbfunc` appended
+    (`$XDG_CACHE_HOME` or `~/.cache` on Linux)."""
     override = os.environ.get(CACHE_VARIABLE)
-    if override:
-        return Path(override)
+    if override:  # "~/..." as written in a quoted assignment; a relative path made absolute
+        return Path(override).expanduser().absolute()
     if sys.platform == "win32":
         base = Path(os.environ.get("LOCALAPPDATA") or Path.home() / "AppData" / "Local")
     elif sys.platform == "darwin":

@@ -16,9 +16,11 @@ whole. So:
 
 import contextlib
 import ctypes
+import errno
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
@@ -34,6 +36,7 @@ LOCK_WAIT_S = 300.0  # waiting for another live process that builds the same lib
 COMPILE_S = 300.0  # one compiler run; a loop takes seconds
 _POLL_S = 0.05
 _PARTIAL = ".partial-"  # temporary files' infix; left by a killed build, removed by the next
+_NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP)  # flock not supported there
 
 
 def load_built(
@@ -49,70 +52,104 @@ def load_built(
     """
     command = [compiler, *flags, "-shared", "-fPIC", f"-I{source.parent}", str(source)]
     inputs = _inputs_digest(command, [source, *headers])
-    with locked(library.parent / LOCK_NAME):
+    with locked(library.parent / LOCK_NAME) as held:
         recorded = _recorded_digest(library, inputs)
         if recorded is None or recorded != _file_digest(library):
-            _build(command, library, inputs)
+            _build(command, library, inputs, clean=held)
         return ctypes.CDLL(str(library))
 
 
 @contextlib.contextmanager
-def locked(path: Path) -> Iterator[None]:
-    """Hold an exclusive `flock` on `path` (created where missing), waiting at most
-    `LOCK_WAIT_S` for another holder. The kernel drops the lock when its holder's
-    process ends, however it ends."""
+def locked(path: Path) -> Iterator[bool]:
+    """Hold an exclusive `flock` on `path` (created where missing; opened read-only in a
+    read-only cache), waiting at most `LOCK_WAIT_S` for another holder. The kernel drops the
+    lock when its holder's process ends, however it ends. Yields whether the lock is held:
+    not on a file system without `flock` (some FUSE mounts, Lustre without `-o flock`),
+    where builds go on unlocked: installs are atomic renames, so the worst is two processes
+    compiling the same library."""
     if fcntl is None:
         raise OSError(
             "the CPU loops' builds need POSIX file locks (fcntl), which this system lacks"
         )
-    descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError as e:  # a read-only cache: its lock file, read-only, takes a lock too
+        if e.errno not in (errno.EROFS, errno.EACCES):
+            raise
+        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    held = True
     try:
         deadline = time.monotonic() + LOCK_WAIT_S
         while True:
             try:
                 fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
-            except BlockingIOError:
+            except OSError as e:
+                if e.errno in _NO_LOCKS:
+                    held = False
+                    break
+                if not isinstance(e, BlockingIOError):
+                    raise
                 if time.monotonic() >= deadline:
                     raise TimeoutError(
                         f"another process has been building in {path.parent} for over "
                         f"{LOCK_WAIT_S:g} s (it holds {path.name}); not waiting longer"
                     ) from None
                 time.sleep(_POLL_S)
-        yield
+        yield held
     finally:
         os.close(descriptor)  # releases the lock
 
 
-def _build(command: list[str], library: Path, inputs: str) -> None:
-    """Compile into a temporary file, record its digest, then move both into place."""
-    for stale in library.parent.glob(f"*{_PARTIAL}*"):
-        stale.unlink(missing_ok=True)
+def _build(command: list[str], library: Path, inputs: str, *, clean: bool = True) -> None:
+    """Compile into a temporary file, record its digest, then move both into place; first,
+    where `clean` (the folder's lock is held, so no other build is under way), remove the
+    temporary files that killed builds left."""
+    if clean:
+        for stale in library.parent.glob(f"*{_PARTIAL}*"):
+            stale.unlink(missing_ok=True)
     partial = library.with_name(f"{library.name}{_PARTIAL}{os.getpid()}")
-    try:
-        done = subprocess.run(
-            [*command, "-o", str(partial)],
-            capture_output=True,
-            text=True,
-            timeout=COMPILE_S,
-        )
-    except subprocess.TimeoutExpired:
-        partial.unlink(missing_ok=True)
-        raise TimeoutError(
-            f"the compiler ran over {COMPILE_S:.0f} s: {' '.join(command)}"
-        ) from None
-    if done.returncode != 0:
-        partial.unlink(missing_ok=True)
-        raise RuntimeError(
-            f"the compiler failed (exit {done.returncode}): {' '.join(command)}\n"
-            f"{(done.stderr or done.stdout).strip()}"
-        )
-    partial.chmod(0o700)  # ours alone, whatever the umask (`_cache.unsafe_reason`)
     record = library.with_name(library.name + ".json")
     record_partial = record.with_name(f"{record.name}{_PARTIAL}{os.getpid()}")
-    record_partial.write_text(json.dumps({"inputs": inputs, "file": _file_digest(partial)}))
-    os.replace(record_partial, record)  # a record without its library: a mismatch, rebuilt
-    os.replace(partial, library)
+    try:
+        returncode, output = _compile([*command, "-o", str(partial)])
+        if returncode != 0:
+            raise RuntimeError(
+                f"the compiler failed (exit {returncode}): {' '.join(command)}\n{output}"
+            )
+        partial.chmod(0o700)  # ours alone, whatever the umask (`_cache.unsafe_reason`)
+        record_partial.write_text(json.dumps({"inputs": inputs, "file": _file_digest(partial)}))
+        os.replace(record_partial, record)  # a record without its library: a mismatch, rebuilt
+        os.replace(partial, library)
+    except BaseException:  # a full disk, the compiler's failure: leave no partial file
+        partial.unlink(missing_ok=True)
+        record_partial.unlink(missing_ok=True)
+        raise
+
+
+def _compile(command: list[str]) -> tuple[int, str]:
+    """Run the compiler in a process group of its own, at most `COMPILE_S`; its exit status
+    and output. On a timeout (or any interruption) the whole group is killed: the driver
+    alone would leave `cc1plus`, `as` or `ld` running, and writing, with no limit."""
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=COMPILE_S)
+    except BaseException as e:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        if isinstance(e, subprocess.TimeoutExpired):
+            raise TimeoutError(
+                f"the compiler ran over {COMPILE_S:.0f} s: {' '.join(command)}"
+            ) from None
+        raise
+    return process.returncode, output.strip()
 
 
 def _inputs_digest(command: list[str], files: list[Path]) -> str:
