@@ -75,12 +75,16 @@ def test_transformers_trainer_trains_gpt2_and_saves_only_compressed_weights(tmp_
         report_to=[],
         use_cpu=True,
         disable_tqdm=True,
+        # The Trainer reads label names from the class's forward, gbfunc's: without this,
+        # evaluate() reported no loss (docs/training.md says so).
+        label_names=["labels"],
     )  # remove_unused_columns keeps its default: only the columns forward names are passed
     trainer = transformers.Trainer(model=b, args=args, train_dataset=Counting())
     trainer.train()
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     assert len(losses) == 12
     assert falls(losses), losses
+    assert trainer.evaluate(Counting(16))["eval_loss"] < losses[0]
 
     trainer.save_model(str(tmp_path / "final"))
     path = tmp_path / "final" / "model.safetensors"
@@ -97,6 +101,34 @@ def test_transformers_trainer_trains_gpt2_and_saves_only_compressed_weights(tmp_
     fresh.eval()
     with torch.no_grad():
         torch.testing.assert_close(fresh(ids).logits, b(ids).logits, rtol=0, atol=0)
+
+
+def test_checkpointing_inside_the_pnet_is_refused_and_around_the_call_is_exact():
+    """transformers' gradient checkpointing recomputed GPT-2's blocks in the backward pass with
+    the model's own dense weights (functional_call had put them back): gradients off by 0.75,
+    without a word. Checkpointing the whole call recomputes the generation too."""
+    transformers = pytest.importorskip("transformers", reason="needs the integrations extra")
+    from tiny_gpt2 import tiny_gpt2_config
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(tiny_gpt2_config(transformers))
+    b = gb.Bottleneck(model, tile=(16, 16), hidden=4)
+    ids = Counting()[0]["input_ids"][None]
+    with pytest.raises(ValueError, match="gradient checkpointing inside the p-net"):
+        b.activation_checkpointing_enable()  # what Trainer(gradient_checkpointing=True) calls
+    model.activation_checkpointing_enable()
+    b.train()
+    with pytest.raises(ValueError, match=r"checkpoint the whole call instead"):
+        b(ids, labels=ids)
+    model.activation_checkpointing_disable()
+    b.eval()  # no dropout: the two backward passes see the same forward
+    b(input_ids=ids, labels=ids).loss.backward()
+    plain = {n: p.grad.clone() for n, p in b.named_parameters()}
+    b.zero_grad()
+    whole = torch.utils.checkpoint.checkpoint(b, ids, labels=ids, use_reentrant=False)
+    whole.loss.backward()
+    for name, p in b.named_parameters():
+        torch.testing.assert_close(p.grad, plain[name], msg=name)
 
 
 # ---------------------------------------------------------------- Lightning
