@@ -226,8 +226,8 @@ class GenomicBottleneck:
 
     def save(self, fname: str | os.PathLike) -> None:
         """Write g-nets, free parameters and g-net optimizer state (`gb.save` format), and the
-        scheduler's state where there is a scheduler (then `opt_state` is `{"optimizer": ...,
-        "scheduler": ...}`, both stored as they are: int keys, tensors and all).
+        scheduler's state where there is a scheduler (then `opt_state` is `{"compat.optimizer":
+        ..., "compat.scheduler": ...}`, both stored as they are: int keys, tensors and all).
 
         Under `torch.distributed` rank 0 writes and every rank returns once the file is
         complete (`gb.dist.save_replicated`); call it on every rank.
@@ -299,7 +299,7 @@ class GenomicBottleneck:
         trial = self._make_optimizer(copies)
         try:
             trial.load_state_dict(optimizer_state)
-            if scheduler_state is not None and self._make_scheduler is not None:
+            if scheduler_state is not None:  # (then there is a scheduler: checked above)
                 self._make_scheduler(trial, self._lr).load_state_dict(scheduler_state)
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointMismatchError(
