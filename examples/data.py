@@ -41,7 +41,7 @@ def pydoc_held_out(test_fraction: float = 0.1) -> tuple[str, str, str]:
     dropped: no held-out paragraph was seen in training.
     """
     topics = pydoc_topics()
-    cut = int(len(pydoc_text()) * 0.9)
+    cut = int(len("\n".join(topics.values())) * 0.9)  # where `from_text`'s validation starts
     validation, start = [], 0
     for name, text in topics.items():
         if start + len(text) > cut:
@@ -56,8 +56,9 @@ def pydoc_held_out(test_fraction: float = 0.1) -> tuple[str, str, str]:
             test.add(name)
             size += len(topics[name])
     train = "\n".join(topics[name] for name in rest if name not in test)
-    val = _unseen((topics[name] for name in validation), _paragraphs(train))
-    seen = _paragraphs(train) | _paragraphs(val)
+    trained = _paragraphs(train)
+    val = _unseen((topics[name] for name in validation), trained)
+    seen = trained | _paragraphs(val)
     return train, val, _unseen((topics[name] for name in rest if name in test), seen)
 
 
