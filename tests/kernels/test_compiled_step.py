@@ -65,3 +65,19 @@ def test_inductors_online_softmax_notice_is_not_an_error():
             stacklevel=1,
         )
     assert shown == []
+
+
+def test_the_empty_cuda_graph_notice_is_not_an_error():
+    """torch's CUDA-graph tree manager captures an empty graph to keep its memory pool alive and
+    drops the warning that capture raises (`warnings.catch_warnings(record=True)`, which keeps
+    the filters): the suite's `error` filter made it an exception that failed the
+    reduce-overhead step above on the H200 of 2026-11-29 (benchmarks/results/gpu_rerun_1129.log).
+    pyproject ignores it: under the suite's filters it is neither raised nor shown."""
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.warn(
+            "The CUDA Graph is empty. This usually means that the graph was attempted to be "
+            "captured on wrong device or stream.",
+            UserWarning,
+            stacklevel=1,
+        )
+    assert shown == []
