@@ -76,12 +76,34 @@ def that_run(steps: dict[str, Callable]) -> dict[str, Callable]:
     return kept
 
 
+def wait_for(pids: list[int], poll_s: float = 1.0) -> None:
+    """Block until none of `pids` runs (gone or a zombie): gpu_check.sh runs the tests beside
+    this benchmark's compiles, and its timed rounds must have the GPU to themselves."""
+
+    def running(pid: int) -> bool:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+    start = time.perf_counter()
+    if any(running(pid) for pid in pids):
+        while any(running(pid) for pid in pids):
+            time.sleep(poll_s)
+        print(f"waited {time.perf_counter() - start:.0f} s for processes {pids}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, one round")
     parser.add_argument("--out", type=Path, default=RESULTS / "gpu_step.md")
     parser.add_argument("--only", default="", help="the workloads whose name contains this")
     parser.add_argument("--targets", type=float, nargs="+", help="generated-weight ratios")
+    parser.add_argument(
+        "--wait-for", type=int, nargs="*", default=[], metavar="PID",
+        help="processes whose end the timed rounds wait for (their compiles may overlap)",
+    )  # fmt: skip
     args = parser.parse_args()
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("needs CUDA; --dry-run checks the script on CPU")
@@ -108,7 +130,9 @@ def main() -> None:
                 paths = gb.explain(gb.init(plan, device=device), plan).route.stacks
                 print(f"{name}, {label}: stacks on {sorted(set(paths))}")
             sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-            ms, _ = median_ms(that_run(steps), rounds, inner, sync)
+            ready = that_run(steps)
+            wait_for(args.wait_for)
+            ms, _ = median_ms(ready, rounds, inner, sync)
             print(f"\n## {name}\n{'step':34s} {'ms':>8s}  x plain (same mode)")
             for step, value in ms.items():
                 base = ms.get("plain compiled" if "compiled" in step else "plain eager")
