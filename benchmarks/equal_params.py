@@ -587,7 +587,8 @@ def table(summary: list[dict[str, Any]]) -> str:
             f"{s['params']:,}",
             f"{s['compression']:.1f}x",
             f"{s['lr']:g} of {', '.join(f'{v:g}' for v in s['lrs'])}",
-            f"{_shown(metric, s['score'])} ± {_shown(metric, s['score_std'])}",
+            _shown(metric, s["score"])
+            + (f" ± {_shown(metric, s['score_std'])}" if s["seeds"] > 1 else " (1 seed)"),
             f"{s['seconds']:.1f}",
         ]
         for s in summary

@@ -254,6 +254,23 @@ def test_compile_time_reports_each_depth_with_gbfunc_over_plain(capsys):
     assert printed[2:] == ["| 2 | 40.0 | 30.0 | 0.75 |", "| 12 | 100.0 | 110.0 | 1.10 |"]
 
 
+def test_equal_params_table_gives_a_standard_deviation_only_over_several_seeds():
+    """One seed has no spread to show: its score is marked as one seed's, not '± 0.0000'."""
+    from benchmarks import equal_params
+
+    def row(arm, scores):
+        return [
+            {"ratio": "~20x", "family": "gbfunc", "arm": arm, "params": 10, "compression": 20.0,
+             "lr": 0.1, "seconds": 1.0, "val_loss": score}
+            for score in scores
+        ]  # fmt: skip
+
+    summary = equal_params.summarise(row("one", [1.5]) + row("three", [1.0, 1.2, 1.4]), "val_loss")
+    text = equal_params.table(summary)
+    assert "| 1.5000 (1 seed) |" in text
+    assert "| 1.2000 ± 0.2000 |" in text
+
+
 def test_equal_params_plot_draws_each_genome_and_each_baseline_once(tmp_path, monkeypatch):
     """Two ratios can share a baseline (same parameter count): one point, and no crash."""
     from benchmarks import equal_params
