@@ -101,8 +101,12 @@ def main() -> None:
     parser.add_argument("--only", default="", help="the workloads whose name contains this")
     parser.add_argument("--targets", type=float, nargs="+", help="generated-weight ratios")
     parser.add_argument(
+        "--modes", nargs="+", choices=("eager", "compiled"), default=["eager", "compiled"],
+        help="the steps timed, one mode after the other",
+    )  # fmt: skip
+    parser.add_argument(
         "--wait-for", type=int, nargs="*", default=[], metavar="PID",
-        help="processes whose end the timed rounds wait for (their compiles may overlap)",
+        help="processes whose end each mode's timed rounds wait for (compiles may overlap)",
     )  # fmt: skip
     args = parser.parse_args()
     if not args.dry_run and not torch.cuda.is_available():
@@ -130,14 +134,15 @@ def main() -> None:
                 paths = gb.explain(gb.init(plan, device=device), plan).route.stacks
                 print(f"{name}, {label}: stacks on {sorted(set(paths))}")
             sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-            ready = that_run(steps)
-            wait_for(args.wait_for)
-            ms, _ = median_ms(ready, rounds, inner, sync)
-            print(f"\n## {name}\n{'step':34s} {'ms':>8s}  x plain (same mode)")
-            for step, value in ms.items():
-                base = ms.get("plain compiled" if "compiled" in step else "plain eager")
-                ratio = f"{value / base:6.2f}" if base else "     -"
-                print(f"{step:34s} {value:8.2f}  {ratio}")
+            for mode in args.modes:  # each mode's table printed as soon as it is timed
+                ready = that_run({k: v for k, v in steps.items() if k.endswith(mode)})
+                wait_for(args.wait_for)
+                ms, _ = median_ms(ready, rounds, inner, sync)
+                print(f"\n## {name}, {mode}\n{'step':34s} {'ms':>8s}  x plain", flush=True)
+                for step, value in ms.items():
+                    base = ms.get(f"plain {mode}")
+                    ratio = f"{value / base:6.2f}" if base else "     -"
+                    print(f"{step:34s} {value:8.2f}  {ratio}")
 
 
 if __name__ == "__main__":

@@ -669,11 +669,11 @@ def test_gpu_step_waits_for_processes_to_end_and_takes_a_zombie_for_ended():
 
 @pytest.mark.slow
 def test_the_gpu_script_runs_every_part_on_cpu_in_a_dry_run(tmp_path):
-    """`gpu_check.sh --dry-run`: the compile tests and the rest of the kernel tests it names
-    (both beside gpu_step, which waits for them before timing), gpu_step, bench_generation,
-    the peers (their wheels installed from a folder, here a stand-in's) and bench_overhead all
-    run (tiny, on CPU), in that order, and write their files, so a lent GPU's minutes go to
-    measuring."""
+    """`gpu_check.sh --dry-run`: gpu_step's eager steps, the compile tests and the rest of the
+    kernel tests it names (both beside gpu_step's compiled steps, which wait for them before
+    timing), bench_generation, the peers (their wheels installed from a folder, here a
+    stand-in's) and bench_overhead all run (tiny, on CPU), in that order, and write their
+    files, so a lent GPU's minutes go to measuring."""
     root = Path(__file__).resolve().parents[1]
     environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     environment["GBFUNC_PEER_WHEELS"] = str(_stand_in_wheel(tmp_path / "wheels").parent)
@@ -687,20 +687,21 @@ def test_the_gpu_script_runs_every_part_on_cpu_in_a_dry_run(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert (
-        "compile tests exit 0, kernel tests exit 0, gpu_step exit 0, bench_generation exit 0, "
-        "peers exit 0, bench_overhead exit 0"
+        "gpu_step eager exit 0, compile tests exit 0, kernel tests exit 0, gpu_step compiled "
+        "exit 0, bench_generation exit 0, peers exit 0, bench_overhead exit 0"
     ) in done.stdout
     parts = [line[3:5] for line in done.stdout.splitlines() if line.startswith("== ")]
-    assert parts == ["a.", "b.", "c.", "d.", "e.", "f."]
+    assert parts == ["a.", "b.", "c.", "d.", "e.", "f.", "g."]
     summary = (results / "gpu_tests.log").read_text()
     assert "compile tests: exit 0: " in summary
     assert "the rest of the kernel tests: exit 0: " in summary
     assert " passed" in (results / "gpu_tests_compile.log").read_text()
     assert " passed" in (results / "gpu_tests_kernels.log").read_text()
-    steps = (results / "gpu_step.md").read_text()
-    assert "## GPT-2 small's shapes" in steps
-    assert "gbfunc" in steps
-    assert "compiled" in steps
+    for mode, other in (("eager", "compiled"), ("compiled", "eager")):
+        steps = (results / ("gpu_step_eager.md" if mode == "eager" else "gpu_step.md")).read_text()
+        assert f"## GPT-2 small's shapes (2x32, seq 16), {mode}" in steps
+        assert f"gbfunc 2x (2x gen.) {mode}" in steps
+        assert f" {other}" not in steps.split("## GPT-2")[1]
     assert (results / "bench_generation_gpu.md").exists()
     log = (results / "gpu_check.log").read_text()
     assert "installed: gbfunc_wheel_probe-0.0.0.dist-info" in log
@@ -722,16 +723,28 @@ def test_the_gpu_scripts_time_limits_fit_ten_minutes_of_device_time():
     import re
 
     script = (Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.sh").read_text()
-    gpu = script.split('if [ "${1:-}" = "--dry-run" ]')[0]
-    limits = {name: int(s) for name, s in re.findall(r"^(T_[A-Z]+)=(\d+)", gpu, re.M)}
+    gpu = script.split("dry=0")[0]
+    limits = {name: int(s) for name, s in re.findall(r"^(T_[A-Z_]+)=(\d+)", gpu, re.M)}
     assert set(limits) == {
-        "T_COMPILE", "T_KERNELS", "T_STEP", "T_GENERATION", "T_WHEELS", "T_PEERS", "T_OVERHEAD"
+        "T_STEP_EAGER", "T_COMPILE", "T_KERNELS", "T_STEP", "T_GENERATION", "T_WHEELS",
+        "T_PEERS", "T_OVERHEAD",
     }  # fmt: skip
     beside = ("T_COMPILE", "T_KERNELS")
     assert sum(v for name, v in limits.items() if name not in beside) <= 560
     assert all(limits[name] <= limits["T_STEP"] for name in beside)
     for name in limits:
         assert f"${name} " in script  # each is used
+
+
+def test_the_gpu_script_refuses_parts_it_does_not_have(tmp_path):
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.sh"
+    done = subprocess.run(
+        ["bash", str(script), "--dry-run", "--parts", "ah", str(tmp_path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "--parts takes letters a to g (the parts), not 'ah'" in done.stderr
+    assert not (tmp_path / "gpu_check.log").exists()  # refused before anything ran
 
 
 def test_lr_sensitivity_is_what_the_committed_sweeps_say(tmp_path):
