@@ -2,6 +2,7 @@
 compiled, on the MLP and on a GPT-2-small-shaped model, at ~10x and ~100x.
 
     python -m benchmarks.gpu_step                 # CUDA: results/gpu_step.md
+    python -m benchmarks.gpu_step --modes eager   # one mode (gpu_check.sh: eager, then compiled)
     python -m benchmarks.gpu_step --dry-run       # CPU, tiny shapes: checks the script runs
 
 A step is: generate the weights (gbfunc only), forward, loss, backward, AdamW update, timed
