@@ -13,7 +13,7 @@ The `"frozen"` group is carried through unchanged.
 Examples:
     >>> model = nn.Linear(8, 2)
     >>> plan = gb.plan(model, tile=(4, 4))
-    >>> gparams = gb.init(plan)
+    >>> gparams = gb.init(plan, requires_grad=False)  # the functional AdamW's leaves
     >>> def loss_fn(gparams, x):
     ...     out = functional_call(model, gb.apply(gparams, plan), (x,))
     ...     return out.square().mean()
@@ -103,7 +103,8 @@ def schedule(
             generated embeddings far from their start, which made a transformer genome's
             result depend on the seed (`benchmarks/results/stability.md`). One longer than
             `steps` never reaches the peak (a smoke run may want that).
-        final: The last step's rate, as a fraction of the peak.
+        final: The rate the cosine ends at, as a fraction of the peak in `[0, 1]`: reached
+            after the last step (the last step itself takes a rate a little above it).
 
     Examples:
         >>> plan = gb.plan(nn.Linear(8, 2), tile=(4, 4))
@@ -120,6 +121,10 @@ def schedule(
     warmup = max(1, steps // 4) if warmup is None else warmup
     warmup = integer("gb.optim.schedule", "warmup", warmup, minimum=1)
     final = real("gb.optim.schedule", "final", final, minimum=0)
+    if final > 1:
+        raise ValueError(
+            f"gb.optim.schedule: final must be a fraction of the peak rate in [0, 1], got {final}."
+        )
 
     def factor(step: int) -> float:
         if step < warmup:
@@ -179,9 +184,14 @@ def adamw_update(
 
     `grads` (from `torch.func.grad` of the same gparams) and `state` (from `adamw_init`) must
     hold the trainable leaves of `gparams` at their shapes: checked from the shapes alone.
+    Each new leaf keeps its leaf's dtype. Unlike `torch.optim`, the step is recorded by
+    autograd like any function (so a loss can be differentiated through it): train on
+    `gb.init(..., requires_grad=False)`, else each step's leaves hang on to every earlier
+    step's graph. The default `weight_decay` is 0 (torch's AdamW: 0.01).
     """
-    if not torch.compiler.is_compiling():  # eager calls: dynamo need not trace the check
+    if not torch.compiler.is_compiling():  # eager calls: dynamo need not trace the checks
         _check_like(gparams, grads, state)
+        _check_hyperparameters(lr, betas, eps, weight_decay)
     b1, b2 = betas
     step = state["step"] + 1
     m = tree_map(lambda m, g: b1 * m + (1 - b1) * g, state["m"], _trainable(grads))
@@ -189,11 +199,27 @@ def adamw_update(
     c1, c2 = 1 - b1**step, 1 - b2**step
 
     def update(p: Tensor, m: Tensor, v: Tensor) -> Tensor:
-        return p * (1 - lr * weight_decay) - lr * (m / c1) / ((v / c2).sqrt() + eps)
+        # a 0-dim leaf would take the float64 of the 0-dim bias corrections
+        step = lr * (m / c1) / ((v / c2).sqrt() + eps)
+        return p * (1 - lr * weight_decay) - step.to(p.dtype)
 
     new = tree_map(update, _trainable(gparams), m, v)
     new["frozen"] = gparams["frozen"]
     return new, {"step": step, "m": m, "v": v}
+
+
+def _check_hyperparameters(lr: object, betas: object, eps: object, weight_decay: object) -> None:
+    """Raise, naming the argument, unless the rates and decay are finite and >= 0 and each
+    beta lies in [0, 1) (as `torch.optim.AdamW` asks; a beta of 1 makes every leaf NaN)."""
+    call = "gb.optim.adamw_update"
+    real(call, "lr", lr, minimum=0)
+    real(call, "eps", eps, minimum=0)
+    real(call, "weight_decay", weight_decay, minimum=0)
+    if not isinstance(betas, tuple | list) or len(betas) != 2:
+        raise TypeError(f"{call}: betas must be a pair of numbers, got {betas!r:.100}.")
+    for i, beta in enumerate(betas):
+        if real(call, f"betas[{i}]", beta, minimum=0) >= 1:
+            raise ValueError(f"{call}: betas[{i}] must be in [0, 1), got {beta!r:.100}.")
 
 
 def _check_like(gparams: dict, grads: dict, state: AdamState) -> None:

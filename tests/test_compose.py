@@ -357,6 +357,54 @@ def test_functional_adamw_names_trees_that_do_not_match_the_gparams():
         gb.optim.adamw_init([1])
 
 
+def test_functional_adamw_names_a_bad_rate_beta_epsilon_or_decay():
+    """torch's AdamW refuses these; a beta of 1 made every leaf NaN without a word."""
+    gparams, grads, state = _adamw_start()
+    for kwargs, error, message in (
+        ({"betas": (1.0, 0.999)}, ValueError, r"betas\[0\] must be in \[0, 1\), got 1\.0"),
+        ({"betas": (0.9, -0.1)}, ValueError, r"betas\[1\] must be a number >= 0, got -0\.1"),
+        ({"betas": 0.9}, TypeError, r"betas must be a pair of numbers, got 0\.9"),
+        ({"lr": float("nan")}, ValueError, r"lr must be a finite number >= 0, got nan"),
+        ({"lr": -1e-3}, ValueError, r"lr must be a number >= 0, got -0\.001"),
+        ({"lr": "0.1"}, TypeError, r"lr must be a number >= 0, got '0\.1'"),
+        ({"eps": -1.0}, ValueError, r"eps must be a number >= 0"),
+        ({"weight_decay": -1}, ValueError, r"weight_decay must be a number >= 0"),
+    ):
+        with pytest.raises(error, match=rf"^gb\.optim\.adamw_update: {message}"):
+            gb.optim.adamw_update(gparams, grads, state, **kwargs)
+    stepped, _ = gb.optim.adamw_update(gparams, grads, state, lr=torch.tensor(1e-3))
+    assert not any(t.isnan().any() for t in tree_leaves(stepped))  # a tensor rate is a rate
+
+
+def test_functional_adamw_keeps_a_0_dim_leafs_dtype():
+    """A 0-dim leaf (a learnable scale, free) took the float64 of the 0-dim bias corrections,
+    and the next gb.apply refused the mixed dtypes."""
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 4)
+            self.scale = nn.Parameter(torch.tensor(1.0))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * self.scale
+
+    model = Scaled()
+    plan = gb.plan(model, tile=(4, 4))
+    gparams = gb.init(plan, requires_grad=False)
+    x = torch.randn(3, 8)
+
+    def loss(gparams):
+        return functional_call(model, gb.apply(gparams, plan), (x,)).square().mean()
+
+    state = gb.optim.adamw_init(gparams)
+    for _ in range(2):
+        gparams, state = gb.optim.adamw_update(gparams, torch.func.grad(loss)(gparams), state)
+    assert gparams["free"]["scale"].dtype == torch.float32
+    assert gparams["free"]["scale"].item() != 1.0  # it trained
+    assert loss(gparams).dtype == torch.float32
+
+
 def test_functional_adamw_defaults_are_lr_1e_3_without_weight_decay():
     """The defaults are documented values (torch's AdamW decays by 1e-2; this one does not)."""
     gparams, grads, state = _adamw_start()

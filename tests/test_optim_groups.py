@@ -129,5 +129,7 @@ def test_the_schedule_warms_up_over_a_quarter_then_decays_to_its_final_fraction(
     assert short.get_last_lr() == [0.5]
     with pytest.raises(ValueError, match="steps"):
         gb.optim.schedule(opt, steps=0)
+    with pytest.raises(ValueError, match=r"final must be a fraction of the peak rate in \[0, 1\]"):
+        gb.optim.schedule(opt, steps=10, final=2.0)
     with pytest.raises(TypeError, match=r"optimizer must be a torch\.optim\.Optimizer, got str"):
         gb.optim.schedule("opt", steps=10)
