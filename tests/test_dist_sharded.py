@@ -75,6 +75,16 @@ def save_worker(rank: int, world: int, path: str) -> dict:
         refused += f" | {type(e).__name__}: {e}"
     untouched = not os.path.exists(path)
     gbd.save_sharded(path, local, owned, step=1, meta={"run": "a"})
+    # rank 1 passes the whole gparams as `into` (not its shard): refused there; rank 0, which
+    # would have gone on into DCP's collective read and waited, raises naming rank 1
+    into = owned.shard(gb.init(plan, seed=1)) if rank == 0 else gb.init(plan, seed=1)
+    before = _digest(into)
+    try:
+        gbd.load_sharded(path, model, owned, into=into)
+        load_refused = None
+    except (ValueError, gb.CheckpointError) as e:
+        load_refused = f"{type(e).__name__}: {e}"
+    load_refused = (load_refused, _digest(into) == before)
     full = owned.gather(local)
     with torch.no_grad():
         loss = loss_fn(functional_call(model, owned.apply(local), (x,)), x).item()
@@ -84,6 +94,7 @@ def save_worker(rank: int, world: int, path: str) -> dict:
         "loss": loss,
         "refused": refused,
         "untouched": untouched,
+        "load_refused": load_refused,
         **drifted,
     }
 
@@ -150,6 +161,14 @@ def test_sharded_checkpoint_of_two_ranks_loads_in_one_process_and_on_four_ranks(
     assert " | TypeError: gb.dist.save_sharded: pass `owned` " in written[1]["refused"]
     assert written[0]["untouched"]
     assert written[1]["untouched"]
+    (mine, kept), (theirs, kept_too) = written[1]["load_refused"], written[0]["load_refused"]
+    assert mine.startswith("ValueError: gb.dist.load_sharded: ")
+    assert "this rank reads" in mine
+    assert theirs.startswith("CheckpointError: gb.dist.load_sharded: ")
+    assert "rank 1 failed (" in theirs
+    assert theirs.endswith("; nothing was loaded.")
+    assert kept
+    assert kept_too
     assert written[0]["digest"] == written[1]["digest"]
     model = _model()
     whole = gbd.load_sharded(path, model)  # one process, no process group: every g-net

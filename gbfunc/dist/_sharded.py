@@ -35,6 +35,7 @@ from .._checkpoint import (
     BUFFERS,
     Checkpoint,
     CheckpointCorruptError,
+    CheckpointError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
     CheckpointUnreadableError,
@@ -154,36 +155,40 @@ def load_sharded(
         >>> owned = gb.dist.RankOwned(plan)  # doctest: +SKIP
         >>> local = gb.dist.load_sharded("ckpt", model, owned).gparams  # doctest: +SKIP
     """
-    check_module(model, "gb.dist.load_sharded")
     where = f"gb.dist.load_sharded: {os.fspath(path)}"
-    manifest = _manifest(Path(path), where)
-    data = data_folder(Path(path), manifest, where)
-    plan, dtypes, digests, checksums = _read_manifest(manifest, where)
-    check_plan(plan, model, where, corrupt=CheckpointCorruptError, mismatch=CheckpointMismatchError)
-    if owned is not None and owned.plan.fingerprint() != plan.fingerprint():
-        raise CheckpointMismatchError(f"{where}: `owned` was made from another plan.")
-    if optimizer is not None and (into is None or manifest.get("optimizer") is None):
-        raise ValueError(
-            f"{where}: restoring an optimizer needs `into` (the gparams it trains) and a "
-            "checkpoint saved with `optimizer=`."
+    group = _read_group(owned, group, into)
+    failure = None
+    try:  # what each rank checks alone; the ranks agree on it before DCP's collective read
+        check_module(model, "gb.dist.load_sharded")
+        manifest = _manifest(Path(path), where)
+        data = data_folder(Path(path), manifest, where)
+        plan, dtypes, digests, checksums = _read_manifest(manifest, where)
+        check_plan(
+            plan, model, where, corrupt=CheckpointCorruptError, mismatch=CheckpointMismatchError
         )
-    if owned is not None:
-        group = owned.group
-    elif group is None and into is not None and _has_dtensor(into):
-        group = dist.group.WORLD
-    rows = _rows(plan, owned)
-    if into is not None:
-        _check_into(plan, rows, into, where)
-    state = _templates(plan, rows, dtypes, into, where)
-    state.update(_buffer_templates(manifest, model, where))
-    known = optim_leaves(plan, into, rows) if optimizer is not None else {}
-    if optimizer is not None:
-        try:
-            state.update(templates(manifest["optimizer"], optimizer, known, where))
-        except (KeyError, TypeError, AttributeError) as e:
-            raise CheckpointCorruptError(
-                f"{where}: unreadable optimizer state ({e!r:.200})."
-            ) from None
+        if owned is not None and owned.plan.fingerprint() != plan.fingerprint():
+            raise CheckpointMismatchError(f"{where}: `owned` was made from another plan.")
+        if optimizer is not None and (into is None or manifest.get("optimizer") is None):
+            raise ValueError(
+                f"{where}: restoring an optimizer needs `into` (the gparams it trains) and a "
+                "checkpoint saved with `optimizer=`."
+            )
+        rows = _rows(plan, owned)
+        if into is not None:
+            _check_into(plan, rows, into, where)
+        state = _templates(plan, rows, dtypes, into, where)
+        state.update(_buffer_templates(manifest, model, where))
+        known = optim_leaves(plan, into, rows) if optimizer is not None else {}
+        if optimizer is not None:
+            try:
+                state.update(templates(manifest["optimizer"], optimizer, known, where))
+            except (KeyError, TypeError, AttributeError) as e:
+                raise CheckpointCorruptError(
+                    f"{where}: unreadable optimizer state ({e!r:.200})."
+                ) from None
+    except Exception as e:
+        failure = e
+    agree(group, None, failure, where, unchanged="nothing was loaded")
     _read(data, state, group, where)
     _verify(data, state, digests, checksums, group, where)
     gparams = _assemble(plan, rows, state, dtypes, device)
@@ -200,6 +205,30 @@ def load_sharded(
     return Checkpoint(gparams, plan.naming(model), None, manifest["step"], manifest["meta"])
 
 
+def agree(
+    group: dist.ProcessGroup | None,
+    mine: Any,
+    failure: Exception | None,
+    where: str,
+    *,
+    unchanged: str = "the checkpoint there before, if any, is unchanged",
+) -> list[Any]:
+    """Every rank's `mine`; where any rank failed, every rank raises instead (its own error,
+    or one naming the rank that failed and saying what is `unchanged`), so that none waits
+    for it in a collective."""
+    message = None if failure is None else f"{failure}".removeprefix(f"{where}: ")
+    every = [(mine, message)]
+    if group is not None:
+        every = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, (mine, message), group=group)
+    if failure is not None:
+        raise failure
+    for rank, (_, failed) in enumerate(every):
+        if failed is not None:
+            raise CheckpointError(f"{where}: rank {rank} failed ({failed}); {unchanged}.")
+    return [m for m, _ in every]
+
+
 def _read_manifest(
     manifest: dict[str, Any], where: str
 ) -> tuple[Plan, dict[str, torch.dtype], dict[str, str], dict[str, str]]:
@@ -212,8 +241,25 @@ def _read_manifest(
         raise CheckpointCorruptError(f"{where}: unreadable manifest ({e!s:.200}).") from None
 
 
-def _has_dtensor(gparams: GParams) -> bool:
-    return any(isinstance(v, DTensor) for k in ("free", "frozen") for v in gparams[k].values())
+def _read_group(
+    owned: RankOwned | None, group: dist.ProcessGroup | None, into: GParams | None
+) -> dist.ProcessGroup | None:
+    """The process group of DCP's read (None: this rank reads alone), found without raising,
+    so that a rank whose arguments are refused still takes part in `agree`."""
+    if isinstance(owned, RankOwned):
+        return owned.group
+    if group is None and _has_dtensor(into):
+        return dist.group.WORLD
+    return group
+
+
+def _has_dtensor(gparams: object) -> bool:
+    return isinstance(gparams, dict) and any(
+        isinstance(v, DTensor)
+        for k in ("free", "frozen")
+        if isinstance(gparams.get(k), dict)
+        for v in gparams[k].values()
+    )
 
 
 def _templates(
@@ -277,8 +323,9 @@ def _read(
             dcp.load(state, checkpoint_id=data, process_group=group, no_dist=not group)
     except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException
         found = _short_file(data)
+        peers = "" if group is None or found else ", or a peer rank failed while reading"
         raise CheckpointCorruptError(
-            f"{where}: a shard is missing or damaged ({found or reason(e)})."
+            f"{where}: a shard is missing or damaged{peers} ({found or reason(e)})."
         ) from e
 
 
@@ -301,7 +348,8 @@ def _check_into(
             found = tuple(node.shape) if isinstance(node, Tensor) else type(node).__name__
             raise ValueError(
                 f"{where}: into{''.join(f'[{k!r}]' for k in path)} is {found}; this rank reads "
-                f"{tuple(shape)} there. Pass the gparams of the same plan and world size."
+                f"{tuple(shape)} there. Pass the gparams of the same plan and world size "
+                "(with `owned`: `owned.shard(gparams)`)."
             )
 
 

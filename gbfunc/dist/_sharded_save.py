@@ -30,7 +30,7 @@ from ._checksum import checksum
 from ._layout import discard, new_folder, publish, reason, target
 from ._optim_state import OPTIM, leaves as optim_leaves, state_entries
 from ._owned import RankOwned
-from ._sharded import FORMAT, FORMAT_VERSION, _digest, _key, _rows
+from ._sharded import FORMAT, FORMAT_VERSION, _digest, _key, _rows, agree
 
 
 def save_sharded(
@@ -110,7 +110,7 @@ def save_sharded(
         mine = (digests, new_folder())
     except Exception as e:
         failure = e
-    every = _agree(group, mine, failure, where)
+    every = agree(group, mine, failure, where)
     name = every[0][1]  # the data folder rank 0 named
     # g-net rows (and their optimizer state) are held whole by one rank: a SHA-256 suffices.
     whole = ("stacks/", f"{OPTIM}stacks/")
@@ -148,7 +148,7 @@ def save_sharded(
                     RuntimeWarning,
                     stacklevel=2,
                 )
-    _agree(group, None, failure, where)  # the manifest is there when any rank returns
+    agree(group, None, failure, where)  # the manifest is there when any rank returns
 
 
 def _writers(every: list[dict[str, str]]) -> dict[str, int]:
@@ -187,7 +187,7 @@ def _warn_differing(every: list[dict[str, str]], written: dict[str, str], where:
 
 def _group(owned: object, group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     """The process group of the collective (None: one process on its own), found without
-    raising, so that a rank whose arguments are refused still takes part in `_agree`."""
+    raising, so that a rank whose arguments are refused still takes part in `agree`."""
     if isinstance(owned, RankOwned):
         return owned.group
     if group is None and dist.is_initialized():
@@ -279,27 +279,6 @@ def _value_entries(
     if TASKS in local:  # replicated, as the free parameters
         state[TASKS] = local[TASKS].detach()
     return state
-
-
-def _agree(
-    group: dist.ProcessGroup | None, mine: Any, failure: Exception | None, where: str
-) -> list[Any]:
-    """Every rank's `(mine, None)`; where any rank failed, every rank raises instead (its own
-    error, or one naming the rank that failed), so that none waits for it in a collective."""
-    message = None if failure is None else f"{failure}".removeprefix(f"{where}: ")
-    every = [(mine, message)]
-    if group is not None:
-        every = [None] * dist.get_world_size(group)
-        dist.all_gather_object(every, (mine, message), group=group)
-    if failure is not None:
-        raise failure
-    for rank, (_, failed) in enumerate(every):
-        if failed is not None:
-            raise CheckpointError(
-                f"{where}: rank {rank} failed ({failed}); the checkpoint there before, if any, "
-                "is unchanged."
-            )
-    return [m for m, _ in every]
 
 
 def _leads(group: dist.ProcessGroup | None) -> bool:
