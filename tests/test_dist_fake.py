@@ -116,6 +116,26 @@ def test_replicated_parameters_pass_an_averaged_gradient(mesh):
     torch.testing.assert_close(gparams["free"]["ln_f.weight"].grad, torch.full((CFG.dim,), 0.25))
 
 
+def test_a_mesh_without_gbfuncs_dimension_names_is_refused(mesh):
+    """An unnamed mesh's data-parallel ranks were taken for one (each rank the whole batch,
+    gradients summed, not averaged); a name gbfunc does not read, likewise."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    leaf = torch.ones(3, requires_grad=True)
+    for names, found in ((None, "unnamed dimensions"), (("data",), r"\('data',\)")):
+        other = init_device_mesh("cpu", (WORLD,), mesh_dim_names=names)
+        for call, run in (
+            ("GradSync", lambda m: gbd.GradSync([leaf], m)),
+            ("shard_batch", lambda m: gbd.shard_batch(torch.arange(8), m)),
+            ("data_loader", lambda m: gbd.data_loader(TensorDataset(torch.arange(8)), 8, m)),
+        ):
+            with pytest.raises(ValueError, match=rf"^gb\.dist\.{call}: the mesh has .*{found}"):
+                run(other)
+    dp = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
+    assert gbd.GradSync([leaf], dp).divisor == WORLD
+    assert gbd.shard_batch(torch.arange(16), dp).tolist() == [10, 11]  # rank 5 of 8
+
+
 def test_tensor_parallel_rejects_a_plan_of_another_model(mesh):
     model, _ = _gpt_plan(tile=(16, 16))
     other = gb.plan(torch.nn.Linear(4, 4))

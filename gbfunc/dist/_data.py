@@ -14,7 +14,7 @@ from ._mesh import dim_rank, dim_size
 def local_batch_size(global_batch_size: int, mesh: DeviceMesh, where: str) -> int:
     """Rows per data-parallel rank; raises unless `global_batch_size` splits evenly."""
     global_batch_size = integer(where, "global_batch_size", global_batch_size, minimum=1)
-    dp = dim_size(mesh, "dp")
+    dp = dim_size(mesh, "dp", where)
     if global_batch_size % dp:
         raise ValueError(
             f"{where}: global_batch_size {global_batch_size} is not divisible by the {dp} "
@@ -42,7 +42,7 @@ def shard_batch(batch: Tensor | Sequence[Tensor], mesh: DeviceMesh) -> Tensor | 
             f"gb.dist.shard_batch: tensors in batch have different dim-0 sizes {sorted(rows)}."
         )
     size = local_batch_size(rows.pop(), mesh, "gb.dist.shard_batch")
-    start = dim_rank(mesh, "dp") * size
+    start = dim_rank(mesh, "dp", "gb.dist.shard_batch") * size
     out = tuple(t[start : start + size] for t in tensors)
     return out[0] if isinstance(batch, Tensor) else out
 
@@ -78,8 +78,8 @@ def data_loader(
     seed = integer("gb.dist.data_loader", "seed", seed)
     sampler = DistributedSampler(
         dataset,
-        num_replicas=dim_size(mesh, "dp"),
-        rank=dim_rank(mesh, "dp"),
+        num_replicas=dim_size(mesh, "dp", "gb.dist.data_loader"),
+        rank=dim_rank(mesh, "dp", "gb.dist.data_loader"),
         shuffle=shuffle,
         seed=seed,
         drop_last=True,

@@ -167,13 +167,28 @@ def _start_process_group(backend: str, timeout: datetime.timedelta) -> None:
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
-def dim_size(mesh: DeviceMesh, dim: str) -> int:
-    """Size of the named mesh dimension (1 when the mesh has no such dimension)."""
-    names = mesh.mesh_dim_names or ()
+def dim_size(mesh: DeviceMesh, dim: str, where: str) -> int:
+    """Size of the named mesh dimension (1 when the mesh's named dimensions lack it)."""
+    names = _names(mesh, where)
     return mesh.size(names.index(dim)) if dim in names else 1
 
 
-def dim_rank(mesh: DeviceMesh, dim: str) -> int:
+def dim_rank(mesh: DeviceMesh, dim: str, where: str) -> int:
     """This rank's coordinate along the named mesh dimension (0 when there is none)."""
-    names = mesh.mesh_dim_names or ()
-    return mesh.get_local_rank(dim) if dim in names else 0
+    return mesh.get_local_rank(dim) if dim in _names(mesh, where) else 0
+
+
+def _names(mesh: DeviceMesh, where: str) -> tuple[str, ...]:
+    """The mesh's dimension names, each one of `DIMS`: an unnamed mesh, or one named
+    otherwise, would have its data-parallel ranks taken for one (every rank the whole batch,
+    gradients summed rather than averaged)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    unknown = [n for n in names if n not in DIMS]
+    if (not names and mesh.size() > 1) or unknown:
+        found = f"dimensions named {names}" if names else "unnamed dimensions"
+        raise ValueError(
+            f"{where}: the mesh has {found}; gbfunc reads its parallelism from the names "
+            f"{DIMS}. Build it with gb.dist.init_mesh, or init_device_mesh(..., "
+            "mesh_dim_names=('dp',)) for data parallelism alone."
+        )
+    return names

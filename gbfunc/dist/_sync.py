@@ -83,7 +83,7 @@ class GradSync:
                 f"gb.dist.GradSync: mesh has {mesh.size()} ranks but the world has {world}; "
                 "pass the mesh from gb.dist.init_mesh, which spans every rank."
             )
-        self.divisor = world if mesh is None else dim_size(mesh, "dp")
+        self.divisor = world if mesh is None else dim_size(mesh, "dp", "gb.dist.GradSync")
         # Gradients arrive roughly in reverse order of use: bucket from the end, like DDP.
         self._buckets: list[list[Tensor]] = []
         size = bucket_bytes
