@@ -149,6 +149,21 @@ def _grad_sync_cases(mesh) -> dict:
         rebuilt.append(bool(torch.allclose(leaf.grad, sum(x[0] for x in inputs) / world)))
         leaf.grad = None
     out["rebuilt_ok"] = all(rebuilt)
+    # leaves that differ between the ranks (a RankOwned shard's g-nets passed to GradSync):
+    # every rank raises, naming the leaf, where the buckets' all-reduce added unrelated
+    # gradients or aborted in gloo
+    mismatched = [torch.ones(3, requires_grad=True), torch.ones(2 + rank, requires_grad=True)]
+    try:
+        gbd.GradSync(mismatched, mesh)
+        out["mismatch"] = None
+    except ValueError as e:
+        out["mismatch"] = str(e)
+    frozen = torch.ones(3)
+    try:
+        gbd.GradSync([frozen], mesh)
+        out["frozen"] = None
+    except ValueError as e:
+        out["frozen"] = str(e)
     return out
 
 
@@ -220,3 +235,10 @@ def test_data_parallel_matches_one_process_on_the_global_batch(tmp_path):
         assert r["used_grad_ok"], r
         assert r["accumulated_ok"], r
         assert r["rebuilt_ok"], r
+        assert r["frozen"].startswith("gb.dist.GradSync: leaf 0 (shape (3,)) does not require")
+    assert results[0]["mismatch"].startswith(
+        "gb.dist.GradSync: the ranks passed different leaves: leaf 1 is shape (2,), "
+        "torch.float32, requires_grad=True on rank 0 and shape (3,), torch.float32, "
+        "requires_grad=True on rank 1 (2 and 2 leaves)."
+    )
+    assert "leaf 1 is shape (3,)" in results[1]["mismatch"]

@@ -8,8 +8,10 @@ bitwise identical.
 """
 
 import functools
+import hashlib
 import weakref
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,6 +42,40 @@ def failure_message(what: str, error: Exception) -> str:
         f"gb.dist: {what} failed on rank {rank}: a peer rank probably died, or hung past the "
         f"process-group timeout. Backend error: {error}"
     )
+
+
+def _check_same_leaves(leaves: list[Tensor]) -> None:
+    """Raise on every rank unless every rank passed leaves of the same number, shapes, dtypes
+    and `requires_grad`, naming the first that differs: the buckets' all-reduces would add
+    unrelated gradients, or abort in the backend, where they do not. One all-reduce of a
+    digest; the leaves themselves are gathered only where the digests differ."""
+    described = [(tuple(t.shape), str(t.dtype), t.requires_grad) for t in leaves]
+    digest = int.from_bytes(hashlib.sha256(repr(described).encode()).digest()[:7], "big")
+    device = leaves[0].device if leaves else torch.device("cpu")
+    extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)  # equal everywhere iff max == min
+    if extremes.tolist() != [digest, -digest]:
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, described)
+        ours = dist.get_rank()
+        for rank, theirs in enumerate(every):
+            if theirs == described:
+                continue
+            first = next(
+                (i for i, (a, b) in enumerate(zip(described, theirs, strict=False)) if a != b),
+                min(len(described), len(theirs)),
+            )
+
+            def leaf(of: list, i: int = first) -> str:
+                return "none" if i >= len(of) else "shape {}, {}, requires_grad={}".format(*of[i])
+
+            raise ValueError(
+                f"gb.dist.GradSync: the ranks passed different leaves: leaf {first} is "
+                f"{leaf(described)} on rank {ours} and {leaf(theirs)} on rank {rank} "
+                f"({len(described)} and {len(theirs)} leaves). Pass the same trainable leaves, "
+                "in the same order, on every rank (gb.trainable_leaves of replicated gparams; "
+                "a RankOwned shard's g-nets are reduced by RankOwned itself)."
+            )
 
 
 class GradSync:
@@ -84,10 +120,19 @@ class GradSync:
                 "pass the mesh from gb.dist.init_mesh, which spans every rank."
             )
         self.divisor = world if mesh is None else dim_size(mesh, "dp", "gb.dist.GradSync")
+        leaves = list(leaves)
+        _check_same_leaves(leaves)
+        frozen = next((i for i, t in enumerate(leaves) if not t.requires_grad), None)
+        if overlap and frozen is not None:
+            raise ValueError(
+                f"gb.dist.GradSync: leaf {frozen} (shape {tuple(leaves[frozen].shape)}) does "
+                "not require grad, so no hook can start its all-reduce; pass leaves that "
+                "require grad (gb.init's default), or overlap=False to reduce the .grad you set."
+            )
         # Gradients arrive roughly in reverse order of use: bucket from the end, like DDP.
         self._buckets: list[list[Tensor]] = []
         size = bucket_bytes
-        for leaf in reversed(list(leaves)):
+        for leaf in reversed(leaves):
             nbytes = leaf.numel() * leaf.element_size()
             fits = self._buckets and self._buckets[-1][0].dtype == leaf.dtype
             if not fits or size + nbytes > bucket_bytes:
