@@ -73,8 +73,8 @@ def condition_of(
 
 def _task_embedding(gparams: GParams, plan: Plan, task: int | Tensor, where: str) -> Tensor:
     """Row `task` of `gparams["tasks"]`; an int is range-checked, and so is a 0-d integer
-    tensor where reading it is free (eager, untransformed, on the CPU); one of a `vmap`ped
-    batch of task ids, or on a GPU (a host sync), is indexed as it is."""
+    tensor where reading it is free (eager, on the CPU, not one of a `vmap`ped batch); one
+    of a batch of task ids, or on a GPU (a host sync), is indexed as it is."""
     if not plan.tasks:
         raise ValueError(
             f"{where}: task= needs learned task embeddings; make the plan with "
@@ -90,7 +90,7 @@ def _task_embedding(gparams: GParams, plan: Plan, task: int | Tensor, where: str
                 "their ids)."
             )
         readable = task.device.type == "cpu" and not torch.compiler.is_compiling()
-        readable = readable and torch._C._functorch.peek_interpreter_stack() is None
+        readable = readable and not _batched(task)  # under grad alone it is one id
         if readable and not 0 <= int(task) < plan.tasks:
             raise ValueError(
                 f"{where}: task must be in 0..{plan.tasks - 1}, got tensor({int(task)})."
@@ -98,6 +98,16 @@ def _task_embedding(gparams: GParams, plan: Plan, task: int | Tensor, where: str
         index = task.reshape(1).to(table.device, torch.int64)  # index_select takes int64
         return table.index_select(0, index).squeeze(0)
     return table[task_number(task, plan.tasks, where)]
+
+
+def _batched(tensor: Tensor) -> bool:
+    """Whether `tensor` is (or wraps) one of `vmap`'s batched tensors: many ids at once."""
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(tensor):
+        if functorch.is_batchedtensor(tensor):
+            return True
+        tensor = functorch.get_unwrapped(tensor)
+    return False
 
 
 def task_number(task: object, tasks: int, where: str) -> int:

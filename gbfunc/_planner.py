@@ -220,17 +220,26 @@ MAX_EXPANDING_PARAMS = 1 << 24
 def _check_stored_size(plan: Plan) -> None:
     """Raise `ValueError` where the g-nets would hold more parameters than both the weights
     they generate and `MAX_EXPANDING_PARAMS`: before `gb.init` allocates them."""
-    stored = sum(s.num_params for s in plan.stacks)
+    table = plan.tasks * plan.condition if plan.tasks else 0  # the task embeddings
+    stored = sum(s.num_params for s in plan.stacks) + table
     generated = sum(p.numel for p in plan.generated)
-    if stored > max(generated, MAX_EXPANDING_PARAMS):
-        largest = max(plan.stacks, key=lambda s: s.num_params)
-        genome = largest.genome
+    if stored <= max(generated, MAX_EXPANDING_PARAMS):
+        return
+    largest = max(plan.stacks, key=lambda s: s.num_params)
+    if table > largest.num_params:
         raise ValueError(
-            f"gb.plan: the g-nets would hold {stored:,} parameters to generate {generated:,} "
-            f"weights (stack {largest.key}: hidden={genome.hidden}, depth={genome.depth}, "
-            f"outputs={genome.outputs}, hashed={genome.hashed}, tile={largest.tile}); lower "
-            "hidden, depth, outputs or hashed, or use larger tiles."
+            f"gb.plan: the genome would hold {stored:,} parameters to generate {generated:,} "
+            f"weights, {table:,} of them task embeddings (tasks={plan.tasks} x condition="
+            f"{plan.condition}); lower tasks or condition."
         )
+    genome = largest.genome
+    raise ValueError(
+        f"gb.plan: the g-nets would hold {stored:,} parameters to generate {generated:,} "
+        f"weights (stack {largest.key}: hidden={genome.hidden}, depth={genome.depth}, "
+        f"outputs={genome.outputs}, hashed={genome.hashed}, condition={plan.condition}, "
+        f"tile={largest.tile}); lower hidden, depth, outputs, hashed or condition, or use "
+        "larger tiles."
+    )
 
 
 def _compress(

@@ -25,6 +25,7 @@ from torch.func import vmap
 
 from ._apply import apply
 from ._check_gparams import check_gparams
+from ._condition import task_number
 from ._numbers import real
 from ._plan import Plan
 from ._tree import GParams
@@ -88,7 +89,7 @@ def penalty(
     _check_targets(targets, plan)
     if not ids:
         return gparams["tasks"].new_zeros(())
-    index = torch.tensor(ids, device=gparams["tasks"].device)
+    index = torch.tensor([int(t) for t in ids], device=gparams["tasks"].device)
     now = vmap(lambda t: apply(gparams, plan, task=t))(index)
     total = 0
     for name, values in now.items():
@@ -123,8 +124,5 @@ def _check_ids(ids: list[int], plan: Plan, where: str) -> None:
             f"{where}: the plan has no task embeddings; make it with "
             "gb.plan(..., condition=<width>, tasks=<n>)."
         )
-    bad = [
-        t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < plan.tasks
-    ]
-    if bad:
-        raise ValueError(f"{where}: task ids must be ints in 0..{plan.tasks - 1}, got {bad[0]!r}.")
+    for t in ids:  # Python's or numpy's integers, as gb.apply takes
+        task_number(t, plan.tasks, where)

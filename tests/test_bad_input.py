@@ -202,6 +202,13 @@ def _probe_cases(tmp: Path | None) -> dict[str, Case]:
             ValueError,
             r"the g-nets would hold [\d,]+ parameters to generate 72 weights .*hidden=1000000000",
         ),
+        "plan-task-embeddings-larger-than-the-model": Case(
+            lambda: gb.plan(mlp(), tile=(4, 4), hidden=5, condition=1024, tasks=10**7),
+            ValueError,
+            r"gb.plan: the genome would hold [\d,]+ parameters to generate 72 weights, "
+            r"10,240,000,000 of them task embeddings \(tasks=10000000 x condition=1024\); "
+            r"lower tasks or condition\.",
+        ),
         "bottleneck-misspelt-option": Case(
             lambda: gb.Bottleneck(mlp(), hiden=8),
             TypeError,

@@ -5,6 +5,7 @@ Every path is compared with `tests/naive.py`, which adds `z @ w_cond` to each g-
 layer from the definition, one tile at a time.
 """
 
+import numpy as np
 import pytest
 import safetensors.torch
 import torch
@@ -125,6 +126,9 @@ def test_each_compiled_path_takes_the_condition_forward_and_backward(options, pa
 
     compiled = loss(gparams, True)
     compiled.backward()
+    with torch.no_grad():  # numpy's integers: dynamo took one for a tensor on the graph path
+        numpy_task = gb.apply(gparams, plan, task=np.int64(1), compile=True)
+        close(numpy_task, gb.apply(gparams, plan, task=1, compile=True))
     got = {"tasks": gparams["tasks"].grad.clone()}
     got.update({k: v["w_cond"].grad.clone() for k, v in gparams["stacks"].items()})
     for leaf in gb.trainable_leaves(gparams):
@@ -343,8 +347,6 @@ def test_bad_conditions_are_refused_with_the_argument_named(call, message):
 
 
 def test_a_task_may_be_any_integer_number_or_0d_integer_tensor():
-    import numpy as np
-
     plan = gb.plan(mlp(), tile=(4, 4), hidden=5, condition=3, tasks=4)
     gparams = gb.init(plan)
     with torch.no_grad():
@@ -361,6 +363,9 @@ def test_a_task_may_be_any_integer_number_or_0d_integer_tensor():
     batched = vmap(lambda t: gb.apply(gparams, plan, task=t))(torch.arange(4, dtype=torch.uint8))
     close({k: v[2] for k, v in batched.items()}, want)
     close(gb.export(gparams, plan, task=np.int64(2)), want)
+    # under grad a task tensor is one id, read and range-checked (torch's IndexError before)
+    with pytest.raises(ValueError, match=r"^gb\.apply: task must be in 0\.\.3, got tensor\(7\)"):
+        grad(lambda g: gb.apply(g, plan, task=torch.tensor(7))["0.weight"].sum())(gparams)
     net = gb.Bottleneck(mlp(), tile=(4, 4), hidden=5, condition=3, tasks=4)
     net.task = np.int64(3)
     assert net.task == 3
@@ -453,8 +458,10 @@ def test_the_continual_penalty_is_zero_at_its_targets_and_pulls_back_to_them():
     assert bool(g[1].abs().sum() > 0)
     assert bool((g[0] == 0).all())
     assert bool((g[2] == 0).all())
-    with pytest.raises(ValueError, match=r"task ids must be ints in 0\.\.2, got 3"):
+    with pytest.raises(ValueError, match=r"task must be an int in 0\.\.2, got 3"):
         gb.continual.targets(gparams, plan, tasks=[3])
+    by_numpy = gb.continual.targets(gparams, plan, tasks=[np.int64(1)])  # as gb.apply takes
+    assert gb.continual.penalty(gparams, plan, by_numpy).detach().item() < 1e-10
     with pytest.raises(ValueError, match="strength"):
         gb.continual.penalty(gparams, plan, earlier, strength=-1)
     plain = gb.plan(model, tile=(4, 4), hidden=5, condition=3)

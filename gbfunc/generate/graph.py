@@ -18,6 +18,7 @@ from torch import Tensor
 
 from .._check_gparams import TASKS
 from .._compiled import CompiledCache
+from .._condition import task_number
 from .._plan import Plan, Stack
 from .._tiling import parameters
 from .._tree import GParams
@@ -113,7 +114,8 @@ def generate(
     )
     key = (plan, leaves, torch.is_grad_enabled())
     tasks = gparams.get(TASKS) if task is not None else None
-    task = torch.tensor(task) if isinstance(task, int) else task
+    if task is not None and not isinstance(task, Tensor):  # numpy's integers too, checked
+        task = torch.tensor(task_number(task, plan.tasks, "gb.apply"))
     graph = _GRAPHS.call(key, _generated, op_by_op, plan, stacks, tasks, condition, task)
     if graph is None:
         return None
