@@ -134,7 +134,16 @@ def load_worker(rank: int, world: int, path: str) -> dict:
     x = _batch()
     with torch.no_grad():
         loss = loss_fn(functional_call(model, owned.apply(local), (x,)), x).item()
+    # RankOwned over a data-parallel group of a dp x tp layout (groups {0, 2} and {1, 3},
+    # made by every rank in one order): each group's copy is made by its members alone
+    # (the copies were made as if by every rank, {0, 2} on some, {1, 3} on the others)
+    pairs = [torch.distributed.new_group([0, 2]), torch.distributed.new_group([1, 3])]
+    paired = gbd.RankOwned(owned.plan, group=pairs[rank % 2])
+    with torch.no_grad():
+        got = paired.apply(paired.shard(gb.init(owned.plan, seed=0)))
+        want = gb.apply(gb.init(owned.plan, seed=0), owned.plan)
     return {
+        "paired": (paired.world, all(torch.equal(got[k], want[k]) for k in want)),
         "digest": _digest(owned.gather(local)),
         "rows": rows,
         "owned": len(owned.ownership.gnets(0, owned.rank)),
@@ -184,6 +193,7 @@ def test_sharded_checkpoint_of_two_ranks_loads_in_one_process_and_on_four_ranks(
         assert r["digest"] == written[0]["digest"]  # bitwise, after gathering
         assert r["rows"] == r["owned"]  # each rank read only its own g-nets
         assert r["step"] == 1
+        assert r["paired"] == (2, True)
         assert r["loss"] == pytest.approx(written[0]["loss"], abs=1e-6)
 
 

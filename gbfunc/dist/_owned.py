@@ -105,8 +105,9 @@ class RankOwned:
 
     Args:
         plan: The plan, identical on every rank.
-        group: Process group of the data-parallel ranks (default: the world). A private copy
-            is made so these collectives never interleave with others on `group`.
+        group: Process group of the data-parallel ranks (default: the world), say the dp
+            dimension's of a dp x tp mesh. A private copy is made, by its members alone, so
+            these collectives never interleave with others on `group`.
 
     Examples:
         Under `torchrun`, on every rank; `local` holds this rank's g-nets only:
@@ -118,7 +119,10 @@ class RankOwned:
 
     def __init__(self, plan: Plan, group: dist.ProcessGroup | None = None) -> None:
         self.plan = plan
-        self.group = dist.new_group(dist.get_process_group_ranks(group or dist.group.WORLD))
+        # each dp group's members make its copy (other ranks copy theirs): local
+        # synchronisation, which names the copy by its ranks, not by a world-wide count
+        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        self.group = dist.new_group(ranks, use_local_synchronization=True)
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.ownership = assign(plan, self.world)
