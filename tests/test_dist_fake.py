@@ -177,3 +177,10 @@ def test_rank_owned_generates_its_share_and_sends_what_the_model_says(mesh):
     traffic = dict(rank_owned_traffic(plan, WORLD).collectives)
     assert owned.comm_bytes == traffic["all_gather"] + traffic["reduce_scatter"]
     assert all(t.grad is not None for t in gb.trainable_leaves(local))
+    first = plan.stacks[0]
+    with pytest.raises(  # the whole gparams, not this rank's shard: a negative dimension before
+        ValueError,
+        match=rf"^gb\.dist\.RankOwned\.apply: local\['stacks'\]\['{first.key}'\]\['w_in'\] "
+        rf"holds {first.num_gnets} g-nets; rank 5 owns {len(owned.ownership.gnets(0, RANK))} ",
+    ):
+        owned.apply(gb.init(plan, seed=0))

@@ -179,6 +179,7 @@ class RankOwned:
         (into the task embeddings) is summed over the ranks, each of which holds the part
         its own g-nets give, so that every rank ends with the whole of it.
         """
+        self._check_shard(local)
         z = condition_of(local, self.plan, condition, task, "gb.dist.RankOwned.apply")
         if z is not None:
             local, _ = conditioned(local, self.plan, _summed_gradient(z, self.group))
@@ -201,6 +202,22 @@ class RankOwned:
             for p in self.plan.generated
         }
         return parameters(self.plan.params, local, generated)
+
+    def _check_shard(self, local: GParams) -> None:
+        """Raise unless `local` holds this rank's g-nets of every stack (as `shard` makes
+        it): the whole gparams made a negative dimension deep inside the all-gather."""
+        stacks = local.get("stacks") if isinstance(local, dict) else None
+        for s, stack in enumerate(self.plan.stacks):
+            leaves = stacks.get(stack.key) if isinstance(stacks, dict) else None
+            w_in = leaves.get("w_in") if isinstance(leaves, dict) else None
+            held = w_in.shape[0] if isinstance(w_in, Tensor) else None
+            if held != len(self._gnets[s]):
+                raise ValueError(
+                    f"gb.dist.RankOwned.apply: local['stacks'][{stack.key!r}]['w_in'] holds "
+                    f"{held} g-nets; rank {self.rank} owns {len(self._gnets[s])} of the "
+                    f"stack's {stack.num_gnets}. Pass owned.shard(gparams), not the whole "
+                    "gparams."
+                )
 
     def _generate_and_gather(self, s: int, local: GParams) -> Tensor:
         """Start the all-gather of this rank's tiles of stack `s` (padded to the busiest rank)."""
