@@ -18,6 +18,11 @@ def saved_bytes(fn: Callable[[], object]) -> int:
         >>> gb.memory.saved_bytes(lambda: x.exp())  # exp saves its output
         4000
     """
+    if not callable(fn):
+        raise TypeError(
+            f"gb.memory.saved_bytes: fn must be a callable that runs the computation (say "
+            f"lambda: x.exp()), got {type(fn).__name__}; a result is computed already."
+        )
     storages: dict[Hashable, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:

@@ -200,6 +200,14 @@ def test_autograd_keeps_about_4_bytes_per_generated_weight():
 
 
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
+def test_saved_bytes_wants_the_computation_not_its_result():
+    x = torch.randn(10, requires_grad=True)
+    with pytest.raises(
+        TypeError, match=r"^gb\.memory\.saved_bytes: fn must be a callable .* got Tensor"
+    ):
+        gb.memory.saved_bytes(x.exp())
+
+
 def test_saved_bytes_counts_sparse_and_nested_tensors_by_their_buffers():
     # Their `untyped_storage()` raised (NotImplementedError, "invalid python storage").
     sparse = torch.randn(8, 8).to_sparse().requires_grad_()
