@@ -199,7 +199,6 @@ def test_autograd_keeps_about_4_bytes_per_generated_weight():
     assert plain / gb.report(plan).generated_weights > 100
 
 
-@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
 def test_saved_bytes_wants_the_computation_not_its_result():
     x = torch.randn(10, requires_grad=True)
     with pytest.raises(
@@ -208,6 +207,7 @@ def test_saved_bytes_wants_the_computation_not_its_result():
         gb.memory.saved_bytes(x.exp())
 
 
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
 def test_saved_bytes_counts_sparse_and_nested_tensors_by_their_buffers():
     # Their `untyped_storage()` raised (NotImplementedError, "invalid python storage").
     sparse = torch.randn(8, 8).to_sparse().requires_grad_()
