@@ -37,22 +37,30 @@ class Entry:
 
 
 def collect(model: nn.Module) -> list[Entry]:
-    seen: set[int] = set()
-    entries: list[Entry] = []
+    """Every parameter once, under its first name; a tied one (`head.weight = emb.weight`)
+    is judged by its embedding's layout wherever the embedding is registered, so that a
+    table whose module keeps it free (`embeddings=False`, `padding_idx`, ...) stays free."""
+    holders: dict[int, list[tuple[str, nn.Module, str, Layout | None]]] = {}
+    params: dict[int, Tensor] = {}
     for prefix, module in model.named_modules():
         layouts = layouts_of(module)
         for local, param in module.named_parameters(recurse=False):
-            if id(param) in seen:  # tied: generated once, functional_call keeps the tie
-                continue
-            seen.add(id(param))
             name = f"{prefix}.{local}" if prefix else local
-            dtype = str(param.dtype).removeprefix("torch.")
-            layout = layouts.get(local)
-            if layout is not None:
-                layout = replace(layout, init_std=start_scale(param, layout.init_std))
-            entries.append(
-                Entry(name, tuple(param.shape), dtype, param.requires_grad, module, local, layout)
-            )
+            holders.setdefault(id(param), []).append((name, module, local, layouts.get(local)))
+            params[id(param)] = param
+    entries: list[Entry] = []
+    for key, held in holders.items():  # tied: generated once, functional_call keeps the tie
+        param = params[key]
+        name = held[0][0]
+        _, module, local, layout = next(
+            (h for h in held if h[3] is not None and h[3].embedding), held[0]
+        )
+        dtype = str(param.dtype).removeprefix("torch.")
+        if layout is not None:
+            layout = replace(layout, init_std=start_scale(param, layout.init_std))
+        entries.append(
+            Entry(name, tuple(param.shape), dtype, param.requires_grad, module, local, layout)
+        )
     return entries
 
 

@@ -879,6 +879,37 @@ def test_tied_weights_are_generated_once_and_stay_tied():
     assert sd["head.weight"] is sd["emb.weight"]
 
 
+class HeadFirstLM(nn.Module):
+    """An output head registered before the embedding it is tied to."""
+
+    def __init__(self, **embedding: object) -> None:
+        super().__init__()
+        self.head = nn.Linear(8, 20, bias=False)
+        self.emb = nn.Embedding(20, 8, **embedding)
+        self.head.weight = self.emb.weight
+        self.mix = nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mix(self.emb(ids)))
+
+
+def test_a_tied_table_is_an_embedding_whichever_module_is_registered_first():
+    """The head's layout decided before: the table was generated without embeddings=True,
+    and with padding_idx (whose row must stay zero) or max_norm (which renormalised the
+    generated tensor in place)."""
+    for embedding, generated in (({}, False), ({"padding_idx": 0}, False), ({}, True)):
+        model = HeadFirstLM(**embedding)
+        plan = gb.plan(model, tile=(4, 4), embeddings=generated)
+        (table,) = [p for p in plan.params if p.name == "head.weight"]
+        assert isinstance(table, gb.Generated) is generated, (embedding, generated)
+    with pytest.raises(
+        ValueError, match=r"asked to be generated, but stays free: embedding with padding_idx=0"
+    ):
+        gb.plan(
+            HeadFirstLM(padding_idx=0), tile=(4, 4), overrides={"head.weight": {"generate": True}}
+        )
+
+
 def test_a_module_registered_twice_is_planned_once():
     shared = nn.Linear(6, 6)
     model = nn.Sequential(shared, nn.ReLU(), shared)
