@@ -37,7 +37,7 @@ from ._plan import (
     tile_buckets,
     tile_grid,
 )
-from ._rules import free_init, step_scale
+from ._rules import Layout, free_init, step_scale
 from ._search import SCOPES, Goal, UnreachableError, search_tile, size_tables
 
 
@@ -242,6 +242,23 @@ def _check_stored_size(plan: Plan) -> None:
     )
 
 
+def _check_outputs_are_rows(name: str, layout: Layout, genome: Genome, center: bool) -> None:
+    """Refuse what reads a weight's rows as its output neurons on one stored the other way
+    round (transformers' `Conv1D`): it would centre, or label, the inputs instead."""
+    labels = genome.row_labels != "position" or genome.col_labels != "position"
+    if layout.inputs_first and (center or labels):
+        what, off = (
+            ("center=True", "'center': False")
+            if center
+            else ("neuron labels", "'row_labels': 'position', 'col_labels': 'position'")
+        )
+        raise ValueError(
+            f"gb.plan: {name} is stored (inputs, outputs), and {what} read a weight's rows as "
+            f"its output neurons: they would act on its inputs. Turn them off for it: "
+            f"overrides={{{name!r}: {{{off}}}}}."
+        )
+
+
 def _compress(
     goal: Goal | None, options: list[dict[str, object]], tile_given: bool
 ) -> list[dict[str, object]]:
@@ -293,6 +310,7 @@ def _build(entries: list[Entry], options: list[dict[str, object]], flags: dict[s
             blocks.append(block)
         split_dim = layout.split_dim if layout.splits > 1 else 0
         center = opts["center"] and len(shape) > 1  # a bias has no inputs to centre over
+        _check_outputs_are_rows(entry.name, layout, genome, center)
         where = {"stack_index": stack_id, "blocks": tuple(blocks), "split_dim": split_dim}
         scale = step_scale(layout.init_std, shape)
         params.append(

@@ -29,6 +29,9 @@ class Layout:
         embedding: True for embedding tables (generated only when asked).
         bias: True for a layer's bias vector (generated only with `biases=True`, as a one-column
             matrix whose rows are the layer's output neurons).
+        inputs_first: True for a weight stored `(inputs, outputs)`, as transformers' `Conv1D`
+            stores it: `center=True` and neuron labels, which take rows for output neurons,
+            refuse it.
     """
 
     init_std: float
@@ -36,6 +39,7 @@ class Layout:
     split_dim: int = 0
     embedding: bool = False
     bias: bool = False
+    inputs_first: bool = False
 
     def __post_init__(self) -> None:
         """Refuse fields the planner cannot use, here rather than deep inside `gb.plan`."""
@@ -43,7 +47,7 @@ class Layout:
         splits = integer("gb.Layout", "splits", self.splits, minimum=1)
         if isinstance(self.split_dim, bool) or self.split_dim not in (0, 1):
             raise ValueError(f"gb.Layout: split_dim must be 0 or 1, got {self.split_dim!r}.")
-        for flag in ("embedding", "bias"):
+        for flag in ("embedding", "bias", "inputs_first"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"gb.Layout: {flag} must be a bool, got {getattr(self, flag)!r}.")
         object.__setattr__(self, "init_std", std)  # e.g. a numpy float, as Python's
@@ -200,7 +204,7 @@ def _hf_conv1d(module: nn.Module) -> dict[str, Layout]:
     # transformers' Conv1D stores (in, out) and draws N(0, 0.02); GPT-2's c_attn fuses Q, K, V
     # on columns (nf = 3 * n_embd), split so tiles never straddle them.
     splits = 3 if getattr(module, "nf", 0) == 3 * module.weight.shape[0] else 1
-    return {"weight": Layout(0.02, splits=splits, split_dim=1)}
+    return {"weight": Layout(0.02, splits=splits, split_dim=1, inputs_first=True)}
 
 
 for _cls in (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d):

@@ -113,6 +113,29 @@ def test_huggingface_conv1d_is_generated_and_c_attn_split():
     assert gen["c_attn.weight"].scale == pytest.approx(0.02)
 
 
+def test_center_and_neuron_labels_refuse_a_weight_stored_inputs_first():
+    """Conv1D stores (in, out): center=True removed each input's mean over the outputs, the
+    other axis from nn.Linear's."""
+    model = nn.ModuleDict({"c_proj": Conv1D(48, 48), "out": nn.Linear(48, 8)})
+    with pytest.raises(
+        ValueError,
+        match=r"^gb\.plan: c_proj\.weight is stored \(inputs, outputs\), and center=True .* "
+        r"overrides=\{'c_proj\.weight': \{'center': False\}\}\.$",
+    ):
+        gb.plan(model, tile=(16, 16), center=True)
+    plan = gb.plan(
+        model, tile=(16, 16), center=True, overrides={"c_proj.weight": {"center": False}}
+    )
+    assert {p.name: p.center for p in plan.generated} == {
+        "c_proj.weight": False,
+        "out.weight": True,
+    }
+    with pytest.raises(
+        ValueError, match=r"c_proj\.weight is stored \(inputs, outputs\), and neuron labels"
+    ):
+        gb.plan(model, tile="full", row_labels="onehot")
+
+
 def test_plan_works_on_meta_models_and_is_hashable():
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(300, 200), nn.ReLU(), nn.Linear(200, 10))
