@@ -43,7 +43,9 @@ def init(
     Free and frozen parameters start from the model's own tensors, copied: its
     initialisation (a library's `_init_weights` included) or pretrained values, bitwise.
     Without a model that has values (a plan made on `meta` or read from a checkpoint, or
-    `values="draw"`) they are drawn as their modules' `reset_parameters` would.
+    `values="draw"`) they are drawn as their modules' `reset_parameters` would for the common
+    layers (linear, convolution, embedding, attention, transformers' `Conv1D`), and as ones
+    (other 1-D weights), zeros (other 1-D) or N(0, 0.02) (the rest) elsewhere.
 
     Args:
         plan: From `gb.plan`.

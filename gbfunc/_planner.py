@@ -106,7 +106,9 @@ def plan(
             learning: one genome, a weight set per task).
         embeddings: Generate `nn.Embedding` tables too.
         biases: Generate the biases of generated layers too, each by its own g-net on the
-            layer's output-neuron labels (at high ratios free biases dominate the count).
+            layer's output-neuron labels (at high ratios free biases dominate the count);
+            those a rule marks as biases: linear and convolution layers', not transformers'
+            `Conv1D`'s or attention's fused in-projection bias.
         center: Remove each generated weight row's mean over its inputs (see `Generated`);
             with neuron labels it makes image-input genomes train stably.
         compression: The ratio to reach, within 10%: by default the whole model's, its
