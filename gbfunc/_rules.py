@@ -124,7 +124,17 @@ def layouts_of(module: nn.Module) -> dict[str, Layout]:
         if not isinstance(layout, Layout):
             raise TypeError(f"{where} returned {layout!r} for {local!r}; {contract}")
         shape = tuple(params[local].shape)
-        if layout.splits > 1 and len(shape) >= 2 and shape[layout.split_dim] % layout.splits:
+        if layout.bias and len(shape) != 1:
+            raise ValueError(
+                f"{where} returned bias=True for {local!r} of shape {shape}; a bias is a vector "
+                "(one value per output neuron)."
+            )
+        if layout.splits > 1 and len(shape) < 2:
+            raise ValueError(
+                f"{where} returned splits={layout.splits} for {local!r} of shape {shape}; only "
+                "a matrix (2 dims or more) is split."
+            )
+        if layout.splits > 1 and shape[layout.split_dim] % layout.splits:
             raise ValueError(
                 f"{where} returned splits={layout.splits} along dim {layout.split_dim} for "
                 f"{local!r} of shape {shape}; the splits must divide that dimension."

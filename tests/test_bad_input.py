@@ -298,6 +298,17 @@ def _round_four_cases(tmp: Path | None) -> dict[str, Case]:
             r"registered for M returned splits=3 along dim 0 for 'weight' of shape \(4, 8\); "
             r"the splits must divide",
         ),
+        "rule-splits-a-vector": Case(
+            lambda: plan_with_rule(lambda m: {"bias": gb.Layout(0.1, splits=2, split_dim=1)}),
+            ValueError,
+            r"registered for M returned splits=2 for 'bias' of shape \(4,\); only a matrix",
+        ),
+        "rule-bias-on-a-matrix": Case(
+            lambda: plan_with_rule(lambda m: {"weight": gb.Layout(0.1, bias=True)}),
+            ValueError,
+            r"registered for M returned bias=True for 'weight' of shape \(4, 8\); a bias is a "
+            r"vector",
+        ),
         "layout-zero-std": Case(
             lambda: gb.Layout(init_std=0.0),
             ValueError,
