@@ -178,6 +178,25 @@ def test_a_compiled_grad_step_runs_the_table_loops():
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
+def test_compiled_inference_of_a_stack_of_several_weights_runs_the_table_loops():
+    """No input requiring grad: dynamo inlined the autograd Function whose forward takes the
+    base weights as `*base`, and passed its ctx as the table (an AttributeError inside dynamo);
+    now the op runs alone, with the eager weights."""
+    torch.manual_seed(5)
+    _, plan = hashed_plan([8, 8, 4], (4, 4), 2, outputs=4, hidden=8)
+    assert (
+        max(sum(p.stack_index == s for p in plan.generated) for s in range(len(plan.stacks))) >= 2
+    )
+    gparams = gb.init(plan, requires_grad=False)
+    want = gb.apply(gparams, plan, compile=False)
+    with torch.profiler.profile() as prof:
+        got = torch.compile(lambda tree: gb.apply(tree, plan), fullgraph=True)(gparams)
+    assert "gbfunc::hash_weights" in {e.name for e in prof.events()}
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
+
+
 def test_without_the_loops_hashed_stacks_keep_the_tile_mlp(monkeypatch):
     """Where the table's loops cannot run, a hashed stack's g-nets do not take `_relu_rows`'
     loops either (its table would have nowhere to go)."""

@@ -65,6 +65,10 @@ def generate(
     """The weights `base` (matrices `(rows, columns)`, the g-nets') plus what a hashed stack's
     table `(T, B)` adds to them, each value times `gain`, for tiles of `positions` positions
     in `tile_rows` rows (`direct`: a plainly eager call, `_relu_rows.generate`'s)."""
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (table, *base))):
+        # No gradient to take: the op itself. Dynamo, inlining `_HashWeights` (whose forward
+        # takes `*base`) where no input requires grad, passed `ctx` for the table.
+        return tuple(hash_weights(list(base), table, positions, tile_rows, where.encoded, gain))
     if not direct:
         table = table.view_as(table)  # see `_relu_rows.generate` (pytorch/pytorch#193279)
     return _HashWeights.apply(table, positions, tile_rows, where.encoded, gain, *base)
