@@ -308,7 +308,7 @@ def _build(entries: list[Entry], options: list[dict[str, object]], flags: dict[s
         for rows, cols in block_shapes(shape, layout.splits, layout.split_dim):
             tile = tile_for(entry.name, opts, rows, cols, genome.outputs, layout)
             check_labels(entry.name, genome, rows, cols, tile)
-            stack_id, block = stacks.add(genome, tile, shape[2:], rows, cols)
+            stack_id, block = stacks.add(genome, tile, shape[2:], rows, cols, entry.dtype)
             blocks.append(block)
         split_dim = layout.split_dim if layout.splits > 1 else 0
         center = opts["center"] and len(shape) > 1  # a bias has no inputs to centre over
@@ -330,7 +330,8 @@ def _build(entries: list[Entry], options: list[dict[str, object]], flags: dict[s
 
 
 class _Stacks:
-    """The stacks of a plan being built: blocks of equal genome, tile and window share one."""
+    """The stacks of a plan being built: blocks of equal genome, tile, window and dtype share
+    one."""
 
     def __init__(self) -> None:
         self._index: dict[tuple, int] = {}
@@ -338,14 +339,23 @@ class _Stacks:
         self._tiles: list[list[int]] = []  # tiles per g-net, per stack
 
     def add(
-        self, genome: Genome, tile: tuple[int, int], window: tuple[int, ...], rows: int, cols: int
+        self,
+        genome: Genome,
+        tile: tuple[int, int],
+        window: tuple[int, ...],
+        rows: int,
+        cols: int,
+        dtype: str,
     ) -> tuple[int, Block]:
-        """Lay a `rows x cols` block out as the next tiles of its stack: `(stack, block)`."""
+        """Lay a `rows x cols` block out as the next tiles of its stack: `(stack, block)`.
+        Weights of different dtypes never share a stack, whose leaves (and so whose weights)
+        are of one dtype."""
         genome = replace(genome, hashed=tile_buckets(genome, tile, window))
-        key = (genome, tile, window, stack_geometry(genome, tile, window))
+        spec = (genome, tile, window, stack_geometry(genome, tile, window))
+        key = (*spec, dtype)
         if key not in self._index:
             self._index[key] = len(self._specs)
-            self._specs.append(key)
+            self._specs.append(spec)
             self._tiles.append([])
         stack = self._index[key]
         grid = tile_grid(rows, cols, tile)

@@ -136,6 +136,21 @@ def test_center_and_neuron_labels_refuse_a_weight_stored_inputs_first():
         gb.plan(model, tile="full", row_labels="onehot")
 
 
+def test_weights_of_different_dtypes_get_stacks_of_their_own_and_keep_their_dtype():
+    """A bfloat16 layer's weights shared a stack with a float32 layer's, whose leaves fell back
+    to float32, and came back float32: the model then failed on mixed dtypes."""
+    model = nn.Sequential(nn.Linear(8, 8).to(torch.bfloat16), nn.Linear(8, 4))
+    plan = gb.plan(model, tile=(4, 4), biases=True)
+    params = gb.apply(gb.init(plan), plan)
+    assert {k: v.dtype for k, v in params.items()} == {
+        k: v.dtype for k, v in model.named_parameters()
+    }
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    assert nn.functional.linear(x, params["0.weight"], params["0.bias"]).dtype == torch.bfloat16
+    same = gb.plan(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)), tile=(4, 4), biases=True)
+    assert len(plan.stacks) == 2 * len(same.stacks) == 4  # weights and biases, per dtype
+
+
 def test_plan_works_on_meta_models_and_is_hashable():
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(300, 200), nn.ReLU(), nn.Linear(200, 10))
