@@ -139,11 +139,13 @@ def _route(
     ]
     verdicts = [_verdicts(call) for call in calls]
     chosen = tuple(_first(v) for v in verdicts)
-    variants = tuple(_BY_NAME[name].variant(c) for c, name in zip(calls, chosen, strict=True))
     if all(name == triton.NAME for name in chosen):
         whole = triton.NAME
     else:  # a stack the kernels cannot take sends the plan stack by stack (`triton.refuses`)
         whole = graph.NAME if graph.NAME in chosen else "stacks"
+    if whole == graph.NAME:  # every stack runs traced, inside the plan's graph
+        calls = [c._replace(context=c.context._replace(compiling=True)) for c in calls]
+    variants = tuple(_BY_NAME[name].variant(c) for c, name in zip(calls, chosen, strict=True))
     return Route(whole, chosen, variants, context.compiling), verdicts
 
 

@@ -262,6 +262,18 @@ def test_the_graph_path_equals_the_references(name, seed):
     assert_grads(grads, generate(gparams, plan, torch_path, seed)[1], gparams)
 
 
+@needs_loops
+def test_a_loops_stack_inside_the_plans_graph_is_named_as_it_runs_there():
+    """Traced inside the graph, the loops run as ops; `gb.explain` named the variant of an
+    eager call ('direct') from the call's own context."""
+    plan, stacks = GRAPH_PLANS["mixed"]
+    route = gb.explain(init(plan, 0), plan, compile=True).route
+    assert (route.plan, route.stacks) == ("graph", stacks)
+    assert route.variants[0] == "ops"
+    alone = gb.plan(mlp([10, 7, 3]), tile=(4, 4), hidden=6, hashed=3)
+    assert gb.explain(init(alone, 0), alone, compile=True).route.variants[0] == "direct"
+
+
 # Two stacks of two-layer g-nets with several outputs, hashed: matmul operands, which run
 # compiled in chunks where a stack's transient exceeds `COMPILED_CHUNK_ELEMENTS`; lowered
 # below every stack's, no stack fits one graph and each stack's tile MLP runs compiled alone.
