@@ -13,7 +13,7 @@ The `"frozen"` group is carried through unchanged.
 Examples:
     >>> model = nn.Linear(8, 2)
     >>> plan = gb.plan(model, tile=(4, 4))
-    >>> gparams = gb.init(plan, requires_grad=False)  # the functional AdamW's leaves
+    >>> gparams = gb.init(plan, requires_grad=False)  # see adamw_update
     >>> def loss_fn(gparams, x):
     ...     out = functional_call(model, gb.apply(gparams, plan), (x,))
     ...     return out.square().mean()
