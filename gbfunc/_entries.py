@@ -40,17 +40,16 @@ def collect(model: nn.Module) -> list[Entry]:
     """Every parameter once, under its first name; a tied one (`head.weight = emb.weight`)
     is judged by its embedding's layout wherever the embedding is registered, so that a
     table whose module keeps it free (`embeddings=False`, `padding_idx`, ...) stays free."""
-    holders: dict[int, list[tuple[str, nn.Module, str, Layout | None]]] = {}
-    params: dict[int, Tensor] = {}
+    # per parameter, every (name, module, local name, layout) that holds it
+    holders: dict[int, tuple[Tensor, list[tuple[str, nn.Module, str, Layout | None]]]] = {}
     for prefix, module in model.named_modules():
         layouts = layouts_of(module)
         for local, param in module.named_parameters(recurse=False):
             name = f"{prefix}.{local}" if prefix else local
-            holders.setdefault(id(param), []).append((name, module, local, layouts.get(local)))
-            params[id(param)] = param
+            held = holders.setdefault(id(param), (param, []))[1]
+            held.append((name, module, local, layouts.get(local)))
     entries: list[Entry] = []
-    for key, held in holders.items():  # tied: generated once, functional_call keeps the tie
-        param = params[key]
+    for param, held in holders.values():  # tied: generated once, functional_call keeps the tie
         name = held[0][0]
         _, module, local, layout = next(
             (h for h in held if h[3] is not None and h[3].embedding), held[0]

@@ -50,8 +50,7 @@ def targets(gparams: GParams, plan: Plan, tasks: Iterable[int]) -> dict[int, dic
             f"gb.continual.targets: tasks must be an iterable of task ids (e.g. [0, 1]), got "
             f"{type(tasks).__name__}."
         )
-    ids = list(tasks)
-    _check_ids(ids, plan, "gb.continual.targets")
+    ids = _task_ids(tasks, plan, "gb.continual.targets")
     with torch.no_grad():
         return {
             t: {k: v.detach().clone() for k, v in apply(gparams, plan, task=t).items()} for t in ids
@@ -84,12 +83,11 @@ def penalty(
             "gb.continual.penalty: targets must map task ids to parameters (from "
             f"gb.continual.targets), got {type(targets).__name__}."
         )
-    ids = list(targets)
-    _check_ids(ids, plan, "gb.continual.penalty")
+    ids = _task_ids(targets, plan, "gb.continual.penalty")
     _check_targets(targets, plan)
     if not ids:
         return gparams["tasks"].new_zeros(())
-    index = torch.tensor([int(t) for t in ids], device=gparams["tasks"].device)
+    index = torch.tensor(ids, device=gparams["tasks"].device)
     now = vmap(lambda t: apply(gparams, plan, task=t))(index)
     total = 0
     for name, values in now.items():
@@ -118,11 +116,12 @@ def _check_targets(targets: Mapping[int, Mapping[str, Tensor]], plan: Plan) -> N
             )
 
 
-def _check_ids(ids: list[int], plan: Plan, where: str) -> None:
+def _task_ids(ids: Iterable[object], plan: Plan, where: str) -> list[int]:
+    """`ids` as Python ints (Python's or numpy's integers, as `gb.apply` takes), each checked
+    against the plan's tasks."""
     if not plan.tasks:
         raise ValueError(
             f"{where}: the plan has no task embeddings; make it with "
             "gb.plan(..., condition=<width>, tasks=<n>)."
         )
-    for t in ids:  # Python's or numpy's integers, as gb.apply takes
-        task_number(t, plan.tasks, where)
+    return [task_number(t, plan.tasks, where) for t in ids]

@@ -200,8 +200,8 @@ def adamw_update(
 
     def update(p: Tensor, m: Tensor, v: Tensor) -> Tensor:
         # a 0-dim leaf would take the float64 of the 0-dim bias corrections
-        step = lr * (m / c1) / ((v / c2).sqrt() + eps)
-        return p * (1 - lr * weight_decay) - step.to(p.dtype)
+        delta = lr * (m / c1) / ((v / c2).sqrt() + eps)
+        return p * (1 - lr * weight_decay) - delta.to(p.dtype)
 
     new = tree_map(update, _trainable(gparams), m, v)
     new["frozen"] = gparams["frozen"]
