@@ -314,7 +314,7 @@ def _build(entries: list[Entry], options: list[dict[str, object]], flags: dict[s
         center = opts["center"] and len(shape) > 1  # a bias has no inputs to centre over
         _check_outputs_are_rows(entry.name, layout, genome, center)
         where = {"stack_index": stack_id, "blocks": tuple(blocks), "split_dim": split_dim}
-        scale = step_scale(layout.init_std, shape)
+        scale = step_scale(layout.init_std, shape, layout.inputs_first)
         params.append(
             Generated(
                 entry.name,

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import gbfunc as gb
+from gbfunc import _rules
 from gbfunc._check_plan import check_plan
 from gbfunc._plan import Generated
 from gbfunc._serial import plan_from_json, plan_to_json
@@ -91,3 +92,27 @@ def test_a_plan_with_a_start_round_trips_and_a_bad_one_is_refused(tmp_path):
     assert '"start":-1' in text
     with pytest.raises(ValueError, match=r"\.start"):
         check_plan(plan_from_json(text), lm(), "test", corrupt=ValueError, mismatch=TypeError)
+
+
+class InputsFirst(nn.Module):
+    """A weight stored `(inputs, outputs)`, as transformers' `Conv1D` stores it."""
+
+    def __init__(self, inputs: int, outputs: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(inputs, outputs))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
+
+
+def test_a_weight_stored_inputs_first_is_capped_by_its_inputs():
+    """The cap is `1 / sqrt(fan_in)` with the fan-in on dim 0 of an inputs-first weight: 8
+    inputs cap it at 0.354, where the outputs (64) would give 0.125."""
+    gb.register_rule(InputsFirst, lambda m: {"weight": gb.Layout(1.0, inputs_first=True)})
+    try:
+        plan = gb.plan(nn.Sequential(InputsFirst(8, 64), InputsFirst(64, 8)), tile="full")
+    finally:
+        del _rules._RULES[InputsFirst]
+    p = by_name(plan)
+    assert p["0.weight"].scale == pytest.approx(1 / math.sqrt(8))
+    assert p["1.weight"].scale == pytest.approx(1 / math.sqrt(64))
