@@ -170,6 +170,11 @@ def plan(
             f"gb.plan: compression_of must be one of {', '.join(map(repr, SCOPES))}, got "
             f"{compression_of!r}."
         )
+    if compression is None and compression_of != "model":
+        raise ValueError(
+            f"gb.plan: compression_of={compression_of!r} says which ratio compression= "
+            "reaches; pass compression=<ratio> with it (without one, no ratio is sought)."
+        )
     tasks = integer("gb.plan", "tasks", tasks, minimum=0)
     # The task table is (tasks, width), the width of whichever layers read a condition: the
     # top-level one or an override's (one width in all, `_check_condition`).

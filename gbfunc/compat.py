@@ -144,7 +144,8 @@ class GenomicBottleneck:
             tile=tile,
             hidden=hidden_dim,
             compression=compression,
-            compression_of="generated",  # torchGB's count: weights per g-net parameter
+            # torchGB's count: weights per g-net parameter
+            compression_of="model" if compression is None else "generated",
             free=free,
         )
         first = self._params[self.plan.generated[0].name]

@@ -716,6 +716,8 @@ def test_an_unreachable_whole_model_target_says_what_counts():
         gb.plan(model, compression=200, share=True, condition=8, tasks=40)
     with pytest.raises(ValueError, match=r"gb\.plan: compression_of must be one of 'model', "):
         gb.plan(model, compression=2, compression_of="weights")
+    with pytest.raises(ValueError, match=r"compression_of='generated' says which ratio"):
+        gb.plan(model, compression_of="generated")  # no ratio sought: it would be ignored
 
 
 def test_an_unreachable_target_names_what_holds_the_parameters_and_what_each_option_reaches():
