@@ -77,6 +77,22 @@ def normalise_overrides(
     return rules
 
 
+def check_free_kept(
+    free: Sequence[str], names: list[str], options: list[dict[str, object]]
+) -> None:
+    """Refuse a parameter that `free=` names and an override generates (`generate: True`
+    after it): the two ask opposite things, and neither should win without a word."""
+    patterns = (free,) if isinstance(free, str) else tuple(free)
+    for name, opts in zip(names, options, strict=True):
+        matched = next((p for p in patterns if fnmatch.fnmatchcase(name, p)), None)
+        if matched is not None and opts["generate"] is True:
+            raise ValueError(
+                f"gb.plan: {name!r} matches free pattern {matched!r} and an override that sets "
+                "generate=True; drop one, or give both as overrides, which apply in order "
+                "({pattern: 'free'}, then {pattern: {'generate': True}})."
+            )
+
+
 def check_patterns(rules: Rules, names: list[str]) -> None:
     for pattern, _ in rules:
         if not any(fnmatch.fnmatchcase(n, pattern) for n in names):

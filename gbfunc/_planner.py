@@ -20,6 +20,7 @@ from ._genome import AUTO, Genome, check_genome
 from ._numbers import integer, real
 from ._options import (
     DEFAULT_TILE,
+    check_free_kept,
     check_patterns,
     check_tile,
     normalise_overrides,
@@ -160,6 +161,7 @@ def plan(
     entries = collect(model)
     check_patterns(rules, [e.name for e in entries])
     options = [resolve(e.name, base, rules) for e in entries]
+    check_free_kept(free, [e.name for e in entries], options)
     for flag, value in (("biases", biases), ("embeddings", embeddings), ("center", center)):
         if not isinstance(value, bool):
             raise TypeError(f"gb.plan: {flag} must be a bool, got {value!r}.")

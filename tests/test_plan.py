@@ -315,6 +315,17 @@ def test_options_that_reach_only_free_parameters_are_not_silently_dropped():
         gb.plan(model, tile=(4, 4), overrides={"0.weight": {"generate": True}})
 
 
+def test_a_parameter_both_left_free_and_generated_is_refused_by_name():
+    """`free=` is applied before the overrides, so an override's generate=True won without a
+    word; the two ask opposite things."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    with pytest.raises(ValueError, match=r"'0\.weight' matches free pattern '0\.\*' and an "):
+        gb.plan(model, tile=(4, 4), free=["0.*"], overrides={"*weight": {"generate": True}})
+    # Given in order as overrides, the later rule wins, as documented.
+    plan = gb.plan(model, tile=(4, 4), overrides={"*": "free", "1.weight": {"generate": True}})
+    assert [p.name for p in plan.generated] == ["1.weight"]
+
+
 def test_models_without_generatable_parameters_are_rejected():
     with pytest.raises(ValueError, match="LayerNorm has no parameter to generate"):
         gb.plan(nn.LayerNorm(8))
