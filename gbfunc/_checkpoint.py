@@ -40,9 +40,17 @@ from ._checkpoint_checks import (
     CheckpointVersionError,
     buffers_to_save,
     check_checkpoint,
+    check_restorable,
     checkpoint_path,
 )
-from ._files import FILE_KINDS, check_no_meta, standalone, sync_dir, write_atomic
+from ._files import (
+    FILE_KINDS,
+    check_no_meta,
+    check_readable_back,
+    standalone,
+    sync_dir,
+    write_atomic,
+)
 from ._numbers import as_integer, integer
 from ._plan import Plan
 from ._serial import flatten, plan_from_json, plan_to_json, unflatten
@@ -143,6 +151,9 @@ def write_file(path: str, tensors: dict[str, Tensor], metadata: dict[str, str], 
     def write(tmp: str) -> None:
         safetensors.torch.save_file(tensors, tmp, metadata)
 
+    if path.endswith(("/", os.sep)):
+        raise CheckpointError(f"{where}: {path}: names a directory; give a file name.")
+    check_readable_back({f"{where}: entry {name!r}": t for name, t in tensors.items()})
     try:
         written = write_atomic(path, write)
     except (OSError, safetensors.SafetensorError) as e:
@@ -234,6 +245,7 @@ def read(
     keys = [k for k in tensors if k.startswith(BUFFERS)]
     stored = {k.removeprefix(BUFFERS): tensors.pop(k) for k in keys}
     check_checkpoint(plan, model, stored, where, corrupt=CheckpointCorruptError)
+    check_restorable(model, stored, where)
     gparams, opt_state = _contents(tensors, plan, skeleton, where, device)
     return Checkpoint(gparams, plan.naming(model), opt_state, step, meta), stored
 

@@ -9,7 +9,7 @@ model it is given. The errors of both sides are defined here.
 
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -125,6 +125,18 @@ def check_buffer(
         raise CheckpointMismatchError(
             f"{where}: buffer {name!r} is {dtype} {shape} in the checkpoint but "
             f"{have.dtype} {tuple(have.shape)} in the model."
+        )
+
+
+def check_restorable(model: nn.Module, names: Iterable[str], where: str) -> None:
+    """Raise `CheckpointMismatchError` where one of `model`'s buffers `names` is on the meta
+    device: copying into it does nothing, and the stored values would be lost unsaid."""
+    name = next((n for n in sorted(names) if model.get_buffer(n).is_meta), None)
+    if name is not None:
+        raise CheckpointMismatchError(
+            f"{where}: the model's buffer {name!r} is on the meta device, which holds no "
+            "values to restore into: materialise the model first "
+            "(model.to_empty(device=...)), then load."
         )
 
 

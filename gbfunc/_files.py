@@ -2,11 +2,14 @@
 
 import contextlib
 import errno
+import functools
 import os
 import secrets
 import stat
 from collections.abc import Callable
 
+import safetensors
+import safetensors.torch
 import torch
 from torch import Tensor
 
@@ -108,6 +111,33 @@ def standalone(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
         seen.add(t.untyped_storage().data_ptr())
         out[key] = t
     return out
+
+
+def check_readable_back(labelled: dict[str, Tensor]) -> None:
+    """Raise `TypeError` for the first tensor in a dtype that safetensors writes but cannot
+    read back (e.g. `float8_e8m0fnu` with safetensors 0.8) or cannot write at all
+    (`complex128`): the file would replace a good one and then be refused as damaged.
+
+    Args:
+        labelled: `{label: tensor}`; the label begins the message (e.g. "gb.save: entry 'x'").
+    """
+    for label, t in labelled.items():
+        if not _readable_back(t.dtype):
+            raise TypeError(
+                f"{label} is {t.dtype}, which safetensors {safetensors.__version__} cannot "
+                "store and read back; nothing was written. Store it reinterpreted (e.g. "
+                ".view(torch.uint8)), or leave it out."
+            )
+
+
+@functools.cache
+def _readable_back(dtype: torch.dtype) -> bool:
+    """Whether a tensor of `dtype` survives a safetensors write and read unchanged in dtype."""
+    try:
+        data = safetensors.torch.save({"x": torch.zeros(1, dtype=dtype)})
+        return safetensors.torch.load(data)["x"].dtype == dtype
+    except Exception:  # safetensors raises its own types, and KeyError for unknown dtypes
+        return False
 
 
 def check_no_meta(tensors: dict[str, Tensor], where: str, remedy: str = "") -> None:

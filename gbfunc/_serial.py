@@ -12,6 +12,7 @@ from dataclasses import asdict
 import torch
 from torch import Tensor
 
+from ._files import check_readable_back
 from ._genome import Genome
 from ._plan import Block, Free, Generated, Plan, Stack, stack_fields
 
@@ -108,6 +109,7 @@ def flatten(tree: object, prefix: str, where: str) -> tuple[object, dict[str, Te
                     f"{path} is a {str(node.layout).removeprefix('torch.')} tensor; only dense "
                     "(strided) tensors can be saved: convert it with .to_dense()."
                 )
+            check_readable_back({path: node})
             key = f"{prefix}/{len(tensors)}"
             tensors[key] = node
             return {"$tensor": key}

@@ -242,6 +242,42 @@ def test_a_forged_file_with_a_valid_hash_but_a_missing_tensor(saved):
         gb.load(saved, mlp())
 
 
+@pytest.mark.parametrize(
+    ("store", "entry", "dtype"),
+    [
+        ("buffers", "entry 'buffers/scale'", "float8_e8m0fnu"),  # written, not read back
+        ("opt_state", "opt_state\\['x'\\]", "complex128"),  # not written (a bare KeyError)
+    ],
+)
+def test_a_dtype_safetensors_cannot_read_back_is_refused_and_the_previous_file_kept(
+    tmp_path, store, entry, dtype
+):
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(16, 8)
+            self.register_buffer("scale", torch.ones(4))
+
+    model = Scaled()
+    plan = gb.plan(model, tile=(8, 8))
+    gparams = gb.init(plan)
+    path = tmp_path / "c.safetensors"
+    gb.save(path, gparams, plan, step=1)
+    odd = torch.zeros(4, dtype=getattr(torch, dtype))
+    extra = {"buffers": {"scale": odd}} if store == "buffers" else {"opt_state": {"x": odd}}
+    with pytest.raises(TypeError, match=rf"gb\.save: {entry} is torch\.{dtype}, which safetens"):
+        gb.save(path, gparams, plan, step=2, **extra)
+    assert gb.load(path, model).step == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["c.safetensors"]
+
+
+def test_a_path_ending_in_a_separator_is_refused_not_written_as_a_file(tmp_path):
+    plan = gb.plan(nn.Linear(16, 8), tile=(8, 8))
+    with pytest.raises(gb.CheckpointError, match=r"names a directory; give a file name"):
+        gb.save(f"{tmp_path}/new/", gb.init(plan), plan)
+    assert not (tmp_path / "new").exists()
+
+
 def test_not_a_gbfunc_checkpoint(tmp_path):
     path = tmp_path / "dense.safetensors"
     safetensors.torch.save_file(mlp().state_dict(), path)

@@ -199,6 +199,28 @@ def test_a_sharded_checkpoint_restores_buffers(tmp_path):
         gbd.load_sharded(tmp_path / "s", narrower)
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["gb.load", "load_sharded"])
+def test_a_load_into_a_model_on_meta_is_refused_rather_than_dropping_its_buffers(tmp_path, sharded):
+    """Copying into a meta buffer does nothing: the stored statistics would be lost."""
+    model = bn_net()
+    plan = gb.plan(model, tile=(8, 8))
+    model[1].running_mean.fill_(3.0)
+    path = tmp_path / ("s" if sharded else "c.safetensors")
+    if sharded:
+        gbd.save_sharded(path, gb.init(plan), plan=plan)
+    else:
+        gb.save(path, gb.init(plan), plan)
+    with torch.device("meta"):
+        empty = bn_net()
+    with pytest.raises(
+        gb.CheckpointMismatchError, match=r"buffer '1\.num_batches_tracked' is on the meta"
+    ):
+        (gbd.load_sharded if sharded else gb.load)(path, empty)
+    empty.to_empty(device="cpu")
+    (gbd.load_sharded if sharded else gb.load)(path, empty)
+    assert torch.equal(empty[1].running_mean, torch.full((16,), 3.0))
+
+
 # Issue 53, rows 3, 7 and 11: a resumed run saves its buffers again; gb.save refuses what no
 # model could load; a load that cannot write a buffer changes nothing.
 

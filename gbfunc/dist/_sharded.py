@@ -43,7 +43,7 @@ from .._checkpoint import (
     content_hash,
     restore_buffers,
 )
-from .._checkpoint_checks import check_buffer
+from .._checkpoint_checks import check_buffer, check_restorable
 from .._plan import TILE_LEAVES, Plan
 from .._serial import plan_from_json
 from .._tree import GParams
@@ -311,6 +311,7 @@ def _buffer_templates(manifest: dict[str, Any], model: nn.Module, where: str) ->
             raise CheckpointCorruptError(f"{where}: unreadable buffer list (buffer {name!r}).")
         check_buffer(name, dtype, shape, mine, where)
         state[BUFFERS + name] = torch.empty(shape, dtype=dtype)
+    check_restorable(model, (name for name, _, _ in listed), where)
     return state
 
 
