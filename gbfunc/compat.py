@@ -30,6 +30,7 @@ What differs from torchGB, on purpose:
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence, Set
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -58,7 +59,9 @@ class GenomicBottleneck:
     The constructor takes torchGB's arguments, current and older: `GenomicBottleneck(model,
     local_rank_dict, hidden_dim=..., scheduler=..., lr=..., gnet_batchsize=...,
     ignore_layers=..., compression=..., hypernet_type=...)`, and the older
-    `GenomicBottleneck(model, num_batches, ...)`.
+    `GenomicBottleneck(model, num_batches, ...)`. The g-nets take the model's dtype, but
+    float32 for a float16 or bfloat16 model (torchGB's are float32 throughout); the weights
+    they generate are cast into the model's.
 
     Args:
         model: The p-net, plain or wrapped in DDP/DataParallel or torch.compile.
@@ -149,7 +152,11 @@ class GenomicBottleneck:
             free=free,
         )
         first = self._params[self.plan.generated[0].name]
-        stacks = init(self.plan, seed, dtype=first.dtype, device=first.device)["stacks"]
+        # Half-precision models get float32 g-nets (torchGB's are float32 throughout): in
+        # bfloat16 most of Adam's small steps round away. Their weights are cast on copy.
+        half = first.dtype in (torch.float16, torch.bfloat16)
+        dtype = torch.float32 if half else first.dtype
+        stacks = init(self.plan, seed, dtype=dtype, device=first.device)["stacks"]
         # Free parameters are the p-net's own, so `apply` passes them through untouched.
         self.gparams = {
             "stacks": stacks,
@@ -163,6 +170,7 @@ class GenomicBottleneck:
         self._make_scheduler, self._lr = scheduler, lr
         self.scheduler = None if scheduler is None else scheduler(self.optimizer, lr)
         self._weights: dict[str, Tensor] = {}
+        self._with_grad = False
 
     def predict_weights(self) -> None:
         """Generate every g-net weight and write it into the p-net's parameter, in place.
@@ -172,6 +180,7 @@ class GenomicBottleneck:
         """
         params = apply(self.gparams, self.plan)
         self._weights = {p.name: params[p.name] for p in self.plan.generated}
+        self._with_grad = torch.is_grad_enabled()
         with torch.no_grad():
             for name, weight in self._weights.items():
                 self._params[name].copy_(weight)
@@ -186,7 +195,7 @@ class GenomicBottleneck:
             raise RuntimeError(
                 "GenomicBottleneck.backward: call predict_weights() before backward()."
             )
-        if not all(w.requires_grad for w in self._weights.values()):
+        if not self._with_grad:
             raise RuntimeError(
                 "GenomicBottleneck.backward: the last predict_weights() ran without gradients "
                 "(torch.no_grad()); call it with gradients enabled before the forward pass."
@@ -194,7 +203,7 @@ class GenomicBottleneck:
         pairs = [
             (w, self._params[n].grad)
             for n, w in self._weights.items()
-            if self._params[n].grad is not None
+            if self._params[n].grad is not None and w.requires_grad  # a frozen stack's: not
         ]
         if pairs:
             torch.autograd.backward([w for w, _ in pairs], [g for _, g in pairs])
@@ -247,18 +256,21 @@ class GenomicBottleneck:
 
         Everything is read and checked first (file, hash, model, plan, optimizer and scheduler
         state, on throwaway copies); only then is anything replaced, and the p-net's
-        generated weights are re-predicted.
+        generated weights are re-predicted. The checkpoint's plan is taken, with the scales
+        its g-nets were trained under (this object may have been built on trained weights,
+        whose stds set other scales). A file saved without a scheduler keeps this object's
+        scheduler and the rates it set.
         """
         first = next(iter(self.gparams["stacks"].values()))["w_in"]
         pnet = unwrap(self.model)
         where = f"GenomicBottleneck.load: {os.fspath(fname)}"
         ckpt, buffers = read(fname, pnet, "GenomicBottleneck.load", device=first.device)
-        if ckpt.plan != self.plan:
+        if _unscaled(ckpt.plan) != _unscaled(self.plan):
             raise CheckpointMismatchError(
                 f"{where}: {_difference(ckpt.plan, self.plan)}; "
                 "build the GenomicBottleneck with the options the checkpoint was saved with."
             )
-        stacks = ckpt.gparams["stacks"]  # equal plans: same p-net dtypes, so same leaf dtypes
+        stacks = ckpt.gparams["stacks"]  # copied below, cast into this object's leaves
         optimizer_state, scheduler_state = _split_state(ckpt.opt_state)
         self._try_states(stacks, optimizer_state, scheduler_state, where)
         # first: it writes all or none, so that a failure changes nothing
@@ -270,12 +282,22 @@ class GenomicBottleneck:
             for key, leaves in stacks.items():
                 for name, value in leaves.items():
                     self.gparams["stacks"][key][name].copy_(value)
+        # Saved without a scheduler, loaded with one: the new scheduler's rates stand.
+        rates = [
+            {k: g[k] for k in ("lr", "initial_lr") if k in g} for g in self.optimizer.param_groups
+        ]
         if optimizer_state is not None:
             self.optimizer.load_state_dict(optimizer_state)
         else:
             self.optimizer.state.clear()
         if self.scheduler is not None and scheduler_state is not None:
             self.scheduler.load_state_dict(scheduler_state)
+        elif self.scheduler is not None:
+            for group, rate in zip(self.optimizer.param_groups, rates, strict=True):
+                group.update(rate)
+        # The scales its g-nets were trained under (a plan measures the model's weights when
+        # it is made, so one built after trained weights were loaded differs in them alone).
+        self.plan = ckpt.plan
         with torch.no_grad():
             self.predict_weights()
         self._weights = {}
@@ -388,6 +410,15 @@ def _describe(p: Generated | Free, owner: Plan) -> str:
         return f"free ({p.reason})"
     stack = owner.stacks[p.stack_index]
     return f"generated on {stack.tile[0]}x{stack.tile[1]} tiles by {stack.genome}"
+
+
+def _unscaled(plan: Plan) -> Plan:
+    """`plan` with every generated weight's `scale` and `start` set to 1: what `load` needs to
+    match (the scales come from the model's weights when the plan is made)."""
+    params = tuple(
+        replace(p, scale=1.0, start=1.0) if isinstance(p, Generated) else p for p in plan.params
+    )
+    return replace(plan, params=params)
 
 
 def _difference(theirs: Plan, ours: Plan) -> str:

@@ -225,6 +225,81 @@ def test_load_rejects_a_checkpoint_with_other_gnets_and_changes_nothing(tmp_path
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
 
 
+def test_a_half_precision_model_gets_float32_gnets_that_every_step_moves():
+    """In bfloat16 most of AdamW's steps at torchGB's rates rounded away (two thirds of a
+    stack's w_in unchanged after one step); torchGB's g-nets are float32 throughout."""
+    x, y = batch((16,))
+    model = mlp().to(torch.bfloat16)
+    gnets = GenomicBottleneck(model, tile=(16, 16), lr=3e-4)
+    leaves = [t for s in gnets.gparams["stacks"].values() for t in s.values()]
+    assert {t.dtype for t in leaves} == {torch.float32}
+    before = [t.detach().clone() for t in leaves]
+    torchgb_loop(model, gnets, torch.optim.SGD(model.parameters(), lr=0.0), x.bfloat16(), y, 1)
+    moved = sum(int((a != b).sum()) for a, b in zip(before, leaves, strict=True))
+    assert moved > 0.99 * sum(t.numel() for t in leaves)
+    with torch.no_grad():
+        gnets.predict_weights()
+    assert model[0].weight.dtype == torch.bfloat16
+    assert torch.equal(model[0].weight, gb.apply(gnets.gparams, gnets.plan)["0.weight"].bfloat16())
+
+
+def test_a_frozen_stack_trains_the_others_without_blaming_no_grad():
+    x, y = batch((16,))
+    model = mlp()
+    gnets = GenomicBottleneck(model, tile=(16, 16))
+    frozen, *others = gnets.gparams["stacks"].values()
+    for t in frozen.values():
+        t.requires_grad_(False)
+    gnets.predict_weights()
+    nn.functional.cross_entropy(model(x), y).backward()
+    gnets.backward()
+    assert all(t.grad is None for t in frozen.values())
+    assert all(t.grad is not None for s in others for t in s.values())
+    assert all(p.grad is None for p in (model[0].weight, model[2].weight, model[4].weight))
+    with torch.no_grad():
+        gnets.predict_weights()
+    with pytest.raises(RuntimeError, match=r"ran without gradients \(torch\.no_grad\(\)\)"):
+        gnets.backward()
+
+
+def test_a_bottleneck_built_on_trained_weights_loads_their_checkpoint(tmp_path):
+    """A plan takes its scales from the model's weights when it is made: one built after
+    the trained weights were loaded differs in them alone, and takes the checkpoint's."""
+    x, y = batch((16,))
+    torch.manual_seed(0)
+    model = mlp()
+    gnets = GenomicBottleneck(model, tile=(16, 16), lr=5e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-2)
+    torchgb_loop(model, gnets, optimizer, x, y, steps=20)
+    gnets.save(tmp_path / "g.safetensors")
+    with torch.no_grad():
+        gnets.predict_weights()  # the weights of the g-nets saved (after their last step)
+    trained = {k: v.clone() for k, v in model.state_dict().items()}
+
+    again = mlp()
+    again.load_state_dict(trained)  # the weights' stds moved: other scales
+    gnets2 = GenomicBottleneck(again, tile=(16, 16), lr=5e-2)
+    assert gnets2.plan != gnets.plan
+    gnets2.load(tmp_path / "g.safetensors")
+    assert gnets2.plan == gnets.plan
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in trained.items())
+
+
+def test_a_scheduler_added_on_resume_sets_the_rates(tmp_path):
+    GenomicBottleneck(mlp(), tile=(8, 8), lr=1e-3).save(tmp_path / "g.safetensors")
+
+    def warm(optimizer, lr):
+        return torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=4)
+
+    gnets = GenomicBottleneck(mlp(), tile=(8, 8), lr=1e-3, scheduler=warm)
+    gnets.load(tmp_path / "g.safetensors")
+    rates = []
+    for _ in range(5):
+        rates.append(gnets.optimizer.param_groups[0]["lr"])
+        gnets.step()
+    assert rates == pytest.approx([1e-4, 3.25e-4, 5.5e-4, 7.75e-4, 1e-3])
+
+
 def test_torchgb_loop_on_a_ddp_model(process_group, tmp_path):
     model = mlp()
     ddp = nn.parallel.DistributedDataParallel(model)
