@@ -355,12 +355,25 @@ class Bottleneck(nn.Module):
         )
         self.load_gparams(calibrated)
 
-    def load_gparams(self, gparams: GParams) -> None:
+    def load_gparams(self, gparams: GParams, plan: Plan | None = None) -> None:
         """Copy `gparams` (e.g. `gb.load(...).gparams`) into this module's tensors, in place.
 
         In place, so an optimizer built on `b.parameters()` keeps training the same tensors;
         values are cast to each tensor's dtype and device.
+
+        Args:
+            gparams: Of this module's plan, or of `plan`.
+            plan: The plan `gparams` were made and trained for (`gb.load(...).plan`): it must
+                equal this module's, since gparams of another genome (another activation,
+                `center`, scales) may have the same shapes and generate other weights.
         """
+        if plan is not None and plan != self.plan:
+            raise ValueError(
+                "gb.Bottleneck.load_gparams: plan is not this module's plan, so the same "
+                "gparams would generate other weights here (gb.dist.plan_difference(b.plan, "
+                "plan) names the first difference); build the module from it instead: "
+                "gb.Bottleneck(model, plan) or gb.Bottleneck.from_checkpoint(path, model)."
+            )
         check_gparams(gparams, self.plan, "gb.Bottleneck.load_gparams")
         mine = self.gparams
         with torch.no_grad():
@@ -378,6 +391,8 @@ class Bottleneck(nn.Module):
         the p-net buffers stored in it restored into `model`'s (which it shares).
 
         For the optimizer state, step and meta of the same file, read it with `gb.load`.
+        Values are cast to the module's dtype (the model's), as `load_state_dict` casts;
+        `.to(dtype)` converts them after.
 
         Examples:
             >>> model = nn.Linear(64, 32)
@@ -392,7 +407,7 @@ class Bottleneck(nn.Module):
         module = cls(model, ckpt.plan)
         if device is not None:
             module.to(device)
-        module.load_gparams(ckpt.gparams)
+        module.load_gparams(ckpt.gparams, ckpt.plan)
         return module
 
     def train(self, mode: bool = True) -> "Bottleneck":

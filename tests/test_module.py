@@ -308,6 +308,22 @@ def test_load_gparams_copies_in_place_so_an_optimizer_keeps_its_tensors(tmp_path
     assert_stacks_equal(b, gb.init(b.plan, seed=5))
 
 
+def test_load_gparams_refuses_the_gparams_of_another_genome_of_the_same_shapes(tmp_path):
+    """A tanh, centred genome has a ReLU one's shapes: its gparams generate other weights."""
+    saved = gb.Bottleneck(mlp(), tile=(8, 8), seed=0)
+    path = tmp_path / "ckpt.safetensors"
+    gb.save(path, saved.gparams, saved.plan)
+    ckpt = gb.load(path, saved.pnet)
+    other = gb.Bottleneck(mlp(), tile=(8, 8), activation="tanh", center=True)
+    before = {k: v.clone() for k, v in state(other).items()}
+    with pytest.raises(ValueError, match=r"load_gparams: plan is not this module's plan"):
+        other.load_gparams(ckpt.gparams, ckpt.plan)
+    assert all(torch.equal(v, before[k]) for k, v in state(other).items())
+    again = gb.Bottleneck(mlp(), tile=(8, 8), seed=3)
+    again.load_gparams(ckpt.gparams, ckpt.plan)
+    assert_stacks_equal(again, saved.gparams)
+
+
 # ---------------------------------------------------------------- errors
 
 
