@@ -41,7 +41,8 @@ def init(
     `gb.apply` multiplies it by `Generated.scale`, so the weight starts at the std of the
     model's own (`scale * start`).
     Free and frozen parameters start from the model's own tensors, copied: its
-    initialisation (a library's `_init_weights` included) or pretrained values, bitwise.
+    initialisation (a library's `_init_weights` included) or pretrained values, bitwise;
+    a parallelized model's DTensors whole (then call it on every rank: it gathers them).
     Without a model that has values (a plan made on `meta` or read from a checkpoint, or
     `values="draw"`) they are drawn as their modules' `reset_parameters` would for the common
     layers (linear, convolution, embedding, attention, transformers' `Conv1D`), and as ones
@@ -124,8 +125,11 @@ def _drawn(
     frozen: dict[str, Tensor] = {}
     for p in plan.free:
         if source is not None:
+            value = source[p.name].detach()
+            if hasattr(value, "full_tensor"):  # a DTensor of a parallelized model: all of it
+                value = value.full_tensor()  # (a collective: every rank calls gb.init)
             # Copied straight to where the leaf will live (no round trip through the CPU).
-            value = source[p.name].detach().to(device, copy=True)
+            value = value.to(device, copy=True)
         else:
             value = _draw_free(p.init, p.shape, gen)
             if not getattr(torch, p.dtype).is_floating_point:  # integer and bool keep theirs

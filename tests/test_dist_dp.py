@@ -111,6 +111,55 @@ def dp_worker(rank: int, world: int, tmp: str) -> dict:
     out["conditioned_diff"] = _max_diff(owned.gather(local), ref)
     out.update(_one_gnet_two_ranks(mesh))
     out.update(_grad_sync_cases(mesh))
+    out.update(_owned_cases(mesh))
+    return out
+
+
+def _owned_cases(mesh) -> dict:
+    """`RankOwned`: its group waits as long as the world's (it took torch's 30-minute default,
+    so a dead peer hung the tile collectives); a stack that one rank's loss leaves out trains
+    as replicated g-nets do (the ranks' reduce-scatters paired across stacks, or hung); tasks
+    that differ between the ranks raise on every rank (each weight mixed tiles of both)."""
+    from gbfunc.dist._sync import group_timeout
+
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 6))
+    plan = gb.plan(model, tile="full")  # two stacks, one g-net each: one per rank
+    owned = gbd.RankOwned(plan)
+    world_timeout = group_timeout(torch.distributed.group.WORLD)
+    out = {"timeouts": [group_timeout(owned.group), world_timeout]}
+
+    def loss(weights: dict, x: torch.Tensor, step: int) -> torch.Tensor:
+        h = x @ weights["0.weight"].T + weights["0.bias"]
+        if rank == 0 and step == 0:  # this rank's first loss leaves the second layer out
+            return h[:, :6].square().mean()
+        return (h @ weights["1.weight"].T + weights["1.bias"]).square().mean()
+
+    replicated, local = gb.init(plan, seed=0), owned.shard(gb.init(plan, seed=0))
+    for gparams, generate, leaves in (
+        (replicated, lambda g: gb.apply(g, plan), gb.trainable_leaves(replicated)),
+        (local, owned.apply, list(local["free"].values())),
+    ):
+        sync, opt = gbd.GradSync(leaves, mesh), _sgd(gparams)
+        for step in range(2):
+            x = gbd.shard_batch(
+                torch.randn(8, 4, generator=torch.Generator().manual_seed(step)), mesh
+            )
+            loss(generate(gparams), x, step).backward()
+            sync.wait()
+            opt.step()
+            opt.zero_grad()
+    out["skipped_stack_diff"] = _max_diff(owned.gather(local), replicated)
+
+    conditioned = gb.plan(model, tile="full", condition=3, tasks=2)
+    owned = gbd.RankOwned(conditioned)
+    local = owned.shard(_with_w_cond(gb.init(conditioned, seed=0)))
+    try:
+        owned.apply(local, task=rank)
+        out["task_per_rank"] = None
+    except ValueError as e:
+        out["task_per_rank"] = str(e)
     return out
 
 
@@ -242,3 +291,7 @@ def test_data_parallel_matches_one_process_on_the_global_batch(tmp_path):
         "requires_grad=True on rank 1 (2 and 2 leaves)."
     )
     assert "leaf 1 is shape (3,)" in results[1]["mismatch"]
+    for r in results:
+        assert r["timeouts"][0] == r["timeouts"][1] is not None, r
+        assert r["skipped_stack_diff"] < 1e-6, r
+        assert r["task_per_rank"].startswith("gb.dist.RankOwned.apply: the ranks passed differ")

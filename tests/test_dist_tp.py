@@ -63,10 +63,34 @@ def tp_worker(
         ref_opt.zero_grad()
     out["diff"] = _diff(gparams, ref)
     out["digest"] = _digest(gparams)
+    if not sequence and path is None:
+        out["planned_after"] = _planned_after_parallelizing(mesh)
     if path is not None:  # the replicated g-nets and SGD momenta, one copy of each entry
         gbd.save_sharded(path, gparams, plan=plan, optimizer=opt, step=STEPS)
         out["momenta"] = _digest({"stacks": {}, "free": dict(enumerate(_momenta(opt)))})
     return out
+
+
+def _planned_after_parallelizing(mesh) -> float:
+    """A plan made from a real model after `parallelize_module`: `gb.init` copies its free
+    parameters whole (they are DTensors there; `TensorParallel.apply` refused them deep in
+    `DTensor.from_local`), and the shards generate the unsharded model's outputs."""
+    torch.manual_seed(0)
+    dense, model = GPT(CFG), GPT(CFG)
+    model.load_state_dict(dense.state_dict())
+    parallelize_module(model, mesh["tp"], tp_plan(model))
+    plan = gb.plan(model, tile=TILE)
+    gparams = gb.init(plan, seed=0)
+    assert all(type(t) is torch.Tensor for t in gparams["free"].values())
+    reference = gb.init(gb.plan(dense, tile=TILE), seed=0)
+    assert _digest(gparams) == _digest(reference)
+    x, _ = _batch(0)
+    with torch.no_grad():
+        logits = functional_call(
+            model, gbd.TensorParallel(plan, model, mesh["tp"]).apply(gparams), (x,)
+        )
+        expected = functional_call(dense, gb.apply(reference, plan), (x,))
+    return (logits - expected).abs().max().item()
 
 
 def _digest(gparams: dict) -> str:
@@ -92,7 +116,9 @@ def _check(results: list[dict], tp: int) -> None:
 
 @pytest.mark.slow
 def test_tensor_parallel_matches_one_process():
-    _check(spawn(tp_worker, 2, 1, 2), tp=2)
+    results = spawn(tp_worker, 2, 1, 2)
+    _check(results, tp=2)
+    assert all(r["planned_after"] < 1e-5 for r in results), results
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ from .._plan import TILE_LEAVES, Plan, Stack
 from .._tiling import assemble, parameters
 from .._tree import GParams
 from ..generate.torch_ops import evaluate_stack
-from ._sync import CollectiveError, failure_message, wait_or_raise
+from ._sync import CollectiveError, failure_message, group_timeout, wait_or_raise
 
 # Renamed in torch 2.13 (the old names warn); keep both working.
 _all_gather = (
@@ -121,8 +121,11 @@ class RankOwned:
         self.plan = plan
         # each dp group's members make its copy (other ranks copy theirs): local
         # synchronisation, which names the copy by its ranks, not by a world-wide count
-        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-        self.group = dist.new_group(ranks, use_local_synchronization=True)
+        parent = group or dist.group.WORLD
+        ranks = dist.get_process_group_ranks(parent)
+        # with the parent's timeout: a dead peer raises, as on `init_mesh`'s groups
+        timeout = group_timeout(parent)
+        self.group = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.ownership = assign(plan, self.world)
@@ -174,19 +177,23 @@ class RankOwned:
     ) -> dict[str, Tensor]:
         """Every parameter of the p-net, from this rank's g-nets and its peers' (differentiable).
 
+        A collective: every rank of the group calls it, and every rank's loss uses its
+        weights (a stack one rank's loss leaves out still gets that rank's zero gradient).
         A conditioned plan takes `condition` or `task` as `gb.apply` does; it must be the same
-        on every rank (each g-net generates its tiles for all of them), and its gradient
-        (into the task embeddings) is summed over the ranks, each of which holds the part
-        its own g-nets give, so that every rank ends with the whole of it.
+        on every rank (each g-net generates its tiles for all of them; checked, one small
+        all-reduce), and its gradient (into the task embeddings) is summed over the ranks,
+        each of which holds the part its own g-nets give, so that every rank ends with the
+        whole of it.
         """
         self._check_shard(local)
         z = condition_of(local, self.plan, condition, task, "gb.dist.RankOwned.apply")
         if z is not None:
+            _check_same_condition(z, self.group)
             local, _ = conditioned(local, self.plan, _summed_gradient(z, self.group))
         self.comm_bytes = 0
         gathered = [self._generate_and_gather(s, local) for s in range(len(self.plan.stacks))]
         tiles = []
-        for s, g in enumerate(gathered):
+        for g in gathered:
             if isinstance(g, funcol.AsyncCollectiveTensor):
                 try:
                     g = g.wait()
@@ -196,7 +203,10 @@ class RankOwned:
             self.comm_bytes += nbytes
             if g.requires_grad:  # its gradient is reduce-scattered back to the owners
                 g.register_hook(lambda grad, nbytes=nbytes: self._count(nbytes))
-            tiles.append(g.index_select(0, self._position[s].to(g.device)))
+            tiles.append(g)
+        if any(t.requires_grad for t in tiles):
+            tiles = list(_EveryStack.apply(*tiles))
+        tiles = [t.index_select(0, self._position[s].to(t.device)) for s, t in enumerate(tiles)]
         generated = {
             p.name: assemble(p, self.plan.stacks[p.stack_index], tiles[p.stack_index])
             for p in self.plan.generated
@@ -279,6 +289,39 @@ def _no_tiles(leaves: dict[str, Tensor], tile_shape: tuple[int, ...]) -> Tensor:
 def _with_rest(stacks: dict[str, dict[str, Tensor]], gparams: GParams) -> GParams:
     """`gparams` with `stacks` in place of its own: the replicated groups are shared."""
     return {**gparams, "stacks": stacks}
+
+
+class _EveryStack(torch.autograd.Function):
+    """The identity on every stack's gathered tiles, whose backward gives each a gradient
+    (zeros where the loss left it out): so every rank runs every stack's reduce-scatter, in
+    one order, also where its own loss used some stacks only (a per-rank head, routing);
+    otherwise the ranks' reduce-scatters paired up across stacks, or hung."""
+
+    @staticmethod
+    def forward(ctx: Any, *tiles: Tensor) -> tuple[Tensor, ...]:
+        return tuple(t.view_as(t) for t in tiles)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor, ...]:
+        return grads  # materialised: zeros for the outputs no loss reached
+
+
+def _check_same_condition(z: Tensor, group: dist.ProcessGroup) -> None:
+    """Raise on every rank unless `z`, the condition `apply` generates for, is the same on
+    every rank of `group`: each g-net's tiles serve them all, so different tasks per rank
+    would mix tiles of several tasks in every weight."""
+    values = z.detach().reshape(-1).to(torch.float64)
+    extremes = torch.cat([values, -values])
+    wait_or_raise(
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group, async_op=True),
+        "the condition check",
+    )
+    if not torch.equal(extremes, torch.cat([values, -values])):
+        raise ValueError(
+            "gb.dist.RankOwned.apply: the ranks passed different conditions (or tasks); each "
+            "g-net generates its tiles for every rank, so every rank must generate for the "
+            "same one. For a task per rank, use replicated g-nets (gb.apply with GradSync)."
+        )
 
 
 class _SumGradient(torch.autograd.Function):

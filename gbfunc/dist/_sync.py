@@ -7,6 +7,7 @@ the mean loss, the same on every rank, so identical optimizer steps keep replica
 bitwise identical.
 """
 
+import datetime
 import functools
 import hashlib
 import weakref
@@ -33,6 +34,16 @@ def wait_or_raise(work: dist.Work, what: str) -> None:
         work.wait()
     except RuntimeError as error:
         raise CollectiveError(failure_message(what, error)) from error
+
+
+def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:
+    """How long `group`'s collectives wait before raising (None where this torch does not
+    say: then a new group gets torch's default). Torch keeps it in the backend's options."""
+    device = torch.device("cpu" if dist.get_backend(group) == "gloo" else "cuda")
+    try:
+        return group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def failure_message(what: str, error: Exception) -> str:
