@@ -93,7 +93,7 @@ def check_gparams(
             (stack_floats if keys[0] == "stacks" else free_floats).append((keys, node))
         if values and node.is_meta:
             raise ValueError(f"{where}: {_path(keys)} is on the meta device: it has no values.")
-        if values and not bool(torch.isfinite(node).all()):
+        if values and not _all_finite(node, where):
             raise ValueError(f"{where}: {_path(keys)} contains NaN or inf.")
     _check_free_dtypes(free_floats, stack_floats, plan, where)
     for keys in _paths(gparams, plan):
@@ -105,6 +105,21 @@ def _fits(got: tuple[int, ...], want: tuple[int, ...], fewer_rows: bool) -> bool
     if not fewer_rows or not want:
         return got == want
     return len(got) == len(want) and got[1:] == want[1:] and got[0] <= want[0]
+
+
+def _all_finite(node: Tensor, where: str) -> bool:
+    """Whether every value of `node` is finite; a clear error where the values cannot be
+    read (under `torch.func.vmap`, which refuses a Python bool of a batched tensor)."""
+    try:
+        return bool(torch.isfinite(node).all())
+    except RuntimeError as e:
+        if "data-dependent control flow" not in str(e):
+            raise
+        raise RuntimeError(
+            f"{where}: check=True reads the leaves' values, which torch.func.vmap does not "
+            "give to Python; check them before vmap (gb.apply(..., check=True) on one "
+            "genome), and call it inside with check=False."
+        ) from None
 
 
 def _check_free_dtypes(

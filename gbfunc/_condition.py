@@ -43,7 +43,9 @@ def condition_of(
             )
         return None
     if task is not None:
-        return _task_embedding(gparams, plan, task, where)
+        embedding = _task_embedding(gparams, plan, task, where)
+        _check_device(embedding, "gparams['tasks']", gparams, plan, where)
+        return embedding
     if condition is None:
         tasks = f" or task= (0..{plan.tasks - 1})" if plan.tasks else ""
         raise ValueError(
@@ -61,14 +63,20 @@ def condition_of(
             f"{condition.dtype}; expected a floating tensor of shape ({width},) (for many "
             "conditions at once, torch.func.vmap over them)."
         )
+    _check_device(condition, "condition", gparams, plan, where)
+    return condition
+
+
+def _check_device(z: Tensor, what: str, gparams: GParams, plan: Plan, where: str) -> None:
+    """Raise unless `z`, the condition vector, is on the device of the g-nets that read it
+    (one on `meta` multiplied with CPU weights gave zeros without a word)."""
     for stack in plan.stacks:
         w_cond = gparams["stacks"][stack.key].get(COND_LEAF) if stack.genome.condition else None
-        if w_cond is not None and condition.device != w_cond.device:
+        if w_cond is not None and z.device != w_cond.device:
             raise ValueError(
-                f"{where}: condition is on {condition.device} but the g-nets of stack "
+                f"{where}: {what} is on {z.device} but the g-nets of stack "
                 f"{stack.key!r} that read it are on {w_cond.device}; move it there."
             )
-    return condition
 
 
 def _task_embedding(gparams: GParams, plan: Plan, task: int | Tensor, where: str) -> Tensor:

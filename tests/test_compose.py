@@ -96,6 +96,13 @@ def test_vmap_over_genomes_equals_the_loop(genome):
             torch.testing.assert_close(a[k], b, rtol=1e-5, atol=1e-6)
 
 
+def test_check_under_vmap_says_to_check_before_it():
+    plan = gb.plan(tiny_model(False), tile=(4, 4))
+    _, stacked = stack_genomes(plan, range(2))
+    with pytest.raises(RuntimeError, match=r"gb.apply: check=True reads the leaves' values, wh"):
+        vmap(lambda g: gb.apply(g, plan, check=True))(stacked)
+
+
 @pytest.mark.slow
 # Dynamo's tracing under vmap reads `.grad` of a non-leaf while wrapping it (torch 2.13).
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")

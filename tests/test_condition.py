@@ -323,6 +323,10 @@ def test_plans_without_a_condition_keep_their_json_and_conditioned_ones_round_tr
             r"gb.apply: condition is on meta but the g-nets of stack 's0_4x4' that read it are "
             "on cpu",
         ),
+        (  # the task embeddings on meta gave the zero condition's weights without a word
+            lambda g, p, q: gb.apply({**g, "tasks": g["tasks"].to("meta")}, p, task=1),
+            r"gb.apply: gparams\['tasks'\] is on meta but the g-nets of stack",
+        ),
         (lambda g, p, q: gb.apply(gb.init(q), q, condition=torch.ones(3)), "read no condition"),
         (
             lambda g, p, q: gb.plan(mlp(), condition=2, tasks=3, overrides={"*": {"condition": 0}}),
