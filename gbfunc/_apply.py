@@ -44,8 +44,9 @@ def apply(
             `AUTO_GRAPH_WEIGHTS` weights or more; stacks of `AUTO_COMPILE_ELEMENTS` hidden
             activations); with gradients off, no graph unless `True` (the C loops, or a large
             stack's compiled tile MLP). `False`: never
-            (for debugging, and for double backward, which the compiled graph does not
-            support). The first compiling call takes seconds; the result is the same either
+            (for debugging). A double backward, batched gradients or a retained graph's
+            second backward take the graph's gradient op by op (its compiled backward
+            cannot). The first compiling call takes seconds; the result is the same either
             way, to rounding.
 
     Returns:

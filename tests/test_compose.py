@@ -425,7 +425,9 @@ def test_functional_adamw_defaults_are_lr_1e_3_without_weight_decay():
 def test_eager_apply_through_the_plans_graph_matches_plain_eager_and_compiles_once():
     """`gb.apply(compile=True)`: same weights and gradients from one graph per plan, compiled
     on the first call and not again; under `torch.func.grad` the same gradients (the graph is
-    not used there); double backward with `compile=False`, as the docstring says."""
+    not used there); a double backward and batched gradients, which the graph's compiled
+    backward cannot take (they raised torch's errors), made op by op: the same as without
+    the graph."""
     from torch._dynamo.utils import counters
 
     model = nn.Sequential(nn.Linear(48, 40), nn.ReLU(), nn.Linear(40, 7))  # ragged tiles
@@ -453,9 +455,31 @@ def test_eager_apply_through_the_plans_graph_matches_plain_eager_and_compiles_on
     functional = grad(loss)(gparams, True)
     torch.testing.assert_close(functional, grad(loss)(gparams, False))
     leaves = gb.trainable_leaves(gparams)
-    first = torch.autograd.grad(loss(gparams, False), leaves, create_graph=True)
-    sum(g.square().sum() for g in first).backward()  # double backward, uncompiled
-    assert all(leaf.grad is not None for leaf in leaves)
+
+    def penalty_grads(compile: bool) -> tuple[torch.Tensor, ...]:  # a gradient penalty's
+        first = torch.autograd.grad(loss(gparams, compile), leaves, create_graph=True)
+        return torch.autograd.grad(sum(g.square().sum() for g in first), leaves)
+
+    for leaf, ref in zip(penalty_grads(True), penalty_grads(False), strict=True):
+        torch.testing.assert_close(leaf, ref, rtol=1e-4, atol=1e-7)
+
+    def batched(compile: bool) -> tuple[torch.Tensor, ...]:  # rows of a Jacobian
+        weight = gb.apply(gparams, plan, compile=compile)["0.weight"]
+        rows = torch.eye(weight.numel())[:3].reshape(3, *weight.shape)
+        return torch.autograd.grad(weight, leaves, rows, is_grads_batched=True, allow_unused=True)
+
+    for leaf, ref, tensor in zip(batched(True), batched(False), leaves, strict=True):
+        zeros = torch.zeros(3, *tensor.shape)  # a leaf the weight does not read: no gradient
+        torch.testing.assert_close(
+            zeros if leaf is None else leaf, zeros if ref is None else ref, rtol=1e-4, atol=1e-7
+        )
+    once = torch.autograd.grad(loss(gparams, True), leaves)
+    retained = loss(gparams, True)  # a retained graph, backward twice (donated buffers raised)
+    retained.backward(retain_graph=True)
+    retained.backward()
+    for leaf, ref in zip(leaves, once, strict=True):
+        torch.testing.assert_close(leaf.grad, 2 * ref, rtol=1e-4, atol=1e-7)
+    assert counters["stats"]["unique_graphs"] - before == 1  # still the one graph
 
 
 def runs_as_graph(plan: gb.Plan, compile: bool | None) -> bool:

@@ -7,14 +7,18 @@ compiled as one graph (AOTAutograd) those become a few fused kernels, and the ti
 runs as under an outer `torch.compile` (the `cpu-loops` stacks run their loops inside it).
 Taken eagerly where compiling is asked for and every stack fits one graph: `compile=True`,
 or `None` with gradients on and a plan where it pays (`compiling_asked`).
-The graph's backward cannot be differentiated again: double backward needs
-`gb.apply(..., compile=False)`.
+The graph's compiled backward cannot be differentiated again nor take batched gradients
+(`is_grads_batched`): there, the gradient is made op by op from the graph's inputs
+(`_Gradient`), so that gradient penalties, MAML and Jacobians work whatever path
+`compile=None` chose.
 """
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .._check_gparams import TASKS
 from .._compiled import CompiledCache
@@ -116,10 +120,93 @@ def generate(
     tasks = gparams.get(TASKS) if task is not None else None
     if task is not None and not isinstance(task, Tensor):  # numpy's integers too, checked
         task = torch.tensor(task_number(task, plan.tasks, "gb.apply"))
-    graph = _GRAPHS.call(key, _generated, op_by_op, plan, stacks, tasks, condition, task)
+    flat, spec = tree_flatten((stacks, tasks, condition))
+    positions = [i for i, x in enumerate(flat) if isinstance(x, Tensor) and x.requires_grad]
+    inputs = [flat[i] for i in positions]
+    differentiable = torch.is_grad_enabled() and bool(positions)
+    if differentiable:  # the graph runs on leaves of its own, tied to these by `_Gradient`
+        for i in positions:
+            flat[i] = flat[i].detach().requires_grad_()
+    traced = tree_unflatten(flat, spec)
+    graph = _GRAPHS.call(key, _generated, op_by_op, plan, *traced, task)
     if graph is None:
         return None
+    if differentiable:
+
+        def eager(*leaves: Tensor) -> tuple[Tensor, ...]:
+            full = list(flat)
+            for i, x in zip(positions, leaves, strict=True):
+                full[i] = x
+            made = _generated(op_by_op, plan, *tree_unflatten(full, spec), task)
+            return tuple(made[p.name] for p in plan.generated)
+
+        outputs = tuple(graph[p.name] for p in plan.generated)
+        compiled = _Compiled(outputs, [flat[i] for i in positions], eager)
+        tied = _Gradient.apply(compiled, *(o.detach() for o in outputs), *inputs)
+        graph = {p.name: w for p, w in zip(plan.generated, tied, strict=True)}
     return parameters(plan.params, gparams, graph)
+
+
+class _Compiled:
+    """One call's graph as `_Gradient` needs it: its outputs, the leaves of its own that it
+    ran on, and how to make the outputs op by op from other leaves (`eager`)."""
+
+    def __init__(
+        self,
+        outputs: tuple[Tensor, ...],
+        leaves: list[Tensor],
+        eager: Callable[..., tuple[Tensor, ...]],
+    ) -> None:
+        self.outputs: tuple[Tensor, ...] | None = outputs
+        self.leaves, self.eager = leaves, eager
+
+    def gradients(self, grads: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
+        """The leaves' gradients through the compiled backward, which runs once: its graph
+        is freed then, as a plain backward frees it."""
+        outputs, self.outputs = self.outputs, None
+        pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None]
+        return torch.autograd.grad(
+            [o for o, _ in pairs], self.leaves, [g for _, g in pairs], allow_unused=True
+        )
+
+
+def _batched(grad: Tensor | None) -> bool:
+    """Whether `grad` is one of autograd's legacy batched gradients (`is_grads_batched`),
+    which have no storage."""
+    return grad is not None and not torch._C._has_storage(grad)
+
+
+class _Gradient(torch.autograd.Function):
+    """The graph's outputs (computed already, passed detached), tied to the leaves it read.
+    The backward gives the leaves their gradients through the compiled backward; where that
+    cannot take them (a double backward's `create_graph=True`, batched gradients, a second
+    backward of a retained graph) it makes them op by op from the leaves instead,
+    differentiable again and batched where the outputs' gradients are."""
+
+    @staticmethod
+    def forward(ctx: Any, compiled: _Compiled, *tensors: Tensor) -> tuple[Tensor, ...]:
+        count = len(compiled.leaves)
+        ctx.compiled = compiled
+        ctx.save_for_backward(*tensors[-count:])
+        return tensors[:-count]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        compiled, leaves = ctx.compiled, ctx.saved_tensors
+        eager = torch.is_grad_enabled() or any(_batched(g) for g in grads)
+        if not eager and compiled.outputs is not None:
+            return (None, *(None for _ in grads), *compiled.gradients(grads))
+        with torch.enable_grad():
+            outputs = compiled.eager(*leaves)
+        pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None]
+        made = torch.autograd.grad(
+            [o for o, _ in pairs],
+            leaves,
+            [g for _, g in pairs],
+            create_graph=torch.is_grad_enabled(),
+            allow_unused=True,
+        )
+        return (None, *(None for _ in grads), *made)
 
 
 def _generated(
