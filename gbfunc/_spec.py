@@ -115,6 +115,37 @@ def reference(terms: Terms, activation: str) -> Tensor:
     return torch.einsum("tiqh,thp->tiqp", h, w_out) + b_out[:, None, None, :]
 
 
+def reference_jvp(terms: Terms, tangents: Terms, activation: str) -> Tensor:
+    """The change of `reference(terms, activation)` along `tangents` (forward mode: `jvp`,
+    `jacfwd`, `hessian`); a tangent may be None (zero)."""
+
+    def plus(*parts: Tensor | None) -> Tensor | float:
+        return sum((x for x in parts if x is not None), start=0.0)
+
+    a, b, c, w_hidden, b_hidden, w_out, _ = terms
+    da, db, dc, dw_hidden, db_hidden, dw_out, db_out = tangents
+    z = first_layer(a, b, c)
+    dz = plus(
+        None if da is None else da[:, :, None, :],
+        None if db is None else db[:, None, :, :],
+        None if dc is None else dc[:, None, None, :],
+    )
+    h, dh = activate(z, activation), activate_grad(z, activation) * dz
+    for layer in range(0 if w_hidden is None else w_hidden.shape[1]):
+        w = w_hidden[:, layer]
+        z = torch.einsum("tiqh,thk->tiqk", h, w) + b_hidden[:, layer, None, None]
+        dz = plus(
+            torch.einsum("tiqh,thk->tiqk", dh, w),
+            None if dw_hidden is None else torch.einsum("tiqh,thk->tiqk", h, dw_hidden[:, layer]),
+            None if db_hidden is None else db_hidden[:, layer, None, None],
+        )
+        h, dh = activate(z, activation), activate_grad(z, activation) * dz
+    out = torch.einsum("tiqh,thp->tiqp", dh, w_out)
+    if dw_out is not None:
+        out = out + torch.einsum("tiqh,thp->tiqp", h, dw_out)
+    return out if db_out is None else out + db_out[:, None, None, :]
+
+
 def stack_terms(stack: Stack, leaves: Mapping[str, Tensor]) -> Terms:
     """A stack's g-nets as per-tile `Terms`, from its leaves in `gparams["stacks"]`.
 

@@ -36,6 +36,7 @@ from .._spec import (
     first_layer,
     hashed_tiles as spec_hashed_tiles,
     plain_eager,
+    reference_jvp,
     stack_terms,
     tile_rows,
 )
@@ -301,11 +302,40 @@ class _TileMLP(torch.autograd.Function):
 
         *flat, activation, form, compiled, spans = inputs
         args = [fold(x, d) for x, d in zip(flat, in_dims, strict=False)]
-        out = _TileMLP.apply(*args, activation, form, compiled, None)
+        out = _tile_mlp_function().apply(*args, activation, form, compiled, None)
         out = out.reshape(size, -1, *out.shape[1:])
         if spans is None:
             return out, 0
         return tuple(out[:, lo:hi] for lo, hi in spans), (0,) * len(spans)
+
+
+class _TileMLPForwardMode(_TileMLP):
+    """`_TileMLP` with a forward-mode rule (`jvp`, `jacfwd`, `hessian`), for eager calls:
+    dynamo does not trace a Function with one."""
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _TileMLP.setup_context(ctx, inputs, output)
+        *flat, _, _, _, _, spans = inputs
+        ctx.save_for_forward(*flat)
+        ctx.stride = (output if spans is None else output[0]).stride()
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        """Forward mode (`jvp`, `jacfwd`, `hessian`): the spec's, op by op (`b_t`'s tangent is
+        `b`'s, which it holds)."""
+        terms, along = Terms(*ctx.saved_tensors), Terms(*tangents[:7])
+        change = reference_jvp(terms, along, ctx.activation)
+        # laid out as the outputs are (forward mode asks it of outputs that are views)
+        order = sorted(range(change.dim()), key=lambda d: -ctx.stride[d])
+        back = sorted(range(change.dim()), key=order.__getitem__)
+        out = change.permute(order).contiguous().permute(back)
+        return out if ctx.spans is None else tuple(out[lo:hi] for lo, hi in ctx.spans)
+
+
+def _tile_mlp_function() -> type[_TileMLP]:
+    """The Function to apply: `_TileMLP` where dynamo traces, else its forward-mode kind."""
+    return _TileMLP if torch.compiler.is_compiling() else _TileMLPForwardMode
 
 
 def tile_mlp(
@@ -332,7 +362,7 @@ def tile_mlp(
     the first range's arrival, where a training step's activations peak, is never
     assembled; otherwise the ranges' gradients are joined once the last has arrived.
     """
-    return _TileMLP.apply(*terms, b_t, activation, form, compiled, spans)
+    return _tile_mlp_function().apply(*terms, b_t, activation, form, compiled, spans)
 
 
 # The eager form's bodies, and the units-major matmuls that traced code shares.
