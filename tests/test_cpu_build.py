@@ -235,6 +235,42 @@ def test_a_cache_without_flock_or_read_only_still_takes_the_lock_path(tmp_path, 
         assert not held
 
 
+def test_a_read_only_cache_loads_without_its_lock_file_or_where_nfs_refuses_the_lock(
+    tmp_path, monkeypatch
+):
+    """A read-only cache whose lock file is gone (FileNotFoundError), or on NFS, which locks
+    only a file open for writing (EBADF), turned the loops off with a good build there: a
+    read-only cache takes a shared lock where it can, and none where it cannot."""
+    lock = tmp_path / _compile.LOCK_NAME
+    real_open, real_flock = os.open, _compile.fcntl.flock
+
+    def read_only(path, flags, *args):
+        if flags & os.O_CREAT:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, flags, *args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "open", read_only)
+        with _compile.locked(lock) as held:  # no lock file, and none can be made
+            assert not held
+    lock.touch()
+    monkeypatch.setattr(os, "open", read_only)
+    taken = []
+    monkeypatch.setattr(
+        _compile.fcntl, "flock", lambda d, op: taken.append(op) or real_flock(d, op)
+    )
+    with _compile.locked(lock) as held:
+        assert held
+    assert taken[0] & _compile.fcntl.LOCK_SH
+
+    def nfs(descriptor, operation):
+        raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+
+    monkeypatch.setattr(_compile.fcntl, "flock", nfs)
+    with _compile.locked(lock) as held:
+        assert not held
+
+
 def _fake_compiler(tmp_path: Path, body: str) -> str:
     script = tmp_path / "cc"
     script.write_text("#!/bin/sh\n" + body)
@@ -252,6 +288,60 @@ def test_a_compiler_over_its_time_is_killed_with_everything_it_started(tmp_path,
     child = int(started.read_text())
     time.sleep(0.2)
     assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text()
+
+
+def test_a_helper_the_compiler_leaves_running_does_not_hold_the_build(tmp_path, monkeypatch):
+    """A compiler wrapper that starts a detached helper (a compile-cache server) kept the
+    output pipe open: the build waited for the helper, past the compiler's time limit."""
+    helper = tmp_path / "helper.pid"
+    compiler = _fake_compiler(tmp_path, f"setsid sleep 30 &\necho $! > {helper}\necho compiled\n")
+    monkeypatch.setattr(_compile, "COMPILE_S", 20.0)
+    start = time.perf_counter()
+    try:
+        assert _compile._compile([compiler]) == (0, "compiled")
+        assert time.perf_counter() - start < 10
+    finally:
+        with contextlib.suppress(ProcessLookupError, ValueError, FileNotFoundError):
+            os.kill(int(helper.read_text()), signal.SIGKILL)
+
+
+def test_builds_without_flock_in_one_process_do_not_share_temporary_files(tmp_path):
+    """Where there is no flock, builds go on unlocked; the temporary files were named by
+    the pid alone, so two threads (or containers' processes of one pid) wrote one file, and
+    one loaded what the other was writing or failed on its rename."""
+    import threading
+
+    compiler = _fake_compiler(tmp_path, 'for last; do :; done\nsleep 0.5\necho built > "$last"\n')
+    library, errors = tmp_path / "lib.so", []
+
+    def build() -> None:
+        try:
+            _compile._build([compiler], library, "inputs", clean=False)
+        except Exception as e:  # any failure of either thread fails the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=build) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert library.read_text() == "built\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cc", "lib.so", "lib.so.json"]
+
+
+def test_a_compiler_installed_while_running_is_found(tmp_path, monkeypatch):
+    """`compiler()` remembered not finding one, and the routes chosen then stayed after
+    `gb.cpu.set_mode(None)`: a compiler installed meanwhile was never used."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("CXX", "gbfunc-test-c++")
+    assert _build.compiler() is None
+    before = gb.cpu.loops_state()
+    _fake_compiler(tmp_path, "exit 0\n")
+    (tmp_path / "cc").rename(tmp_path / "gbfunc-test-c++")
+    assert _build.compiler() == str(tmp_path / "gbfunc-test-c++")
+    gb.cpu.set_mode(None)
+    assert gb.cpu.loops_state() != before
 
 
 def test_a_build_that_fails_after_compiling_leaves_no_partial_file(tmp_path, monkeypatch):

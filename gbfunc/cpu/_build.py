@@ -81,13 +81,20 @@ def _native_flavour() -> str | None:
 
 
 def compiler() -> str | None:
-    """The C++ compiler builds would use (`$CXX`, else `c++`), where it is found, else None."""
-    return _found(os.environ.get("CXX") or "c++", os.environ.get("PATH"))
+    """The C++ compiler builds would use (`$CXX`, else `c++`), where it is found, else None
+    (looked for again on each call until found: one installed meanwhile is seen)."""
+    key = (os.environ.get("CXX") or "c++", os.environ.get("PATH"))
+    if key not in _FOUND:
+        found = shutil.which(key[0], path=key[1])
+        if found is None:
+            return None
+        if len(_FOUND) >= 8:
+            _FOUND.clear()
+        _FOUND[key] = found
+    return _FOUND[key]
 
 
-@functools.lru_cache(maxsize=8)
-def _found(name: str, path: str | None) -> str | None:
-    return shutil.which(name, path=path)
+_FOUND: dict[tuple[str, str | None], str] = {}
 
 
 def missing_compiler(*, warn: bool) -> str | None:

@@ -22,6 +22,7 @@ import json
 import os
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -61,8 +62,9 @@ def load_built(
 
 @contextlib.contextmanager
 def locked(path: Path) -> Iterator[bool]:
-    """Hold an exclusive `flock` on `path` (created where missing; opened read-only in a
-    read-only cache), waiting at most `LOCK_WAIT_S` for another holder. The kernel drops the
+    """Hold an exclusive `flock` on `path` (created where missing; in a read-only cache, a
+    shared one where the file is there and the file system locks read-only files), waiting
+    at most `LOCK_WAIT_S` for another holder. The kernel drops the
     lock when its holder's process ends, however it ends. Yields whether the lock is held:
     not on a file system without `flock` (some FUSE mounts, Lustre without `-o flock`),
     where builds go on unlocked: installs are atomic renames, so the worst is two processes
@@ -71,21 +73,27 @@ def locked(path: Path) -> Iterator[bool]:
         raise OSError(
             "the CPU loops' builds need POSIX file locks (fcntl), which this system lacks"
         )
+    kind = fcntl.LOCK_EX
     try:
         descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    except OSError as e:  # a read-only cache: its lock file, read-only, takes a lock too
+    except OSError as e:  # a read-only cache: loaded under a shared lock, where one is had
         if e.errno not in (errno.EROFS, errno.EACCES):
             raise
-        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            descriptor, kind = os.open(path, os.O_RDONLY | os.O_NOFOLLOW), fcntl.LOCK_SH
+        except FileNotFoundError:  # no lock file, and none can be made: none to wait for
+            yield False
+            return
     held = True
     try:
         deadline = time.monotonic() + LOCK_WAIT_S
         while True:
             try:
-                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(descriptor, kind | fcntl.LOCK_NB)
                 break
             except OSError as e:
-                if e.errno in _NO_LOCKS:
+                # EBADF: NFS locks only a file open for writing
+                if e.errno in _NO_LOCKS or (kind == fcntl.LOCK_SH and e.errno == errno.EBADF):
                     held = False
                     break
                 if not isinstance(e, BlockingIOError):
@@ -108,10 +116,12 @@ def _build(command: list[str], library: Path, inputs: str, *, clean: bool = True
     if clean:
         for stale in library.parent.glob(f"*{_PARTIAL}*"):
             stale.unlink(missing_ok=True)
-    partial = library.with_name(f"{library.name}{_PARTIAL}{os.getpid()}")
     record = library.with_name(library.name + ".json")
-    record_partial = record.with_name(f"{record.name}{_PARTIAL}{os.getpid()}")
+    # names of their own (not the pid's: threads, or containers' processes sharing a pid,
+    # build unlocked where there is no flock)
+    partial, record_partial = _temporary(library), None
     try:
+        record_partial = _temporary(record)
         returncode, output = _compile([*command, "-o", str(partial)])
         if returncode != 0:
             raise RuntimeError(
@@ -123,33 +133,41 @@ def _build(command: list[str], library: Path, inputs: str, *, clean: bool = True
         os.replace(partial, library)
     except BaseException:  # a full disk, the compiler's failure: leave no partial file
         partial.unlink(missing_ok=True)
-        record_partial.unlink(missing_ok=True)
+        if record_partial is not None:
+            record_partial.unlink(missing_ok=True)
         raise
+
+
+def _temporary(target: Path) -> Path:
+    """A new, empty temporary file beside `target`, named after it (`_PARTIAL`)."""
+    descriptor, name = tempfile.mkstemp(dir=target.parent, prefix=target.name + _PARTIAL)
+    os.close(descriptor)
+    return Path(name)
 
 
 def _compile(command: list[str]) -> tuple[int, str]:
     """Run the compiler in a process group of its own, at most `COMPILE_S`; its exit status
     and output. On a timeout (or any interruption) the whole group is killed: the driver
-    alone would leave `cc1plus`, `as` or `ld` running, and writing, with no limit."""
-    process = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = process.communicate(timeout=COMPILE_S)
-    except BaseException as e:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
-        if isinstance(e, subprocess.TimeoutExpired):
-            raise TimeoutError(
-                f"the compiler ran over {COMPILE_S:.0f} s: {' '.join(command)}"
-            ) from None
-        raise
-    return process.returncode, output.strip()
+    alone would leave `cc1plus`, `as` or `ld` running, and writing, with no limit. The output
+    goes to a file, and the wait is for the compiler itself: a helper a compiler wrapper
+    leaves behind (a compile-cache server) holds a pipe open, not the build."""
+    with tempfile.TemporaryFile(mode="w+") as output:
+        process = subprocess.Popen(
+            command, stdout=output, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+        try:
+            process.wait(timeout=COMPILE_S)
+        except BaseException as e:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            if isinstance(e, subprocess.TimeoutExpired):
+                raise TimeoutError(
+                    f"the compiler ran over {COMPILE_S:.0f} s: {' '.join(command)}"
+                ) from None
+            raise
+        output.seek(0)
+        return process.returncode, output.read().strip()
 
 
 def _inputs_digest(command: list[str], files: list[Path]) -> str:

@@ -12,6 +12,7 @@ MODE_VARIABLE = "GBFUNC_CPU_LOOPS"
 
 _forced: str | None = None  # set_mode's; None: the environment's
 _failure: str | None = None  # why the loops are off for this process, once a build failed
+_generation = 0  # set_mode's calls
 
 
 def mode() -> str:
@@ -28,11 +29,12 @@ def set_mode(value: str | None) -> None:
     """Force the loops' mode for this process (`None`: back to `$GBFUNC_CPU_LOOPS`), which
     also forgets an earlier failure. Code that `torch.compile` traced earlier keeps the choice
     it baked in (`torch._dynamo.reset()`)."""
-    global _forced, _failure
+    global _forced, _failure, _generation
     if value is not None and value not in MODES:
         raise ValueError(f"gbfunc.cpu.set_mode: mode must be one of {MODES}, got {value!r}.")
     _forced = value
     _failure = None
+    _generation += 1  # decisions remembered before (a compiler missing then) are not reused
 
 
 def failure() -> str | None:
@@ -50,5 +52,5 @@ def record_failure(reason: str) -> str:
 
 def loops_state() -> tuple:
     """What decides whether loops run, as a key for remembered decisions: the mode, the
-    compiler asked for, and whether a build has failed."""
-    return (mode(), os.environ.get("CXX"), _failure is None)
+    compiler asked for, whether a build has failed, and `set_mode`'s calls."""
+    return (mode(), os.environ.get("CXX"), _failure is None, _generation)
