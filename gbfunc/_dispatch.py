@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 from ._check_gparams import check_gparams
 from ._condition import without_condition
@@ -88,6 +89,7 @@ def context_of(
         grad=torch.is_grad_enabled(),
         dynamo_off=dynamo_disabled(),
         dispatch_mode=not compiling and torch._C._len_torch_dispatch_stack() > 0,
+        forward_ad=not compiling and forward_ad._current_level >= 0,
     )
 
 

@@ -214,6 +214,30 @@ def row_gnets(**options) -> tuple[gb.Plan, dict]:
     return plan, gb.init(plan, seed=0)
 
 
+def test_forward_mode_ad_routes_around_the_loops_and_gets_the_torch_paths_tangent():
+    """Under a forward-mode dual level, `compile=True` took the loops (no forward-mode rule:
+    `NotImplementedError`); the torch path's tile MLP has one."""
+    import torch.autograd.forward_ad as fwAD
+
+    plan, gparams = row_gnets()
+    key = plan.stacks[0].key
+    tangent = torch.randn_like(gparams["stacks"][key]["w_out"])
+    changes = []
+    for compile in (False, True):
+        with fwAD.dual_level():
+            dual = fwAD.make_dual(gparams["stacks"][key]["w_out"].detach(), tangent)
+            stacks = {**gparams["stacks"], key: {**gparams["stacks"][key], "w_out": dual}}
+            dual_gparams = {**gparams, "stacks": stacks}
+            explained = gb.explain(dual_gparams, plan, compile=compile)
+            assert explained.route.stacks == ("torch", "torch")
+            if compile:
+                assert "forward-mode AD" in explained.reasons[key]["cpu-loops"]
+            weights = gb.apply(dual_gparams, plan, compile=compile)
+            changes.append(fwAD.unpack_dual(weights["0.weight"]).tangent)
+    torch.testing.assert_close(changes[1], changes[0])
+    assert changes[0].abs().sum() > 0
+
+
 def test_explain_names_each_stacks_path_and_why_the_others_were_not_taken():
     plan, gparams = row_gnets()
     off = gb.explain(gparams, plan, compile=False)

@@ -38,6 +38,7 @@ class Context(NamedTuple):
     grad: bool  # gradients enabled
     dynamo_off: bool  # torch._dynamo.config.disable: nothing compiles
     dispatch_mode: bool  # inside a TorchDispatchMode (FlopCounterMode...): compiled code cannot run
+    forward_ad: bool = False  # a forward-mode dual level is open (torch.autograd.forward_ad)
 
     @property
     def eager(self) -> bool:
@@ -92,6 +93,8 @@ def own_compile_refused(context: Context) -> str | None:
         return "dynamo is switched off (torch._dynamo.config.disable)"
     if context.dispatch_mode:
         return "a TorchDispatchMode is active: compiled code cannot run inside it"
+    if context.forward_ad:
+        return "forward-mode AD is active: compiled code has no forward-mode rule"
     return None
 
 

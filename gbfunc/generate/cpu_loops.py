@@ -33,6 +33,8 @@ def refuses(call: Call) -> str | None:
         return "dynamo is switched off (torch._dynamo.config.disable)"
     if context.dispatch_mode:  # a FakeTensorMode's tensors have no data for the loops
         return "a TorchDispatchMode is active: it would not see the loops' work"
+    if context.forward_ad:
+        return "forward-mode AD is active: the loops have no forward-mode rule"
     if not context.compiling:
         if context.transformed:
             return "called eagerly inside a torch.func transform (compile it to take them)"

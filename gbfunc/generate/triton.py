@@ -41,6 +41,8 @@ def refuses(call: Call) -> str | None:
             return "triton is not installed (pip install 'gbfunc[triton]')"
     if call.plan is None:
         return "a selection of a plan is generated in torch"
+    if context.forward_ad and context.backend == "auto":  # (backend="triton": torch's error)
+        return "forward-mode AD is active: the kernels have no forward-mode rule"
     unrunnable = _unrunnable(call)
     if unrunnable is None:
         return None
