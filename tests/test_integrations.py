@@ -103,6 +103,58 @@ def test_transformers_trainer_trains_gpt2_and_saves_only_compressed_weights(tmp_
         torch.testing.assert_close(fresh(ids).logits, b(ids).logits, rtol=0, atol=0)
 
 
+def tiny_gpt2(seed: int = 0) -> nn.Module:
+    transformers = pytest.importorskip("transformers", reason="needs the integrations extra")
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def test_the_bottleneck_answers_for_its_pnet_what_transformers_reads():
+    """`b.generate` generates with the g-nets' weights (`b.pnet.generate` ran on the p-net's
+    dense weights, which training never changes); `config` and the embeddings are the
+    p-net's (the Trainer left GPT-2's KV cache on, and predict() crashed on it); a forward
+    that accelerate wraps in autocast and binds again keeps GPT-2's signature (a later
+    Trainer dropped `input_ids`); a state of another plan is refused, not half loaded."""
+    import functools
+    import inspect
+    import types
+
+    model = tiny_gpt2()
+    b = gb.Bottleneck(model, tile=(16, 16), hidden=8)
+    with torch.no_grad():
+        for leaf in gb.trainable_leaves(b.gparams):
+            leaf.add_(0.05 * torch.randn_like(leaf))  # as training would: away from the p-net
+    ids = Counting()[0]["input_ids"][None, :6]
+    b.eval()
+    with torch.no_grad():
+        last = b(ids).logits[:, -1]
+        out = b.generate(ids, max_new_tokens=1, output_scores=True, return_dict_in_generate=True)
+    torch.testing.assert_close(out.scores[0], last, rtol=1e-5, atol=1e-5)
+    assert b.config is model.config
+    assert b.main_input_name == "input_ids"
+    assert b.get_input_embeddings() is model.get_input_embeddings()
+    assert not hasattr(gb.Bottleneck(mlp(), tile=(4, 4)), "config")
+
+    function = b.forward.__func__  # what accelerate's mixed precision does to `forward`
+
+    @functools.wraps(function)
+    def autocast_forward(*args, **kwargs):
+        return function(*args, **kwargs)
+
+    b.forward = types.MethodType(autocast_forward, b)
+    assert "input_ids" in inspect.signature(b.forward).parameters
+    with torch.no_grad():
+        torch.testing.assert_close(b(ids).logits[:, -1], last)
+
+    other = gb.Bottleneck(tiny_gpt2(), tile=(32, 32), hidden=8)
+    with pytest.raises(ValueError, match=r"the state's g-net stacks are not this module's"):
+        other.load_state_dict(gb.Bottleneck(tiny_gpt2(), tile=(16, 16)).state_dict(), strict=False)
+
+
 def test_checkpointing_inside_the_pnet_is_refused_and_around_the_call_is_exact():
     """transformers' gradient checkpointing recomputed GPT-2's blocks in the backward pass with
     the model's own dense weights (functional_call had put them back): gradients off by 0.75,
