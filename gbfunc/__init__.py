@@ -9,6 +9,8 @@ g-nets are trained and stored.
     out = torch.func.functional_call(model, params, (x,))
 """
 
+import importlib
+
 from . import (
     _environ,  # first: it notes the environment before the modules below load
     compat as compat,
@@ -49,6 +51,15 @@ from ._tree import trainable_leaves as trainable_leaves
 from ._version import __version__ as __version__
 
 _environ.restore()  # what torch._dynamo's import wrote (see gbfunc/_environ.py)
+
+
+def __getattr__(name: str) -> object:
+    """`gb.dist`, imported on first use (docstrings and messages name it so), as
+    `import gbfunc.dist` imports it."""
+    if name == "dist":
+        return importlib.import_module(".dist", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # The public API: each name has an entry in docs/api/gbfunc.md (tests/test_docs.py).
 __all__ = [

@@ -73,6 +73,11 @@ def test_only_gbfunc_is_importable(tmp_path):
     assert result["gbfunc"] == str(ROOT / "gbfunc" / "__init__.py")
     with pytest.raises(AssertionError, match="ModuleNotFoundError"):
         run_fresh("import examples", tmp_path)
+    # `gb.dist`, as docstrings and messages name it, after `import gbfunc as gb` alone
+    out = run_fresh("import gbfunc as gb\nprint(gb.dist.plan_difference.__name__)", tmp_path)
+    assert out.strip() == "plan_difference"
+    with pytest.raises(AssertionError, match="has no attribute 'distt'"):
+        run_fresh("import gbfunc as gb\ngb.distt", tmp_path)
 
 
 def test_importing_gbfunc_changes_nothing_for_other_libraries(tmp_path):

@@ -340,6 +340,7 @@ SETUP = [
     "generated a 67M-weight matrix",
     "at 1M weights",
     "fullgraph there (2026-11-28)",  # a date: gpu_tests_triton_op.log's run
+    "trained as eager there (2026-11-29",  # a date: gpu_rerun_1129.log's run
     "a paired t-test at 5%",
     "at 3 seeds",
     "`hidden 8, tile 64`",
