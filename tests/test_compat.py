@@ -124,13 +124,20 @@ def test_compiled_model_is_unwrapped():
     assert [p.name for p in gnets.plan.params] == [n for n, _ in model.named_parameters()]
 
 
-def test_save_load_resumes_exactly(tmp_path):
+def trained(lr: float, steps: int) -> tuple[nn.Module, GenomicBottleneck, torch.optim.Optimizer]:
+    """An MLP, its g-nets and its optimizer after `steps` of torchGB's loop at `lr`."""
     x, y = batch((16,))
     torch.manual_seed(0)
     model = mlp()
-    gnets = GenomicBottleneck(model, tile=(16, 16), lr=3e-3)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    torchgb_loop(model, gnets, optimizer, x, y, steps=3)
+    gnets = GenomicBottleneck(model, tile=(16, 16), lr=lr)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    torchgb_loop(model, gnets, optimizer, x, y, steps=steps)
+    return model, gnets, optimizer
+
+
+def test_save_load_resumes_exactly(tmp_path):
+    x, y = batch((16,))
+    model, gnets, optimizer = trained(lr=3e-3, steps=3)
     gnets.save(tmp_path / "g.safetensors")
     torch.save(optimizer.state_dict(), tmp_path / "opt.pt")  # the user's own, as in torchGB
     straight = torchgb_loop(model, gnets, optimizer, x, y, steps=3)
@@ -265,24 +272,19 @@ def test_a_frozen_stack_trains_the_others_without_blaming_no_grad():
 def test_a_bottleneck_built_on_trained_weights_loads_their_checkpoint(tmp_path):
     """A plan takes its scales from the model's weights when it is made: one built after
     the trained weights were loaded differs in them alone, and takes the checkpoint's."""
-    x, y = batch((16,))
-    torch.manual_seed(0)
-    model = mlp()
-    gnets = GenomicBottleneck(model, tile=(16, 16), lr=5e-2)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-2)
-    torchgb_loop(model, gnets, optimizer, x, y, steps=20)
+    model, gnets, _ = trained(lr=5e-2, steps=20)
     gnets.save(tmp_path / "g.safetensors")
     with torch.no_grad():
         gnets.predict_weights()  # the weights of the g-nets saved (after their last step)
-    trained = {k: v.clone() for k, v in model.state_dict().items()}
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
 
     again = mlp()
-    again.load_state_dict(trained)  # the weights' stds moved: other scales
+    again.load_state_dict(weights)  # the weights' stds moved: other scales
     gnets2 = GenomicBottleneck(again, tile=(16, 16), lr=5e-2)
     assert gnets2.plan != gnets.plan
     gnets2.load(tmp_path / "g.safetensors")
     assert gnets2.plan == gnets.plan
-    assert all(torch.equal(again.state_dict()[k], v) for k, v in trained.items())
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in weights.items())
 
 
 def test_a_scheduler_added_on_resume_sets_the_rates(tmp_path):

@@ -208,6 +208,17 @@ def test_a_loop_never_loaded_says_so_instead_of_calling_nothing(fresh_loops):
         gb.cpu.set_mode(None)
 
 
+def read_only(real_open):
+    """`os.open` on a read-only file system: creating a file raises EROFS."""
+
+    def opened(path, flags, *args):
+        if flags & os.O_CREAT:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, flags, *args)
+
+    return opened
+
+
 def test_a_cache_without_flock_or_read_only_still_takes_the_lock_path(tmp_path, monkeypatch):
     """A read-only cache (a container image's) could not open its lock file for writing, and
     a file system without flock raised ENOLCK: either turned the loops off even with a good
@@ -215,15 +226,8 @@ def test_a_cache_without_flock_or_read_only_still_takes_the_lock_path(tmp_path, 
     unlocked, and leaves other builds' temporary files alone."""
     lock = tmp_path / _compile.LOCK_NAME
     lock.touch()
-    real_open = os.open
-
-    def read_only(path, flags, *args):
-        if flags & os.O_CREAT:
-            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
-        return real_open(path, flags, *args)
-
     with monkeypatch.context() as patch:
-        patch.setattr(os, "open", read_only)
+        patch.setattr(os, "open", read_only(os.open))
         with _compile.locked(lock) as held:
             assert held
 
@@ -242,19 +246,13 @@ def test_a_read_only_cache_loads_without_its_lock_file_or_where_nfs_refuses_the_
     only a file open for writing (EBADF), turned the loops off with a good build there: a
     read-only cache takes a shared lock where it can, and none where it cannot."""
     lock = tmp_path / _compile.LOCK_NAME
-    real_open, real_flock = os.open, _compile.fcntl.flock
-
-    def read_only(path, flags, *args):
-        if flags & os.O_CREAT:
-            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
-        return real_open(path, flags, *args)
-
+    real_flock = _compile.fcntl.flock
     with monkeypatch.context() as patch:
-        patch.setattr(os, "open", read_only)
+        patch.setattr(os, "open", read_only(os.open))
         with _compile.locked(lock) as held:  # no lock file, and none can be made
             assert not held
     lock.touch()
-    monkeypatch.setattr(os, "open", read_only)
+    monkeypatch.setattr(os, "open", read_only(os.open))
     taken = []
     monkeypatch.setattr(
         _compile.fcntl, "flock", lambda d, op: taken.append(op) or real_flock(d, op)
