@@ -115,9 +115,12 @@ def reference(terms: Terms, activation: str) -> Tensor:
     return torch.einsum("tiqh,thp->tiqp", h, w_out) + b_out[:, None, None, :]
 
 
-def reference_jvp(terms: Terms, tangents: Terms, activation: str) -> Tensor:
+def reference_jvp(
+    terms: Terms, tangents: Terms, activation: str, stride: tuple[int, ...]
+) -> Tensor:
     """The change of `reference(terms, activation)` along `tangents` (forward mode: `jvp`,
-    `jacfwd`, `hessian`); a tangent may be None (zero)."""
+    `jacfwd`, `hessian`; a tangent may be None, zero), laid out in the order of `stride`
+    (forward mode asks outputs that are views for tangents laid out as they are)."""
 
     def plus(*parts: Tensor | None) -> Tensor | float:
         return sum((x for x in parts if x is not None), start=0.0)
@@ -143,7 +146,9 @@ def reference_jvp(terms: Terms, tangents: Terms, activation: str) -> Tensor:
     out = torch.einsum("tiqh,thp->tiqp", dh, w_out)
     if dw_out is not None:
         out = out + torch.einsum("tiqh,thp->tiqp", h, dw_out)
-    return out if db_out is None else out + db_out[:, None, None, :]
+    out = out if db_out is None else out + db_out[:, None, None, :]
+    order = sorted(range(out.dim()), key=lambda d: -stride[d])
+    return out.permute(order).contiguous().permute(sorted(range(out.dim()), key=order.__getitem__))
 
 
 def stack_terms(stack: Stack, leaves: Mapping[str, Tensor]) -> Terms:

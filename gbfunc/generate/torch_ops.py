@@ -106,10 +106,8 @@ def stack_weights(
 
 def parts_from_tile_mlp(stack: Stack) -> bool:
     """Whether traced code takes a split stack's parts out of its tile MLP (`tile_mlp`'s
-    `spans`), rather than splitting its output: all but row g-nets (`Q == 1`), whose hidden
-    activations are a row's `H` values, little to free early, and whose compiled steps ran
-    slower taken apart (more, smaller matmuls; only `benchmarks/scaling.py`'s transformer at
-    width 1024 favoured the parts)."""
+    `spans`) rather than splitting its output: all but row g-nets (`Q == 1`), whose compiled
+    steps ran slower taken apart (`benchmarks/scaling.py`)."""
     return stack.columns > 1
 
 
@@ -182,9 +180,6 @@ def hashed_tiles(stack: Stack, table: Tensor, traced: bool) -> Tensor:
     """Each tile's hashed weights `(T, TH, TW * K)` from its table `(T, buckets)`, `traced`
     by `torch.compile` (`_traced_forms.hashed_tiles`) or not (`_spec.hashed_tiles`)."""
     return (traced_forms.hashed_tiles if traced else spec_hashed_tiles)(stack, table)
-
-
-# The tile MLP, `reference` as an `autograd.Function` with a recomputing backward.
 
 
 def tile_chunks(
@@ -302,7 +297,8 @@ class _TileMLP(torch.autograd.Function):
 
         *flat, activation, form, compiled, spans = inputs
         args = [fold(x, d) for x, d in zip(flat, in_dims, strict=False)]
-        out = _tile_mlp_function().apply(*args, activation, form, compiled, None)
+        function = _TileMLP if torch.compiler.is_compiling() else _TileMLPForwardMode
+        out = function.apply(*args, activation, form, compiled, None)
         out = out.reshape(size, -1, *out.shape[1:])
         if spans is None:
             return out, 0
@@ -310,32 +306,20 @@ class _TileMLP(torch.autograd.Function):
 
 
 class _TileMLPForwardMode(_TileMLP):
-    """`_TileMLP` with a forward-mode rule (`jvp`, `jacfwd`, `hessian`), for eager calls:
-    dynamo does not trace a Function with one."""
+    """`_TileMLP` with a forward-mode rule (`jvp`, `jacfwd`, `hessian`): the spec's, laid
+    out as the outputs are. Eager only: dynamo does not trace a Function with one."""
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         _TileMLP.setup_context(ctx, inputs, output)
-        *flat, _, _, _, _, spans = inputs
-        ctx.save_for_forward(*flat)
-        ctx.stride = (output if spans is None else output[0]).stride()
+        ctx.save_for_forward(*inputs[:7])
+        ctx.stride = (output if ctx.spans is None else output[0]).stride()
 
     @staticmethod
     def jvp(ctx, *tangents):
-        """Forward mode (`jvp`, `jacfwd`, `hessian`): the spec's, op by op (`b_t`'s tangent is
-        `b`'s, which it holds)."""
         terms, along = Terms(*ctx.saved_tensors), Terms(*tangents[:7])
-        change = reference_jvp(terms, along, ctx.activation)
-        # laid out as the outputs are (forward mode asks it of outputs that are views)
-        order = sorted(range(change.dim()), key=lambda d: -ctx.stride[d])
-        back = sorted(range(change.dim()), key=order.__getitem__)
-        out = change.permute(order).contiguous().permute(back)
+        out = reference_jvp(terms, along, ctx.activation, ctx.stride)
         return out if ctx.spans is None else tuple(out[lo:hi] for lo, hi in ctx.spans)
-
-
-def _tile_mlp_function() -> type[_TileMLP]:
-    """The Function to apply: `_TileMLP` where dynamo traces, else its forward-mode kind."""
-    return _TileMLP if torch.compiler.is_compiling() else _TileMLPForwardMode
 
 
 def tile_mlp(
@@ -362,7 +346,8 @@ def tile_mlp(
     the first range's arrival, where a training step's activations peak, is never
     assembled; otherwise the ranges' gradients are joined once the last has arrived.
     """
-    return _tile_mlp_function().apply(*terms, b_t, activation, form, compiled, spans)
+    function = _TileMLP if torch.compiler.is_compiling() else _TileMLPForwardMode
+    return function.apply(*terms, b_t, activation, form, compiled, spans)
 
 
 # The eager form's bodies, and the units-major matmuls that traced code shares.
@@ -503,10 +488,8 @@ def _first_layer_units_major_again(a: Tensor, b: Tensor, c: Tensor, grad: Tensor
 
 
 def _after(x: Tensor, anchor: Tensor) -> Tensor:
-    """`x` plus an exact zero computed from `anchor`: a data dependency, so that compiled
-    code computes `x` and what reads it only once `anchor` exists. The zero is 0 or 1 times
-    0.0, never NaN whatever `anchor` holds; a float 0.0, since inductor folds products with
-    the integer 0 (and the dependency with them)."""
+    """`x` plus an exact zero computed from `anchor` (never NaN; a float 0.0, which inductor
+    does not fold away): compiled code computes `x` and its readers once `anchor` exists."""
     return x + anchor.reshape(-1)[:1].isnan().to(x.dtype) * 0.0
 
 
