@@ -299,3 +299,11 @@ def plain_eager() -> bool:
     return (
         not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is None
     )
+
+
+def legacy_batched(grads: tuple[Tensor | None, ...]) -> bool:
+    """Whether eager gradients are autograd's legacy batched tensors, which have no storage
+    (never so in traced code, where dynamo cannot ask)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not all(g is None or torch._C._has_storage(g) for g in grads)

@@ -39,7 +39,7 @@ from torch._functorch.utils import unwrap_dead_wrappers
 
 from .._function import signature_once
 from .._plan import Generated, Stack, tile_places
-from .._spec import Terms, code_tables, reference
+from .._spec import Terms, code_tables, legacy_batched, reference
 from ._build import Loop, compiled_loop, runnable, splits_added, threads_and_splits
 from ._relu_loops import supported
 from ._relu_tiles import BACKWARD as TILES_BACKWARD, BLOCK_ROWS, FORWARD as TILES_FORWARD
@@ -186,14 +186,6 @@ class _Rows(torch.autograd.Function):
         else:
             gradients = _backward(list(grads), *ctx.saved_tensors, ctx.where)
         return (None, None, *gradients, None, None)
-
-
-def legacy_batched(grads: tuple[Tensor | None, ...]) -> bool:
-    """Whether eager gradients are autograd's legacy batched tensors, which have no storage
-    (never so in traced code, where dynamo cannot ask)."""
-    if torch.compiler.is_compiling():
-        return False
-    return not all(g is None or torch._C._has_storage(g) for g in grads)
 
 
 def _apply_eagerly(*args: object) -> tuple[Tensor, ...]:

@@ -24,7 +24,13 @@ from .._plan import TILE_LEAVES, Plan, Stack
 from .._tiling import assemble, parameters
 from .._tree import GParams
 from ..generate.torch_ops import evaluate_stack
-from ._sync import CollectiveError, failure_message, group_timeout, wait_or_raise
+from ._sync import (
+    CollectiveError,
+    failure_message,
+    group_timeout,
+    same_on_every_rank,
+    wait_or_raise,
+)
 
 # Renamed in torch 2.13 (the old names warn); keep both working.
 _all_gather = (
@@ -311,12 +317,7 @@ def _check_same_condition(z: Tensor, group: dist.ProcessGroup) -> None:
     every rank of `group`: each g-net's tiles serve them all, so different tasks per rank
     would mix tiles of several tasks in every weight."""
     values = z.detach().reshape(-1).to(torch.float64)
-    extremes = torch.cat([values, -values])
-    wait_or_raise(
-        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group, async_op=True),
-        "the condition check",
-    )
-    if not torch.equal(extremes, torch.cat([values, -values])):
+    if not same_on_every_rank(values, "the condition check", group):
         raise ValueError(
             "gb.dist.RankOwned.apply: the ranks passed different conditions (or tasks); each "
             "g-net generates its tiles for every rank, so every rank must generate for the "

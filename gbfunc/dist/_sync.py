@@ -46,6 +46,15 @@ def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:
         return None
 
 
+def same_on_every_rank(values: Tensor, what: str, group: dist.ProcessGroup | None = None) -> bool:
+    """Whether the 1-D `values` are equal on every rank of `group`: one all-reduce of their
+    maxima and their negatives' (equal everywhere iff max == min); `what` names it if the
+    collective fails."""
+    extremes = torch.cat([values, -values])
+    wait_or_raise(dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group, async_op=True), what)
+    return torch.equal(extremes, torch.cat([values, -values]))
+
+
 def failure_message(what: str, error: Exception) -> str:
     """Says which collective failed, where, and the likely cause, then the backend's words."""
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -63,9 +72,7 @@ def _check_same_leaves(leaves: list[Tensor]) -> None:
     described = [(tuple(t.shape), str(t.dtype), t.requires_grad) for t in leaves]
     digest = int.from_bytes(hashlib.sha256(repr(described).encode()).digest()[:7], "big")
     device = leaves[0].device if leaves else torch.device("cpu")
-    extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
-    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)  # equal everywhere iff max == min
-    if extremes.tolist() != [digest, -digest]:
+    if not same_on_every_rank(torch.tensor([digest], device=device), "the leaves' check"):
         every: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, described)
         ours = dist.get_rank()

@@ -13,7 +13,7 @@ The graph's compiled backward cannot be differentiated again nor take batched gr
 `compile=None` chose.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from .._check_gparams import TASKS
 from .._compiled import CompiledCache
 from .._condition import task_number
 from .._plan import Plan, Stack
+from .._spec import legacy_batched
 from .._tiling import parameters
 from .._tree import GParams
 from . import compiled_mlp, cpu_loops, triton
@@ -164,16 +165,22 @@ class _Compiled:
         """The leaves' gradients through the compiled backward, which runs once: its graph
         is freed then, as a plain backward frees it."""
         outputs, self.outputs = self.outputs, None
-        pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None]
-        return torch.autograd.grad(
-            [o for o, _ in pairs], self.leaves, [g for _, g in pairs], allow_unused=True
-        )
+        return _vjp(outputs, self.leaves, grads)
 
 
-def _batched(grad: Tensor | None) -> bool:
-    """Whether `grad` is one of autograd's legacy batched gradients (`is_grads_batched`),
-    which have no storage."""
-    return grad is not None and not torch._C._has_storage(grad)
+def _vjp(
+    outputs: tuple[Tensor, ...], leaves: Sequence[Tensor], grads: tuple[Tensor | None, ...]
+) -> tuple[Tensor | None, ...]:
+    """The gradients of `leaves` from `outputs`' gradients `grads` (None: that output's is
+    zero), differentiable again where gradients are enabled (a double backward's)."""
+    pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None]
+    return torch.autograd.grad(
+        [o for o, _ in pairs],
+        leaves,
+        [g for _, g in pairs],
+        create_graph=torch.is_grad_enabled(),
+        allow_unused=True,
+    )
 
 
 class _Gradient(torch.autograd.Function):
@@ -193,20 +200,12 @@ class _Gradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         compiled, leaves = ctx.compiled, ctx.saved_tensors
-        eager = torch.is_grad_enabled() or any(_batched(g) for g in grads)
+        eager = torch.is_grad_enabled() or legacy_batched(grads)
         if not eager and compiled.outputs is not None:
             return (None, *(None for _ in grads), *compiled.gradients(grads))
         with torch.enable_grad():
             outputs = compiled.eager(*leaves)
-        pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None]
-        made = torch.autograd.grad(
-            [o for o, _ in pairs],
-            leaves,
-            [g for _, g in pairs],
-            create_graph=torch.is_grad_enabled(),
-            allow_unused=True,
-        )
-        return (None, *(None for _ in grads), *made)
+        return (None, *(None for _ in grads), *_vjp(outputs, leaves, grads))
 
 
 def _generated(
