@@ -116,3 +116,30 @@ def test_a_weight_stored_inputs_first_is_capped_by_its_inputs():
     p = by_name(plan)
     assert p["0.weight"].scale == pytest.approx(1 / math.sqrt(8))
     assert p["1.weight"].scale == pytest.approx(1 / math.sqrt(64))
+
+
+def test_equally_built_small_models_get_equal_plans_whatever_their_seed():
+    """A tensor's measured std snaps to its rule's within `4 / sqrt(n)` when that is wider
+    than 20%: at 20% alone, a generated bias of 4 values got a scale of its own on most
+    seeds, and so a plan (and a `state_dict` fingerprint) of its own."""
+    fingerprints = set()
+    for seed in range(40):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 2))
+        fingerprints.add(gb.plan(model, tile="full", biases=True).fingerprint())
+    assert len(fingerprints) == 1
+
+
+@pytest.mark.parametrize(
+    ("values", "factor", "own"),
+    [(32, 3.0, True), (32, 1.5, False), (4096, 1.5, True), (4096, 1.1, False)],
+)
+def test_a_weight_drawn_apart_from_its_rule_keeps_its_own_scale(values, factor, own):
+    """Beyond the snap (20%, or `4 / sqrt(n)` for n < 400 values) pretrained or custom
+    weights keep their own std, rounded to two digits."""
+    layer = nn.Linear(values // 4, 4, bias=False)
+    rule = 1 / math.sqrt(3 * values // 4)  # nn.Linear's default init
+    with torch.no_grad():
+        layer.weight.normal_(0, factor * rule, generator=torch.Generator().manual_seed(0))
+    scale = gb.plan(layer, tile="full").generated[0].init_std
+    assert (scale != pytest.approx(rule)) == own
