@@ -36,6 +36,9 @@ from ._report import Report, report
 from ._tree import GParams
 from .optim import param_groups
 
+# `nn.Module`'s `state_dict` key for `get_extra_state`.
+_EXTRA_STATE = "_extra_state"
+
 # Names a top-level parameter or buffer may have that a `ParameterDict` (or `_Buffers`)
 # already uses for an attribute or method: registering them raises "attribute exists".
 _TAKEN = frozenset(dir(nn.ParameterDict)) | {"get"}
@@ -178,6 +181,7 @@ class Bottleneck(PnetFace, nn.Module):
         # `forward`'s view of `_task`: a 0-d tensor, whose value `torch.compile` does not
         # specialise on (an int attribute would recompile the module for every task).
         self._task_index: Tensor | None = None
+        self._fingerprint: tuple[Plan, Tensor] | None = None  # get_extra_state's, for _plan
         self.register_load_state_dict_post_hook(_relink)  # `assign=True` replaces buffers
         self.register_load_state_dict_pre_hook(_check_same_stacks)
         self.train(model.training)
@@ -412,6 +416,18 @@ class Bottleneck(PnetFace, nn.Module):
             "torch.compile(b), or script the dense model: model.load_state_dict(b.export())."
         )
 
+    def get_extra_state(self) -> Tensor:
+        """The plan's fingerprint, in the `state_dict` as bytes (a uint8 tensor, which
+        safetensors and `torch.distributed.checkpoint` store): `load_state_dict` refuses
+        the g-nets of another genome with the same shapes (another activation, `center`)."""
+        if self._fingerprint is None or self._fingerprint[0] is not self._plan:
+            encoded = bytearray(self._plan.fingerprint().encode())
+            self._fingerprint = (self._plan, torch.frombuffer(encoded, dtype=torch.uint8))
+        return self._fingerprint[1].clone()
+
+    def set_extra_state(self, state: object) -> None:
+        """Nothing to set: the fingerprint was checked before anything loaded."""
+
     def extra_repr(self) -> str:
         rep = report(self.plan)
         return (
@@ -426,9 +442,11 @@ def _relink(module: Bottleneck, incompatible_keys: object) -> None:
 
 
 def _check_same_stacks(module: Bottleneck, state_dict: dict, prefix: str, *_: object) -> None:
-    """Refuse, whatever `strict` says, a state whose g-net stacks are not this module's:
-    made with another plan, it would load in part (transformers' `Trainer` loads with
-    `strict=False`) and train on from fresh g-nets without a word."""
+    """Refuse, whatever `strict` says and before anything loads, a state whose g-net stacks
+    are not this module's: made with another plan, it would load in part (transformers'
+    `Trainer` loads with `strict=False`) and train on from fresh g-nets without a word, or
+    load whole and generate other weights. A state saved before the plan's fingerprint was
+    in it (no `_extra_state`) is checked by its stacks' shapes alone."""
     theirs = {
         k.removeprefix(prefix): tuple(v.shape)
         for k, v in state_dict.items()
@@ -443,6 +461,17 @@ def _check_same_stacks(module: Bottleneck, state_dict: dict, prefix: str, *_: ob
             f"gb.Bottleneck.load_state_dict: the state's g-net stacks are not this module's "
             f"(first difference: {differing[0]!r}); it was saved from another plan. Build the "
             "module with the saved run's plan: gb.Bottleneck(model, plan)."
+        )
+    stored = state_dict.get(prefix + _EXTRA_STATE)
+    if stored is None:
+        state_dict[prefix + _EXTRA_STATE] = module.get_extra_state()  # so strict passes
+    elif not (isinstance(stored, Tensor) and torch.equal(stored.cpu(), module.get_extra_state())):
+        raise ValueError(
+            "gb.Bottleneck.load_state_dict: the state was saved from another plan: its "
+            f"fingerprint ({prefix + _EXTRA_STATE!r}) is not this module's plan's, so its "
+            "g-nets would generate other weights here, even where their shapes agree "
+            "(another activation, center or scale). Build the module with the saved run's "
+            "plan: gb.Bottleneck(model, plan)."
         )
 
 

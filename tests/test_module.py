@@ -6,6 +6,7 @@ import inspect
 
 import hypothesis.strategies as st
 import pytest
+import safetensors.torch
 import torch
 from hypothesis import given
 from torch import nn
@@ -190,12 +191,14 @@ def test_to_moves_compressed_tensors_and_pnet_buffers_not_dense_weights():
 
 
 def test_state_dict_holds_the_compressed_model_and_pnet_buffers_only():
+    """And the plan's fingerprint: 64 bytes."""
     model = bn_net()
     b = gb.Bottleneck(model, tile=(8, 8))
     keys = set(b.state_dict())
     params = {n for n, _ in b.named_parameters()}
     buffers = {f"pnet_buffers.{escape(n)}" for n, _ in model.named_buffers()}
-    assert keys == params | buffers
+    assert keys == params | buffers | {"_extra_state"}
+    assert bytes(b.state_dict()["_extra_state"]).decode() == b.plan.fingerprint()
     stored = sum(b.state_dict()[k].numel() for k in params)
     assert stored == gb.report(b.plan).stored_params
 
@@ -322,6 +325,27 @@ def test_load_gparams_refuses_the_gparams_of_another_genome_of_the_same_shapes(t
     again = gb.Bottleneck(mlp(), tile=(8, 8), seed=3)
     again.load_gparams(ckpt.gparams, ckpt.plan)
     assert_stacks_equal(again, saved.gparams)
+
+
+def test_load_state_dict_refuses_the_state_of_another_genome_of_the_same_shapes(tmp_path):
+    """The state carries its plan's fingerprint: a tanh, centred genome's state has a ReLU
+    one's shapes and loads whole, strict or not, unless the fingerprints are compared. A
+    state without one (saved before it existed) is still taken, by its shapes."""
+    saved = gb.Bottleneck(mlp(), tile=(8, 8), seed=0)
+    other = gb.Bottleneck(mlp(), tile=(8, 8), activation="tanh", center=True)
+    before = {k: v.clone() for k, v in state(other).items()}
+    for strict in (True, False):
+        with pytest.raises(ValueError, match=r"saved from another plan: its fingerprint"):
+            nn.Sequential(other).load_state_dict(nn.Sequential(saved).state_dict(), strict)
+    assert all(torch.equal(v, before[k]) for k, v in state(other).items())
+    path = tmp_path / "state.safetensors"  # where transformers' Trainer writes it
+    safetensors.torch.save_file(saved.state_dict(), path)
+    again = gb.Bottleneck(mlp(), tile=(8, 8), seed=3)
+    assert not again.load_state_dict(safetensors.torch.load_file(path)).missing_keys
+    assert_stacks_equal(again, saved.gparams)
+    unmarked = {k: v for k, v in saved.state_dict().items() if k != "_extra_state"}
+    other.load_state_dict(unmarked, strict=True)
+    assert_stacks_equal(other, saved.gparams)
 
 
 # ---------------------------------------------------------------- errors
