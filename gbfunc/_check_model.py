@@ -60,7 +60,12 @@ def _describe(name: str, shape: tuple[int, ...]) -> str:
 
 
 def check_matches(
-    plan: Plan, model: nn.Module, where: str, source: str, error: type[ValueError] = ValueError
+    plan: Plan,
+    model: nn.Module,
+    where: str,
+    source: str,
+    error: type[ValueError] = ValueError,
+    dtypes: bool = True,
 ) -> None:
     """Raise `error` naming the first parameter whose name, shape or dtype differs.
 
@@ -70,11 +75,12 @@ def check_matches(
         where: Prefix of the message, e.g. `"gb.load: /tmp/ckpt.safetensors"`.
         source: What the plan came from, e.g. `"the checkpoint"`.
         error: The exception class to raise.
+        dtypes: Whether dtypes must match too.
     """
     check_module(model, where)
     theirs = [(p.name, p.shape) for p in plan.params]
     ours = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
-    dtypes = {name: str(p.dtype).removeprefix("torch.") for name, p in model.named_parameters()}
+    model_dtypes = {n: str(p.dtype).removeprefix("torch.") for n, p in model.named_parameters()}
     for i, ((name, shape), (m_name, m_shape)) in enumerate(zip(theirs, ours, strict=False)):
         if name != m_name:
             raise error(
@@ -86,10 +92,10 @@ def check_matches(
                 f"{where}: parameter {name!r} has shape {shape} in {source} "
                 f"but {m_shape} in the model."
             )
-        if plan.params[i].dtype != dtypes[m_name]:
+        if dtypes and plan.params[i].dtype != model_dtypes[m_name]:
             raise error(
                 f"{where}: parameter {name!r} has dtype {plan.params[i].dtype!r:.40} in {source} "
-                f"but {dtypes[m_name]!r} in the model."
+                f"but {model_dtypes[m_name]!r} in the model."
             )
     if len(theirs) > len(ours):
         name, shape = theirs[len(ours)]

@@ -105,7 +105,18 @@ def free_reason(entry: Entry, opts: dict[str, object], flags: dict[str, bool]) -
                 "unfreeze it, or do not ask."
             )
         return "frozen (requires_grad=False)"
+    if entry.dtype.startswith("complex"):
+        raise ValueError(
+            f"gb.plan: {name} {shape} is {entry.dtype}: g-nets generate real weights and "
+            "gparams hold real floating tensors; make it real (two real parameters) or freeze "
+            "it (requires_grad=False)."
+        )
     if math.prod(shape) == 0:
+        if opts["generate"]:
+            raise ValueError(
+                f"gb.plan: {name} {shape} was asked to be generated, but it is empty (a "
+                "dimension of size 0): there is nothing to generate."
+            )
         return "empty (a dimension of size 0)"
     if layout is None:
         if opts["generate"]:
@@ -128,6 +139,12 @@ def free_reason(entry: Entry, opts: dict[str, object], flags: dict[str, bool]) -
     if layout.bias and not (flags["biases"] or opts["generate"]):
         return "bias (pass biases=True to generate)"
     if len(shape) < 2 and not layout.bias:
+        if opts["generate"]:
+            raise ValueError(
+                f"gb.plan: {name} {shape} was asked to be generated, but g-nets generate "
+                f"matrices and biases, and the rule for {type(module).__name__}.{local} gives "
+                "it fewer than 2 dims without gb.Layout(bias=True)."
+            )
         return "fewer than 2 dims"
     return None
 

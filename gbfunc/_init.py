@@ -181,8 +181,13 @@ def _value_source(plan: Plan, values: str, model: nn.Module | None) -> dict[str,
         raise ValueError(f"gb.init: values must be one of {VALUES}, got {values!r}.")
     if model is not None:
         check_matches(plan, model, "gb.init", "the plan")
-    else:
-        model = plan.model()
+    elif values == "model" and (model := plan.model()) is not None:
+        try:  # changed since gb.plan read it? (not its dtypes: values are cast)
+            check_matches(plan, model, "gb.init", "the plan", dtypes=False)
+        except ValueError as error:
+            raise ValueError(
+                f"{error} The model was changed after gb.plan read it; make the plan again."
+            ) from None
     if values == "draw" or model is None:
         return None
     params = dict(model.named_parameters())

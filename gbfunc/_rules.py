@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from torch import nn
+from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from ._numbers import integer, real
@@ -186,6 +186,8 @@ def _fan_in(shape: tuple[int, ...]) -> int:
 
 
 def _linear_like(module: nn.Module) -> dict[str, Layout]:
+    if not _holds_weight(module):
+        return {}
     std = kaiming_uniform_std(_fan_in(tuple(module.weight.shape)))
     layouts = {"weight": Layout(std)}
     if module.bias is not None:  # U(-1/sqrt(fan_in), 1/sqrt(fan_in)): the weight's std
@@ -209,10 +211,18 @@ def _attention(module: nn.MultiheadAttention) -> dict[str, Layout]:
 
 
 def _embedding(module: nn.Embedding) -> dict[str, Layout]:
-    return {"weight": Layout(1.0, embedding=True)}
+    return {"weight": Layout(1.0, embedding=True)} if _holds_weight(module) else {}
+
+
+def _holds_weight(module: nn.Module) -> bool:
+    """Whether `module.weight` is a parameter of its own (not a buffer, None, or removed),
+    which the built-in rules generate."""
+    return isinstance(module._parameters.get("weight"), nn.Parameter)
 
 
 def _hf_conv1d(module: nn.Module) -> dict[str, Layout]:
+    if not _holds_weight(module):
+        return {}
     # transformers' Conv1D stores (in, out) and draws N(0, 0.02); GPT-2's c_attn fuses Q, K, V
     # on columns (nf = 3 * n_embd), split so tiles never straddle them.
     splits = 3 if getattr(module, "nf", 0) == 3 * module.weight.shape[0] else 1
@@ -244,8 +254,12 @@ def free_init(module: nn.Module, name: str, shape: tuple[int, ...]) -> tuple[str
     if isinstance(module, nn.MultiheadAttention):
         if len(shape) == 2:  # xavier_uniform_ over the whole (fused) matrix
             return ("uniform", math.sqrt(6.0 / max(1, shape[0] + shape[1])))
+        if name in ("bias_k", "bias_v"):  # xavier_normal_ of (1, 1, E): fans of E each
+            return ("normal", 1.0 / math.sqrt(shape[-1]))
         return ("zeros", 0.0)
-    if isinstance(module, nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d):
+    if isinstance(module, nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d) and isinstance(
+        module.weight, Tensor
+    ):
         if name == "bias" and isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
             return ("zeros", 0.0)  # MultiheadAttention zeroes out_proj.bias
         # kaiming_uniform_(a=sqrt(5)) for the weight and the bias's own rule share this bound.

@@ -287,6 +287,15 @@ def _tables(
                 positions = tile[0] * tile[1] * math.prod(window)
                 auto.append((index, math.prod(tile_grid(rows, cols, tile)), positions))
 
+    if not auto:
+        asked = [(e, o) for e, o in zip(entries, options, strict=True) if o["hashed"] == AUTO]
+        entry, opts = asked[0]
+        raise ValueError(
+            f"gb.plan: hashed='auto' reaches only parameters that stay free, so it has no table "
+            f"to size: {entry.name} {entry.shape} is free ({free_reason(entry, opts, flags)})"
+            f"{f' and {len(asked) - 1} more' if len(asked) > 1 else ''}. Give it to generated "
+            "weights, or generate these."
+        )
     measure = _Ratio(scope == "model", kept, stored)
 
     def ratio(k: float) -> float:

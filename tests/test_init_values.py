@@ -67,6 +67,34 @@ def test_values_come_from_the_model_given_or_are_drawn_on_request():
         gb.init(plan, model=nn.Sequential(nn.Linear(16, 8), nn.LayerNorm(8)))
 
 
+def test_a_model_changed_after_its_plan_is_named_by_init_not_copied():
+    """The plan remembers its model; a layer swapped or removed since was copied unchecked
+    (a free tensor of another shape) or raised a bare KeyError. Another dtype is cast."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    plan = gb.plan(model, tile=(4, 4))
+    model.double()
+    assert gb.init(plan)["free"]["1.bias"].dtype == torch.float32
+    model[1] = nn.Linear(8, 6)
+    with pytest.raises(
+        ValueError,
+        match=r"'1\.weight' has shape \(4, 8\) in the plan but "
+        r"\(6, 8\) in the model\. The model was changed after gb\.plan",
+    ):
+        gb.init(plan)
+    del model[1]
+    with pytest.raises(ValueError, match=r"'1\.weight' \(4, 8\) is in the plan but not in"):
+        gb.init(plan)
+    assert gb.init(plan, values="draw")["free"]["1.bias"].shape == (4,)
+
+
+def test_attention_bias_k_and_bias_v_are_drawn_as_torch_draws_them():
+    """xavier_normal_ of (1, 1, E): std 1 / sqrt(E); they were drawn as zeros."""
+    plan = gb.plan(nn.MultiheadAttention(64, 4, add_bias_kv=True), tile=(16, 16))
+    drawn = gb.init(plan, values="draw", requires_grad=False)["free"]
+    for name in ("bias_k", "bias_v"):
+        assert drawn[name].std().item() == pytest.approx(1 / 8, rel=0.25)
+
+
 def test_meta_models_and_unpickled_plans_draw():
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16))

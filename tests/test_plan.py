@@ -315,6 +315,61 @@ def test_options_that_reach_only_free_parameters_are_not_silently_dropped():
         gb.plan(model, tile=(4, 4), overrides={"0.weight": {"generate": True}})
 
 
+def test_asking_what_cannot_be_done_for_parameters_that_stay_free_is_refused_by_name():
+    """`hashed="auto"` on free parameters only raised "max() arg is an empty sequence";
+    `generate: True` on a 1-D weight or an empty one was dropped without a word."""
+    model = nn.Sequential(nn.Embedding(100, 64), nn.Linear(64, 64))
+    with pytest.raises(
+        ValueError,
+        match=r"hashed='auto' reaches only parameters that stay fr"
+        r"ee.*0\.weight \(100, 64\) is free \(embedding \(pass embeddings",
+    ):
+        gb.plan(model, compression=3, overrides={"0.weight": {"hashed": "auto"}})
+
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(64))
+
+    gb.register_rule(Scale, lambda m: {"weight": gb.Layout(init_std=1.0)})
+    scaled = nn.Sequential(nn.Linear(64, 64), Scale())
+    assert gb.plan(scaled, tile=(8, 8)).params[-1].reason == "fewer than 2 dims"
+    with pytest.raises(ValueError, match=r"1\.weight \(64,\) was asked to be generated, but"):
+        gb.plan(scaled, tile=(8, 8), overrides={"1.weight": {"generate": True}})
+    with pytest.warns(UserWarning, match="zero-element"):  # torch's, drawing it
+        empty = nn.Sequential(nn.Linear(64, 64), nn.Linear(0, 4))
+    with pytest.raises(ValueError, match=r"1\.weight \(4, 0\) .* it is empty"):
+        gb.plan(empty, tile=(8, 8), overrides={"1.weight": {"generate": True}})
+
+
+def test_complex_parameters_are_refused_and_weights_that_are_no_parameters_left_alone():
+    """A complex weight was planned, then generated as float32; a Linear whose weight is a
+    buffer got an error blaming gbfunc's own rule, and one whose weight is None a bare
+    AttributeError."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8, bias=False, dtype=torch.complex64))
+    with pytest.raises(ValueError, match=r"1\.weight \(8, 8\) is complex64: g-nets generate"):
+        gb.plan(model, tile=(4, 4))
+    model[1].weight.requires_grad_(False)
+    assert gb.plan(model, tile=(4, 4)).params[-1].reason == "frozen (requires_grad=False)"
+
+    class BufferLinear(nn.Linear):
+        def __init__(self) -> None:
+            super().__init__(16, 16)
+            weight = self.weight.detach().clone()
+            del self.weight
+            self.register_buffer("weight", weight)
+
+    for model in (
+        nn.Sequential(nn.Linear(16, 16), BufferLinear()),
+        nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)),
+    ):
+        if not isinstance(model[1], BufferLinear):
+            model[1].weight = None
+        plan = gb.plan(model, tile=(8, 8))
+        assert [p.name for p in plan.params] == ["0.weight", "0.bias", "1.bias"]
+        assert [p.name for p in plan.generated] == ["0.weight"]
+
+
 def test_a_parameter_both_left_free_and_generated_is_refused_by_name():
     """`free=` is applied before the overrides, so an override's generate=True won without a
     word; the two ask opposite things."""
