@@ -81,8 +81,8 @@ def _check_device(z: Tensor, what: str, gparams: GParams, plan: Plan, where: str
 
 def _task_embedding(gparams: GParams, plan: Plan, task: int | Tensor, where: str) -> Tensor:
     """Row `task` of `gparams["tasks"]`; an int is range-checked, and so is a 0-d integer
-    tensor where reading it is free (eager, on the CPU, not one of a `vmap`ped batch); one
-    of a batch of task ids, or on a GPU (a host sync), is indexed as it is."""
+    tensor where reading it is free (eager, on the CPU, also the ids a `vmap` batches);
+    traced, or on a GPU (a host sync), it is indexed as it is."""
     if not plan.tasks:
         raise ValueError(
             f"{where}: task= needs learned task embeddings; make the plan with "
@@ -97,25 +97,30 @@ def _task_embedding(gparams: GParams, plan: Plan, task: int | Tensor, where: str
                 f"tensor of shape {tuple(task.shape)} (for many tasks, torch.func.vmap over "
                 "their ids)."
             )
-        readable = task.device.type == "cpu" and not torch.compiler.is_compiling()
-        readable = readable and not _batched(task)  # under grad alone it is one id
-        if readable and not 0 <= int(task) < plan.tasks:
+        if task.device.type == "meta" and table.device.type != "meta":
             raise ValueError(
-                f"{where}: task must be in 0..{plan.tasks - 1}, got tensor({int(task)})."
+                f"{where}: task is on meta (no value) but gparams['tasks'] is on "
+                f"{table.device}; pass it there, or as an int."
             )
+        if task.device.type == "cpu" and not torch.compiler.is_compiling():
+            ids = _unwrapped(task)  # every id of a vmapped batch, or the one
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= plan.tasks:
+                raise ValueError(
+                    f"{where}: task must be in 0..{plan.tasks - 1}, got "
+                    f"tensor({low if low < 0 else high})."
+                )
         index = task.reshape(1).to(table.device, torch.int64)  # index_select takes int64
         return table.index_select(0, index).squeeze(0)
     return table[task_number(task, plan.tasks, where)]
 
 
-def _batched(tensor: Tensor) -> bool:
-    """Whether `tensor` is (or wraps) one of `vmap`'s batched tensors: many ids at once."""
+def _unwrapped(tensor: Tensor) -> Tensor:
+    """The plain tensor under torch.func's wrappers: a `vmap`ped batch's every value."""
     functorch = torch._C._functorch
     while functorch.is_functorch_wrapped_tensor(tensor):
-        if functorch.is_batchedtensor(tensor):
-            return True
         tensor = functorch.get_unwrapped(tensor)
-    return False
+    return tensor
 
 
 def task_number(task: object, tasks: int, where: str) -> int:

@@ -358,8 +358,8 @@ class Bottleneck(PnetFace, nn.Module):
         the p-net buffers stored in it restored into `model`'s (which it shares).
 
         For the optimizer state, step and meta of the same file, read it with `gb.load`.
-        Values are cast to the module's dtype (the model's), as `load_state_dict` casts;
-        `.to(dtype)` converts them after.
+        `model` must have the checkpoint's dtypes (`gb.load` names a parameter that differs);
+        `.to(dtype)` converts the module after.
 
         Examples:
             >>> model = nn.Linear(64, 32)

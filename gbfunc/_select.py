@@ -108,6 +108,7 @@ class Selection:
         task: int | Tensor | None = None,
         compile: bool | None = False,
         paths: Sequence[str] | None = None,
+        where: str = "gb.dist.Selection.apply",
     ) -> dict[str, Tensor]:
         """`{name: tensor of the region's shape}` for every selected parameter (differentiable).
 
@@ -115,9 +116,9 @@ class Selection:
         `compile` as `gb.apply`'s (`paths`, per stack of the plan: the paths to take): a stack
         whose parameters are all selected whole, its path's runner for a whole plan (so the
         C loops may write them); the others, the tiles under their regions. A conditioned plan
-        takes `condition` or `task` as `gb.apply` does.
+        takes `condition` or `task` as `gb.apply` does; `where` names the call in its errors.
         """
-        gparams, _ = folded(gparams, self.plan, condition, task, "the selection's apply")
+        gparams, _ = folded(gparams, self.plan, condition, task, where)
         context = context_of(gparams["stacks"], backend="torch", compile=compile)
         tiles, whole = {}, {}
         for s, indices in self.tiles.items():

@@ -318,6 +318,19 @@ def test_plans_without_a_condition_keep_their_json_and_conditioned_ones_round_tr
             r"task must be in 0\.\.3, got tensor\(4\)",
         ),
         (lambda g, p, q: gb.apply(g, p, task=1, condition=torch.ones(3)), "not both"),
+        # a vmapped batch of ids, on the CPU, is read and checked too (torch's bare error)
+        (
+            lambda g, p, q: vmap(lambda t: gb.apply(g, p, task=t))(torch.tensor([0, 4])),
+            r"task must be in 0\.\.3, got tensor\(4\)",
+        ),
+        (
+            lambda g, p, q: vmap(lambda t: gb.apply(g, p, task=t))(torch.tensor([-1, 2])),
+            r"task must be in 0\.\.3, got tensor\(-1\)",
+        ),
+        (  # "Cannot copy out of meta tensor"
+            lambda g, p, q: gb.apply(g, p, task=torch.tensor(1, device="meta")),
+            r"gb.apply: task is on meta \(no value\) but gparams\['tasks'\] is on cpu",
+        ),
         (
             lambda g, p, q: gb.apply(g, p, condition=torch.ones(3, device="meta")),
             r"gb.apply: condition is on meta but the g-nets of stack 's0_4x4' that read it are "

@@ -200,6 +200,14 @@ def test_selection_rejects_unknown_names_and_bad_regions():
         ValueError, match=r"region \(\(0, 9\), \(0, 8\)\) does not fit weight of shape \(8, 8\)"
     ):
         gbd.Selection(plan, {"weight": ((0, 9), (0, 8))})
+    # A conditioned plan's errors name the call (they named "the selection's apply").
+    conditioned = gb.plan(nn.Linear(8, 8), tile=(4, 4), condition=3, tasks=2)
+    gparams = gb.init(conditioned)
+    with pytest.raises(ValueError, match=r"^gb\.dist\.Selection\.apply: task must be an int"):
+        gbd.Selection(conditioned, {"weight": ((0, 8), (0, 8))}).apply(gparams, task=5)
+    stage = gbd.StageGenerator(conditioned, nn.Linear(8, 8))
+    with pytest.raises(ValueError, match=r"^gb\.dist\.StageGenerator\.load: the plan's g-nets"):
+        stage.load(gparams)
 
 
 # ---------------------------------------------------------------- ownership

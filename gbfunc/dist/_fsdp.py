@@ -76,7 +76,9 @@ class ShardedFree:
         """The generated weights only, for `functional_call(model, ...)`: the free parameters
         are the model's own, which FSDP2 all-gathers around its forward. A conditioned plan
         takes `condition` or `task` as `gb.apply` does."""
-        return self.selection.apply(gparams, condition=condition, task=task)
+        return self.selection.apply(
+            gparams, condition=condition, task=task, where="gb.dist.ShardedFree.apply"
+        )
 
     def state(self, gparams: GParams) -> GParams:
         """`gparams` with the model's sharded free and frozen parameters as its own: what

@@ -70,7 +70,10 @@ class StageGenerator:
         the same."""
         self._given = {"condition": condition, "task": task}
         with torch.no_grad():
-            for name, value in self.selection.apply(gparams, **self._given).items():
+            weights = self.selection.apply(
+                gparams, **self._given, where="gb.dist.StageGenerator.load"
+            )
+            for name, value in weights.items():
                 self.params[name].copy_(value)
         for param in self.params.values():
             param.grad = None
@@ -78,7 +81,9 @@ class StageGenerator:
     def backward(self, gparams: GParams) -> None:
         """Phase 3: regenerate with a graph (for `load`'s condition or task) and backpropagate
         the stage's `.grad` into `gparams` (and into the condition, where it needs one)."""
-        weights = self.selection.apply(gparams, **self._given)
+        weights = self.selection.apply(
+            gparams, **self._given, where="gb.dist.StageGenerator.backward"
+        )
         pairs = [
             (weights[name], param.grad)
             for name, param in self.params.items()

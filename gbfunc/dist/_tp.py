@@ -162,7 +162,10 @@ class TensorParallel:
         """`{name: DTensor shard or replicated tensor}` for `functional_call` on the model;
         a conditioned plan takes `condition` or `task` as `gb.apply` does."""
         out: dict[str, Tensor] = {}
-        for name, local in self.selection.apply(gparams, condition=condition, task=task).items():
+        weights = self.selection.apply(
+            gparams, condition=condition, task=task, where="gb.dist.TensorParallel.apply"
+        )
+        for name, local in weights.items():
             placements, scale, shape = self._wrap[name]
             if scale != 1.0 and local.requires_grad:  # identical copies: their sum is the mean
                 local.register_hook(lambda grad, scale=scale: grad * scale)
