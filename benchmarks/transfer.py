@@ -18,7 +18,7 @@ four). The text tasks are the main job's character transformer and hashed genome
 default) on `equal_params`' protocol.
 The report gives each configuration's mean, standard error and seed spread, the default
 against each scale paired by seed (a paired t-test at 5%, `examples.seeds`), the best scale
-so ranked, and the default against the narrow model at its best rate.
+so ranked, and the default against the narrow model at its best rate, paired by seed too.
 
     python -m benchmarks.transfer --tasks digits-rows email package-docs   # 2 processes
     python -m benchmarks.transfer --tasks package-docs --scales 1 --lrs 0.06  # a part
@@ -167,20 +167,27 @@ def jobs(task_name: str, seeds: Sequence[int] = SEEDS) -> list[tuple[str, str, f
     return [(task_name, arm, value, seed) for arm, value in arms for seed in seeds]
 
 
-def paired_gap(rows: list[dict], task_name: str, a: float, b: float) -> Stat:
-    """gbfunc at scale `a` minus scale `b` over the seeds both ran (the same init and batches
-    at a seed, so the seed's own luck cancels), with its label (`examples.seeds`)."""
+def scores(rows: list[dict], task_name: str, arm: str, value: float) -> dict[int, float]:
+    """`arm` at `value` (gbfunc's scale, the narrow model's rate) on `task_name`: its score by
+    seed (validation loss in nats for text, accuracy in % for images)."""
     metric = "val_loss" if TASKS[task_name][0] == "text" else "val_acc"
     unit = 1.0 if metric == "val_loss" else 100.0
-    by = {
-        (r["value"], r["seed"]): r[metric] * unit
+    return {
+        r["seed"]: r[metric] * unit
         for r in rows
-        if r["task"] == task_name and r["arm"] == "gbfunc"
+        if r["task"] == task_name and r["arm"] == arm and r["value"] == value
     }
-    seeds = sorted(s for v, s in by if v == a and (b, s) in by)
+
+
+def paired_gap(rows: list[dict], task_name: str, a: float, b: float, b_arm: str = "gbfunc") -> Stat:
+    """gbfunc at scale `a` minus `b_arm` at `b` (gbfunc's scale or the narrow model's rate)
+    over the seeds both ran (the same batches at a seed, and for two scales the same init, so
+    the seed's own luck cancels), with its label (`examples.seeds`)."""
+    ours, theirs = scores(rows, task_name, "gbfunc", a), scores(rows, task_name, b_arm, b)
+    seeds = sorted(ours.keys() & theirs.keys())
     if not seeds:
         return Stat(math.nan, math.nan, math.nan, 0)
-    return Stat.of([by[a, s] - by[b, s] for s in seeds])
+    return Stat.of([ours[s] - theirs[s] for s in seeds])
 
 
 def summary(rows: list[dict], task_name: str) -> list[dict]:
@@ -258,7 +265,7 @@ def _mean(row: dict) -> float:
 def verdict(found: list[dict], lower: bool, rows: list[dict], task_name: str) -> str:
     """The default against every other scale, paired by seed over the seeds both ran (means
     over different seeds would rank configurations by their seeds' luck), the best scale so
-    ranked, and the default against the narrow model's best rate."""
+    ranked, and the default against the narrow model's best rate, paired by seed as well."""
     best = min if lower else max
     gb_rows = [r for r in found if r["arm"] == "gbfunc"]
     narrow = [r for r in found if r["arm"] == "narrow"]
@@ -294,11 +301,14 @@ def verdict(found: list[dict], lower: bool, rows: list[dict], task_name: str) ->
     if narrow:
         rival = best(narrow, key=_mean)
         params = {r["arm"]: r["params"] for r in rows if r["task"] == task_name}
+        gap = paired_gap(rows, task_name, 1.0, rival["value"], "narrow")
+        se = f" +- {gap.se:.4f}" if gap.n > 1 else ""
         lines.append(
             f"- the narrow model at its best rate, {rival['value']:g}: {rival['mean']:.4g} +- "
-            f"{rival['se']:.2g} (spread {rival['spread']:.3g}); gbfunc's default - narrow: "
-            f"{default['mean'] - rival['mean']:+.4f}; trainable parameters gbfunc "
-            f"{params.get('gbfunc', 0):,}, narrow {params.get('narrow', 0):,}"
+            f"{rival['se']:.2g} (spread {rival['spread']:.3g}); gbfunc's default - narrow, "
+            f"paired over the {gap.n} seeds both ran: {gap.mean:+.4f}{se} ({gap.label}); "
+            f"trainable parameters gbfunc {params.get('gbfunc', 0):,}, "
+            f"narrow {params.get('narrow', 0):,}"
         )
     return "\n".join(lines) + "\n"
 
