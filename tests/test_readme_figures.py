@@ -10,6 +10,7 @@ page says the new number. The section, and the README's "Why", may hold no other
 these figures and the settings in `SETUP`, so a new figure cannot go unchecked.
 """
 
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from examples.seeds import critical
+from examples.seeds import Stat, critical, paired_gap
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -133,6 +134,59 @@ def mlp(arm: str, last: bool = False) -> float:
     return cell(MLP_QUALITY, (f"| ~100x | {arm} |",), 6, last)
 
 
+def paired(source: str, ours: tuple[str, str], theirs: tuple[str, str]) -> Stat:
+    """Arm `ours` minus arm `theirs` of an equal_params results file (each `(ratio, family)` at
+    its best rate, as the file's summary says), paired by seed (`examples.seeds`); positive
+    where `ours` is better: points of accuracy, or nats of loss below."""
+    saved = json.loads((RESULTS / source).read_text())
+    metric = saved["summary"][0]["metric"]
+    sign = 100.0 if metric == "val_acc" else -1.0
+
+    def by_seed(ratio: str, family: str) -> dict[int, float]:
+        (lr,) = [s["lr"] for s in saved["summary"] if (s["ratio"], s["family"]) == (ratio, family)]
+        arm = [
+            r for r in saved["rows"] if (r["ratio"], r["family"], r["lr"]) == (ratio, family, lr)
+        ]
+        return {r["seed"]: sign * r[metric] for r in arm}
+
+    a, b = by_seed(*ours), by_seed(*theirs)
+    seeds = sorted(a.keys() & b.keys())
+    return paired_gap([a[s] for s in seeds], [b[s] for s in seeds])
+
+
+# The section's gaps between arms at equal parameters: (phrase, results file, gbfunc's arm, the
+# other arm); the phrase states the gap, its s.e. and its label.
+GAPS = [
+    (
+        "1.3 ± 0.6 points (s.e.) ahead, within noise",
+        "equal_params_cnn.json",
+        ("~23x, hashed genome", "gbfunc"),
+        ("~23x, hashed genome", "narrow"),
+    ),
+    (
+        "0.042 ± 0.008 nats (s.e.) below it, beyond noise",
+        "equal_params_charlm_hashed_genome_3_seeds_gbfunc_narrow.json",
+        ("~20x, hashed genome", "gbfunc"),
+        ("~20x, hashed genome", "narrow"),
+    ),
+    (
+        "1.9 ± 1.0 points (s.e.) ahead, within noise",
+        "equal_params.json",
+        ("~100x", "gbfunc"),
+        ("~100x", "narrow"),
+    ),
+]
+
+
+def gap_figures() -> list["Figure"]:
+    """Two `Figure`s per gap of `GAPS`: its mean and its standard error."""
+    return [
+        Figure(phrase, figure, lambda g=(source, ours, theirs), k=k: getattr(paired(*g), k))
+        for phrase, source, ours, theirs in GAPS
+        for figure, k in zip(re.findall(r"\d+\.\d+", phrase), ("mean", "se"), strict=True)
+    ]
+
+
 def comm_mib(strategy: str) -> float:
     """Bytes per rank per step of GPT-2 small on 8 ranks, 100x100 tiles, embeddings generated."""
     import torch
@@ -244,10 +298,14 @@ FIGURES = [
         lambda: max(column(MEMORY, TRANSFORMER, 4) + column(MEMORY, TRANSFORMER, 7)),
     ),
     # Quality at equal parameters, each arm at its best rate (mean and s.d. over 3 seeds)
-    Figure("reached 98.8 ± 0.4% against", "98.8", lambda: cnn(HASHED_CNN, "gbfunc")),
-    Figure("reached 98.8 ± 0.4% against", "0.4", lambda: cnn_sd(HASHED_CNN, "gbfunc")),
-    Figure("against 97.5 ± 0.7% for a narrower CNN", "97.5", lambda: cnn(HASHED_CNN, "narrow")),
-    Figure("against 97.5 ± 0.7% for a narrower CNN", "0.7", lambda: cnn_sd(HASHED_CNN, "narrow")),
+    Figure("reached 98.8 ± 0.4% (s.d.) against", "98.8", lambda: cnn(HASHED_CNN, "gbfunc")),
+    Figure("reached 98.8 ± 0.4% (s.d.) against", "0.4", lambda: cnn_sd(HASHED_CNN, "gbfunc")),
+    Figure(
+        "against 97.5 ± 0.7% (s.d.) for a narrower CNN", "97.5", lambda: cnn(HASHED_CNN, "narrow")
+    ),
+    Figure(
+        "against 97.5 ± 0.7% (s.d.) for a narrower CNN", "0.7", lambda: cnn_sd(HASHED_CNN, "narrow")
+    ),
     Figure(
         "with 14% fewer parameters",
         "14",
@@ -259,10 +317,10 @@ FIGURES = [
         "16",
         lambda: 100 * (cnn("~23x", "narrow", 3) / cnn(HASHED_CNN, "gbfunc", 3) - 1),
     ),
-    Figure("98.6 ± 0.3% for HashedNets", "98.6", lambda: cnn(HASHED_CNN, "hashed")),
-    Figure("98.6 ± 0.3% for HashedNets", "0.3", lambda: cnn_sd(HASHED_CNN, "hashed")),
-    Figure("68.8 ± 3.1% for low rank", "68.8", lambda: cnn(HASHED_CNN, "low rank")),
-    Figure("68.8 ± 3.1% for low rank", "3.1", lambda: cnn_sd(HASHED_CNN, "low rank")),
+    Figure("98.6 ± 0.3% (s.d.) for HashedNets", "98.6", lambda: cnn(HASHED_CNN, "hashed")),
+    Figure("98.6 ± 0.3% (s.d.) for HashedNets", "0.3", lambda: cnn_sd(HASHED_CNN, "hashed")),
+    Figure("68.8 ± 3.1% (s.d.) for low rank", "68.8", lambda: cnn(HASHED_CNN, "low rank")),
+    Figure("68.8 ± 3.1% (s.d.) for low rank", "3.1", lambda: cnn_sd(HASHED_CNN, "low rank")),
     Figure("the dense CNN's 97.7 ± 0.4%", "97.7", lambda: cnn("dense", "dense")),
     Figure("the dense CNN's 97.7 ± 0.4%", "0.4", lambda: cnn_sd("dense", "dense")),
     Figure(
@@ -271,21 +329,29 @@ FIGURES = [
         lambda: cnn("dense", "dense") - cnn("~135x, hashed genome", "gbfunc"),
     ),
     # The character transformer
-    Figure("1.61 ± 0.03 nats against", "1.61", lambda: charlm(HASHED_LM, "gbfunc", CHARLM_3_SEEDS)),
-    Figure("1.61 ± 0.03 nats against", "0.03", lambda: charlm_sd(HASHED_LM, "gbfunc")),
     Figure(
-        "against 1.65 ± 0.02 for a narrower",
+        "1.61 ± 0.03 nats (s.d.) against",
+        "1.61",
+        lambda: charlm(HASHED_LM, "gbfunc", CHARLM_3_SEEDS),
+    ),
+    Figure("1.61 ± 0.03 nats (s.d.) against", "0.03", lambda: charlm_sd(HASHED_LM, "gbfunc")),
+    Figure(
+        "against 1.65 ± 0.02 (s.d.) for a narrower",
         "1.65",
         lambda: charlm(HASHED_LM, "narrow", CHARLM_3_SEEDS),
     ),
-    Figure("against 1.65 ± 0.02 for a narrower", "0.02", lambda: charlm_sd(HASHED_LM, "narrow")),
+    Figure(
+        "against 1.65 ± 0.02 (s.d.) for a narrower", "0.02", lambda: charlm_sd(HASHED_LM, "narrow")
+    ),
     Figure("2.59 for low rank", "2.59", lambda: charlm("~20x", "low rank")),
     Figure("the dense model (1.26 nats)", "1.26", lambda: charlm("dense", "dense")),
     # The paper's MLP
-    Figure("reaches 96.6 ± 0.2% against", "96.6", lambda: mlp("gbfunc")),
-    Figure("reaches 96.6 ± 0.2% against", "0.2", lambda: mlp("gbfunc", last=True)),
-    Figure("against 94.6 ± 1.5% for", "94.6", lambda: mlp("narrow")),
-    Figure("against 94.6 ± 1.5% for", "1.5", lambda: mlp("narrow", last=True)),
+    Figure("reaches 96.6 ± 0.2% (s.d.) against", "96.6", lambda: mlp("gbfunc")),
+    Figure("reaches 96.6 ± 0.2% (s.d.) against", "0.2", lambda: mlp("gbfunc", last=True)),
+    Figure("against 94.6 ± 1.5% (s.d.) for", "94.6", lambda: mlp("narrow")),
+    Figure("against 94.6 ± 1.5% (s.d.) for", "1.5", lambda: mlp("narrow", last=True)),
+    # Their gaps, paired by seed (mean and s.e.)
+    *gap_figures(),
     # The main job over seeds: each phrase's figures, in order, at these places of its line
     *main_job_figures(
         ("charlm", "gb", "gbfunc 1.7722 ± 0.0050 nats (spread 0.0174)", 0),
@@ -362,6 +428,13 @@ def test_a_readme_figure_is_the_committed_result(figure):
     assert abs(value - float(figure.figure)) <= 0.5 * 10**-decimals + 1e-9, (
         f"the docs say {figure.figure} in {figure.text!r}; the results say {value:.4g}"
     )
+
+
+@pytest.mark.parametrize("gap", GAPS, ids=lambda g: g[0])
+def test_a_paired_gap_of_the_section_has_the_label_of_the_test(gap):
+    phrase, source, ours, theirs = gap
+    assert phrase in section(), f"docs/when-to-use.md no longer says {phrase!r}"
+    assert phrase.endswith(paired(source, ours, theirs).label)
 
 
 @pytest.mark.parametrize(
