@@ -7,6 +7,7 @@ from dataclasses import fields
 
 from ._genome import Genome, check_genome
 from ._numbers import as_integer
+from ._plan import Generated, Plan
 
 DEFAULT_TILE = (64, 64)
 GENOME_OPTIONS = tuple(f.name for f in fields(Genome))
@@ -93,9 +94,18 @@ def check_free_kept(
             )
 
 
-def check_patterns(rules: Rules, names: list[str]) -> None:
+def check_patterns(rules: Rules, names: list[str], tied: dict[str, str]) -> None:
+    """Raise for a pattern that matches no parameter's name (`names`, each parameter's first);
+    one matching the second name of a tied parameter (`tied`: to its first) says so."""
     for pattern, _ in rules:
         if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            alias = next((n for n in tied if fnmatch.fnmatchcase(n, pattern)), None)
+            if alias is not None:
+                raise ValueError(
+                    f"gb.plan: pattern {pattern!r} matches {alias!r} only, which is tied to "
+                    f"{tied[alias]!r}: the plan names a tied parameter by its first name; "
+                    "use that one."
+                )
             shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
             raise ValueError(
                 f"gb.plan: pattern {pattern!r} matches no parameter (parameters: {shown})."
@@ -117,6 +127,36 @@ def warn_unused(rules: Rules, generated: set[str], reasons: dict[str, str]) -> N
                 UserWarning,
                 stacklevel=3,
             )
+
+
+def warn_dropped(rules: Rules, plan: Plan) -> None:
+    """Warn of each override that asks `outputs` > 1 or `center=True` where no parameter it
+    matches can take it: a convolution kernel's or a bias's g-nets emit one value per
+    evaluation, and a bias has no inputs to centre over."""
+    for pattern, over in rules:
+        matched = [p for p in plan.generated if fnmatch.fnmatchcase(p.name, pattern)]
+        if not matched:
+            continue  # `warn_unused`'s
+        outputs = over.get("outputs", 1)
+        if (
+            isinstance(outputs, int)
+            and outputs > 1
+            and all(plan.stacks[p.stack_index].genome.outputs == 1 for p in matched)
+        ):
+            one_value = "emit one value per evaluation: convolution kernels and biases"
+            _warn_dropped(pattern, f"outputs={outputs}", matched, one_value)
+        if over.get("center") is True and not any(p.center for p in matched):
+            _warn_dropped(pattern, "center=True", matched, "have no inputs to centre over: biases")
+
+
+def _warn_dropped(pattern: str, option: str, matched: list[Generated], why: str) -> None:
+    names = ", ".join(p.name for p in matched[:3]) + (", ..." if len(matched) > 3 else "")
+    warnings.warn(
+        f"gb.plan: overrides[{pattern!r}] sets {option}, but the parameters it matches "
+        f"({names}) {why}; it changes nothing.",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def resolve(name: str, base: dict[str, object], rules: Rules) -> dict[str, object]:

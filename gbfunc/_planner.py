@@ -25,6 +25,7 @@ from ._options import (
     check_tile,
     normalise_overrides,
     resolve,
+    warn_dropped,
     warn_unused,
 )
 from ._plan import (
@@ -159,7 +160,7 @@ def plan(
     base = check_genome(base, "gb.plan")
     rules = normalise_overrides(overrides, free)
     entries = collect(model)
-    check_patterns(rules, [e.name for e in entries])
+    check_patterns(rules, [e.name for e in entries], _tied_names(model))
     options = [resolve(e.name, base, rules) for e in entries]
     check_free_kept(free, [e.name for e in entries], options)
     for flag, value in (("biases", biases), ("embeddings", embeddings), ("center", center)):
@@ -190,6 +191,9 @@ def plan(
     options = _compress(goal, options, tile is not None)
     result = replace(_build(entries, options, flags), tasks=tasks).naming(model)
     warn_unused(rules, {p.name for p in result.generated}, {p.name: p.reason for p in result.free})
+    warn_dropped(rules, result)
+    if not result.params:
+        raise ValueError(f"gb.plan: {type(model).__name__} has no parameters to generate.")
     if not result.generated:
         raise ValueError(
             f"gb.plan: {type(model).__name__} has no parameter to generate: "
@@ -391,3 +395,14 @@ class _Stacks:
 def _why_free(p: Plan) -> str:
     reasons = sorted({f.reason for f in p.free})
     return "every parameter is free (" + "; ".join(reasons[:4]) + ")."
+
+
+def _tied_names(model: nn.Module) -> dict[str, str]:
+    """`{second name: first name}` of every parameter registered under more than one name
+    (a tied head): the plan knows it by its first."""
+    first: dict[int, str] = {}
+    tied = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if first.setdefault(id(param), name) != name:
+            tied[name] = first[id(param)]
+    return tied

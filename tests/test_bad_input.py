@@ -340,7 +340,7 @@ def _plan_cases_1(tmp: Path | None) -> dict[str, Case]:
             lambda: gb.plan("mlp"), TypeError, "gb.plan: model must be an nn.Module, got str"
         ),
         "plan-empty-model": Case(
-            lambda: gb.plan(nn.Sequential()), ValueError, "Sequential has no parameter to generate"
+            lambda: gb.plan(nn.Sequential()), ValueError, "Sequential has no parameters to generate"
         ),
         "plan-nothing-generatable": Case(
             lambda: gb.plan(nn.LayerNorm(4)),

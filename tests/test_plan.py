@@ -370,6 +370,29 @@ def test_complex_parameters_are_refused_and_weights_that_are_no_parameters_left_
         assert [p.name for p in plan.generated] == ["0.weight"]
 
 
+def test_patterns_naming_a_tied_parameters_second_name_say_so():
+    """A tied head's second name matched "no parameter" among names that did not show it."""
+    model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16, bias=False))
+    model[1].weight = model[0].weight
+    for options in ({"free": ["1.weight"]}, {"overrides": {"1.*": {"hidden": 4}}}):
+        with pytest.raises(ValueError, match=r"'1\.weight' only, which is tied to '0\.weight'"):
+            gb.plan(model, tile=(4, 4), embeddings=True, **options)
+    with pytest.raises(ValueError, match=r"^gb\.plan: ReLU has no parameters to generate\.$"):
+        gb.plan(nn.ReLU())  # it said "every parameter is free ()"
+
+
+def test_override_options_no_matched_parameter_can_take_warn():
+    """outputs > 1 on kernels and center=True on biases were dropped without a word."""
+    with pytest.warns(UserWarning, match=r"overrides\['weight'\] sets outputs=4, but .* emit"):
+        gb.plan(nn.Conv2d(16, 16, 3), tile=(8, 8), overrides={"weight": {"outputs": 4}})
+    with pytest.warns(UserWarning, match=r"overrides\['bias'\] sets center=True, but .*bias"):
+        gb.plan(nn.Linear(8, 8), biases=True, overrides={"bias": {"center": True}})
+    with warnings.catch_warnings():  # some parameter each matches takes it: quiet
+        warnings.simplefilter("error")
+        mixed = nn.Sequential(nn.Conv2d(4, 4, 3), nn.Flatten(), nn.Linear(16, 16))
+        gb.plan(mixed, tile=(4, 4), biases=True, overrides={"*": {"outputs": 2, "center": True}})
+
+
 def test_a_parameter_both_left_free_and_generated_is_refused_by_name():
     """`free=` is applied before the overrides, so an override's generate=True won without a
     word; the two ask opposite things."""
