@@ -14,7 +14,8 @@ order and train with AdamW and the same schedule: the dense model, its gbfunc tw
 generate its weights from 20-100x fewer parameters; they have their own learning rate), and
 the two obvious alternatives at the twin's size: a *narrow* dense model of the same
 architecture whose parameter count is nearest, and a *low-rank* model (every weight as
-`U @ V.T`, as many parameters in all) where rank 1 fits.
+`U @ V.T`, about as many parameters in all: 1-6% more, each weight's rank rounded) where
+rank 1 fits.
 
 Every arm runs over several seeds (the task's `seeds` and `arm_seeds`: on the transformer 3
 for gbfunc and the narrow model and 1 for the dense and low-rank ones, which are far from
@@ -57,7 +58,7 @@ import gbfunc as gb
 from examples.baselines import smallest_low_rank, weight_matrices
 from examples.data import CharCorpus, char_batch, char_windows, digits_held_out, pydoc_held_out
 from examples.models import CharTransformer, DigitsCNN, digits_mlp
-from examples.seeds import RULE, Stat, paired_gap
+from examples.seeds import Stat, paired_gap, rule
 from examples.tasks import EVAL_TOKENS, CharLMConfig, DigitsConfig, MLPConfig
 from examples.training import (
     Arm,
@@ -418,9 +419,10 @@ def finish(
             f"[{task}]   {n:8s}  loss {fmt(ls, 4)}{spread[0]}  "
             f"accuracy {fmt(ac, 2, '%')}{spread[1]}"
         )
+    pairs = [result.loss_gap(n).n for n in names if n != "gb"]
     print(
         f"[{task}] gbfunc's gaps, paired by seed (mean +- s.e. of the per-seed differences; "
-        f"{RULE}):"
+        f"{rule(pairs)}):"
     )
     for n in names:
         if n != "gb":
@@ -477,7 +479,7 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
         "--seeds", type=int, help="seeds of every arm (default: the task's own, per arm)"
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     parser.add_argument(
         "--jobs",
         type=int,
@@ -502,6 +504,18 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
     return run_tasks(configs, args.out, device, args.jobs)
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, where the OS has one: Linux), else
+    the machine's."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+
+
+def gap_seeds(results: Sequence[Result]) -> list[int]:
+    """How many seeds each of `results`' gaps is paired over."""
+    return [r.loss_gap(n).n for r in results for n in r.test_loss if n != "gb"]
+
+
 def run_tasks(
     configs: dict[str, TrainConfig], out: Path, device: torch.device, processes: int | None = None
 ) -> list[Result]:
@@ -510,7 +524,7 @@ def run_tasks(
     `processes` train jobs at once, at `cores / processes` threads each (default on a CPU: one
     per core); 1 trains in this process, with progress bars.
     """
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     processes = processes or (cores if device.type == "cpu" else 1)
     threads = max(1, cores // processes) if device.type == "cpu" else None
     out.mkdir(parents=True, exist_ok=True)
@@ -535,7 +549,7 @@ def run_tasks(
     seconds = time.perf_counter() - started
     print(
         f"\nsummary: {seconds:.0f} s on {device} ({how}); mean +- s.e. over the seeds; "
-        f"gb's gaps paired by seed; {RULE}"
+        f"gb's gaps paired by seed; {rule(gap_seeds(results))}"
     )
     for r in results:
         print("\n".join(summary_lines(r)))

@@ -2,7 +2,7 @@
 between two arms, paired by seed, is beyond noise (a two-sided paired t-test at 5%)."""
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from scipy.stats import t as student_t
@@ -18,10 +18,14 @@ def critical(n: int) -> float:
     return float(student_t.ppf(1 - LEVEL / 2, n - 1))
 
 
-RULE = (
-    "beyond noise: a paired t-test at 5%, |gap| > t s.e. "
-    f"(t = {critical(3):.2f} at 3 seeds, {critical(5):.2f} at 5)"
-)
+def rule(counts: Iterable[int]) -> str:
+    """The labels' rule, with t at each number of paired seeds in `counts` (one seed has
+    no t: its gap is not labelled)."""
+    ts = [f"{critical(n):.2f} at {n}" for n in sorted(set(counts)) if n > 1]
+    if not ts:
+        return "beyond noise: a paired t-test at 5% (one seed: no gap is labelled)"
+    ts[0] += " seeds"
+    return "beyond noise: a paired t-test at 5%, |gap| > t s.e. (t = " + ", ".join(ts) + ")"
 
 
 @dataclass(frozen=True)

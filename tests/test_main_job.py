@@ -17,9 +17,9 @@ from examples.data import (
     pydoc_held_out,
     pydoc_text,
 )
-from examples.main_job import main, run_tasks
+from examples.main_job import main, run_tasks, usable_cores
 from examples.models import CharTransformer, DigitsCNN
-from examples.seeds import Stat, critical, paired_gap
+from examples.seeds import Stat, critical, paired_gap, rule
 from examples.tasks import CharLMConfig, DigitsConfig
 
 TINY_CHARLM = CharLMConfig(
@@ -102,6 +102,8 @@ def test_stat_and_paired_gap() -> None:
     # A paired t-test at 5%: 2.58 s.e. over 3 seeds is within noise (t = 4.30 at 2 degrees of
     # freedom; twice the s.e. labelled it beyond), over 6 seeds beyond (t = 2.57).
     assert critical(3) == pytest.approx(4.303, abs=1e-3)
+    assert rule([3, 1, 5, 3]).endswith("(t = 4.30 at 3 seeds, 2.78 at 5)")
+    assert rule([1]).endswith("(one seed: no gap is labelled)")
     assert critical(5) == pytest.approx(2.776, abs=1e-3)
     three = Stat(mean=-0.0307, se=0.0119, spread=0.05, n=3)
     assert three.label == "within noise"
@@ -182,6 +184,9 @@ def test_cli_digits(tmp_path: Path, capsys) -> None:
     out = capsys.readouterr().out
     assert len(_table_totals(out)) == 2
     assert "summary" in out
+    # The rule printed is the one the labels used: 2 seeds (it said "4.30 at 3 seeds").
+    assert "|gap| > t s.e. (t = 12.71 at 2 seeds)" in out
+    assert "4.30" not in out
     assert result.report.generated_compression >= 20
     assert (tmp_path / "digits_gb.safetensors").is_file()
     assert (tmp_path / "digits_curves.png").is_file()
@@ -230,3 +235,11 @@ def test_cli_mlp_says_why_it_has_no_low_rank_arm(tmp_path: Path, capsys) -> None
     # 64-800-10 at rank 1 keeps its 810 biases: (800 + 64) + (10 + 800) + 810 parameters.
     assert "no low rank: rank 1 for every weight needs 2,484" in out
     assert (tmp_path / "mlp_curves.png").is_file()
+
+
+def test_the_job_counts_cores_where_the_os_has_no_affinity(monkeypatch) -> None:
+    """macOS and Windows have no `os.sched_getaffinity`: the README's first command raised
+    AttributeError there before parsing its arguments."""
+    monkeypatch.delattr("os.sched_getaffinity", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 3)
+    assert usable_cores() == 3
