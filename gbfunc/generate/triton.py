@@ -34,15 +34,14 @@ def refuses(call: Call) -> str | None:
     context = call.context
     if context.backend == "torch":
         return "backend='torch'"
+    device = _device(call)  # each stack's own: gparams may span devices
     if context.backend == "auto":
-        if context.device != "cuda":
-            return f"backend='auto' takes Triton for CUDA tensors; these are on {context.device}"
+        if device != "cuda":
+            return f"backend='auto' takes Triton for CUDA tensors; these are on {device}"
         if not HAS_TRITON:
             return "triton is not installed (pip install 'gbfunc[triton]')"
     if call.plan is None:
         return "a selection of a plan is generated in torch"
-    if context.forward_ad and context.backend == "auto":  # (backend="triton": torch's error)
-        return "forward-mode AD is active: the kernels have no forward-mode rule"
     unrunnable = _unrunnable(call)
     if unrunnable is None:
         return None
@@ -61,12 +60,22 @@ def variant(call: Call) -> str:
 def _unrunnable(call: Call) -> tuple[str, Exception] | None:
     """Why the kernels cannot generate the call's stack here, and the error that
     `backend="triton"` raises for it (None: they can)."""
-    context, key = call.context, call.stack.key
+    context, key, device = call.context, call.stack.key, _device(call)
+    if context.forward_ad:
+        return "forward-mode AD is active: the kernels have no forward-mode rule", ValueError(
+            "gb.apply: backend='triton' has no forward-mode rule (torch.func.jvp, jacfwd, "
+            "torch.autograd.forward_ad); use backend='torch' (or 'auto', which sends it there)."
+        )
     if not HAS_TRITON:
         return "triton is not installed", ModuleNotFoundError(
             "gb.apply: backend='triton' needs the triton package: pip install 'gbfunc[triton]'."
         )
-    if context.device != "cuda" and context.compiling:
+    if device not in ("cuda", "cpu"):
+        return f"the g-nets are on {device}", ValueError(
+            f"gb.apply: gparams['stacks'][{key!r}] is on {device}; the Triton kernels take CUDA "
+            "or CPU tensors. Use backend='torch' (on meta it generates shapes alone)."
+        )
+    if device != "cuda" and context.compiling:
         return "Triton's interpreter cannot be traced", ValueError(
             "gb.apply: backend='triton' on CPU runs Triton's interpreter, which torch.compile "
             "cannot trace; compile with backend='auto' or 'torch' (the pure-torch path), or call "
@@ -75,7 +84,7 @@ def _unrunnable(call: Call) -> tuple[str, Exception] | None:
     from .. import kernels  # triton is optional: import it only when used
 
     try:
-        kernels.check_runnable("gb.apply", torch.device(context.device))
+        kernels.check_runnable("gb.apply", torch.device(device))
     except RuntimeError as error:
         return "the kernels cannot run in this process", error
     reason = kernels.refusal(call.stack, call.leaves["w_out"].dtype)  # stacks' dtypes may differ
@@ -86,6 +95,11 @@ def _unrunnable(call: Call) -> tuple[str, Exception] | None:
         f"gb.apply: gparams['stacks'][{key!r}] has {reason}; backend='triton' cannot generate "
         "it. Use backend='torch' (or 'auto', which sends it there)."
     )
+
+
+def _device(call: Call) -> str:
+    """The device type of the call's stack's g-nets."""
+    return call.leaves["w_out"].device.type
 
 
 def stack_weights(

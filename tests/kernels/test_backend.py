@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_map
 import gbfunc as gb
 from gbfunc._dispatch import Route, explanation
 from gbfunc._select import Selection
+from gbfunc.generate import triton as triton_path
 from gbfunc.generate._policy import Context
 
 requires_gpu = pytest.mark.skipif(
@@ -213,7 +214,7 @@ class TestBadInput:
         ):
             gb.apply(gparams, self.plan, backend="triton")
 
-    def test_each_stack_is_judged_by_its_own_dtype(self):
+    def test_each_stack_is_judged_by_its_own_dtype(self, judged_as_cuda):
         # The rule read the first stack's dtype for all: a float64 second stack was sent to
         # the kernels, whose launcher raised; on CUDA with "auto" it would not fall back.
         gparams = gb.init(self.plan, device=KERNEL_DEVICE)
@@ -225,12 +226,38 @@ class TestBadInput:
         with pytest.raises(TypeError, match=rf"\[{second!r}\] has dtype float64; the kernels"):
             gb.apply(gparams, self.plan, backend="triton")
 
+    def test_each_stack_is_judged_by_its_own_device(self):
+        # The rule read the first stack's device for all: a second stack on meta went to the
+        # kernels (so on CUDA with "auto" a CPU stack would not fall back to torch).
+        gparams = gb.init(self.plan, device=KERNEL_DEVICE)
+        _, second = (s.key for s in self.plan.stacks)
+        gparams["stacks"][second] = tree_map(lambda t: t.to("meta"), gparams["stacks"][second])
+        with pytest.raises(ValueError, match=rf"\[{second!r}\] is on meta; the Triton kernels"):
+            gb.apply(gparams, self.plan, backend="triton")
+        weights = gb.apply(gparams, self.plan, backend="auto")  # the torch path takes meta
+        assert {w.device.type for w in weights.values()} == {KERNEL_DEVICE.type, "meta"}
+
+    def test_forward_mode_on_the_kernels_names_what_to_use(self):
+        gparams = gb.init(self.plan, device=KERNEL_DEVICE, requires_grad=False)
+        tangents = tree_map(torch.ones_like, gparams)
+        with pytest.raises(ValueError, match=r"backend='triton' has no forward-mode rule"):
+            torch.func.jvp(
+                lambda g: gb.apply(g, self.plan, backend="triton"), (gparams,), (tangents,)
+            )  # torch's NotImplementedError before
+
     @pytest.mark.slow
     def test_triton_on_cpu_cannot_be_compiled(self):
         gparams = gb.init(self.plan)
         compiled = torch.compile(lambda g: gb.apply(g, self.plan, backend="triton"), fullgraph=True)
         with pytest.raises(Exception, match=r"backend='triton' on CPU runs Triton's interpreter"):
             compiled(gparams)
+
+
+@pytest.fixture
+def judged_as_cuda(monkeypatch):
+    """The Triton rule reads each stack's device from its leaves, CPU tensors here: let it
+    read `cuda_call`'s instead."""
+    monkeypatch.setattr(triton_path, "_device", lambda call: call.context.device)
 
 
 def cuda_call(backend: str, **grad: bool) -> Context:
@@ -271,7 +298,9 @@ def limit_plan(hidden: int, outputs: int) -> gb.Plan:
         (8, 256, "256 outputs > 128 per evaluation"),
     ],
 )
-def test_auto_on_cuda_sends_what_the_kernels_cannot_take_to_torch(hidden, outputs, reason):
+def test_auto_on_cuda_sends_what_the_kernels_cannot_take_to_torch(
+    hidden, outputs, reason, judged_as_cuda
+):
     """The Triton rule reads the kernels' own limits (`kernels.refusal`): with
     `backend="auto"` a stack beyond them goes to torch, with the reason in `gb.explain`'s
     report, and the other stacks keep the kernels; `backend="triton"` raises for it."""
