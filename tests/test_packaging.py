@@ -110,6 +110,27 @@ def test_importing_gbfunc_changes_nothing_for_other_libraries(tmp_path):
     assert out.strip() == "true"
 
 
+def test_importing_gbfunc_leaves_what_others_set_meanwhile(tmp_path):
+    """The import removed every variable added while it ran, another thread's too."""
+    out = run_fresh(
+        """
+        import os, threading, time
+
+        def other_library():
+            time.sleep(0.2)  # while gbfunc (and torch) import
+            os.environ["OTHER_LIBRARY"] = "1"
+
+        thread = threading.Thread(target=other_library)
+        thread.start()
+        import gbfunc
+        thread.join()
+        print(os.environ.get("OTHER_LIBRARY"), "TORCHINDUCTOR_CACHE_DIR" in os.environ)
+        """,
+        tmp_path,
+    )
+    assert out.split() == ["1", "False"]
+
+
 def test_triton_backend_without_the_interpreter_says_how_to_enable_it(tmp_path):
     pytest.importorskip("triton")
     out = run_fresh(

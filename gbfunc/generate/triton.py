@@ -2,8 +2,9 @@
 
 Taken for CUDA tensors with `triton` installed (`backend="auto"`), or wherever
 `backend="triton"` asks for it (on CPU: Triton's interpreter, eagerly only); a whole plan
-goes through it, never a selection. Triton is optional: `gbfunc.kernels` (and with it
-`triton`) is imported only when the kernels are checked or run.
+goes through it, never a selection. Triton is optional: gbfunc imports `gbfunc.kernels`
+(and with it `triton`) only when the kernels are checked or run (`torch._dynamo`, which
+gbfunc's import loads, imports `triton` itself where it is installed).
 """
 
 import importlib.util
