@@ -4,10 +4,12 @@ Saved by 2 ranks after a training step; loaded by one process without a process 
 4 ranks, each reading only its own g-nets; damaged and mismatched checkpoints fail clearly.
 """
 
+import dataclasses
 import errno
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -31,6 +33,7 @@ from torch.func import functional_call
 import gbfunc as gb
 import gbfunc.dist as gbd
 from examples.gpt import GPT, GPTConfig, loss_fn
+from gbfunc.dist import _layout
 from gbfunc.dist.testing import spawn
 
 CFG = GPTConfig(vocab=64, dim=32, layers=2, heads=4, seq=16)
@@ -248,6 +251,17 @@ def test_sharded_checkpoint_errors_name_the_file_and_the_entry(saved, tmp_path):
     with pytest.raises(gb.CheckpointCorruptError, match=rf"\({shard} is missing\)"):
         gbd.load_sharded(truncated, model)
 
+    # A `.metadata` naming a file by a non-string: a bare TypeError came out of the check.
+    odd = tmp_path / "odd"
+    shutil.copytree(path, odd)
+    metadata_file = data_of(odd) / ".metadata"
+    metadata = pickle.loads(metadata_file.read_bytes())
+    index, info = next(iter(metadata.storage_data.items()))
+    metadata.storage_data[index] = dataclasses.replace(info, relative_path=7)
+    metadata_file.write_bytes(pickle.dumps(metadata))
+    with pytest.raises(gb.CheckpointCorruptError, match="a shard is missing or damaged"):
+        gbd.load_sharded(odd, model)
+
 
 def _small() -> tuple[torch.nn.Module, gb.Plan, dict, torch.optim.Optimizer]:
     """A Linear-LayerNorm-Linear model, its replicated g-nets and their AdamW after 2 steps."""
@@ -455,6 +469,35 @@ def test_a_save_that_fails_leaves_the_previous_checkpoint_as_it_was(tmp_path, mo
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_overlapping_saves_and_a_load_keep_the_checkpoint_loadable(tmp_path, monkeypatch):
+    """Two saves into one directory (two jobs), and a load while a save runs: a save removed
+    every other data folder, one still being written, just published or being read, so both
+    saves returned and nothing on disk loaded, or a healthy checkpoint read as damaged."""
+    model, plan, gparams, _ = _small()
+    path = tmp_path / "ckpt"
+    gbd.save_sharded(path, gparams, plan=plan, step=1)
+    replace_manifest = _layout.write_atomic
+
+    def with_a_whole_save_first(target, write):  # just before the first save's switch
+        monkeypatch.setattr(_layout, "write_atomic", replace_manifest)
+        gbd.save_sharded(path, gparams, plan=plan, step=3)
+        return replace_manifest(target, write)
+
+    monkeypatch.setattr(_layout, "write_atomic", with_a_whole_save_first)
+    gbd.save_sharded(path, gparams, plan=plan, step=2)
+    assert gbd.load_sharded(path, model).step == 2  # the last switch wins, whole
+    assert list(path.glob("shards-*")) == [data_of(path)]
+    with _layout.sharing(path):  # a load, between reading the manifest and the data
+        read = data_of(path)
+        gbd.save_sharded(path, gparams, plan=plan, step=4)
+        assert read.is_dir()
+        assert data_of(path) != read
+    gbd.save_sharded(path, gparams, plan=plan, step=5)  # what the others left is removed
+    assert list(path.glob("shards-*")) == [data_of(path)]
+    assert gbd.load_sharded(path, model).step == 5
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_a_failure_after_the_switch_is_a_warning_and_the_new_checkpoint_loads(
     tmp_path, monkeypatch
 ):
@@ -497,7 +540,9 @@ def test_a_failure_after_the_switch_is_a_warning_and_the_new_checkpoint_loads(
     assert gbd.load_sharded(path, model).step == 3
     assert len(list(path.glob("shards-*"))) == 3
     gbd.save_sharded(path, gparams, plan=plan, step=4)
-    assert [f.name for f in path.iterdir() if f.name != "gbfunc.json"] == [data_of(path).name]
+    assert [f.name for f in path.iterdir() if f.name not in ("gbfunc.json", ".gbfunc.lock")] == [
+        data_of(path).name
+    ]
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -560,5 +605,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
     assert (loaded.step, _digest(loaded.gparams)) == (1, _digest(gparams))
     assert len(list(path.glob("shards-*"))) == 2  # the killed save's files are all there
     gbd.save_sharded(path, gparams, plan=plan, step=3)
-    assert [f.name for f in path.iterdir() if f.name != "gbfunc.json"] == [data_of(path).name]
+    assert [f.name for f in path.iterdir() if f.name not in ("gbfunc.json", ".gbfunc.lock")] == [
+        data_of(path).name
+    ]
     assert gbd.load_sharded(path, model).step == 3

@@ -13,6 +13,13 @@ killed saves, and, where the replaced manifest was from before format 5, the DCP
 lay beside it (DCP files there beside a later manifest are the user's). A failure after the
 rename is no failure of the save: the new checkpoint is complete, and what it replaced stays
 until the next save.
+
+Saves and loads of one directory may overlap (two jobs, an evaluation polling a training
+run's checkpoint): each holds a shared lock on the directory's `.gbfunc.lock` while it
+writes or reads (`sharing`), and a save removes folders only under the exclusive lock, so
+only when nothing else is under way, keeping the folder the manifest names then (another
+save may have replaced its own since). Where the file system takes no lock, saves and loads
+do not wait for one (as before the lock existed).
 """
 
 import json
@@ -21,9 +28,15 @@ import os
 import re
 import secrets
 import shutil
-from contextlib import suppress
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: saves and loads take no lock
+    fcntl = None
 
 from torch.distributed.checkpoint import CheckpointException
 
@@ -31,6 +44,7 @@ from .._checkpoint import CheckpointCorruptError, CheckpointError, checkpoint_pa
 from .._files import sync_dir, write_atomic
 
 MANIFEST = "gbfunc.json"
+LOCK = ".gbfunc.lock"
 FIRST_WITH_FOLDER = 5  # the first format version whose manifest names its data subfolder
 _FOLDER = re.compile(r"shards-[0-9a-f]{16}")
 # beside the manifest: a temporary manifest of a `write_atomic` killed before its rename
@@ -65,9 +79,43 @@ def data_folder(path: Path, manifest: dict[str, Any], where: str) -> Path:
     return path / name
 
 
-def publish(path: Path, folder: str, manifest: str) -> str | None:
+@contextmanager
+def sharing(path: object, saving: bool = False) -> Iterator[int | None]:
+    """Hold a shared lock on the checkpoint directory `path` while a save writes
+    (`saving`: it creates the directory and the lock file) or a load reads there; yields its
+    descriptor (None: no lock, where there is no lock file to read, the directory is
+    read-only, or its file system takes none)."""
+    fd = None
+    if fcntl is not None:
+        with suppress(OSError, TypeError):
+            if saving:
+                os.makedirs(path, exist_ok=True)  # as DCP would: the lock file goes in it
+            flags = os.O_RDWR | os.O_CREAT if saving else os.O_RDONLY
+            fd = os.open(os.path.join(path, LOCK), flags, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+    try:
+        yield fd
+    finally:
+        if fd is not None:
+            os.close(fd)  # and with it the lock
+
+
+def _alone(fd: int | None) -> bool:
+    """Whether the shared lock `fd` (`sharing`'s) became exclusive: no other save or load
+    of the directory is under way. Without a lock, True (as before there was one)."""
+    if fd is None:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    return True
+
+
+def publish(path: Path, folder: str, manifest: str, lock: int | None = None) -> str | None:
     """Switch the checkpoint at `path` to the complete subfolder `folder`: write its
-    `manifest` (JSON text) atomically, then remove what it replaced.
+    `manifest` (JSON text) atomically, then remove what it replaced, where nothing else holds
+    the directory's lock (`lock`: this save's, from `sharing`).
 
     Raises `OSError` only where the manifest was not replaced. Returns None, or what failed
     after the switch, in words: the new checkpoint is loadable all the same.
@@ -79,6 +127,10 @@ def publish(path: Path, folder: str, manifest: str) -> str | None:
         sync_dir(path)
     except OSError as e:
         return f"the directory could not be synced ({reason(e)})"
+    if not _alone(lock):  # another save or a load is under way: the next save cleans up
+        return None
+    with suppress(OSError, ValueError, AttributeError):  # kept: the folder named now
+        folder = json.loads((path / MANIFEST).read_text()).get("data", folder)
     try:  # best effort: what stays is removed by the next save
         for entry in os.scandir(path):
             if _FOLDER.fullmatch(entry.name) and entry.name != folder:

@@ -11,8 +11,9 @@ DCP's files (`_layout`: a save replaces a checkpoint only once the new one is co
 the plan, the step, `meta`, the optimizer's settings, a SHA-256 of every whole entry and a
 layout-free checksum (`_checksum`) of every free and optimizer entry, so that loading checks
 the plan against the model as `gb.load` does and detects a damaged shard, naming its file and
-entry, before anything is changed. Unlike `gb.load`'s single file, DCP's data files are read
-with `torch.load(weights_only=True)`: restricted unpickling, not none.
+entry, before anything is changed. Unlike `gb.load`'s single file, a sharded checkpoint is
+read through pickle: DCP reads its `.metadata` with plain `pickle.load`, which runs whatever
+the file says, before gbfunc can check anything. Load one only from a source you trust.
 """
 
 import json
@@ -48,7 +49,7 @@ from .._plan import TILE_LEAVES, Plan
 from .._serial import plan_from_json
 from .._tree import GParams
 from ._checksum import checksum
-from ._layout import MANIFEST, data_folder, reason
+from ._layout import MANIFEST, data_folder, reason, sharing
 from ._optim_state import leaves as optim_leaves, restore, staged, templates
 from ._owned import RankOwned
 
@@ -157,40 +158,41 @@ def load_sharded(
     """
     where = f"gb.dist.load_sharded: {os.fspath(path)}"
     group = _read_group(owned, group, into)
-    failure = None
-    try:  # what each rank checks alone; the ranks agree on it before DCP's collective read
-        check_module(model, "gb.dist.load_sharded")
-        manifest = _manifest(Path(path), where)
-        data = data_folder(Path(path), manifest, where)
-        plan, dtypes, digests, checksums = _read_manifest(manifest, where)
-        check_plan(
-            plan, model, where, corrupt=CheckpointCorruptError, mismatch=CheckpointMismatchError
-        )
-        if owned is not None and owned.plan.fingerprint() != plan.fingerprint():
-            raise CheckpointMismatchError(f"{where}: `owned` was made from another plan.")
-        if optimizer is not None and (into is None or manifest.get("optimizer") is None):
-            raise ValueError(
-                f"{where}: restoring an optimizer needs `into` (the gparams it trains) and a "
-                "checkpoint saved with `optimizer=`."
+    with sharing(path):  # no save removes the data folder while this reads it
+        failure = None
+        try:  # what each rank checks alone; the ranks agree on it before DCP's collective read
+            check_module(model, "gb.dist.load_sharded")
+            manifest = _manifest(Path(path), where)
+            data = data_folder(Path(path), manifest, where)
+            plan, dtypes, digests, checksums = _read_manifest(manifest, where)
+            check_plan(
+                plan, model, where, corrupt=CheckpointCorruptError, mismatch=CheckpointMismatchError
             )
-        rows = _rows(plan, owned)
-        if into is not None:
-            _check_into(plan, rows, into, where)
-        state = _templates(plan, rows, dtypes, into, where)
-        state.update(_buffer_templates(manifest, model, where))
-        known = optim_leaves(plan, into, rows) if optimizer is not None else {}
-        if optimizer is not None:
-            try:
-                state.update(templates(manifest["optimizer"], optimizer, known, where))
-            except (KeyError, TypeError, AttributeError) as e:
-                raise CheckpointCorruptError(
-                    f"{where}: unreadable optimizer state ({e!r:.200})."
-                ) from None
-    except Exception as e:
-        failure = e
-    agree(group, None, failure, where, unchanged="nothing was loaded")
-    _read(data, state, group, where)
-    _verify(data, state, digests, checksums, group, where)
+            if owned is not None and owned.plan.fingerprint() != plan.fingerprint():
+                raise CheckpointMismatchError(f"{where}: `owned` was made from another plan.")
+            if optimizer is not None and (into is None or manifest.get("optimizer") is None):
+                raise ValueError(
+                    f"{where}: restoring an optimizer needs `into` (the gparams it trains) and a "
+                    "checkpoint saved with `optimizer=`."
+                )
+            rows = _rows(plan, owned)
+            if into is not None:
+                _check_into(plan, rows, into, where)
+            state = _templates(plan, rows, dtypes, into, where)
+            state.update(_buffer_templates(manifest, model, where))
+            known = optim_leaves(plan, into, rows) if optimizer is not None else {}
+            if optimizer is not None:
+                try:
+                    state.update(templates(manifest["optimizer"], optimizer, known, where))
+                except (KeyError, TypeError, AttributeError) as e:
+                    raise CheckpointCorruptError(
+                        f"{where}: unreadable optimizer state ({e!r:.200})."
+                    ) from None
+        except Exception as e:
+            failure = e
+        agree(group, None, failure, where, unchanged="nothing was loaded")
+        _read(data, state, group, where)
+        _verify(data, state, digests, checksums, group, where)
     gparams = _assemble(plan, rows, state, dtypes, device)
     buffers = {k.removeprefix(BUFFERS): v for k, v in state.items() if k.startswith(BUFFERS)}
     # a failed load changes nothing: what can fail runs first, then the buffers (all or none),
@@ -443,20 +445,20 @@ def _file_of(path: Path, key: str) -> str:
 def _short_file(path: Path) -> str | None:
     """The first DCP data file in `path` that is missing or shorter than its entries need,
     and how (for messages); None where every file is there and long enough."""
-    try:
+    try:  # a damaged `.metadata` may hold anything: the caller then gives DCP's reason
         metadata = dcp.FileSystemReader(path).read_metadata()
         ends: dict[str, int] = {}
         for info in metadata.storage_data.values():
             end = info.offset + info.length
             ends[info.relative_path] = max(ends.get(info.relative_path, 0), end)
-    except Exception:  # the caller's message gives DCP's reason instead
+        for name, end in sorted(ends.items()):
+            file = path / name
+            if not file.is_file():
+                return f"{file} is missing"
+            if (size := file.stat().st_size) < end:
+                return f"{file} is truncated: it has {size} bytes, its entries need {end}"
+    except Exception:
         return None
-    for name, end in sorted(ends.items()):
-        file = path / name
-        if not file.is_file():
-            return f"{file} is missing"
-        if (size := file.stat().st_size) < end:
-            return f"{file} is truncated: it has {size} bytes, its entries need {end}"
     return None
 
 

@@ -11,6 +11,8 @@ collective for a rank that gave up.
 import json
 import os
 import warnings
+from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,7 +29,7 @@ from .._plan import Plan
 from .._serial import plan_to_json
 from .._tree import GParams
 from ._checksum import checksum
-from ._layout import discard, new_folder, publish, reason, target
+from ._layout import discard, new_folder, publish, reason, sharing, target
 from ._optim_state import OPTIM, leaves as optim_leaves, state_entries
 from ._owned import RankOwned
 from ._sharded import FORMAT, FORMAT_VERSION, _digest, _key, _rows, agree
@@ -119,6 +121,25 @@ def save_sharded(
     writer = _writers(held)
     rank = 0 if group is None else dist.get_rank(group)
     state = {k: v for k, v in state.items() if isinstance(v, DTensor) or writer[k] == rank}
+    with sharing(directory, saving=True) if _leads(group) else nullcontext() as lock:
+        failure = _write(directory, name, state, manifest, held, writer, checksums, group, lock)
+    agree(group, None, failure, where)  # the manifest is there when any rank returns
+
+
+def _write(
+    directory: Path,
+    name: str,
+    state: dict[str, Any],
+    manifest: dict[str, Any],
+    held: list[dict[str, str]],
+    writer: dict[str, int],
+    checksums: dict[str, Any],
+    group: dist.ProcessGroup | None,
+    lock: int | None,
+) -> Exception | None:
+    """Write this rank's `state` into the data folder `name`, then (the leading rank) the
+    manifest; what failed after every rank wrote (None: nothing)."""
+    where, failure = "gb.dist.save_sharded", None
     try:
         with warnings.catch_warnings():  # one process writing on purpose: not worth a warning
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
@@ -135,7 +156,7 @@ def save_sharded(
         manifest["checksums"] = checksums
         manifest["data"] = name
         try:
-            late = publish(directory, name, json.dumps(manifest, sort_keys=True))
+            late = publish(directory, name, json.dumps(manifest, sort_keys=True), lock)
         except Exception as e:  # the manifest is the previous one; no rank left waiting
             discard(directory, name)
             failure = _unwritable(where, directory, e) if isinstance(e, OSError) else e
@@ -146,9 +167,9 @@ def save_sharded(
                     f"loadable, but {late}; the files of the one it replaced stay until the "
                     "next save.",
                     RuntimeWarning,
-                    stacklevel=2,
+                    stacklevel=3,
                 )
-    agree(group, None, failure, where)  # the manifest is there when any rank returns
+    return failure
 
 
 def _writers(every: list[dict[str, str]]) -> dict[str, int]:
