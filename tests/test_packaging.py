@@ -116,6 +116,8 @@ def test_importing_gbfunc_leaves_what_others_set_meanwhile(tmp_path):
         """
         import os, threading, time
 
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)  # as a process that never imported torch
+
         def other_library():
             time.sleep(0.2)  # while gbfunc (and torch) import
             os.environ["OTHER_LIBRARY"] = "1"
