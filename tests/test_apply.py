@@ -10,6 +10,7 @@ from torch.func import functional_call
 
 import gbfunc as gb
 from gbfunc._spec import reference, stack_terms
+from gbfunc.cpu import _relu_rows
 
 
 def models() -> dict[str, tuple[nn.Module, dict]]:
@@ -505,6 +506,45 @@ def test_under_a_fake_tensor_mode_every_path_stays_in_torch_and_keeps_nothing_fa
         assert weight.shape == (9, 11)
     real = gb.apply(gparams, plan, compile=False)["weight"]
     torch.testing.assert_close(real, naive_apply(gparams, plan)["weight"].float())
+
+
+def test_batched_gradients_through_the_compiled_mlp_are_taken_op_by_op():
+    """Its backward handed autograd's storage-less batched gradients to dynamo, which raised
+    "meta converter nyi" (the graph and the loops already went op by op)."""
+    plan = gb.plan(nn.Linear(256, 256), tile=(64, 64), hidden=40, depth=2)
+    gparams = gb.init(plan, seed=0)
+    assert gb.explain(gparams, plan, compile=True).route.stacks == ("compiled-mlp",)
+    w_out = gparams["stacks"][plan.stacks[0].key]["w_out"]
+    rows = torch.randn(3, 256, 256, generator=torch.Generator().manual_seed(0))
+    got, want = (
+        torch.autograd.grad(weight, w_out, rows, is_grads_batched=True)[0]
+        for weight in (gb.apply(gparams, plan, compile=c)["weight"] for c in (True, False))
+    )
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_switching_the_loops_off_reaches_a_graph_compiled_with_them(monkeypatch):
+    """The graph's cache ignored the loops' mode: a graph traced with them kept calling
+    them after GBFUNC_CPU_LOOPS=off, while gb.explain named the graph alone."""
+    model = nn.ModuleDict({"a": nn.Linear(7, 6), "b": nn.Linear(5, 9)})
+    plan = gb.plan(model, tile=(3, 4), hidden=5, overrides={"a.weight": {"outputs": 4},
+                   "b.weight": {"activation": "tanh", "depth": 2}})  # fmt: skip
+    gparams = gb.init(plan, seed=0)
+    if gb.explain(gparams, plan, compile=True).route.stacks != ("cpu-loops", "graph"):
+        pytest.skip("the CPU loops are not built here")
+    runs = []
+    forward = _relu_rows._forward
+    monkeypatch.setattr(_relu_rows, "_forward", lambda *a: runs.append(1) or forward(*a))
+    want = gb.apply(gparams, plan, compile=False)
+    for name, weight in gb.apply(gparams, plan, compile=True).items():
+        torch.testing.assert_close(weight, want[name])
+    assert runs
+    monkeypatch.setenv("GBFUNC_CPU_LOOPS", "off")
+    runs.clear()
+    assert gb.explain(gparams, plan, compile=True).route.stacks == ("graph", "graph")
+    for name, weight in gb.apply(gparams, plan, compile=True).items():
+        torch.testing.assert_close(weight, want[name])
+    assert not runs
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,7 @@ from .._plan import Plan, Stack
 from .._spec import legacy_batched
 from .._tiling import parameters
 from .._tree import GParams
+from ..cpu import loops_state
 from . import compiled_mlp, cpu_loops, triton
 from ._policy import (
     AUTO_COMPILE_ELEMENTS,
@@ -117,7 +118,9 @@ def generate(
     leaves = tuple(
         (k, tuple((n, t.dtype, t.requires_grad) for n, t in v.items())) for k, v in stacks.items()
     )
-    key = (plan, leaves, torch.is_grad_enabled())
+    # The loops' state too: a graph traced with them keeps calling them (dynamo's guards on
+    # it are dropped), so switching them off would not reach it.
+    key = (plan, leaves, torch.is_grad_enabled(), loops_state())
     tasks = gparams.get(TASKS) if task is not None else None
     if task is not None and not isinstance(task, Tensor):  # numpy's integers too, checked
         task = torch.tensor(task_number(task, plan.tasks, "gb.apply"))

@@ -35,6 +35,7 @@ from .._spec import (
     activate_grad,
     first_layer,
     hashed_tiles as spec_hashed_tiles,
+    legacy_batched,
     plain_eager,
     reference_jvp,
     stack_terms,
@@ -274,7 +275,8 @@ class _TileMLP(torch.autograd.Function):
             grads = tuple(_after(g, last) for g in grads)
         grad = joined(list(grads)).contiguous()
         compiled = ctx.compiled
-        if compiled is not None and plain_eager() and not torch.is_grad_enabled():  # no 2nd order
+        eager = plain_eager() and not torch.is_grad_enabled()  # no second order, nor batched
+        if compiled is not None and eager and not legacy_batched((grad,)):  # (storage-less) grads
             found = compiled.backward(grad, terms, ctx.activation, ctx.form)
             if found is not None:
                 return (*found, *done)
