@@ -498,6 +498,23 @@ def test_overlapping_saves_and_a_load_keep_the_checkpoint_loadable(tmp_path, mon
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_where_the_file_system_takes_no_lock_a_save_still_cleans_up(tmp_path, monkeypatch):
+    """A descriptor whose lock failed was kept, so no save could ever take it exclusively
+    and remove what it replaced."""
+
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(_layout.fcntl, "flock", no_locks)
+    model, plan, gparams, _ = _small()
+    path = tmp_path / "ckpt"
+    for step in (1, 2):
+        gbd.save_sharded(path, gparams, plan=plan, step=step)
+    assert list(path.glob("shards-*")) == [data_of(path)]
+    assert gbd.load_sharded(path, model).step == 2
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_a_failure_after_the_switch_is_a_warning_and_the_new_checkpoint_loads(
     tmp_path, monkeypatch
 ):

@@ -92,7 +92,12 @@ def sharing(path: object, saving: bool = False) -> Iterator[int | None]:
                 os.makedirs(path, exist_ok=True)  # as DCP would: the lock file goes in it
             flags = os.O_RDWR | os.O_CREAT if saving else os.O_RDONLY
             fd = os.open(os.path.join(path, LOCK), flags, 0o644)
-            fcntl.flock(fd, fcntl.LOCK_SH)
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+            except OSError:  # a file system that takes no lock: none held, none asked
+                os.close(fd)
+                fd = None
     try:
         yield fd
     finally:
