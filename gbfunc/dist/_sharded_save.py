@@ -12,7 +12,6 @@ import json
 import os
 import warnings
 from contextlib import nullcontext
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -121,55 +120,41 @@ def save_sharded(
     writer = _writers(held)
     rank = 0 if group is None else dist.get_rank(group)
     state = {k: v for k, v in state.items() if isinstance(v, DTensor) or writer[k] == rank}
+    # the leading rank holds the directory's lock from before its write to its clean-up
     with sharing(directory, saving=True) if _leads(group) else nullcontext() as lock:
-        failure = _write(directory, name, state, manifest, held, writer, checksums, group, lock)
-    agree(group, None, failure, where)  # the manifest is there when any rank returns
-
-
-def _write(
-    directory: Path,
-    name: str,
-    state: dict[str, Any],
-    manifest: dict[str, Any],
-    held: list[dict[str, str]],
-    writer: dict[str, int],
-    checksums: dict[str, Any],
-    group: dist.ProcessGroup | None,
-    lock: int | None,
-) -> Exception | None:
-    """Write this rank's `state` into the data folder `name`, then (the leading rank) the
-    manifest; what failed after every rank wrote (None: nothing)."""
-    where, failure = "gb.dist.save_sharded", None
-    try:
-        with warnings.catch_warnings():  # one process writing on purpose: not worth a warning
-            warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            dcp.save(
-                state, checkpoint_id=directory / name, process_group=group, no_dist=group is None
-            )
-    except (OSError, dcp.CheckpointException) as e:  # the latter is a BaseException
-        if _leads(group):  # DCP raises on every rank once all have stopped writing
-            discard(directory, name)
-        raise _unwritable(where, directory, e) from e
-    if _leads(group):
-        manifest["sha256"] = {k: held[r][k] for k, r in writer.items()}
-        _warn_differing(held, manifest["sha256"], where)
-        manifest["checksums"] = checksums
-        manifest["data"] = name
         try:
-            late = publish(directory, name, json.dumps(manifest, sort_keys=True), lock)
-        except Exception as e:  # the manifest is the previous one; no rank left waiting
-            discard(directory, name)
-            failure = _unwritable(where, directory, e) if isinstance(e, OSError) else e
-        else:
-            if late is not None:  # the new checkpoint is in place: no failure of the save
-                warnings.warn(
-                    f"{where}: {os.fspath(directory)}: the new checkpoint is complete and "
-                    f"loadable, but {late}; the files of the one it replaced stay until the "
-                    "next save.",
-                    RuntimeWarning,
-                    stacklevel=3,
+            with warnings.catch_warnings():  # one process writing on purpose: not worth a warning
+                warnings.filterwarnings("ignore", "torch.distributed is disabled")
+                dcp.save(
+                    state,
+                    checkpoint_id=directory / name,
+                    process_group=group,
+                    no_dist=group is None,
                 )
-    return failure
+        except (OSError, dcp.CheckpointException) as e:  # the latter is a BaseException
+            if _leads(group):  # DCP raises on every rank once all have stopped writing
+                discard(directory, name)
+            raise _unwritable(where, directory, e) from e
+        if _leads(group):
+            manifest["sha256"] = {k: held[r][k] for k, r in writer.items()}
+            _warn_differing(held, manifest["sha256"], where)
+            manifest["checksums"] = checksums
+            manifest["data"] = name
+            try:
+                late = publish(directory, name, json.dumps(manifest, sort_keys=True), lock)
+            except Exception as e:  # the manifest is the previous one; no rank left waiting
+                discard(directory, name)
+                failure = _unwritable(where, directory, e) if isinstance(e, OSError) else e
+            else:
+                if late is not None:  # the new checkpoint is in place: no failure of the save
+                    warnings.warn(
+                        f"{where}: {os.fspath(directory)}: the new checkpoint is complete and "
+                        f"loadable, but {late}; the files of the one it replaced stay until the "
+                        "next save.",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+    agree(group, None, failure, where)  # the manifest is there when any rank returns
 
 
 def _writers(every: list[dict[str, str]]) -> dict[str, int]:
