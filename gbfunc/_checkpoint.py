@@ -53,7 +53,7 @@ from ._files import (
 )
 from ._numbers import as_integer, integer
 from ._plan import Plan
-from ._serial import flatten, plan_from_json, plan_to_json, unflatten
+from ._serial import flatten, meta_fields, meta_from, plan_from_json, plan_to_json, unflatten
 from ._tree import GParams
 from ._version import __version__
 
@@ -100,7 +100,8 @@ def save(
         opt_state: An optimizer's `state_dict()` or any pytree of tensors, numbers, strings,
             None, lists, tuples and dicts (str or int keys).
         step: Training step, an int >= 0.
-        meta: Anything JSON can hold.
+        meta: Dicts (str or int keys), lists, tuples, strings, numbers, booleans, None;
+            `gb.load` returns it equal.
 
     Examples:
         >>> model = nn.Linear(64, 32)
@@ -116,10 +117,7 @@ def save(
     path = checkpoint_path(path, "gb.save")
     check_gparams(gparams, plan, "gb.save")
     step = integer("gb.save", "step", step, minimum=0, optional=True)
-    try:
-        meta_json = json.dumps(meta, sort_keys=True)
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"gb.save: meta must be JSON-serialisable: {e}.") from None
+    kept_meta = meta_fields(meta, "gb.save")
     labelled = leaves(gparams, plan)
     check_no_meta(labelled, "gb.save")
     kept = buffers_to_save(buffers, plan, "gb.save")
@@ -138,7 +136,7 @@ def save(
         "plan": plan_to_json(plan),
         "opt_state": json.dumps(skeleton),
         "step": json.dumps(step),
-        "meta": meta_json,
+        **{key: json.dumps(value, sort_keys=True) for key, value in kept_meta.items()},
     }
     metadata["sha256"] = content_hash(tensors, metadata)
     write_file(path, tensors, metadata, "gb.save")
@@ -293,7 +291,9 @@ def _header(metadata: dict[str, str], where: str) -> tuple[Plan, Any, int | None
     try:
         plan = plan_from_json(metadata["plan"], int(metadata["format_version"]))
         skeleton, step, meta = (json.loads(metadata[k]) for k in ("opt_state", "step", "meta"))
-    except (KeyError, ValueError, RecursionError) as e:
+        if "meta_tagged" in metadata:  # a meta with tuples or int keys (`meta_fields`)
+            meta = meta_from({"meta_tagged": json.loads(metadata["meta_tagged"])})
+    except (KeyError, TypeError, ValueError, RecursionError) as e:
         raise CheckpointCorruptError(f"{where}: unreadable metadata ({e!s:.200}).") from None
     if step is not None and not (as_integer(step) is not None and step >= 0):
         raise CheckpointCorruptError(

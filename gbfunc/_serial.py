@@ -92,6 +92,44 @@ def _renamed(d: dict, kind: str, version: int) -> dict:
 _SCALARS = (bool, int, float, str, type(None))
 
 
+def meta_fields(meta: object, where: str) -> dict[str, object]:
+    """`meta` as a checkpoint stores it: `{"meta": meta}` where JSON returns it as it is;
+    else `{"meta": None, "meta_tagged": skeleton}`, `flatten`'s skeleton, which keeps tuples
+    and int keys (JSON would return lists and string keys). TypeError, naming the place, for
+    what JSON cannot hold at all (a tensor, an object)."""
+    if _plain_json(meta, "meta", where):
+        return {"meta": meta}
+    skeleton, _ = flatten(meta, "meta", f"{where}: meta")  # `_plain_json` refused tensors
+    return {"meta": None, "meta_tagged": skeleton}
+
+
+def meta_from(fields: dict[str, object]) -> object:
+    """The `meta` that `meta_fields` stored in `fields`."""
+    tagged = fields.get("meta_tagged")
+    return fields.get("meta") if tagged is None else unflatten(tagged, _no_tensor)
+
+
+def _no_tensor(key: str) -> Tensor:
+    raise ValueError(f"meta names a tensor ({key!r}); meta holds none")
+
+
+def _plain_json(node: object, path: str, where: str) -> bool:
+    """Whether JSON returns `node` as it is (no tuples, only string keys); TypeError naming
+    `path` for what it cannot hold."""
+    if isinstance(node, list | tuple):
+        inner = [_plain_json(v, f"{path}[{i}]", where) for i, v in enumerate(node)]
+        return isinstance(node, list) and all(inner)
+    if isinstance(node, dict):
+        inner = [_plain_json(v, f"{path}[{k!r}]", where) for k, v in node.items()]
+        return all(inner) and all(isinstance(k, str) for k in node)
+    if isinstance(node, _SCALARS):
+        return True
+    raise TypeError(
+        f"{where}: meta must be JSON-serialisable: {path} is a {type(node).__name__} (dicts, "
+        "lists, tuples, strings, numbers, booleans and None are)."
+    )
+
+
 def flatten(tree: object, prefix: str, where: str) -> tuple[object, dict[str, Tensor]]:
     """Split `tree` into a JSON-able skeleton and its tensors, keyed `prefix/0`, `prefix/1`, ...
 

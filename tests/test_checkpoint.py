@@ -112,6 +112,47 @@ def test_a_plain_pytree_opt_state_round_trips(tmp_path):
     assert_trees_equal(gb.load(tmp_path / "c.safetensors", mlp()).opt_state, state)
 
 
+@pytest.mark.parametrize(
+    "tagged", ['{"$tensor": "meta/0"}', '{"$dict": [[1]]}', '{"$tuple": 3}', "[" * 5000]
+)
+def test_a_forged_tagged_meta_is_refused_as_corrupt(saved, tagged):
+    forge(saved, lambda tensors, metadata: metadata.update(meta_tagged=tagged))
+    with pytest.raises(gb.CheckpointCorruptError, match=f"{saved}: unreadable metadata"):
+        gb.load(saved, mlp())
+
+
+@pytest.mark.parametrize(
+    "meta",
+    [
+        {"config": {"tile": (64, 64), "hidden": 8}, "tags": ("a", ["b", ()])},
+        {"by_epoch": {1: 0.5, "best": 2}, 3: None},
+        (1, "a"),
+    ],
+)
+def test_a_meta_with_tuples_and_int_keys_comes_back_equal(tmp_path, meta):
+    # JSON returned lists and string keys in their place (and mixed keys failed sort_keys)
+    plan = gb.plan(mlp(), tile=(8, 8))
+    gb.save(tmp_path / "c.safetensors", gb.init(plan), plan, meta=meta)
+    back = gb.load(tmp_path / "c.safetensors", mlp()).meta
+    assert back == meta
+    assert repr(back) == repr(meta)
+
+
+def test_a_meta_json_cannot_hold_is_refused_naming_it_and_the_previous_file_kept(tmp_path):
+    plan = gb.plan(mlp(), tile=(8, 8))
+    path = tmp_path / "c.safetensors"
+    gb.save(path, gb.init(plan), plan, meta={"run": 1})
+    before = path.read_bytes()
+    for meta, found in [
+        ([{"f": print}], r"meta\[0\]\['f'\] is a builtin_function_or_method"),
+        ({"w": (torch.ones(2),)}, r"meta\['w'\]\[0\] is a Tensor"),
+    ]:
+        with pytest.raises(TypeError, match="gb.save: meta must be JSON-serialisable: " + found):
+            gb.save(path, gb.init(plan, seed=1), plan, meta=meta)
+    assert path.read_bytes() == before
+    assert os.listdir(tmp_path) == ["c.safetensors"]
+
+
 def _train(model, plan, gparams, opt, steps: range) -> list[float]:
     losses = []
     for step in steps:

@@ -46,7 +46,7 @@ from .._checkpoint import (
 )
 from .._checkpoint_checks import check_buffer, check_restorable
 from .._plan import TILE_LEAVES, Plan
-from .._serial import plan_from_json
+from .._serial import meta_from, plan_from_json
 from .._tree import GParams
 from ._checksum import checksum
 from ._layout import MANIFEST, data_folder, reason, sharing
@@ -164,7 +164,7 @@ def load_sharded(
             check_module(model, "gb.dist.load_sharded")
             manifest = _manifest(Path(path), where)
             data = data_folder(Path(path), manifest, where)
-            plan, dtypes, digests, checksums = _read_manifest(manifest, where)
+            plan, dtypes, digests, checksums, meta = _read_manifest(manifest, where)
             check_plan(
                 plan, model, where, corrupt=CheckpointCorruptError, mismatch=CheckpointMismatchError
             )
@@ -204,7 +204,7 @@ def load_sharded(
     if into is not None:
         _fill(into, gparams)
         gparams = into
-    return Checkpoint(gparams, plan.naming(model), None, manifest["step"], manifest["meta"])
+    return Checkpoint(gparams, plan.naming(model), None, manifest["step"], meta)
 
 
 def agree(
@@ -233,13 +233,15 @@ def agree(
 
 def _read_manifest(
     manifest: dict[str, Any], where: str
-) -> tuple[Plan, dict[str, torch.dtype], dict[str, str], dict[str, str]]:
+) -> tuple[Plan, dict[str, torch.dtype], dict[str, str], dict[str, str], Any]:
+    """The plan, the entries' dtypes, digests and checksums, and `meta` the manifest holds."""
     try:
         version = manifest["format_version"]
         plan = plan_from_json(manifest["plan"], PLAN_VERSION_OF[version])
         dtypes = {k: _DTYPES[v] for k, v in manifest["dtypes"].items()}
-        return plan, dtypes, dict(manifest["sha256"]), dict(manifest.get("checksums") or {})
-    except (KeyError, TypeError, ValueError) as e:
+        digests, checksums = dict(manifest["sha256"]), dict(manifest.get("checksums") or {})
+        return plan, dtypes, digests, checksums, meta_from(manifest)
+    except (KeyError, TypeError, ValueError, RecursionError) as e:
         raise CheckpointCorruptError(f"{where}: unreadable manifest ({e!s:.200}).") from None
 
 

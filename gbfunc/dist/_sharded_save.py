@@ -25,7 +25,7 @@ from .._checkpoint import BUFFERS, CheckpointError, buffers_to_save
 from .._files import check_no_meta
 from .._numbers import integer
 from .._plan import Plan
-from .._serial import plan_to_json
+from .._serial import meta_fields, plan_to_json
 from .._tree import GParams
 from ._checksum import checksum
 from ._layout import discard, new_folder, publish, reason, sharing, target
@@ -73,7 +73,7 @@ def save_sharded(
         optimizer: A `torch.optim` optimizer over `local`'s trainable leaves; its state is
             written sharded like its parameters and restored by `load_sharded(optimizer=)`.
         step: Training step, an int >= 0.
-        meta: Anything JSON can hold.
+        meta: As `gb.save` takes it; `load_sharded` returns it equal.
 
     Raises:
         gb.CheckpointError: `path` is a file or holds a NUL byte, or it cannot be written
@@ -227,10 +227,7 @@ def _prepare(
 ) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """This rank's entries, and the manifest but for what depends on every rank's."""
     step = integer(where, "step", step, minimum=0, optional=True)
-    try:
-        json.dumps(meta, sort_keys=True)  # as the manifest is written: mixed key types fail
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"{where}: meta must be JSON-serialisable: {e}.") from None
+    kept_meta = meta_fields(meta, where)  # refused here, before any shard is written
     state = _value_entries(local, rows, where)
     kept = buffers_to_save(buffers, plan, where, stacklevel=3)  # save_sharded's caller
     state.update({BUFFERS + name: t for name, t in kept.items()})
@@ -244,7 +241,7 @@ def _prepare(
         "format_version": FORMAT_VERSION,
         "plan": plan_to_json(plan),
         "step": step,
-        "meta": meta,
+        **kept_meta,
         "dtypes": {
             f"stacks/{key}/{leaf}": str(v.dtype).removeprefix("torch.")
             for key, leaves in local["stacks"].items()
