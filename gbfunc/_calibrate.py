@@ -1,6 +1,8 @@
 """`gb.calibrate`: a data-dependent start, so that untrained g-nets do not generate dead layers."""
 
-from collections.abc import Sequence
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -11,10 +13,13 @@ from ._apply import apply
 from ._check_gparams import check_gparams
 from ._check_model import check_matches
 from ._condition import condition_of
-from ._plan import Generated, Plan
+from ._plan import Free, Generated, Plan
 from ._tree import GParams
 
 _LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+# A layer is watched through a module whose forward runs and the part of its output that is
+# the layer's: `nn.MultiheadAttention` applies its `out_proj` without calling its forward.
+Watch = tuple[nn.Module, Callable[[object], Tensor]]
 
 
 def calibrate(
@@ -38,7 +43,10 @@ def calibrate(
     batch and every position) subtracted through that bias: per output unit where the bias
     is free, as one shift of the whole vector where it is generated (the output bias of the
     g-nets that generate it, which generate nothing else). Frozen biases are left alone, and
-    so are the model's buffers (the forward passes run on copies: BatchNorm statistics stay).
+    so are the model's buffers (the forward passes run on copies: BatchNorm statistics stay)
+    and the random state (dropout is off while it measures). An `nn.MultiheadAttention`'s
+    `out_proj` counts as a layer; one whose forward the model never calls (a weight used
+    through `F.linear`) is left as it is, with a warning.
 
     Args:
         gparams: From `gb.init(plan, ...)`.
@@ -67,15 +75,20 @@ def calibrate(
 
     gparams = tree_map(lambda t: t.detach().clone().requires_grad_(t.requires_grad), gparams)
     entries = {p.name: p for p in plan.params}
-    modules = dict(model.named_modules())
-    with torch.no_grad():
-        order = _forward_order(model, generate(gparams), args)
-    for name in order:
-        bias = entries.get(f"{name}.bias" if name else "bias")  # "": the model is the layer
-        if bias is None or not (isinstance(bias, Generated) or bias.trainable):
-            continue
-        with torch.no_grad():
-            mean = _output_mean(model, modules[name], generate(gparams), args)
+    watched = _watched(model)
+    covered = [n for n in watched if _calibrated(entries.get(f"{n}.bias" if n else "bias"))]
+    with torch.no_grad(), _measuring(model, args):
+        order = _forward_order(model, watched, generate(gparams), args)
+    if missed := [n for n in covered if n not in order]:
+        warnings.warn(
+            f"gb.calibrate: the model's forward never called {', '.join(map(repr, missed))}, so "
+            "their biases were left as they were.",
+            stacklevel=2,
+        )
+    for name in (n for n in order if n in covered):
+        bias = entries[f"{name}.bias" if name else "bias"]  # "": the model is the layer
+        with torch.no_grad(), _measuring(model, args):
+            mean = _output_mean(model, watched[name], generate(gparams), args)
             if not bool(mean.isfinite().all()):
                 raise ValueError(
                     f"gb.calibrate: layer {name!r} has non-finite outputs on inputs (their mean "
@@ -119,15 +132,48 @@ def check_inputs(inputs: Tensor | Sequence[Tensor], call: str) -> tuple[Tensor, 
     return args
 
 
+def _watched(model: nn.Module) -> dict[str, Watch]:
+    """`{layer name: (module to hook, its output's part that is the layer's)}` of every
+    linear and convolution layer, an `nn.MultiheadAttention`'s `out_proj` included."""
+    watched: dict[str, Watch] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.MultiheadAttention):
+            watched[f"{name}.out_proj" if name else "out_proj"] = (module, lambda out: out[0])
+        elif isinstance(module, _LAYERS) and name not in watched:
+            watched[name] = (module, lambda out: out)
+    return watched
+
+
+def _calibrated(bias: Generated | Free | None) -> bool:
+    """Whether `gb.calibrate` shifts this plan entry: a generated or trainable free bias."""
+    return bias is not None and (isinstance(bias, Generated) or bias.trainable)
+
+
+@contextlib.contextmanager
+def _measuring(model: nn.Module, args: tuple[Tensor, ...]) -> Iterator[None]:
+    """The global random state kept and dropout off, for forwards that only measure."""
+    dropouts = [
+        m for m in model.modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.training
+    ]
+    devices = sorted({a.device.index or 0 for a in args if isinstance(a, Tensor) and a.is_cuda})
+    with torch.random.fork_rng(devices=devices):
+        for m in dropouts:
+            m.eval()
+        try:
+            yield
+        finally:
+            for m in dropouts:
+                m.train()
+
+
 def _forward_order(
-    model: nn.Module, params: dict[str, Tensor], args: tuple[Tensor, ...]
+    model: nn.Module, watched: dict[str, Watch], params: dict[str, Tensor], args: tuple
 ) -> list[str]:
-    """Names of the linear and convolution modules, in the order `model`'s forward calls them."""
+    """Names of the watched layers, in the order `model`'s forward reaches them."""
     order: list[str] = []
     hooks = [
         module.register_forward_hook(lambda *_, name=name: order.append(name))
-        for name, module in model.named_modules()
-        if isinstance(module, _LAYERS)
+        for name, (module, _) in watched.items()
     ]
     try:
         functional_call(model, _with_buffers(model, params), args)
@@ -143,18 +189,19 @@ def _with_buffers(model: nn.Module, params: dict[str, Tensor]) -> dict[str, Tens
 
 
 def _output_mean(
-    model: nn.Module, layer: nn.Module, params: dict[str, Tensor], args: tuple[Tensor, ...]
+    model: nn.Module, watch: Watch, params: dict[str, Tensor], args: tuple[Tensor, ...]
 ) -> Tensor:
-    """Mean of `layer`'s output per output unit, over the batch and every position (an
-    unbatched input, which `nn.Linear` and `nn.ConvNd` take, has no batch dimension)."""
+    """Mean of a watched layer's output per output unit, over the batch and every position
+    (an unbatched input, which `nn.Linear` and `nn.ConvNd` take, has no batch dimension)."""
+    module, part = watch
     outputs: list[Tensor] = []
-    hook = layer.register_forward_hook(lambda _m, _i, out: outputs.append(out))
+    hook = module.register_forward_hook(lambda _m, _i, out: outputs.append(part(out)))
     try:
         functional_call(model, _with_buffers(model, params), args)
     finally:
         hook.remove()
     out = outputs[0]
-    spatial = 0 if isinstance(layer, nn.Linear) else len(layer.kernel_size)
+    spatial = len(module.kernel_size) if isinstance(module, nn.modules.conv._ConvNd) else 0
     unit = out.dim() - 1 - spatial
     others = [d for d in range(out.dim()) if d != unit]
     return out.mean(others) if others else out  # `mean([])` would average every dimension

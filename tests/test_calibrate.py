@@ -132,3 +132,63 @@ def test_a_model_other_than_the_plans_and_inputs_of_another_type_are_named():
         gb.calibrate(gb.init(plan), plan, nn.Sequential(nn.Linear(3, 2)), X)
     with pytest.raises(TypeError, match=r"^gb\.calibrate: inputs must be a tensor .* got int"):
         gb.calibrate(gb.init(plan), plan, model, 3)
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        return self.mha(h, h, h)[0]
+
+
+@pytest.mark.parametrize("biases", [False, True])
+def test_an_attention_output_projection_is_calibrated(biases):
+    # nn.MultiheadAttention applies out_proj without calling its forward: no hook saw it
+    torch.manual_seed(0)
+    model = _Attention()
+    plan = gb.plan(model, tile="full", biases=biases)
+    gparams = gb.init(plan)
+    if not biases:
+        with torch.no_grad():
+            gparams["free"]["mha.out_proj.bias"].fill_(2.0)
+    x = torch.randn(4, 5, 8)
+    out = functional_call(model, gb.apply(gb.calibrate(gparams, plan, model, x), plan), (x,))
+    mean = out.detach().mean((0, 1))  # per unit where the bias is free, overall generated
+    assert (mean.mean() if biases else mean).abs().max() < 1e-5
+
+
+def test_a_layer_the_forward_never_calls_is_named_and_left_alone():
+    class Functional(nn.Module):  # its head's weight is used through F.linear
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.head = nn.Linear(6, 6), nn.Linear(6, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return nn.functional.linear(self.body(x), self.head.weight, self.head.bias)
+
+    model = Functional()
+    plan = gb.plan(model, tile="full")
+    gparams = gb.init(plan)
+    with pytest.warns(UserWarning, match=r"never called 'head', so their biases were left"):
+        out = gb.calibrate(gparams, plan, model, torch.randn(16, 6))
+    assert torch.equal(out["free"]["head.bias"], gparams["free"]["head.bias"])
+
+
+def test_dropout_is_off_and_the_random_state_kept_while_it_measures():
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.ReLU(), nn.Linear(16, 2))
+    plan = gb.plan(model, tile="full")
+    gparams, x = gb.init(plan), torch.randn(32, 8)
+    torch.manual_seed(0)
+    expected = torch.rand(1)
+    torch.manual_seed(0)
+    first = gb.calibrate(gparams, plan, model, x)
+    assert torch.equal(torch.rand(1), expected)  # the global generator did not move
+    second = gb.calibrate(gparams, plan, model, x)
+    assert torch.equal(first["free"]["3.bias"], second["free"]["3.bias"])
+    assert model[1].training  # switched back on
+    out = functional_call(model.eval(), gb.apply(first, plan), (x,))
+    assert (out.detach().mean(0).abs() < 1e-5).all()
