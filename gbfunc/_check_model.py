@@ -21,6 +21,13 @@ def check_module(model: object, where: str) -> nn.Module:
             f"{where}: model is wrapped in {type(model).__name__}; pass model.module. gbfunc "
             "generates the weights itself (use gbfunc.compat.GenomicBottleneck for DDP scripts)."
         )
+    if isinstance(getattr(model, "pnet", None), nn.Module) and isinstance(
+        getattr(model, "plan", None), Plan
+    ):  # a `gb.Bottleneck` (not imported: it is built on these checks)
+        raise TypeError(
+            f"{where}: model is a gb.Bottleneck, whose parameters are g-nets; pass its p-net "
+            "(b.pnet) and b.plan, or use its own methods (b.report(), b.export())."
+        )
     if _is_compiled(model):
         raise TypeError(
             f"{where}: model is a torch.compile'd OptimizedModule; pass model._orig_mod and "

@@ -144,6 +144,11 @@ def save_dense(
         raise TypeError(
             f"gb.save_dense: metadata must map str to str (safetensors' header), got {metadata!r}."
         )
+    if metadata is not None and metadata.get("format", "pt") != "pt":
+        raise ValueError(
+            f"gb.save_dense: metadata['format'] is {metadata['format']!r}; the header's "
+            "'format' says how to read the file and is 'pt' (torch), so leave it out."
+        )
     state = _exported(gparams, plan, model, condition, task, "gb.save_dense")
     for key, value in state.items():
         if not isinstance(value, Tensor):

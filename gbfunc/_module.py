@@ -127,9 +127,7 @@ class Bottleneck(PnetFace, nn.Module):
                 nearest.
         """
         super().__init__()
-        check_module(model, "gb.Bottleneck")
-        if isinstance(model, Bottleneck):
-            raise TypeError("gb.Bottleneck: model is already a gb.Bottleneck; pass its .pnet.")
+        check_module(model, "gb.Bottleneck")  # (a Bottleneck's own is refused there too)
         if plan is None:
             _check_plan_options(plan_options)
             plan = make_plan(model, **plan_options)
@@ -359,7 +357,8 @@ class Bottleneck(PnetFace, nn.Module):
 
         For the optimizer state, step and meta of the same file, read it with `gb.load`.
         `model` must have the checkpoint's dtypes (`gb.load` names a parameter that differs);
-        `.to(dtype)` converts the module after.
+        `.to(dtype)` converts the module after. G-nets saved in another dtype than the
+        model's (`gb.init(plan, dtype=...)`) are cast to the model's, as this module keeps them.
 
         Examples:
             >>> model = nn.Linear(64, 32)

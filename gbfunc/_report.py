@@ -170,7 +170,11 @@ def report(plan: Plan) -> Report:
         (32768, 12320)
     """
     if not isinstance(plan, Plan):
-        hint = " Pass gb.plan(model) instead." if isinstance(plan, nn.Module) else ""
+        hint = ""
+        if isinstance(getattr(plan, "plan", None), Plan):  # a `gb.Bottleneck`
+            hint = " Pass its .plan, or call its .report()."
+        elif isinstance(plan, nn.Module):
+            hint = " Pass gb.plan(model) instead."
         raise TypeError(f"gb.report: plan must be a gb.Plan, got {type(plan).__name__}.{hint}")
     rows = []
     charges = [_Charges.of(stack) for stack in plan.stacks]

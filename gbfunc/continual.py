@@ -42,7 +42,7 @@ def targets(gparams: GParams, plan: Plan, tasks: Iterable[int]) -> dict[int, dic
     Args:
         gparams: The genome (`gb.init` of a plan with `tasks=`), trained so far.
         plan: Its plan.
-        tasks: The earlier tasks' ids.
+        tasks: The earlier tasks' ids (ints, or a 1-d integer tensor).
     """
     check_gparams(gparams, plan, "gb.continual.targets")
     if not isinstance(tasks, Iterable):
@@ -93,7 +93,7 @@ def penalty(
     for name, values in now.items():
         if not values.is_floating_point():  # a frozen mask or count: never trained, never moved
             continue
-        wanted = torch.stack([targets[t][name] for t in ids]).to(values)
+        wanted = torch.stack([target[name] for target in targets.values()]).to(values)
         total = total + (values - wanted).square().sum()
     return strength * total / len(ids)
 
@@ -117,11 +117,20 @@ def _check_targets(targets: Mapping[int, Mapping[str, Tensor]], plan: Plan) -> N
 
 
 def _task_ids(ids: Iterable[object], plan: Plan, where: str) -> list[int]:
-    """`ids` as Python ints (Python's or numpy's integers, as `gb.apply` takes), each checked
-    against the plan's tasks."""
+    """`ids` as Python ints (Python's or numpy's integers, as `gb.apply` takes, or 0-d
+    integer tensors, which iterating `torch.arange(n)` gives), each checked against the
+    plan's tasks."""
     if not plan.tasks:
         raise ValueError(
             f"{where}: the plan has no task embeddings; make it with "
             "gb.plan(..., condition=<width>, tasks=<n>)."
         )
-    return [task_number(t, plan.tasks, where) for t in ids]
+    return [task_number(_item(t), plan.tasks, where) for t in ids]
+
+
+def _item(task: object) -> object:
+    """A 0-d integer tensor's number; anything else as it is (for `task_number` to judge)."""
+    integer = isinstance(task, Tensor) and not (task.is_floating_point() or task.is_complex())
+    if integer and task.dim() == 0 and task.dtype != torch.bool:
+        return task.item()
+    return task

@@ -553,6 +553,11 @@ def _report_cases(tmp: Path | None) -> dict[str, Case]:
         "report-none": Case(
             lambda: gb.report(None), TypeError, "gb.report: plan must be a gb.Plan, got NoneType"
         ),
+        "report-bottleneck": Case(
+            lambda: gb.report(gb.Bottleneck(mlp(), tile=(4, 4))),
+            TypeError,
+            r"got Bottleneck. Pass its .plan, or call its .report\(\)",
+        ),
     }
 
 
@@ -690,6 +695,18 @@ def _export_save_dense_cases(tmp: Path | None, meta_g: dict) -> dict[str, Case]:
             ValueError,
             r"gb.export: parameter #0 is '0.weight' \(6, 8\) in the plan "
             r"but 'weight' \(6, 8\) in the model",
+        ),
+        "export-bottleneck-model": Case(  # it compared the g-nets' names with the plan's
+            lambda: gb.export(gparams(), PLAN, model=gb.Bottleneck(mlp(), PLAN)),
+            TypeError,
+            r"gb.export: model is a gb.Bottleneck, whose parameters are g-nets; pass its p-net",
+        ),
+        "save-dense-format-in-metadata": Case(
+            lambda: gb.save_dense(
+                tmp / "d.safetensors", gparams(), PLAN, metadata={"format": "np"}
+            ),
+            ValueError,
+            r"gb.save_dense: metadata\['format'\] is 'np'; the header's 'format' says how",
         ),
         "export-meta-gparams": Case(
             lambda: gb.export(meta_g, PLAN), ValueError, "gb.export: .* is on the meta device"

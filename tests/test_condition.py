@@ -479,6 +479,13 @@ def test_the_continual_penalty_is_zero_at_its_targets_and_pulls_back_to_them():
         gb.continual.targets(gparams, plan, tasks=[3])
     by_numpy = gb.continual.targets(gparams, plan, tasks=[np.int64(1)])  # as gb.apply takes
     assert gb.continual.penalty(gparams, plan, by_numpy).detach().item() < 1e-10
+    # tensors, as iterating torch.arange gives (refused as "an int in 0..2, got tensor(0)")
+    by_tensor = gb.continual.targets(gparams, plan, tasks=torch.arange(2))
+    assert sorted(by_tensor) == [0, 1]
+    keyed = {torch.tensor(1): earlier[1]}  # task 0 added nothing to `moved`, the mean of two
+    torch.testing.assert_close(gb.continual.penalty(gparams, plan, keyed, strength=2.0), 2 * moved)
+    with pytest.raises(ValueError, match=r"task must be an int in 0\.\.2, got tensor\(1\.\)"):
+        gb.continual.targets(gparams, plan, tasks=torch.ones(1))
     with pytest.raises(ValueError, match="strength"):
         gb.continual.penalty(gparams, plan, earlier, strength=-1)
     plain = gb.plan(model, tile=(4, 4), hidden=5, condition=3)

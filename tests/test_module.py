@@ -365,7 +365,7 @@ def test_rejects_a_plan_of_another_model():
 
 def test_rejects_wrapped_models_and_nested_bottlenecks():
     b = gb.Bottleneck(mlp(), tile=(8, 8))
-    with pytest.raises(TypeError, match=r"gb.Bottleneck: model is already a gb.Bottleneck"):
+    with pytest.raises(TypeError, match=r"gb.Bottleneck: model is a gb.Bottleneck, whose"):
         gb.Bottleneck(b)
     with pytest.raises(TypeError, match=r"gb.Bottleneck: model must be an nn.Module"):
         gb.Bottleneck("model")
