@@ -71,7 +71,11 @@ def _check_same_leaves(leaves: list[Tensor]) -> None:
     digest; the leaves themselves are gathered only where the digests differ."""
     described = [(tuple(t.shape), str(t.dtype), t.requires_grad) for t in leaves]
     digest = int.from_bytes(hashlib.sha256(repr(described).encode()).digest()[:7], "big")
-    device = leaves[0].device if leaves else torch.device("cpu")
+    if leaves:
+        device = leaves[0].device
+    else:  # (no leaf to follow: NCCL reduces CUDA tensors only)
+        nccl = dist.get_backend() == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     if not same_on_every_rank(torch.tensor([digest], device=device), "the leaves' check"):
         every: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, described)
