@@ -624,3 +624,59 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
         data_of(path).name
     ]
     assert gbd.load_sharded(path, model).step == 3
+
+
+def load_slowly(path: str, reading: str, go: str, out: str) -> None:
+    """Load the checkpoint at `path`, pausing once DCP starts reading its data files until
+    the file `go` exists; write the step and digest read to `out` (run in a child process)."""
+    read_data = dcp_files.FileSystemReader.read_data
+
+    def wait_then_read(self, *args, **kwargs) -> object:
+        Path(reading).touch()
+        deadline = time.monotonic() + 120
+        while not Path(go).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return read_data(self, *args, **kwargs)
+
+    dcp_files.FileSystemReader.read_data = wait_then_read
+    model, _, _, _ = _small()
+    loaded = gbd.load_sharded(path, model)
+    Path(out).write_text(json.dumps([loaded.step, _digest(loaded.gparams)]))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_saves_by_another_process_keep_the_folder_a_load_is_reading(tmp_path):
+    """The directory's lock between two real processes (flock is per open file description,
+    so one process's test could not show it): saves while another process reads leave its
+    data folder in place, and the first save after it cleans up."""
+    model, plan, gparams, _ = _small()
+    path = tmp_path / "ckpt"
+    gbd.save_sharded(path, gparams, plan=plan, step=1)
+    first = data_of(path).name
+    reading, go, out = (tmp_path / name for name in ("reading", "go", "out"))
+    here = Path(__file__).resolve()
+    args = [str(path), str(reading), str(go), str(out)]
+    code = f"import runpy; runpy.run_path({str(here)!r})['load_slowly'](*{args!r})"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent), str(here.parents[1])])}
+    child = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not reading.exists():
+            assert child.poll() is None, child.stderr.read().decode()
+            assert time.monotonic() < deadline, "the child never started reading"
+            time.sleep(0.05)
+        for step in (2, 3):
+            gbd.save_sharded(path, gb.init(plan, seed=step), plan=plan, step=step)
+        assert (path / first).is_dir()  # the reader's folder stays
+        assert gbd.load_sharded(path, model).step == 3
+        go.touch()
+        assert child.wait(timeout=120) == 0, child.stderr.read().decode()
+    finally:
+        child.kill()
+        child.wait()
+        child.stderr.close()
+    assert json.loads(out.read_text()) == [1, _digest(gparams)]
+    gbd.save_sharded(path, gparams, plan=plan, step=4)
+    assert [f.name for f in path.iterdir() if f.name not in ("gbfunc.json", ".gbfunc.lock")] == [
+        data_of(path).name
+    ]
