@@ -577,6 +577,23 @@ def test_save_sharded_onto_a_file_or_a_nul_path_raises_a_checkpoint_error(tmp_pa
     assert isinstance(e.value.__cause__, dcp.CheckpointException)
 
 
+def _child(function: str, *args: object) -> subprocess.Popen:
+    """A Python process running this file's `function(*args)` (paths as strings)."""
+    here = Path(__file__).resolve()
+    code = f"import runpy; runpy.run_path({str(here)!r})[{function!r}](*{list(map(str, args))!r})"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent), str(here.parents[1])])}
+    return subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE)
+
+
+def _wait_for(file: Path, child: subprocess.Popen, never: str) -> None:
+    """Until `file` exists, while `child` runs (its stderr shown if it ended), for 120 s."""
+    deadline = time.monotonic() + 120
+    while not file.exists():
+        assert child.poll() is None, child.stderr.read().decode()
+        assert time.monotonic() < deadline, never
+        time.sleep(0.05)
+
+
 def save_until_killed(path: str, signal_file: str) -> None:
     """Save other values over the checkpoint at `path`, and wait for SIGKILL once DCP has
     written every file but before the save returns (run in a child process)."""
@@ -600,17 +617,9 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
     model, plan, gparams, _ = _small()
     path, signal_file = tmp_path / "ckpt", tmp_path / "written"
     gbd.save_sharded(path, gparams, plan=plan, step=1)
-    here = Path(__file__).resolve()
-    args = [str(path), str(signal_file)]
-    code = f"import runpy; runpy.run_path({str(here)!r})['save_until_killed'](*{args!r})"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent), str(here.parents[1])])}
-    child = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE)
+    child = _child("save_until_killed", path, signal_file)
     try:
-        deadline = time.monotonic() + 120
-        while not signal_file.exists():
-            assert child.poll() is None, child.stderr.read().decode()
-            assert time.monotonic() < deadline, "the child never reached the end of its write"
-            time.sleep(0.05)
+        _wait_for(signal_file, child, "the child never reached the end of its write")
         child.send_signal(signal.SIGKILL)
     finally:
         child.kill()
@@ -654,17 +663,9 @@ def test_saves_by_another_process_keep_the_folder_a_load_is_reading(tmp_path):
     gbd.save_sharded(path, gparams, plan=plan, step=1)
     first = data_of(path).name
     reading, go, out = (tmp_path / name for name in ("reading", "go", "out"))
-    here = Path(__file__).resolve()
-    args = [str(path), str(reading), str(go), str(out)]
-    code = f"import runpy; runpy.run_path({str(here)!r})['load_slowly'](*{args!r})"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent), str(here.parents[1])])}
-    child = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE)
+    child = _child("load_slowly", path, reading, go, out)
     try:
-        deadline = time.monotonic() + 120
-        while not reading.exists():
-            assert child.poll() is None, child.stderr.read().decode()
-            assert time.monotonic() < deadline, "the child never started reading"
-            time.sleep(0.05)
+        _wait_for(reading, child, "the child never started reading")
         for step in (2, 3):
             gbd.save_sharded(path, gb.init(plan, seed=step), plan=plan, step=step)
         assert (path / first).is_dir()  # the reader's folder stays
