@@ -80,7 +80,7 @@ def input_codes(stack: Stack) -> Tensor:
 def activate(z: Tensor, name: str) -> Tensor:
     """The activations, from their formulas."""
     if name == "relu":
-        return torch.where(z > 0, z, torch.zeros_like(z))
+        return torch.where(z <= 0, torch.zeros_like(z), z)  # a NaN stays NaN
     if name == "gelu":
         return 0.5 * z * (1 + torch.erf(z / math.sqrt(2)))
     if name == "tanh":

@@ -361,3 +361,43 @@ def test_each_variant_runs_where_gb_explain_names_it_and_equals_the_references(
     assert set(ran) == {variant}
     assert_weights(weights, gparams, plan)
     assert_grads(grads, generate(gparams, plan, naive_apply, seed)[1], gparams)
+
+
+NAN_PLANS = {
+    "rows": gb.plan(mlp([9, 8, 5]), tile=(4, 4), hidden=4, outputs=4),
+    "one-output": gb.plan(mlp([10, 7, 3]), tile=(4, 4), hidden=6),
+    "tanh": gb.plan(mlp([9, 6, 4]), tile=(3, 5), hidden=5, activation="tanh"),
+}
+NAN_LEAVES = ("w_in", "b_in", "w_out")
+
+
+@pytest.mark.parametrize("path", ["torch", "cpu-loops", "c-loops", "triton"])
+@pytest.mark.parametrize("leaf", NAN_LEAVES)
+def test_a_nan_in_a_gnet_reaches_the_weights_it_generates_on_every_path(path, leaf, monkeypatch):
+    """A NaN in a g-net leaf gives NaN exactly where the naive reference has them: the CPU
+    loops' `z > 0 ? z : 0` made it 0, so training through them kept a NaN leaf unseen."""
+    if path in ("cpu-loops", "c-loops") and (_build.flavour() is None or _build.compiler() is None):
+        pytest.skip("the loops are not built on this machine")
+    if path == "triton" and not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    plans = NAN_PLANS if path in ("torch", "triton") else dict(list(NAN_PLANS.items())[:2])
+    if path == "c-loops":  # shared g-nets: the loops as sub-ops of the torch path's forms
+        plans = {"shared": VARIANT_PLANS["c-loops"][0]}
+    # (the first and last entries: w_in's first holds a row code's term, its last a column's)
+    for (name, plan), entry in itertools.product(plans.items(), (1, -1)):
+        gparams = init(plan, 0, device=KERNEL_DEVICE if path == "triton" else "cpu")
+        with torch.no_grad():
+            gparams["stacks"][plan.stacks[0].key][leaf].view(-1)[entry] = float("nan")
+        knobs = {"torch": {"compile": False}, "cpu-loops": {"compile": True}}
+        knobs.update({"c-loops": {"compile": False}, "triton": {"backend": "triton"}})
+        if path == "c-loops":  # the torch path's traced forms, run op by op (as above)
+            monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        route = gb.explain(gparams, plan, **knobs[path]).route
+        assert path in (route.stacks[0], route.variants[0]), route
+        got = gb.apply(gparams, plan, **knobs[path])
+        monkeypatch.undo()
+        naive = naive_apply(tree_map(lambda x: x.detach().cpu(), gparams), plan)
+        nans = {p.name: torch.isnan(got[p.name].detach().cpu()) for p in plan.generated_by(0)}
+        assert any(bool(nan.any()) for nan in nans.values()), (name, entry)
+        for weight, nan in nans.items():
+            assert torch.equal(nan, torch.isnan(naive[weight])), (name, entry, weight)

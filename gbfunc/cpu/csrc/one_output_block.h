@@ -26,7 +26,7 @@ static inline void block(const float* floor, const float* row_bias, int64_t n, c
 #pragma omp simd
       for (int j = 0; j < W; ++j) {
         const float c = col[j];
-        acc[k][j] += (c > f ? c : f) * w_h;
+        acc[k][j] += (f > c ? f : c) * w_h;  // maxps: a NaN c kept (f's is in row_bias)
       }
     }
   }

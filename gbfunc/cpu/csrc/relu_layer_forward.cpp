@@ -9,7 +9,7 @@ static inline void positions(const float* row, const float* b, const float* w,
 #pragma omp simd
     for (int h = 0; h < HIDDEN; ++h) {
       const float z = row[h] + b[k * HIDDEN + h];
-      hidden[k][h] = z > 0.0f ? z : 0.0f;
+      hidden[k][h] = 0.0f > z ? 0.0f : z;  // a NaN z kept (as torch.relu): one maxps
     }
 #pragma omp simd
     for (int p = 0; p < OUTPUTS; ++p) acc[k][p] = bias[p];

@@ -47,7 +47,7 @@ extern "C" void relu_rows_forward(const float* row_code, const float* col_code,
 #pragma omp simd
       for (int p = 0; p < OUTPUTS; ++p) acc[p] = b_out[t * OUTPUTS + p];
       for (int h = 0; h < HIDDEN; ++h) {
-        const float x = z[h] > 0.0f ? z[h] : 0.0f;
+        const float x = 0.0f > z[h] ? 0.0f : z[h];  // a NaN z kept (as torch.relu): one maxps
         const float* w_h = w + h * OUTPUTS;
 #pragma omp simd
         for (int p = 0; p < OUTPUTS; ++p) acc[p] += x * w_h[p];
@@ -190,8 +190,8 @@ extern "C" void relu_rows_backward(const float* const* grads, const float* row_c
           pre_activations(code, col_code, w_in_t, b_in + t * HIDDEN, row_width, col_width, z);
 #pragma omp simd
           for (int h = 0; h < HIDDEN; ++h) {
-            g_z[h] = z[h] > 0.0f ? scale * gh[k - k0][h] : 0.0f;
-            x[k][h] = z[h] > 0.0f ? z[h] : 0.0f;
+            g_z[h] = !(z[h] <= 0.0f) ? scale * gh[k - k0][h] : 0.0f;
+            x[k][h] = 0.0f > z[h] ? 0.0f : z[h];
             g_z_sum[h] += g_z[h];
           }
           for (int64_t r = 0; r < row_width; ++r) {
