@@ -5,6 +5,7 @@ from torch import Tensor
 from ._condition import condition_of, conditioned, folded, without_condition
 from ._dispatch import Route, check_call, context_of, route, runner
 from ._plan import Plan
+from ._spec import autocast_off
 from ._tiling import parameters
 from ._tree import GParams
 from .generate import graph, torch_ops
@@ -25,6 +26,8 @@ def apply(
     Each stack's g-nets are evaluated on their tiles in one batched call; tiles are laid out
     on each weight's grid, cut to its shape and scaled. Free parameters pass through. Pure:
     no module is touched, so it composes with `torch.func.grad`, `vmap` and `torch.compile`.
+    Under `torch.autocast` the weights are still generated in the g-nets' dtype (autocast
+    applies to the p-net's ops that use them).
 
     Args:
         gparams: From `gb.init(plan, ...)` (or trained from it).
@@ -61,6 +64,20 @@ def apply(
         torch.Size([2, 32])
     """
     check_call(gparams, plan, "gb.apply", backend=backend, compile=compile, values=check)
+    leaf = next((x for leaves in gparams["stacks"].values() for x in leaves.values()), None)
+    with autocast_off(leaf):
+        return _generate(gparams, plan, condition, task, backend, compile)
+
+
+def _generate(
+    gparams: GParams,
+    plan: Plan,
+    condition: Tensor | None,
+    task: int | Tensor | None,
+    backend: str,
+    compile: bool | None,
+) -> dict[str, Tensor]:
+    """`apply`'s work once the call is checked."""
     z, routed, stacks = None, plan, gparams["stacks"]
     if plan.condition or condition is not None or task is not None:  # else nothing to fold
         z = condition_of(gparams, plan, condition, task, "gb.apply")

@@ -9,6 +9,7 @@ compiled torch forms, the C loops, the Triton kernels) must return.
 kernels' reference the tiling), nothing above them (`tests/test_import_graph.py`).
 """
 
+import contextlib
 import math
 from collections.abc import Callable, Hashable, Mapping
 from typing import NamedTuple, TypeVar
@@ -299,6 +300,18 @@ def plain_eager() -> bool:
     return (
         not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is None
     )
+
+
+def autocast_off(*tensors: Tensor | None) -> contextlib.AbstractContextManager:
+    """Autocast off on the first tensor's device where it is on: weights and their gradients
+    are computed in the g-nets' dtype, as the loops and kernels do, whatever autocast the
+    caller runs under (the torch path's matmuls ran in bfloat16 under CPU autocast)."""
+    device = next((t.device.type for t in tensors if isinstance(t, Tensor)), None)
+    if device is None or not torch.amp.is_autocast_available(device):
+        return contextlib.nullcontext()
+    if torch.is_autocast_enabled(device):
+        return torch.autocast(device, enabled=False)
+    return contextlib.nullcontext()
 
 
 def legacy_batched(grads: tuple[Tensor | None, ...]) -> bool:

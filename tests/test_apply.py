@@ -581,3 +581,25 @@ def test_batched_gradients_give_the_jacobian_row_by_row(options, compile):
         if name == "w_out" and not compile:  # jacrev: vmap over the torch path's backward
             jacobian = torch.func.jacrev(generated)(leaves["w_out"].detach())
             torch.testing.assert_close(jacobian.reshape(by_row.shape), by_row)
+
+
+def test_weights_come_in_the_gnets_dtype_under_autocast_on_every_path():
+    """The torch path's matmuls ran in bfloat16 under `torch.autocast` (8% of a weight's std
+    off), the loops in float32: the same gparams gave other weights by path. Autocast still
+    applies to the p-net's ops, outside; the backward, run after autocast as PyTorch advises
+    (on CPU it would autocast built-in backward ops too), is the float32 one."""
+    model = nn.Sequential(nn.Linear(12, 10), nn.ReLU(), nn.Linear(10, 3))
+    plan = gb.plan(model, tile=(4, 4), hidden=4, outputs=4)
+    gparams = gb.init(plan, seed=0)
+    want = gb.apply(gparams, plan, compile=False)
+    leaf = gparams["stacks"][plan.stacks[0].key]["w_in"]
+    (want_grad,) = torch.autograd.grad(want["0.weight"].square().sum(), leaf)
+    x = torch.randn(5, 12)
+    for compile in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = gb.apply(gparams, plan, compile=compile)
+            assert functional_call(model, got, (x,)).dtype == torch.bfloat16
+        for name, weight in want.items():
+            torch.testing.assert_close(got[name], weight, rtol=1e-5, atol=1e-6)
+        (grad,) = torch.autograd.grad(got["0.weight"].square().sum(), leaf)
+        torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-6)
