@@ -40,7 +40,7 @@ from torch.autograd import forward_ad
 from ._check_gparams import check_gparams
 from ._condition import without_condition
 from ._plan import Plan, Stack
-from ._tracing import dynamo_disabled, exporting
+from ._tracing import dynamo_disabled, exporting, nested_transforms
 from ._tree import GParams
 from .cpu import loops_state, mode, unavailable_reason
 from .generate import compiled_mlp, cpu_loops, graph, torch_ops, triton
@@ -78,6 +78,7 @@ def context_of(
     (`backend` and `compile` checked by `check_call`)."""
     leaf = next((x for leaves in stacks.values() for x in leaves.values()), None)
     compiling = torch.compiler.is_compiling()
+    transformed = torch._C._functorch.peek_interpreter_stack() is not None
     return Context(
         device="cpu" if leaf is None else leaf.device.type,
         dtype=torch.float32 if leaf is None else leaf.dtype,
@@ -85,11 +86,12 @@ def context_of(
         compile=compile,
         compiling=compiling,
         exporting=exporting(),
-        transformed=torch._C._functorch.peek_interpreter_stack() is not None,
+        transformed=transformed,
         grad=torch.is_grad_enabled(),
         dynamo_off=dynamo_disabled(),
         dispatch_mode=not compiling and torch._C._len_torch_dispatch_stack() > 0,
         forward_ad=not compiling and forward_ad._current_level >= 0,
+        nested=transformed and nested_transforms(),
     )
 
 

@@ -1,5 +1,5 @@
 """What torch is doing to the call: whether `torch.export` traces it (the one reading of it
-for every torch version), and whether dynamo is switched off.
+for every torch version), whether dynamo is switched off, and whether transforms nest.
 
 `torch.compiler.is_exporting()` returns the flag `torch.export` sets while it traces. Dynamo up
 to torch 2.11 at least (2.13 reads the flag) folds the call to `True` in every graph it traces,
@@ -21,3 +21,12 @@ def exporting() -> bool:
 def dynamo_disabled() -> bool:
     """Whether dynamo is switched off (`torch._dynamo.config.disable`, a debugging setting)."""
     return bool(torch._dynamo.config.disable)
+
+
+@torch.compiler.assume_constant_result
+def nested_transforms() -> bool:
+    """Whether two or more `torch.func` transforms wrap the call (`grad` of `vmap`, `jacrev`).
+    Run in Python where `torch.compile` traces it: dynamo cannot trace the interpreter stack,
+    which it keeps as it traces the transforms."""
+    stack = torch._C._functorch.get_interpreter_stack()
+    return stack is not None and len(stack) > 1

@@ -130,6 +130,24 @@ def test_compiled_vmap_over_genomes_equals_eager_vmap():
         torch.testing.assert_close(compiled[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+def test_compiled_grad_of_a_vmapped_ensemble_equals_eager():
+    """`torch.compile(grad(vmap(loss)))`: the loops' ops failed traced under both transforms
+    ("must override the setup_context staticmethod", torch 2.13), where the loops are built;
+    the `cpu-loops` path refuses traced calls inside nested transforms."""
+    model = nn.Sequential(nn.Linear(12, 10), nn.ReLU(), nn.Linear(10, 3))
+    plan = gb.plan(model, tile=(4, 4))
+    stacked = tree_map(lambda t: t.detach(), stack_genomes(plan, range(3))[1])
+    x, y = torch.randn(5, 12), torch.randint(0, 3, (5,))
+    loss = loss_fn(model, plan)
+    ensemble = grad(lambda g: vmap(loss, in_dims=(0, None, None))(g, x, y).sum())
+    eager = ensemble(stacked)
+    compiled = torch.compile(ensemble, fullgraph=True)(stacked)
+    for a, b in zip(tree_leaves(compiled), tree_leaves(eager), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.fixture(scope="module")
 def compiled_step():
     """One whole training step (generate, forward, loss, grad, AdamW), compiled once."""

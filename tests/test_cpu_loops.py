@@ -294,3 +294,27 @@ def test_explain_sends_one_layer_relu_gnets_to_the_loops_where_compiling_is_aske
     wide, wide_gparams = row_gnets(hidden=64)
     refused = gb.explain(wide_gparams, wide, compile=True).reasons[wide.stacks[0].key]
     assert "no loops for 64 units" in refused["cpu-loops"]
+
+
+@needs_loops
+def test_traced_inside_nested_transforms_the_loops_refuse_and_the_context_sees_it():
+    """`torch.compile(grad(vmap(...)))` failed in the loops' ops (tests/test_compose.py runs
+    it); the rule refuses the traced call there, and the context counts the transforms."""
+    plan, gparams = row_gnets()
+    stack = plan.stacks[0]
+    leaves = gparams["stacks"][stack.key]
+    seen = []
+
+    def record(x: torch.Tensor) -> torch.Tensor:
+        seen.append(context_of({stack.key: leaves}, backend="auto", compile=True).nested)
+        return x.sum()
+
+    x = torch.ones(2, 3)
+    torch.func.grad(record)(x)
+    torch.func.grad(lambda x: torch.func.vmap(record)(x).sum())(x)
+    assert seen == [False, True]
+    context = context_of({stack.key: leaves}, backend="auto", compile=True)
+    traced = Call(plan, stack, {stack.key: leaves}, context._replace(compiling=True), True)
+    assert cpu_loops.refuses(traced) is None
+    nested = traced._replace(context=traced.context._replace(transformed=True, nested=True))
+    assert "nested torch.func transforms" in cpu_loops.refuses(nested)

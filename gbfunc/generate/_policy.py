@@ -39,6 +39,7 @@ class Context(NamedTuple):
     dynamo_off: bool  # torch._dynamo.config.disable: nothing compiles
     dispatch_mode: bool  # inside a TorchDispatchMode (FlopCounterMode...): compiled code cannot run
     forward_ad: bool = False  # a forward-mode dual level is open (torch.autograd.forward_ad)
+    nested: bool = False  # inside two or more torch.func transforms (`grad` of `vmap`...)
 
     @property
     def eager(self) -> bool:

@@ -35,6 +35,8 @@ def refuses(call: Call) -> str | None:
         return "a TorchDispatchMode is active: it would not see the loops' work"
     if context.forward_ad:
         return "forward-mode AD is active: the loops have no forward-mode rule"
+    if context.compiling and context.nested:  # torch 2.13: dynamo's fake tensors fail in the op
+        return "traced inside nested torch.func transforms (grad of vmap): the ops fail there"
     if not context.compiling:
         if context.transformed:
             return "called eagerly inside a torch.func transform (compile it to take them)"
