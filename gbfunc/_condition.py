@@ -17,6 +17,7 @@ from torch import Tensor
 from ._check_gparams import TASKS
 from ._numbers import as_integer
 from ._plan import Plan
+from ._tracing import transforms
 from ._tree import GParams
 
 COND_LEAF = "w_cond"
@@ -82,7 +83,8 @@ def _check_device(z: Tensor, what: str, gparams: GParams, plan: Plan, where: str
 def _task_embedding(gparams: GParams, plan: Plan, task: int | Tensor, where: str) -> Tensor:
     """Row `task` of `gparams["tasks"]`; an int is range-checked, and so is a 0-d integer
     tensor where reading it is free (eager, on the CPU, also the ids a `vmap` batches);
-    traced, or on a GPU (a host sync), it is indexed as it is."""
+    traced, where the graph runs (`_traced_row`); eagerly on a GPU (a host sync) it is
+    indexed as it is."""
     if not plan.tasks:
         raise ValueError(
             f"{where}: task= needs learned task embeddings; make the plan with "
@@ -111,8 +113,21 @@ def _task_embedding(gparams: GParams, plan: Plan, task: int | Tensor, where: str
                     f"tensor({low if low < 0 else high})."
                 )
         index = task.reshape(1).to(table.device, torch.int64)  # index_select takes int64
+        if torch.compiler.is_compiling():
+            return _traced_row(table, index, plan.tasks, where)
         return table.index_select(0, index).squeeze(0)
     return table[task_number(task, plan.tasks, where)]
+
+
+def _traced_row(table: Tensor, index: Tensor, tasks: int, where: str) -> Tensor:
+    """Row `index` of `table`, traced: an id out of range raises where the graph runs (an
+    assertion; under `vmap`, which has no rule for one, the row is NaN instead), where
+    compiled CPU code indexing out of range aborted the process."""
+    inside = (index >= 0) & (index < tasks)
+    if transforms() == 0:
+        torch._assert_async(inside.all(), f"{where}: task must be in 0..{tasks - 1}")
+    row = table.index_select(0, index.clamp(0, tasks - 1)).squeeze(0)
+    return torch.where(inside, row, torch.nan)
 
 
 def _unwrapped(tensor: Tensor) -> Tensor:

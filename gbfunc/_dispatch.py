@@ -40,7 +40,7 @@ from torch.autograd import forward_ad
 from ._check_gparams import check_gparams
 from ._condition import without_condition
 from ._plan import Plan, Stack
-from ._tracing import dynamo_disabled, exporting, nested_transforms
+from ._tracing import dynamo_disabled, exporting, transforms
 from ._tree import GParams
 from .cpu import loops_state, mode, unavailable_reason
 from .generate import compiled_mlp, cpu_loops, graph, torch_ops, triton
@@ -91,7 +91,7 @@ def context_of(
         dynamo_off=dynamo_disabled(),
         dispatch_mode=not compiling and torch._C._len_torch_dispatch_stack() > 0,
         forward_ad=not compiling and forward_ad._current_level >= 0,
-        nested=transformed and nested_transforms(),
+        nested=transformed and transforms() > 1,
     )
 
 

@@ -24,9 +24,9 @@ def dynamo_disabled() -> bool:
 
 
 @torch.compiler.assume_constant_result
-def nested_transforms() -> bool:
-    """Whether two or more `torch.func` transforms wrap the call (`grad` of `vmap`, `jacrev`).
-    Run in Python where `torch.compile` traces it: dynamo cannot trace the interpreter stack,
-    which it keeps as it traces the transforms."""
+def transforms() -> int:
+    """How many `torch.func` transforms wrap the call (`grad` of `vmap`, `jacrev`: 2). Run
+    in Python where `torch.compile` traces it: dynamo cannot trace the interpreter stack,
+    and folds `peek_interpreter_stack()` to not-None in every graph."""
     stack = torch._C._functorch.get_interpreter_stack()
-    return stack is not None and len(stack) > 1
+    return 0 if stack is None else len(stack)

@@ -542,6 +542,24 @@ def test_compiled_vmap_over_conditions_gives_each_conditions_weights():
         close({k: v[i] for k, v in got.items()}, naive_apply(gparams, plan, z))
 
 
+@pytest.mark.slow
+def test_a_task_id_out_of_range_under_torch_compile_raises_or_gives_nan_under_vmap():
+    """Compiled CPU code indexing the task table out of range aborted the process
+    (std::terminate): now the graph raises; under `vmap`, which has no rule for that
+    assertion, the bad id's weights are NaN and the others' as eager."""
+    plan = gb.plan(mlp(), tile=(4, 4), hidden=5, condition=3, tasks=4)
+    gparams = torch.utils._pytree.tree_map(lambda t: t.detach(), conditioned(plan))
+    one = torch.compile(lambda t: gb.apply(gparams, plan, task=t)["0.weight"], fullgraph=True)
+    close({"w": one(torch.tensor(2))}, {"w": gb.apply(gparams, plan, task=2)["0.weight"]})
+    for bad in (4, -1):
+        with pytest.raises(RuntimeError, match=r"gb\.apply: task must be in 0\.\.3"):
+            one(torch.tensor(bad))
+    many = torch.compile(vmap(lambda t: gb.apply(gparams, plan, task=t)["0.weight"]))
+    got = many(torch.tensor([1, 9]))
+    torch.testing.assert_close(got[0], gb.apply(gparams, plan, task=1)["0.weight"])
+    assert bool(got[1].isnan().all())
+
+
 def test_a_sharded_checkpoint_keeps_the_task_embeddings_and_their_optimizer_state(tmp_path):
     import gbfunc.dist as gbd
 
