@@ -190,9 +190,11 @@ def tile_for(
             )
         th, tw = min(th, rows), min(tw, cols)
     if outputs > tw:
+        clipped = "" if tile == "full" or tile[1] <= cols else f" (the tile {tile} cut to it)"
         raise ValueError(
-            f"gb.plan: {name}: outputs={outputs} is wider than its tile's {tw} columns; use "
-            "outputs <= the tile width (a row of evaluations may not outgrow the weight)."
+            f"gb.plan: {name}: outputs={outputs} is wider than its tile's {tw} columns"
+            f"{clipped}; use outputs <= the tile width (a row of evaluations may not outgrow "
+            f"the weight), for this one: overrides={{{name!r}: {{'outputs': {tw}}}}}."
         )
     return th, -(-tw // outputs) * outputs  # a whole number of evaluations per row
 

@@ -395,6 +395,12 @@ def _plan_cases_2(tmp: Path | None) -> dict[str, Case]:
             ValueError,
             r"outputs=8 is wider than its tile's 4 columns",
         ),
+        "plan-outputs-wider-than-the-cut-tile": Case(  # docs/training.md's row g-nets, small
+            lambda: gb.plan(mlp(), tile=(128, 128), hidden=8, outputs=128),
+            ValueError,
+            r"0\.weight: outputs=128 is wider than its tile's 8 columns \(the tile \(128, 128\) "
+            r"cut to it\); .* for this one: overrides=\{'0\.weight': \{'outputs': 8\}\}\.",
+        ),
         "genome-share-not-bool": Case(
             lambda: gb.Genome(share="yes"), TypeError, r"gb\.Genome: share must be a bool"
         ),
