@@ -111,7 +111,13 @@ PLANTED = Path(__file__).parent / "fixtures" / "planted_library.c"
 
 @needs_loops
 @pytest.mark.parametrize(
-    "unsafe", ["world-writable folder", "folder of another user", "group-writable library"]
+    "unsafe",
+    [
+        "world-writable folder",
+        "folder of another user",
+        "group-writable library",
+        "world-writable folder above the cache",
+    ],
 )
 def test_a_library_planted_in_an_unsafe_cache_is_never_loaded(unsafe, fresh_loops, tmp_path):
     """Another local user plants a library where the loops' build would be: whatever its
@@ -139,9 +145,12 @@ def test_a_library_planted_in_an_unsafe_cache_is_never_loaded(unsafe, fresh_loop
     elif unsafe == "folder of another user":
         os.chown(leaf, 65534, 65534)
         expected = "owned by user 65534"
-    else:
+    elif unsafe == "group-writable library":
         library.chmod(0o664)
         expected = "writable by group or others"
+    else:  # another user could rename the cache away there and put a tree of theirs in its place
+        tmp_path.chmod(0o777)
+        expected = "above the cache folder"
     with pytest.warns(RuntimeWarning, match=expected):
         assert not _relu_loops.sums_usable(units, torch.float32, "cpu")
     assert not marker.exists()

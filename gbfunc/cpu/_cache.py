@@ -6,7 +6,9 @@ way into the process (another user of a login node plants a library of the expec
 The cache therefore follows the platform's per-user convention (`$XDG_CACHE_HOME/gbfunc`,
 `~/.cache/gbfunc`), every folder of it from `gbfunc` down is created with mode 0700, and a
 folder or file is used only when it is owned by the current user and not writable by group
-or others (`unsafe_reason`).
+or others (`unsafe_reason`); the folders above the root only where no other user could
+replace the root in them (`unsafe_ancestor`: owned by root or the user, and writable by
+nobody else unless sticky, as `/tmp`).
 """
 
 import os
@@ -38,9 +40,13 @@ def private_folder(root: Path, *parts: str) -> Path:
     """`root / parts...`, each folder from `root` down created with mode 0700 where missing.
 
     Raises:
-        PermissionError: `root` or a folder below it is unsafe (`unsafe_reason`).
+        PermissionError: `root`, a folder above it (`unsafe_ancestor`) or one below it
+            (`unsafe_reason`) is unsafe.
     """
     folders = [root] + [root.joinpath(*parts[: i + 1]) for i in range(len(parts))]
+    reason = unsafe_ancestor(root)
+    if reason:
+        raise PermissionError(reason)
     for i, folder in enumerate(folders):
         try:
             folder.mkdir(mode=0o700, parents=i == 0)
@@ -68,4 +74,30 @@ def unsafe_reason(path: Path, *, directory: bool) -> str | None:
         return f"{path} is owned by user {info.st_uid}, not by the current user ({os.getuid()})"
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         return f"{path} is writable by group or others (mode {stat.S_IMODE(info.st_mode):o})"
+    return None
+
+
+def unsafe_ancestor(root: Path) -> str | None:
+    """Why a folder above `root` (links resolved) lets another user replace `root`, or None:
+    one owned by a user other than root and the current one, or writable by group or others
+    without the sticky bit (which keeps others from renaming what is not theirs)."""
+    if not hasattr(os, "getuid"):
+        return None
+    for parent in Path(os.path.realpath(root)).parents:
+        try:
+            info = os.stat(parent)
+        except FileNotFoundError:  # made by `private_folder`, as the current user
+            continue
+        if info.st_uid not in (0, os.getuid()):
+            return (
+                f"{parent}, above the cache folder {root}, is owned by user {info.st_uid}, who "
+                "could replace the folder"
+            )
+        shared = info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        if shared and not info.st_mode & stat.S_ISVTX:
+            mode = f"{stat.S_IMODE(info.st_mode):o}"
+            return (
+                f"{parent}, above the cache folder {root}, is writable by group or others "
+                f"without the sticky bit (mode {mode}), so another user could replace the folder"
+            )
     return None
