@@ -20,10 +20,13 @@ import errno
 import hashlib
 import json
 import os
+import platform
+import shutil
 import signal
 import subprocess
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -34,6 +37,7 @@ except ImportError:  # Windows: no flock; the loops stay off there (see `locked`
 
 LOCK_NAME = "build.lock"
 LOCK_WAIT_S = 300.0  # waiting for another live process that builds the same library
+WAIT_NOTICE_S = 60.0  # then a warning says what it waits for (a build takes seconds)
 COMPILE_S = 300.0  # one compiler run; a loop takes seconds
 _POLL_S = 0.05
 _PARTIAL = ".partial-"  # temporary files' infix; left by a killed build, removed by the next
@@ -57,7 +61,12 @@ def load_built(
         recorded = _recorded_digest(library, inputs)
         if recorded is None or recorded != _file_digest(library):
             _build(command, library, inputs, clean=held)
-        return ctypes.CDLL(str(library))
+            return ctypes.CDLL(str(library))
+        try:
+            return ctypes.CDLL(str(library))
+        except OSError:  # an intact build this host cannot load (another C library): once more
+            _build(command, library, inputs, clean=held)
+            return ctypes.CDLL(str(library))
 
 
 @contextlib.contextmanager
@@ -84,9 +93,10 @@ def locked(path: Path) -> Iterator[bool]:
         except FileNotFoundError:  # no lock file, and none can be made: none to wait for
             yield False
             return
-    held = True
+    held, said = True, False
     try:
-        deadline = time.monotonic() + LOCK_WAIT_S
+        start = time.monotonic()
+        deadline = start + LOCK_WAIT_S
         while True:
             try:
                 fcntl.flock(descriptor, kind | fcntl.LOCK_NB)
@@ -103,6 +113,15 @@ def locked(path: Path) -> Iterator[bool]:
                         f"another process has been building in {path.parent} for over "
                         f"{LOCK_WAIT_S:g} s (it holds {path.name}); not waiting longer"
                     ) from None
+                if not said and time.monotonic() - start >= WAIT_NOTICE_S:  # not a silent hang
+                    said = True
+                    warnings.warn(
+                        f"gbfunc: waiting for another process that holds {path} (building the "
+                        f"same CPU loop), for up to {LOCK_WAIT_S:g} s; a suspended process "
+                        "keeps it: end it, or set GBFUNC_CPU_LOOPS=off.",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
                 time.sleep(_POLL_S)
         yield held
     finally:
@@ -171,8 +190,13 @@ def _compile(command: list[str]) -> tuple[int, str]:
 
 
 def _inputs_digest(command: list[str], files: list[Path]) -> str:
-    """A hash of what a build depends on: the compiler command and every source's text."""
-    digest = hashlib.sha256("\0".join(command).encode())
+    """A hash of what a build depends on: the compiler command and every source's text, the
+    machine's architecture and C library, and the compiler's file (a cache shared by hosts of
+    another kind, or a compiler upgraded, builds anew)."""
+    found = shutil.which(command[0])
+    compiler = os.stat(found) if found else None
+    host = (platform.machine(), platform.libc_ver(), found, compiler and compiler.st_size)
+    digest = hashlib.sha256("\0".join([*command, repr(host)]).encode())
     for file in files:
         digest.update(file.read_bytes())
     return digest.hexdigest()
