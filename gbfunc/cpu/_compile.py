@@ -150,10 +150,12 @@ def _build(command: list[str], library: Path, inputs: str, *, clean: bool = True
         record_partial.write_text(json.dumps({"inputs": inputs, "file": _file_digest(partial)}))
         os.replace(record_partial, record)  # a record without its library: a mismatch, rebuilt
         os.replace(partial, library)
-    except BaseException:  # a full disk, the compiler's failure: leave no partial file
+    except BaseException as error:  # a full disk, the compiler's failure: leave no partial file
         partial.unlink(missing_ok=True)
         if record_partial is not None:
             record_partial.unlink(missing_ok=True)
+        if isinstance(error, OSError) and error.filename is None:  # a write names no file
+            raise OSError(error.errno, f"{error.strerror} (writing in {library.parent})") from None
         raise
 
 
