@@ -79,8 +79,8 @@ def activate(z: Tensor, activation: str) -> Tensor:
 
 def activate_grad(z: Tensor, activation: str) -> Tensor:
     """Derivative of the named activation at `z`."""
-    if activation == "relu":  # 1 at a NaN, as torch's relu backward (`z <= 0` is False)
-        return (z <= 0).logical_not().to(z.dtype)
+    if activation == "relu":
+        return (z > 0).to(z.dtype)
     if activation == "gelu":
         cdf = 0.5 * (1.0 + torch.erf(z * (1.0 / math.sqrt(2.0))))
         pdf = torch.exp(-0.5 * z * z) * (1.0 / math.sqrt(2.0 * math.pi))

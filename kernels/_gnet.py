@@ -38,7 +38,7 @@ def activate(z, ACTIVATION: tl.constexpr):
 def activate_grad(z, ACTIVATION: tl.constexpr):
     """Derivative of the activation at `z`, as in `gbfunc._spec.activate_grad`."""
     if ACTIVATION == 0:
-        return tl.where(z <= 0.0, 0.0, 1.0)  # 1 at a NaN, as torch's relu backward
+        return tl.where(z > 0.0, 1.0, 0.0)
     elif ACTIVATION == 1:
         cdf = 0.5 * (1.0 + tl.erf(z * 0.7071067811865476))
         return cdf + z * tl.exp(-0.5 * z * z) * 0.3989422804014327

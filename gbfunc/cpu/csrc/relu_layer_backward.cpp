@@ -30,7 +30,7 @@ static inline void positions(const float* __restrict g, const float* __restrict 
   for (int k = 0; k < K; ++k)
 #pragma omp simd
     for (int h = 0; h < HIDDEN; ++h) {
-      const float g_z = !(z[k][h] <= 0.0f) ? g_hidden[k][h] : 0.0f;
+      const float g_z = z[k][h] > 0.0f ? g_hidden[k][h] : 0.0f;
       rows[h] += g_z;
       col[k * HIDDEN + h] += g_z;
       x[k][h] = 0.0f > z[k][h] ? 0.0f : z[k][h];

@@ -190,7 +190,7 @@ extern "C" void relu_rows_backward(const float* const* grads, const float* row_c
           pre_activations(code, col_code, w_in_t, b_in + t * HIDDEN, row_width, col_width, z);
 #pragma omp simd
           for (int h = 0; h < HIDDEN; ++h) {
-            g_z[h] = !(z[h] <= 0.0f) ? scale * gh[k - k0][h] : 0.0f;
+            g_z[h] = z[h] > 0.0f ? scale * gh[k - k0][h] : 0.0f;
             x[k][h] = 0.0f > z[h] ? 0.0f : z[h];
             g_z_sum[h] += g_z[h];
           }

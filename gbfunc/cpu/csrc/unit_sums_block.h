@@ -70,7 +70,7 @@ static inline void unit_sums_block(const float* g, int64_t stride, const float (
       const float b_h = b_q[h];
       float col = col_q[h];
       for (int r = 0; r < R; ++r) {
-        const float selected = !(b_h <= bound[r][h]) ? g_q[r] : 0.0f;
+        const float selected = b_h > bound[r][h] ? g_q[r] : 0.0f;
         sums[r][h] += selected;
         col += selected;
       }
