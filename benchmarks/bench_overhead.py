@@ -129,8 +129,13 @@ def no_kernel_launches() -> Iterator[None]:
 
 
 def call(plan: gb.Plan, gparams: dict, backend: str, backward: bool) -> None:
+    """One `gb.apply`, and with `backward` the backward of its weights' sum into gradients
+    set to None first, as a training loop's `zero_grad()` leaves them (accumulating into
+    last call's added an op per leaf to the counts)."""
     weights = gb.apply(gparams, plan, backend=backend, compile=False)
     if backward:
+        for leaf in gb.trainable_leaves(gparams):
+            leaf.grad = None
         torch.stack([w.sum() for w in weights.values()]).sum().backward()
 
 

@@ -860,7 +860,7 @@ def test_transfer_reports_the_default_against_the_best_scale_and_the_narrow_mode
     )
     assert "## digits-rows\n\nNot run." in text
     assert "- corpus: 10 characters, sha1 abc (9 rows); not recorded (6 rows)" in text
-    assert len(transfer.jobs("email")) == 3 * (5 + 2)
+    assert len(transfer.jobs("email")) == 3 * (5 + 4)  # five scales, four narrow rates
 
 
 def test_bench_paths_forces_each_neighbour_of_a_variant_and_checks_it_equals_the_variant(
