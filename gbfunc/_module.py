@@ -4,16 +4,12 @@ Its parameters are the compressed ones only, so optimizers, DDP, FSDP2, `state_d
 Trainers of transformers, Lightning and Accelerate see what is trained and stored; `forward`
 generates the p-net's weights with `gb.apply` and runs the p-net through `functional_call`.
 
-Names. `nn.ParameterDict` and buffer names cannot contain `"."`, and p-net parameter names
-do, so every name is escaped: `"%"` becomes `"%25"`, then `"."` becomes `"%2E"` (percent
-encoding, reversed by `unescape`). `gparams["free"]["h.0.ln.bias"]` is the parameter
-`free["h%2E0%2Eln%2Ebias"]` and the `state_dict` key `"free.h%2E0%2Eln%2Ebias"`.
+Names are escaped for `nn.Module` attributes (`_module_names`).
 """
 
 import difflib
 import inspect
 import os
-import re
 from typing import Any
 
 import torch
@@ -28,6 +24,7 @@ from ._check_model import check_matches, check_module
 from ._checkpoint import load
 from ._export import export
 from ._init import init
+from ._module_names import Buffers, escape, parameter_dict, unescape
 from ._numbers import as_integer
 from ._plan import Plan
 from ._planner import plan as make_plan
@@ -39,35 +36,7 @@ from .optim import param_groups
 # `nn.Module`'s `state_dict` key for `get_extra_state`.
 _EXTRA_STATE = "_extra_state"
 
-# Names a top-level parameter or buffer may have that a `ParameterDict` (or `_Buffers`)
-# already uses for an attribute or method: registering them raises "attribute exists".
-_TAKEN = frozenset(dir(nn.ParameterDict)) | {"get"}
-
-
-def escape(name: str) -> str:
-    """`name` as an `nn.Module` attribute: `%` -> `%25`, then `.` -> `%2E`, and the first
-    character of a name the holding dict already uses (`keys`, `values`, ...) as `%XX`
-    (reversible: every `%` in the result is an escape)."""
-    key = name.replace("%", "%25").replace(".", "%2E")
-    return f"%{ord(key[0]):02X}{key[1:]}" if key in _TAKEN else key
-
-
-def unescape(key: str) -> str:
-    """Inverse of `escape`."""
-    return re.sub("%([0-9A-F]{2})", lambda m: chr(int(m[1], 16)), key)
-
-
-class _Buffers(nn.Module):
-    """Tensors held as buffers under escaped names (frozen parameters, the p-net's buffers)."""
-
-    def __init__(self, tensors: dict[str, Tensor], persistent: dict[str, bool]) -> None:
-        super().__init__()
-        for name, t in tensors.items():
-            self.register_buffer(escape(name), t, persistent=persistent[name])
-
-    def get(self, name: str) -> Tensor:
-        return self._buffers[escape(name)]
-
+_Buffers = Buffers  # the name whole modules pickled before 2026-11-30 hold
 
 # Activation checkpointing inside the p-net recomputes its layers in the backward pass, after
 # `functional_call` has put the p-net's own (unused, stale) weights back: wrong gradients.
@@ -93,7 +62,12 @@ class Bottleneck(PnetFace, nn.Module):
     The p-net itself is kept in a plain attribute (`self.pnet`), not as a submodule, so its
     dense parameters are neither trained nor stored nor moved: `.to()` moves the compressed
     parameters and the buffers only (the p-net's buffers stay shared with it); `train()` and
-    `eval()` reach the p-net. Its dense weights are never read: `forward` passes generated
+    `eval()` reach the p-net (and `forward` follows `b.training` where a trainer sets it
+    directly). Nor do module walks reach it: convert its BatchNorm with
+    `nn.SyncBatchNorm.convert_sync_batchnorm` before wrapping. One p-net serves every call, so
+    not from several threads at once (`nn.DataParallel` is refused); and, as under
+    `functional_call`, a buffer its forward reassigns (`self.n = self.n + 1`, not in place) is
+    lost. Its dense weights are never read: `forward` passes generated
     ones, so the p-net may even sit on the `meta` device (if it has no buffers), and then the
     dense weights are never allocated. `state_dict()` is the compressed model; `export()`
     gives the dense one. `gb.save(path, b.gparams, b.plan)` stores the g-nets and the
@@ -148,17 +122,19 @@ class Bottleneck(PnetFace, nn.Module):
         # `is_activation_checkpointing` would walk every module (0.7 ms on GPT-2 small).
         checkpointable = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
         object.__setattr__(self, "_checkpointable", checkpointable)
+        if any(type(m).__name__ == "CheckpointWrapper" for m in model.modules()):
+            raise ValueError(_CHECKPOINTING)  # torch's `checkpoint_wrapper` around a layer
         self._plan = plan
         first = model.get_parameter(plan.generated[0].name)
         # A p-net on the meta device is fine (its dense weights are never read); ours are real.
         device = None if first.is_meta else first.device
         gparams = init(plan, seed=seed, model=model, device=device)
         self.stacks = nn.ModuleDict(
-            {escape(key): _parameter_dict(leaves) for key, leaves in gparams["stacks"].items()}
+            {escape(key): parameter_dict(leaves) for key, leaves in gparams["stacks"].items()}
         )
-        self.free = _parameter_dict(gparams["free"])
+        self.free = parameter_dict(gparams["free"])
         frozen = {n: t.detach() for n, t in gparams["frozen"].items()}
-        self.frozen = _Buffers(frozen, dict.fromkeys(frozen, True))
+        self.frozen = Buffers(frozen, dict.fromkeys(frozen, True))
         # One entry per distinct buffer; every alias of it is re-pointed by `_link_buffers`.
         buffers: dict[str, Tensor] = {}
         persistent: dict[str, bool] = {}
@@ -171,7 +147,7 @@ class Bottleneck(PnetFace, nn.Module):
                 buffers[name], persistent[name] = buf, keep
             persistent[canonical] = persistent[canonical] or keep
             self._buffer_aliases.setdefault(canonical, []).append(name)
-        self.pnet_buffers = _Buffers(buffers, persistent)
+        self.pnet_buffers = Buffers(buffers, persistent)
         if TASKS in gparams:
             self.tasks = nn.Parameter(gparams[TASKS].detach(), requires_grad=True)
         self.condition: Tensor | None = None  # what `forward` generates for, if conditioned
@@ -250,6 +226,8 @@ class Bottleneck(PnetFace, nn.Module):
         """
         if any(m.gradient_checkpointing for m in self._checkpointable):
             raise ValueError(_CHECKPOINTING)
+        if self._pnet.training != self.training:  # set as an attribute (Lightning's evaluation
+            self._pnet.train(self.training)  # loop restores `module.training` module by module)
         return functional_call(self._pnet, self._pnet_tensors(), args, kwargs)
 
     def _pnet_tensors(self) -> dict[str, Tensor]:
@@ -382,6 +360,14 @@ class Bottleneck(PnetFace, nn.Module):
         self._pnet.train(mode)
         return self
 
+    def _replicate_for_data_parallel(self) -> "Bottleneck":
+        """Refused: `nn.DataParallel`'s replicas would share the one p-net (a plain attribute)
+        and swap their weights into it from several threads at once."""
+        raise TypeError(
+            "gb.Bottleneck: nn.DataParallel runs replicas in threads over one shared p-net, "
+            "which would mix their weights; use DistributedDataParallel (one process per GPU)."
+        )
+
     def _apply(self, fn, recurse: bool = True):  # nn.Module's signature
         """`.to()`, `.half()`, ...: convert this module's tensors, then share buffers again.
 
@@ -469,17 +455,9 @@ def _check_same_stacks(module: Bottleneck, state_dict: dict, prefix: str, *_: ob
             "gb.Bottleneck.load_state_dict: the state was saved from another plan: its "
             f"fingerprint ({prefix + _EXTRA_STATE!r}) is not this module's plan's, so its "
             "g-nets would generate other weights here, even where their shapes agree "
-            "(another activation, center or scale). Build the module with the saved run's "
-            "plan: gb.Bottleneck(model, plan)."
+            "(another activation, center, scale, or the model's dtype when the module was "
+            "built). Build the module with the saved run's plan: gb.Bottleneck(model, plan)."
         )
-
-
-def _parameter_dict(tensors: dict[str, Tensor]) -> nn.ParameterDict:
-    """Parameters under escaped names, in `tensors`' order (a plain dict would be sorted)."""
-    out = nn.ParameterDict()
-    for name, t in tensors.items():
-        out[escape(name)] = nn.Parameter(t.detach(), requires_grad=True)
-    return out
 
 
 def _check_plan_options(options: dict[str, Any]) -> None:

@@ -458,3 +458,32 @@ def test_torchscript_is_refused_with_what_to_use_instead():
         r"torch\.export\.export\(b\.eval\(\), args\) or torch\.compile\(b\)",
     ):
         torch.jit.script(b)
+
+
+def test_forward_follows_a_training_flag_set_directly_as_lightning_does():
+    """Lightning's evaluation loop restores `module.training` by attribute on every module it
+    finds, never the p-net (a plain attribute): it stayed in eval mode for the rest of the
+    training, BatchNorm's statistics frozen and dropout off."""
+    b = gb.Bottleneck(bn_net(), tile=(4, 4))
+    b.eval()
+    for module in b.modules():
+        module.training = True
+    before = b.pnet[1].running_mean.clone()
+    b(torch.randn(8, 6))
+    assert b.pnet.training
+    assert not torch.equal(b.pnet[1].running_mean, before)
+
+
+def test_checkpoint_wrappers_in_the_pnet_and_data_parallel_replicas_are_refused():
+    """A wrapped layer recomputes in the backward with the p-net's dense weights (a gradient
+    5.7 off, the loss the same); `nn.DataParallel`'s replicas share the one p-net across
+    threads (35 of 400 outputs wrong in a review's CPU simulation)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    wrapped = mlp()
+    wrapped[0] = checkpoint_wrapper(wrapped[0])
+    with pytest.raises(ValueError, match=r"gradient checkpointing inside the p-net would"):
+        gb.Bottleneck(wrapped, tile=(4, 4))
+    b = gb.Bottleneck(mlp(), tile=(4, 4))
+    with pytest.raises(TypeError, match=r"nn\.DataParallel .* use DistributedDataParallel"):
+        b._replicate_for_data_parallel()
