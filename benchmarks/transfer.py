@@ -19,7 +19,8 @@ tasks are the main job's character transformer and hashed genome at ~20x, 800 st
 `equal_params`' protocol.
 The report gives each configuration's mean, standard error and seed spread, the default
 against each scale paired by seed (a paired t-test at 5%, `examples.seeds`), the best scale
-so ranked, and the default against the narrow model at its best rate, paired by seed too.
+so ranked, and the default against the narrow model at its best rate, paired by seed too;
+rows whose recorded corpora differ are not paired (`same_text`).
 
     python -m benchmarks.transfer --tasks digits-rows email package-docs   # 2 processes
     python -m benchmarks.transfer --tasks package-docs --scales 1 --lrs 0.06  # a part
@@ -180,12 +181,32 @@ def scores(rows: list[dict], task_name: str, arm: str, value: float) -> dict[int
     }
 
 
+def corpus_by_seed(
+    rows: list[dict], task_name: str, arm: str, value: float
+) -> dict[int, str | None]:
+    """`arm` at `value` on `task_name`: the corpus each seed's row read (`fingerprint`; None
+    where the row predates the record)."""
+    return {
+        r["seed"]: r.get("corpus")
+        for r in rows
+        if r["task"] == task_name and r["arm"] == arm and r["value"] == value
+    }
+
+
+def same_text(a: str | None, b: str | None) -> bool:
+    """Whether two rows may be paired: unless both recorded their corpus and the two differ
+    (package-docs holds the installed gbfunc's README, so it changed with its edits)."""
+    return a is None or b is None or a == b
+
+
 def paired_gap(rows: list[dict], task_name: str, a: float, b: float, b_arm: str = "gbfunc") -> Stat:
     """gbfunc at scale `a` minus `b_arm` at `b` (gbfunc's scale or the narrow model's rate)
     over the seeds both ran (the same batches at a seed, and for two scales the same init, so
     the seed's own luck cancels), with its label (`examples.seeds`)."""
     ours, theirs = scores(rows, task_name, "gbfunc", a), scores(rows, task_name, b_arm, b)
-    seeds = sorted(ours.keys() & theirs.keys())
+    read_a = corpus_by_seed(rows, task_name, "gbfunc", a)
+    read_b = corpus_by_seed(rows, task_name, b_arm, b)
+    seeds = sorted(s for s in ours.keys() & theirs.keys() if same_text(read_a[s], read_b[s]))
     if not seeds:
         return Stat(math.nan, math.nan, math.nan, 0)
     return Stat.of([ours[s] - theirs[s] for s in seeds])

@@ -861,6 +861,11 @@ def test_transfer_reports_the_default_against_the_best_scale_and_the_narrow_mode
     assert "## digits-rows\n\nNot run." in text
     assert "- corpus: 10 characters, sha1 abc (9 rows); not recorded (6 rows)" in text
     assert len(transfer.jobs("email")) == 3 * (5 + 4)  # five scales, four narrow rates
+    # a row of another recorded corpus is not paired (package-docs changed with the README)
+    other = [dict(r, corpus="10 characters, sha1 def") for r in rows if r["value"] == 3.0]
+    moved = [r for r in rows if r["value"] != 3.0] + other
+    assert transfer.paired_gap(moved, "email", 1.0, 3.0).n == 0
+    assert transfer.paired_gap(moved, "email", 1.0, 0.06, "narrow").n == 3
 
 
 def test_bench_paths_forces_each_neighbour_of_a_variant_and_checks_it_equals_the_variant(
