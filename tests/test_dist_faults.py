@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.func import functional_call
 from torch.multiprocessing import ProcessRaisedException
 from torchrun import torchrun
@@ -51,6 +52,9 @@ def faults_worker(rank: int, world: int) -> dict:
 
 
 def raising_worker(rank: int, world: int) -> None:
+    # Both process groups up first: rank 1 raising while rank 0 still connected made rank 0's
+    # init fail ("Gloo connectFullMesh failed"), and that error was the one re-raised.
+    dist.barrier()
     if rank == 1:
         raise KeyError("rank 1 is broken")
     threading.Event().wait()  # never set: rank 0 returns only by being terminated
