@@ -174,11 +174,7 @@ def scores(rows: list[dict], task_name: str, arm: str, value: float) -> dict[int
     seed (validation loss in nats for text, accuracy in % for images)."""
     metric = "val_loss" if TASKS[task_name][0] == "text" else "val_acc"
     unit = 1.0 if metric == "val_loss" else 100.0
-    return {
-        r["seed"]: r[metric] * unit
-        for r in rows
-        if r["task"] == task_name and r["arm"] == arm and r["value"] == value
-    }
+    return {r["seed"]: r[metric] * unit for r in _configuration(rows, task_name, arm, value)}
 
 
 def corpus_by_seed(
@@ -186,11 +182,12 @@ def corpus_by_seed(
 ) -> dict[int, str | None]:
     """`arm` at `value` on `task_name`: the corpus each seed's row read (`fingerprint`; None
     where the row predates the record)."""
-    return {
-        r["seed"]: r.get("corpus")
-        for r in rows
-        if r["task"] == task_name and r["arm"] == arm and r["value"] == value
-    }
+    return {r["seed"]: r.get("corpus") for r in _configuration(rows, task_name, arm, value)}
+
+
+def _configuration(rows: list[dict], task_name: str, arm: str, value: float) -> list[dict]:
+    """The rows of `arm` at `value` on `task_name`, one per seed run."""
+    return [r for r in rows if r["task"] == task_name and r["arm"] == arm and r["value"] == value]
 
 
 def same_text(a: str | None, b: str | None) -> bool:

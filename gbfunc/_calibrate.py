@@ -77,17 +77,16 @@ def calibrate(
     entries = {p.name: p for p in plan.params}
     watched = _watched(model)
     covered = [n for n in watched if _calibrated(entries.get(f"{n}.bias" if n else "bias"))]
-    with torch.no_grad(), _measuring(model, args):
+    with torch.no_grad(), _measuring(model, args):  # every forward below only measures
         order = _forward_order(model, watched, generate(gparams), args)
-    if missed := [n for n in covered if n not in order]:
-        warnings.warn(
-            f"gb.calibrate: the model's forward never called {', '.join(map(repr, missed))}, so "
-            "their biases were left as they were.",
-            stacklevel=2,
-        )
-    for name in (n for n in order if n in covered):
-        bias = entries[f"{name}.bias" if name else "bias"]  # "": the model is the layer
-        with torch.no_grad(), _measuring(model, args):
+        if missed := [n for n in covered if n not in order]:
+            warnings.warn(
+                f"gb.calibrate: the model's forward never called {', '.join(map(repr, missed))}, "
+                "so their biases were left as they were.",
+                stacklevel=2,
+            )
+        for name in (n for n in order if n in covered):  # each after the ones before it
+            bias = entries[f"{name}.bias" if name else "bias"]  # "": the model is the layer
             mean = _output_mean(model, watched[name], generate(gparams), args)
             if not bool(mean.isfinite().all()):
                 raise ValueError(

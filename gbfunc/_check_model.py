@@ -8,6 +8,14 @@ from ._plan import Plan
 _WRAPPERS = (nn.parallel.DistributedDataParallel, nn.DataParallel)
 
 
+def is_bottleneck(obj: object) -> bool:
+    """Whether `obj` is a `gb.Bottleneck` (by its `pnet` and `plan`; not imported: it is
+    built on these checks)."""
+    return isinstance(getattr(obj, "pnet", None), nn.Module) and isinstance(
+        getattr(obj, "plan", None), Plan
+    )
+
+
 def check_module(model: object, where: str) -> nn.Module:
     """Return `model` if it is a plain `nn.Module`; reject wrappers whose names differ from it.
 
@@ -21,9 +29,7 @@ def check_module(model: object, where: str) -> nn.Module:
             f"{where}: model is wrapped in {type(model).__name__}; pass model.module. gbfunc "
             "generates the weights itself (use gbfunc.compat.GenomicBottleneck for DDP scripts)."
         )
-    if isinstance(getattr(model, "pnet", None), nn.Module) and isinstance(
-        getattr(model, "plan", None), Plan
-    ):  # a `gb.Bottleneck` (not imported: it is built on these checks)
+    if is_bottleneck(model):
         raise TypeError(
             f"{where}: model is a gb.Bottleneck, whose parameters are g-nets; pass its p-net "
             "(b.pnet) and b.plan, or use its own methods (b.report(), b.export())."

@@ -7,6 +7,7 @@ from fractions import Fraction
 
 from torch import nn
 
+from ._check_model import is_bottleneck
 from ._plan import TILE_LEAVES, Free, Generated, Plan, Shaped, Stack
 
 
@@ -171,7 +172,7 @@ def report(plan: Plan) -> Report:
     """
     if not isinstance(plan, Plan):
         hint = ""
-        if isinstance(getattr(plan, "plan", None), Plan):  # a `gb.Bottleneck`
+        if is_bottleneck(plan):
             hint = " Pass its .plan, or call its .report()."
         elif isinstance(plan, nn.Module):
             hint = " Pass gb.plan(model) instead."

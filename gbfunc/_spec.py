@@ -302,11 +302,11 @@ def plain_eager() -> bool:
     )
 
 
-def autocast_off(*tensors: Tensor | None) -> contextlib.AbstractContextManager:
-    """Autocast off on the first tensor's device where it is on: weights and their gradients
-    are computed in the g-nets' dtype, as the loops and kernels do, whatever autocast the
-    caller runs under (the torch path's matmuls ran in bfloat16 under CPU autocast)."""
-    device = next((t.device.type for t in tensors if isinstance(t, Tensor)), None)
+def autocast_off(leaf: Tensor | None) -> contextlib.AbstractContextManager:
+    """Autocast off on the g-net `leaf`'s device where it is on: weights are computed in the
+    g-nets' dtype, as the loops and kernels do, whatever autocast the caller runs under (the
+    torch path's matmuls ran in bfloat16 under CPU autocast)."""
+    device = None if leaf is None else leaf.device.type
     if device is None or not torch.amp.is_autocast_available(device):
         return contextlib.nullcontext()
     if torch.is_autocast_enabled(device):

@@ -61,12 +61,12 @@ def load_built(
         recorded = _recorded_digest(library, inputs)
         if recorded is None or recorded != _file_digest(library):
             _build(command, library, inputs, clean=held)
-            return ctypes.CDLL(str(library))
-        try:
-            return ctypes.CDLL(str(library))
-        except OSError:  # an intact build this host cannot load (another C library): once more
-            _build(command, library, inputs, clean=held)
-            return ctypes.CDLL(str(library))
+        else:
+            try:
+                return ctypes.CDLL(str(library))
+            except OSError:  # an intact build this host cannot load (another C library)
+                _build(command, library, inputs, clean=held)
+        return ctypes.CDLL(str(library))
 
 
 @contextlib.contextmanager
