@@ -4,6 +4,7 @@ import bisect
 import contextlib
 import itertools
 import math
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
@@ -19,6 +20,11 @@ from ._tree import GParams
 from .generate.torch_ops import CHUNK_ELEMENTS, tile_chunks
 
 VALUES = ("model", "draw")
+# Draws of a stack before a g-net constant over its positions is given up on: with few hidden
+# units and tiles, every unit can start dead (or linear, where odd-tied units cancel) on each
+# tile, and its weights would start equal: a stack of 4 shared ReLU units on 2 tiles did so
+# on 34 seeds in 200, and on none when drawn again.
+DRAWS = 8
 # The dtypes g-nets generate in: torch's matmuls take no float8 (`gb.apply` would fail).
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -39,7 +45,9 @@ def init(
     so its raw output has zero mean and std `Generated.start` (1 but for weights drawn above a
     fan-in init, such as embeddings; data-dependent init, computed exactly in float64);
     `gb.apply` multiplies it by `Generated.scale`, so the weight starts at the std of the
-    model's own (`scale * start`).
+    model's own (`scale * start`). A g-net that sees one position (a tile of one row and
+    one column of evaluations) is a constant and starts as drawn values; a stack whose g-net
+    starts constant over its positions (every unit inactive) is drawn again (`DRAWS`).
     Free and frozen parameters start from the model's own tensors, copied: its
     initialisation (a library's `_init_weights` included) or pretrained values, bitwise;
     a parallelized model's DTensors whole (then call it on every rank: it gathers them).
@@ -119,7 +127,12 @@ def _drawn(
     stacks = {}
     for i, s in enumerate(plan.stacks):
         kind = _leaf_dtype(dtype, plan.generated_by(i))
-        leaves = _init_stack(s, gen, _starts(plan, i))
+        for _ in range(DRAWS):  # again where a g-net starts constant (see `DRAWS`)
+            leaves, constant = _init_stack(s, gen, _starts(plan, i))
+            if not constant:
+                break
+        else:
+            _warn_constant(plan, i, constant, seed)
         stacks[s.key] = {n: finish(v, True, kind) for n, v in leaves.items()}
     free: dict[str, Tensor] = {}
     frozen: dict[str, Tensor] = {}
@@ -212,8 +225,28 @@ def _starts(plan: Plan, index: int) -> Tensor:
     return starts
 
 
-def _init_stack(stack: Stack, gen: torch.Generator, starts: Tensor) -> dict[str, Tensor]:
-    """A stack's leaves, its raw tiles at std `starts` (per tile, `_starts`)."""
+def _warn_constant(plan: Plan, index: int, gnets: list[int], seed: int) -> None:
+    """Warn that the parameters of stack `index` that `gnets` generate start constant."""
+    owner = plan.stacks[index].gnet_of_tile
+    names = [
+        p.name
+        for p in plan.generated_by(index)
+        if any(owner[b.first_tile] in gnets for b in p.blocks)
+    ]
+    warnings.warn(
+        f"gb.init: {', '.join(names)} start constant at seed {seed}: every hidden unit of "
+        "the g-nets generating them is inactive at each of their positions, so their weights "
+        "would start equal (and a ReLU g-net learns nothing through dead units). Use another "
+        "seed or more hidden units.",
+        stacklevel=3,
+    )
+
+
+def _init_stack(
+    stack: Stack, gen: torch.Generator, starts: Tensor
+) -> tuple[dict[str, Tensor], list[int]]:
+    """A stack's leaves, its raw tiles at std `starts` (per tile, `_starts`), and the g-nets
+    whose output is constant over their positions at init (`_normalise_outputs`)."""
     genome = stack.genome
     shapes = stack.leaf_shapes()
     fan_in = stack.row_width + stack.col_width + (genome.embed_dim if genome.share else 0)
@@ -229,10 +262,18 @@ def _init_stack(stack: Stack, gen: torch.Generator, starts: Tensor) -> dict[str,
             leaves[name] = _normal(shape, 1.0, gen)
         else:
             leaves[name] = torch.zeros(shape, dtype=torch.float64)
-    if genome.depth == 1 and genome.activation != "tanh":
+    # One evaluation position per tile: its codes are zero, where tying units odd in them
+    # (`_make_odd`) would zero every output.
+    single = stack.tile[0] * stack.columns == 1
+    if genome.depth == 1 and genome.activation != "tanh" and not single:
         _make_odd(leaves, stack.row_width)
-    if not genome.hashed:
-        _normalise_outputs(stack, leaves)
+    constant: list[int] = []
+    if not genome.hashed and single and stack.num_tiles == stack.num_gnets:
+        # A g-net of one constant input is a constant: it starts as the values it stands for
+        # would, from its output bias (hidden units at zero bias and codes give exactly zero).
+        leaves["b_out"] = _standardised(_normal(shapes["b_out"], 1.0, gen))
+    elif not genome.hashed:
+        constant = _normalise_outputs(stack, leaves)
         if bool((starts != 1).any()):  # a g-net's tiles are one parameter's: one start each
             owner = torch.tensor(stack.gnet_of_tile)
             per_gnet = torch.ones(stack.num_gnets, dtype=torch.float64).index_copy_(
@@ -245,13 +286,19 @@ def _init_stack(stack: Stack, gen: torch.Generator, starts: Tensor) -> dict[str,
         # for weights drawn above a fan-in init), and the g-nets at zero output (so
         # normalising it is moot), to learn what the sharing misses: better than an even split
         # of the variance (measured: benchmarks/results/design_measurements.md).
-        table = _normal(shapes["tile_hash"], 1.0, gen)
-        if table.shape[1] > 1:  # exactly zero mean and unit std per tile, as the g-nets
-            table = (table - table.mean(1, keepdim=True)) / table.std(1, keepdim=True)
+        table = _standardised(_normal(shapes["tile_hash"], 1.0, gen))
         leaves["tile_hash"] = table * starts[:, None] / HASH_GAIN
         leaves["w_out"].zero_()
         leaves["b_out"].zero_()
-    return leaves
+    return leaves, constant
+
+
+def _standardised(x: Tensor) -> Tensor:
+    """`x` `(N, K)` at exactly zero mean and unit std per row, as the g-nets' tiles start
+    (left as drawn where a row holds one value)."""
+    if x.shape[1] < 2:
+        return x
+    return (x - x.mean(1, keepdim=True)) / x.std(1, keepdim=True)
 
 
 _ROW_SIGNS = (1.0, 1.0, -1.0, -1.0)
@@ -289,11 +336,10 @@ def _make_odd(leaves: dict[str, Tensor], row_width: int) -> None:
                 leaves[name][..., s : 4 * groups : 4] = leaves[name][..., 0 : 4 * groups : 4]
 
 
-def _normalise_outputs(stack: Stack, leaves: dict[str, Tensor]) -> None:
-    """Shift and scale each g-net's output layer so its raw tiles have mean 0 and std 1."""
+def _normalise_outputs(stack: Stack, leaves: dict[str, Tensor]) -> list[int]:
+    """Shift and scale each g-net's output layer so its raw tiles have mean 0 and std 1;
+    returns the g-nets whose output is constant (left so)."""
     positions = stack.tile[0] * stack.columns
-    if positions < 2 and stack.num_tiles == stack.num_gnets:
-        return  # a single position per g-net: nothing to standardise against
     with torch.no_grad():
         sums, sq = _tile_moments(stack, leaves)
         counts = torch.tensor(stack.tiles_per_gnet, dtype=sums.dtype) * positions  # (G,)
@@ -306,9 +352,11 @@ def _normalise_outputs(stack: Stack, leaves: dict[str, Tensor]) -> None:
         std = (var / (counts * stack.outputs)).sqrt()  # (G,)
         # A g-net constant over its positions (e.g. every unit dead behind a ReLU) is left
         # unscaled: dividing by a vanishing std would blow its rounding errors up to O(1).
-        std = torch.where(std < 1e-6, torch.ones_like(std), std)
+        constant = std < 1e-6
+        std = torch.where(constant, torch.ones_like(std), std)
         leaves["b_out"] = (leaves["b_out"] - mean) / std[:, None]
         leaves["w_out"] = leaves["w_out"] / std[:, None, None]
+    return constant.nonzero().flatten().tolist()
 
 
 def _tile_moments(stack: Stack, leaves: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
