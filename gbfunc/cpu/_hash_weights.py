@@ -29,14 +29,13 @@ from .._spec import cached_tile_hash, legacy_batched, signed_buckets
 from ._build import Loop, compiled_loop, runnable, splits_added, threads_and_splits, vectorised_cpu
 from ._relu_rows import (
     Placement,
-    batched,
     batched_gradients,
     decoded,
     new_weights,
+    per_genome,
     placed,
     placement_tables,
     pointers,
-    stacked,
 )
 
 _FORWARD = Loop("hash_weights", "hash_weights.cpp", pointers=6, sizes=4)
@@ -160,11 +159,12 @@ def _(base, table, positions, tile_rows, placement, gain) -> list[Tensor]:
 @hash_weights.register_vmap
 def _(info, in_dims, base, table, positions, tile_rows, placement, gain):
     count, numbers = len(base), (positions, tile_rows, placement, gain)
-    each = [
-        hash_weights(list(args[:count]), args[count], *numbers)
-        for args in batched(info.batch_size, (*in_dims[0], in_dims[1]), (*base, table))
-    ]
-    return stacked(each)
+    return per_genome(
+        lambda *args: hash_weights(list(args[:count]), args[count], *numbers),
+        info.batch_size,
+        (*in_dims[0], in_dims[1]),
+        (*base, table),
+    )
 
 
 @torch.library.custom_op("gbfunc::hash_weights_backward", mutates_args=(), device_types="cpu")

@@ -30,7 +30,7 @@ through the same ops, placement and glue; `rows_reference` specifies both kinds.
 
 import ctypes
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -287,8 +287,9 @@ def _(row_code, col_code, w_in, b_in, w_out, b_out, placement) -> list[Tensor]:
 @relu_rows.register_vmap
 def _(info, in_dims, row_code, col_code, w_in, b_in, w_out, b_out, placement):
     tensors = (row_code, col_code, w_in, b_in, w_out, b_out)
-    each = [relu_rows(*args, placement) for args in batched(info.batch_size, in_dims[:6], tensors)]
-    return stacked(each)
+    return per_genome(
+        lambda *args: relu_rows(*args, placement), info.batch_size, in_dims[:6], tensors
+    )
 
 
 @torch.library.custom_op("gbfunc::relu_rows_backward", mutates_args=(), device_types="cpu")
@@ -448,6 +449,10 @@ def batched_gradients(
     return each
 
 
-def stacked(each: list[list[Tensor]]) -> tuple[list[Tensor], list[int]]:
-    """The per-genome weight lists of a forward op's vmap rule, stacked along a new dim 0."""
+def per_genome(
+    run: Callable[..., list[Tensor]], size: int, in_dims: tuple, tensors: tuple
+) -> tuple[list[Tensor], list[int]]:
+    """A forward op's vmap rule: `run` on each vmapped genome's slices of `tensors`, its
+    weight lists stacked along a new dim 0."""
+    each = [run(*args) for args in batched(size, in_dims, tensors)]
     return [torch.stack(w) for w in zip(*each, strict=True)], [0] * len(each[0])
