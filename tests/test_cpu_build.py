@@ -355,6 +355,14 @@ def test_a_compiler_installed_while_running_is_found(tmp_path, monkeypatch):
     assert gb.cpu.loops_state() != before
 
 
+def test_a_compiler_variable_with_arguments_is_named_as_such(monkeypatch):
+    """`CXX="ccache g++"` was reported as a compiler missing from PATH."""
+    monkeypatch.setenv("CXX", "ccache g++")
+    reason = _build.missing_compiler(warn=False)
+    assert reason is not None and "CXX='ccache g++' names no program" in reason
+    assert "without arguments" in reason
+
+
 def test_a_build_that_fails_after_compiling_leaves_no_partial_file(tmp_path, monkeypatch):
     """A full disk at the record's write left the library's and the record's temporary files
     on the full disk until that library was built again."""

@@ -102,7 +102,13 @@ def missing_compiler(*, warn: bool) -> str | None:
     or None; with `warn`, the first time also says so in a warning (once per process)."""
     if compiler() is not None:
         return None
-    reason = f"no C++ compiler: {os.environ.get('CXX') or 'c++'} is not on PATH (set CXX)"
+    name = os.environ.get("CXX") or "c++"
+    reason = f"no C++ compiler: {name} is not on PATH (set CXX)"
+    if len(name.split()) > 1 and not Path(name).exists():  # torch's inductor reads it whole too
+        reason = (
+            f"no C++ compiler: CXX={name!r} names no program; CXX is one compiler's path or "
+            "name, without arguments (put a wrapper such as ccache in a script)"
+        )
     global _warned_compiler
     if warn and not _warned_compiler:
         _warned_compiler = True
