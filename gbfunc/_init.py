@@ -5,6 +5,7 @@ import contextlib
 import itertools
 import math
 import warnings
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
@@ -127,11 +128,8 @@ def _drawn(
     stacks = {}
     for i, s in enumerate(plan.stacks):
         kind = _leaf_dtype(dtype, plan.generated_by(i))
-        for _ in range(DRAWS):  # again where a g-net starts constant (see `DRAWS`)
-            leaves, constant = _init_stack(s, gen, _starts(plan, i))
-            if not constant:
-                break
-        else:
+        leaves, constant = _init_stack(s, gen, _starts(plan, i))
+        if constant:
             _warn_constant(plan, i, constant, seed)
         stacks[s.key] = {n: finish(v, True, kind) for n, v in leaves.items()}
     free: dict[str, Tensor] = {}
@@ -225,33 +223,67 @@ def _starts(plan: Plan, index: int) -> Tensor:
     return starts
 
 
-def _warn_constant(plan: Plan, index: int, gnets: list[int], seed: int) -> None:
-    """Warn that the parameters of stack `index` that `gnets` generate start constant."""
-    owner = plan.stacks[index].gnet_of_tile
+def _warn_constant(plan: Plan, index: int, tiles: list[int], seed: int) -> None:
+    """Warn that `tiles` of stack `index` start constant, naming their parameters."""
+    dead = set(tiles)
     names = [
         p.name
         for p in plan.generated_by(index)
-        if any(owner[b.first_tile] in gnets for b in p.blocks)
+        if any(
+            t in dead
+            for b in p.blocks
+            for t in range(b.first_tile, b.first_tile + b.grid[0] * b.grid[1])
+        )
     ]
     warnings.warn(
-        f"gb.init: {', '.join(names)} start constant at seed {seed}: every hidden unit of "
-        "the g-nets generating them is inactive at each of their positions, so their weights "
-        "would start equal (and a ReLU g-net learns nothing through dead units). Use another "
-        "seed or more hidden units.",
-        stacklevel=3,
+        f"gb.init: {len(dead)} of {plan.stacks[index].num_tiles} tiles of "
+        f"{', '.join(names)} start constant at seed {seed} after {DRAWS} draws: every hidden "
+        "unit of their g-nets is inactive (or cancels) at each of their positions, so those "
+        "weights start equal, and a ReLU g-net learns nothing through dead units. Use more "
+        "hidden units.",
+        stacklevel=4,
     )
 
 
 def _init_stack(
     stack: Stack, gen: torch.Generator, starts: Tensor
 ) -> tuple[dict[str, Tensor], list[int]]:
-    """A stack's leaves, its raw tiles at std `starts` (per tile, `_starts`), and the g-nets
-    whose output is constant over their positions at init (`_normalise_outputs`)."""
+    """A stack's leaves, its raw tiles at std `starts` (per tile, `_starts`), and the tiles
+    still constant over their positions after `DRAWS` draws of their g-nets."""
+    leaves = _draw(stack, gen)
+    if stack.genome.hashed:
+        # Start as HashedNets does, the table carrying the tile's variance (std `start`, 1 but
+        # for weights drawn above a fan-in init), and the g-nets at zero output (so
+        # normalising it is moot), to learn what the sharing misses: better than an even split
+        # of the variance (measured: benchmarks/results/design_measurements.md).
+        table = _standardised(_normal(stack.leaf_shapes()["tile_hash"], 1.0, gen))
+        leaves["tile_hash"] = table * starts[:, None] / HASH_GAIN
+        leaves["w_out"].zero_()
+        leaves["b_out"].zero_()
+        return leaves, []
+    with torch.no_grad():
+        moments = _tile_moments(stack, leaves)
+        for _ in range(DRAWS - 1):
+            if not (dead := _constant_tiles(stack, *moments)):
+                break
+            _redraw(stack, leaves, _draw(stack, gen), dead)
+            moments = _tile_moments(stack, leaves)
+        dead = _constant_tiles(stack, *moments)
+        _normalise_outputs(stack, leaves, moments, gen)
+    if bool((starts != 1).any()):  # a g-net's tiles are one parameter's: one start each
+        owner = torch.tensor(stack.gnet_of_tile)
+        per_gnet = torch.ones(stack.num_gnets, dtype=torch.float64).index_copy_(0, owner, starts)
+        leaves["w_out"] = leaves["w_out"] * per_gnet[:, None, None]
+        leaves["b_out"] = leaves["b_out"] * per_gnet[:, None]
+    return leaves, dead
+
+
+def _draw(stack: Stack, gen: torch.Generator) -> dict[str, Tensor]:
+    """A stack's leaves as drawn, before their outputs are normalised."""
     genome = stack.genome
-    shapes = stack.leaf_shapes()
     fan_in = stack.row_width + stack.col_width + (genome.embed_dim if genome.share else 0)
     leaves: dict[str, Tensor] = {}
-    for name, shape in shapes.items():
+    for name, shape in stack.leaf_shapes().items():
         if name in ("w_in", "w_embed"):
             leaves[name] = _normal(shape, 1 / math.sqrt(fan_in), gen)
         elif name == "w_hidden":
@@ -260,45 +292,67 @@ def _init_stack(
             leaves[name] = _normal(shape, 1 / math.sqrt(genome.hidden), gen)
         elif name == "tile_embed":
             leaves[name] = _normal(shape, 1.0, gen)
-        else:
+        elif name != "tile_hash":  # (drawn by the caller)
             leaves[name] = torch.zeros(shape, dtype=torch.float64)
-    # One evaluation position per tile: its codes are zero, where tying units odd in them
-    # (`_make_odd`) would zero every output.
-    single = stack.tile[0] * stack.columns == 1
-    if genome.depth == 1 and genome.activation != "tanh" and not single:
-        _make_odd(leaves, stack.row_width)
-    constant: list[int] = []
-    if not genome.hashed and single and stack.num_tiles == stack.num_gnets:
-        # A g-net of one constant input is a constant: it starts as the values it stands for
-        # would, from its output bias (hidden units at zero bias and codes give exactly zero).
-        leaves["b_out"] = _standardised(_normal(shapes["b_out"], 1.0, gen))
+    if _positions(stack) > 1:
+        if genome.depth == 1 and genome.activation != "tanh":
+            _make_odd(leaves, stack.row_width)
     elif not genome.hashed:
-        constant = _normalise_outputs(stack, leaves)
-        if bool((starts != 1).any()):  # a g-net's tiles are one parameter's: one start each
-            owner = torch.tensor(stack.gnet_of_tile)
-            per_gnet = torch.ones(stack.num_gnets, dtype=torch.float64).index_copy_(
-                0, owner, starts
-            )
-            leaves["w_out"] = leaves["w_out"] * per_gnet[:, None, None]
-            leaves["b_out"] = leaves["b_out"] * per_gnet[:, None]
-    else:
-        # Start as HashedNets does, the table carrying the tile's variance (std `start`, 1 but
-        # for weights drawn above a fan-in init), and the g-nets at zero output (so
-        # normalising it is moot), to learn what the sharing misses: better than an even split
-        # of the variance (measured: benchmarks/results/design_measurements.md).
-        table = _standardised(_normal(shapes["tile_hash"], 1.0, gen))
-        leaves["tile_hash"] = table * starts[:, None] / HASH_GAIN
-        leaves["w_out"].zero_()
-        leaves["b_out"].zero_()
-    return leaves, constant
+        # One evaluation position: its codes are zero (tying units odd in them, `_make_odd`,
+        # would cancel every output), so its units' inputs are their biases, drawn nonzero
+        # (at zero a ReLU unit passes no gradient, and a conditioned g-net never learned to
+        # depend on its condition).
+        leaves["b_in"] = _normal(leaves["b_in"].shape, 1.0, gen)
+    return leaves
 
 
-def _standardised(x: Tensor) -> Tensor:
-    """`x` `(N, K)` at exactly zero mean and unit std per row, as the g-nets' tiles start
-    (left as drawn where a row holds one value)."""
+def _positions(stack: Stack) -> int:
+    """Positions each tile's g-net is evaluated at (each emits `outputs` values there)."""
+    return stack.tile[0] * stack.columns
+
+
+def _constant_tiles(stack: Stack, sums: Tensor, sq: Tensor) -> list[int]:
+    """The tiles whose raw output is constant at init (to 1e-6 of the unit std it is scaled
+    to): over their positions; with one position, over their g-net's tiles (a g-net of one
+    tile and one position is a constant: `_normalise_outputs` starts it as drawn values)."""
+    positions, outputs = _positions(stack), stack.outputs
+    if positions > 1:
+        return (sq < 1e-12 * positions * outputs).nonzero().flatten().tolist()
+    owner = torch.tensor(stack.gnet_of_tile)
+    counts = torch.tensor(stack.tiles_per_gnet, dtype=sums.dtype)
+    mean = torch.zeros(stack.num_gnets, outputs, dtype=sums.dtype).index_add_(0, owner, sums)
+    spread = (sums - (mean / counts[:, None])[owner]).square().sum(1)
+    var = torch.zeros(stack.num_gnets, dtype=sums.dtype).index_add_(0, owner, spread)
+    flat = (var < 1e-12 * counts * outputs) & (counts > 1)
+    return flat[owner].nonzero().flatten().tolist()
+
+
+def _redraw(
+    stack: Stack, leaves: dict[str, Tensor], fresh: dict[str, Tensor], tiles: list[int]
+) -> None:
+    """Take the constant `tiles`' draws from `fresh`: their tile embeddings where the g-nets
+    are shared, and whole g-nets where all of a g-net's tiles are constant."""
+    owner = stack.gnet_of_tile
+    counts = Counter(owner[t] for t in tiles)
+    gnets = torch.tensor([g for g, n in counts.items() if n == stack.tiles_per_gnet[g]])
+    for name, value in leaves.items():
+        if name == "tile_embed":
+            rows = torch.tensor(tiles)
+        elif name not in TILE_LEAVES:
+            rows = gnets
+        else:
+            continue
+        if len(rows):
+            value[rows] = fresh[name][rows]
+
+
+def _standardised(x: Tensor, correction: int = 1) -> Tensor:
+    """`x` `(N, K)` at exactly zero mean and unit std per row (left as drawn where a row
+    holds one value), the std with Bessel's `correction`: the hashed tables have always
+    started with 1, i.e. at `sqrt((K - 1) / K)` of their std (0.996 at 124 buckets)."""
     if x.shape[1] < 2:
         return x
-    return (x - x.mean(1, keepdim=True)) / x.std(1, keepdim=True)
+    return (x - x.mean(1, keepdim=True)) / x.std(1, keepdim=True, correction=correction)
 
 
 _ROW_SIGNS = (1.0, 1.0, -1.0, -1.0)
@@ -336,27 +390,31 @@ def _make_odd(leaves: dict[str, Tensor], row_width: int) -> None:
                 leaves[name][..., s : 4 * groups : 4] = leaves[name][..., 0 : 4 * groups : 4]
 
 
-def _normalise_outputs(stack: Stack, leaves: dict[str, Tensor]) -> list[int]:
-    """Shift and scale each g-net's output layer so its raw tiles have mean 0 and std 1;
-    returns the g-nets whose output is constant (left so)."""
-    positions = stack.tile[0] * stack.columns
-    with torch.no_grad():
-        sums, sq = _tile_moments(stack, leaves)
-        counts = torch.tensor(stack.tiles_per_gnet, dtype=sums.dtype) * positions  # (G,)
-        owner = torch.tensor(stack.gnet_of_tile)
-        mean = torch.zeros(stack.num_gnets, stack.outputs, dtype=sums.dtype)
-        mean = mean.index_add_(0, owner, sums) / counts[:, None]  # (G, P)
-        # Each tile's squares about its g-net's mean: about its own, plus its mean's offset.
-        sq = sq + (sums / positions - mean[owner]).square().sum(1) * positions
-        var = torch.zeros(stack.num_gnets, dtype=sums.dtype).index_add_(0, owner, sq)
-        std = (var / (counts * stack.outputs)).sqrt()  # (G,)
-        # A g-net constant over its positions (e.g. every unit dead behind a ReLU) is left
-        # unscaled: dividing by a vanishing std would blow its rounding errors up to O(1).
-        constant = std < 1e-6
-        std = torch.where(constant, torch.ones_like(std), std)
-        leaves["b_out"] = (leaves["b_out"] - mean) / std[:, None]
-        leaves["w_out"] = leaves["w_out"] / std[:, None, None]
-    return constant.nonzero().flatten().tolist()
+def _normalise_outputs(
+    stack: Stack, leaves: dict[str, Tensor], moments: tuple[Tensor, Tensor], gen: torch.Generator
+) -> None:
+    """Shift and scale each g-net's output layer so its raw tiles have mean 0 and std 1
+    (`moments`: `_tile_moments`); a g-net of one tile and one position, a constant, starts
+    its outputs at drawn values of mean 0 and std 1 instead."""
+    sums, sq = moments
+    positions = _positions(stack)
+    counts = torch.tensor(stack.tiles_per_gnet, dtype=sums.dtype) * positions  # (G,)
+    owner = torch.tensor(stack.gnet_of_tile)
+    mean = torch.zeros(stack.num_gnets, stack.outputs, dtype=sums.dtype)
+    mean = mean.index_add_(0, owner, sums) / counts[:, None]  # (G, P)
+    # Each tile's squares about its g-net's mean: about its own, plus its mean's offset.
+    sq = sq + (sums / positions - mean[owner]).square().sum(1) * positions
+    var = torch.zeros(stack.num_gnets, dtype=sums.dtype).index_add_(0, owner, sq)
+    std = (var / (counts * stack.outputs)).sqrt()  # (G,)
+    # A g-net constant over its positions (every unit dead behind a ReLU, after `DRAWS`) is
+    # left unscaled: dividing by a vanishing std would blow its rounding errors up to O(1).
+    std = torch.where(std < 1e-6, torch.ones_like(std), std)
+    if bool((single := counts == 1).any()):
+        drawn = _normal((int(single.sum()), stack.outputs), 1.0, gen)
+        drawn = _standardised(drawn, correction=0)
+        mean[single] -= drawn
+    leaves["b_out"] = (leaves["b_out"] - mean) / std[:, None]
+    leaves["w_out"] = leaves["w_out"] / std[:, None, None]
 
 
 def _tile_moments(stack: Stack, leaves: dict[str, Tensor]) -> tuple[Tensor, Tensor]:

@@ -161,28 +161,6 @@ def test_generated_weights_start_at_the_pnet_init_std(model, kwargs):
         assert abs(params[name].mean().item()) < 0.1 * target, name
 
 
-def test_a_stack_whose_gnets_start_constant_is_drawn_again():
-    # 4 shared ReLU units over 2 tiles: on seed 8 every unit started dead (or linear, where
-    # the odd-tied units cancel) on both tiles of `2.weight`, whose weights were all equal.
-    model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
-    plan = gb.plan(model, tile=(4, 4), share=True, hidden=4)
-    for seed in (8, 10, 17):
-        weight = gb.apply(gb.init(plan, seed), plan)["2.weight"].detach()
-        assert weight.std() > 0.5 * target_stds(model, plan)["2.weight"], seed
-
-
-def test_gnets_still_constant_after_every_draw_are_named_in_a_warning(monkeypatch):
-    monkeypatch.setattr("gbfunc._init.DRAWS", 1)  # the first draw only, constant on seed 8
-    plan = gb.plan(
-        nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4)),
-        tile=(4, 4),
-        share=True,
-        hidden=4,
-    )
-    with pytest.warns(UserWarning, match=r"gb.init: 2.weight start constant at seed 8"):
-        gb.init(plan, 8)
-
-
 def test_step_zero_loss_matches_the_dense_classifier():
     from sklearn.datasets import load_digits
 
