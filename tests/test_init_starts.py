@@ -80,7 +80,7 @@ def test_one_position_gnets_start_at_the_pnet_init_std(model, kwargs):
 
 
 def test_tiles_still_constant_after_every_draw_are_named_in_a_warning(monkeypatch):
-    monkeypatch.setattr("gbfunc._init.DRAWS", 1)  # the first draw only, constant on seed 8
+    monkeypatch.setattr("gbfunc._stack_init.DRAWS", 1)  # the first draw only, constant on seed 8
     plan = gb.plan(_small_mlp(), tile=(4, 4), share=True, hidden=4)
     with pytest.warns(UserWarning, match=r"2 of 10 tiles of 2.weight start constant at seed 8"):
         gb.init(plan, 8)
@@ -92,10 +92,29 @@ def test_the_warning_names_every_parameter_with_a_constant_tile_and_points_at_th
     # One hidden ReLU unit a layer, two layers: about half the tiles start constant. The names
     # came from each parameter's first tile only (often none), and the warning pointed into
     # gbfunc.
-    monkeypatch.setattr("gbfunc._init.DRAWS", 1)
+    monkeypatch.setattr("gbfunc._stack_init.DRAWS", 1)
     plan = gb.plan(
         nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32)), tile=(4, 4), hidden=1, depth=2
     )
     with pytest.warns(UserWarning, match=r"of 128 tiles of 0.weight, 1.weight start") as caught:
         gb.init(plan, 0)
     assert caught[0].filename == __file__
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"tile": "full", "activation": "tanh", "encoding": "gray", "hidden": 9},
+        {"tile": (16, 16), "depth": 2},
+        {"tile": "full", "hashed": 16},
+    ],
+)
+def test_centred_weights_start_at_their_std_once_centred(kwargs):
+    # Centring each row took a share of the variance that normalising tile by tile could not
+    # see: the main job's MLP (tanh, whole-weight tiles) started at 0.49-0.79 of its std.
+    plan = gb.plan(nn.Linear(64, 48), center=True, **kwargs)
+    (p,) = (p for p in plan.generated if p.name == "weight")
+    for seed in range(3):
+        weight = gb.apply(gb.init(plan, seed), plan)["weight"].detach()
+        assert weight.std().item() == pytest.approx(p.scale * p.start, rel=1e-3), seed
+        assert weight.mean(1).abs().max() < 1e-6  # still centred
