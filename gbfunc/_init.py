@@ -37,9 +37,11 @@ def init(
     so its raw output has zero mean and std `Generated.start` (1 but for weights drawn above a
     fan-in init, such as embeddings; data-dependent init, computed exactly in float64);
     `gb.apply` multiplies it by `Generated.scale`, so the weight starts at the std of the
-    model's own (`scale * start`). A g-net that sees one position (a tile of one row and
-    one column of evaluations) is a constant and starts as drawn values; a stack whose g-net
-    starts constant over its positions (every unit inactive) is drawn again (`DRAWS`).
+    model's own (`scale * start`); a centred parameter (`center=True`) at that std once
+    centred. A g-net that sees one position (a tile of one row and one column of
+    evaluations) is a constant and starts as drawn values; where a tile's output starts
+    constant over its positions (every unit inactive), its g-net (or, shared, its tile
+    embedding) is drawn again, up to `DRAWS` draws, then named in a warning.
     Free and frozen parameters start from the model's own tensors, copied: its
     initialisation (a library's `_init_weights` included) or pretrained values, bitwise;
     a parallelized model's DTensors whole (then call it on every rank: it gathers them).
