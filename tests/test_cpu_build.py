@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -359,7 +360,8 @@ def test_a_compiler_variable_with_arguments_is_named_as_such(monkeypatch):
     """`CXX="ccache g++"` was reported as a compiler missing from PATH."""
     monkeypatch.setenv("CXX", "ccache g++")
     reason = _build.missing_compiler(warn=False)
-    assert reason is not None and "CXX='ccache g++' names no program" in reason
+    assert reason is not None
+    assert "CXX='ccache g++' names no program" in reason
     assert "without arguments" in reason
 
 
@@ -393,3 +395,32 @@ def test_the_cache_folder_variable_takes_a_home_relative_or_relative_path(tmp_pa
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(_cache.CACHE_VARIABLE, "here")
     assert _cache.cache_root() == tmp_path / "here"
+
+
+def test_a_child_forked_during_a_threads_build_does_not_keep_its_lock(tmp_path, monkeypatch):
+    """`flock` belongs to the open file, which `fork` shares: a child forked while another
+    thread held a build's lock kept it for its whole life and timed out waiting on it."""
+    monkeypatch.setattr(_compile, "LOCK_WAIT_S", 10.0)
+    lock = tmp_path / _compile.LOCK_NAME
+    holding, release = threading.Event(), threading.Event()
+
+    def build() -> None:
+        with _compile.locked(lock):
+            holding.set()
+            release.wait(30)
+
+    builder = threading.Thread(target=build)
+    builder.start()
+    assert holding.wait(30)
+    child = os.fork()
+    if child == 0:  # the child: the lock is had once the parent's build ends
+        code = 1
+        try:
+            with _compile.locked(lock) as held:
+                code = 0 if held else 2
+        finally:
+            os._exit(code)
+    release.set()
+    builder.join()
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

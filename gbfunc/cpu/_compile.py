@@ -42,6 +42,22 @@ COMPILE_S = 300.0  # one compiler run; a loop takes seconds
 _POLL_S = 0.05
 _PARTIAL = ".partial-"  # temporary files' infix; left by a killed build, removed by the next
 _NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP)  # flock not supported there
+_OPEN_LOCKS: set[int] = set()  # lock files this process has open (`locked`)
+
+
+def _close_inherited_locks() -> None:
+    """In a child of `os.fork`: close its copies of the parent's open lock files. A `flock`
+    belongs to the open file, which the child shares, so a child forked during another
+    thread's build held that lock for its whole life, and waited `LOCK_WAIT_S` on it itself
+    (the parent's copy still holds it until the parent's build ends)."""
+    for descriptor in _OPEN_LOCKS:
+        with contextlib.suppress(OSError):
+            os.close(descriptor)
+    _OPEN_LOCKS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_inherited_locks)
 
 
 def load_built(
@@ -94,6 +110,7 @@ def locked(path: Path) -> Iterator[bool]:
             yield False
             return
     held, said = True, False
+    _OPEN_LOCKS.add(descriptor)
     try:
         start = time.monotonic()
         deadline = start + LOCK_WAIT_S
@@ -125,6 +142,7 @@ def locked(path: Path) -> Iterator[bool]:
                 time.sleep(_POLL_S)
         yield held
     finally:
+        _OPEN_LOCKS.discard(descriptor)
         os.close(descriptor)  # releases the lock
 
 
