@@ -26,6 +26,7 @@ from ._export import export
 from ._init import init
 from ._module_names import Buffers, escape, parameter_dict, unescape
 from ._numbers import as_integer
+from ._one_thread import one_thread_at_a_time
 from ._plan import Plan
 from ._planner import plan as make_plan
 from ._pnet_face import PnetFace, with_pnet_signature
@@ -65,7 +66,8 @@ class Bottleneck(PnetFace, nn.Module):
     `eval()` reach the p-net (and `forward` follows `b.training` where a trainer sets it
     directly). Nor do module walks reach it: convert its BatchNorm with
     `nn.SyncBatchNorm.convert_sync_batchnorm` before wrapping. One p-net serves every call, so
-    not from several threads at once (`nn.DataParallel` is refused); and, as under
+    not from several threads at once (an eager call that overlaps another thread's raises;
+    `nn.DataParallel` is refused); and, as under
     `functional_call`, a buffer its forward reassigns (`self.n = self.n + 1`, not in place) is
     lost. Its dense weights are never read: `forward` passes generated
     ones, so the p-net may even sit on the `meta` device (if it has no buffers), and then the
@@ -228,7 +230,10 @@ class Bottleneck(PnetFace, nn.Module):
             raise ValueError(_CHECKPOINTING)
         if self._pnet.training != self.training:  # set as an attribute (Lightning's evaluation
             self._pnet.train(self.training)  # loop restores `module.training` module by module)
-        return functional_call(self._pnet, self._pnet_tensors(), args, kwargs)
+        if torch.compiler.is_compiling():
+            return functional_call(self._pnet, self._pnet_tensors(), args, kwargs)
+        with one_thread_at_a_time(self, "gb.Bottleneck"):
+            return functional_call(self._pnet, self._pnet_tensors(), args, kwargs)
 
     def _pnet_tensors(self) -> dict[str, Tensor]:
         """The p-net's parameters, generated, and its buffers: what its call runs on."""

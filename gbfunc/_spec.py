@@ -207,8 +207,8 @@ def cached(make: Callable[..., Made], *args: Hashable) -> Made:
     inside a TorchDispatchMode, they are kept only where they are plain tensors: a
     FakeTensorMode's would enter every later call."""
     key = (make, *args)
-    if key in _MADE:
-        return _MADE[key]
+    if (made := _MADE.get(key)) is not None:  # one lookup: another thread may clear between two
+        return made
     made = _plain(make, *args)
     if all(type(t) is Tensor for t in ((made,) if isinstance(made, Tensor) else made)):
         if len(_MADE) >= 256:

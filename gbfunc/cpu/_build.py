@@ -84,14 +84,14 @@ def compiler() -> str | None:
     """The C++ compiler builds would use (`$CXX`, else `c++`), where it is found, else None
     (looked for again on each call until found: one installed meanwhile is seen)."""
     key = (os.environ.get("CXX") or "c++", os.environ.get("PATH"))
-    if key not in _FOUND:
+    if (found := _FOUND.get(key)) is None:  # one lookup: another thread may clear it
         found = shutil.which(key[0], path=key[1])
         if found is None:
             return None
         if len(_FOUND) >= 8:
             _FOUND.clear()
         _FOUND[key] = found
-    return _FOUND[key]
+    return found
 
 
 _FOUND: dict[tuple[str, str | None], str] = {}
