@@ -5,7 +5,8 @@ Chosen before any run (2026-11-28, 04:10 UTC), none used by an earlier run here:
 - `email` (text, code): the running Python's source of the `email` package, every `.py` file
   in sorted order (about 380k characters; `lr_rule`'s held-out corpus is five other modules).
 - `package-docs` (text, prose): the descriptions in the installed distributions' `METADATA`
-  (their READMEs), in the order of their names, cut to the main corpus's length.
+  (their READMEs), in the order of their names, cut to the main corpus's length; since
+  2026-11-30 without gbfunc's own (its README), which made the corpus change with each edit.
 - `digits-rows` (image): the digits MLP 64-800-10 (`equal_params`' task) with a genome no
   sweep here used: ReLU row g-nets, 32x32 tiles, 8 hidden units, 8 weights per evaluation.
 
@@ -63,9 +64,14 @@ def email_text() -> str:
 
 
 def package_docs_text() -> str:
-    """The installed distributions' descriptions, by name, cut to the main corpus's length."""
-    dists = sorted(metadata.distributions(), key=lambda d: d.metadata["Name"].lower())
-    text = "\n".join(d.metadata.get_payload() or "" for d in dists)
+    """The installed distributions' descriptions, by name, cut to the main corpus's length:
+    each distribution once (the first `sys.path` finds), and not gbfunc's own, whose
+    description is this repository's README: with it, every README edit changed the corpus."""
+    found: dict[str, metadata.Distribution] = {}
+    for dist in metadata.distributions():
+        found.setdefault(dist.metadata["Name"].lower().replace("_", "-"), dist)
+    found.pop("gbfunc", None)
+    text = "\n".join(found[name].metadata.get_payload() or "" for name in sorted(found))
     return text[: len(pydoc_text())]
 
 
