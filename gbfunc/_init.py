@@ -11,10 +11,9 @@ from ._check_gparams import TASKS
 from ._check_model import check_matches
 from ._numbers import integer
 from ._plan import Free, Generated, Plan, shared_dtype
-from ._stack_init import DRAWS, init_stack, normal
+from ._stack_init import DRAWS, init_stack, normal, raw_tiles
+from ._tiling import assemble
 from ._tree import GParams
-from .generate._traced_forms import EAGER
-from .generate.torch_ops import stack_weights
 
 VALUES = ("model", "draw")
 # The dtypes g-nets generate in: torch's matmuls take no float8 (`gb.apply` would fail).
@@ -249,20 +248,18 @@ def _start_centred(plan: Plan, index: int, leaves: dict[str, Tensor]) -> None:
         p.name: [t for b in p.blocks for t in range(b.first_tile, b.first_tile + b.num_tiles)]
         for p in plan.generated_by(index)
     }
-    with torch.no_grad():
-        made = stack_weights(plan, index, leaves, EAGER, traced=False)  # chunked, float64
+    raw = raw_tiles(stack, leaves)  # float64, in pieces
     for p in centred:
         gnets = sorted({owner[t] for t in tiles_of[p.name]})
-        others = {owner[t] for name, tiles in tiles_of.items() if name != p.name for t in tiles}
-        std = float(made[p.name].std()) / p.scale
+        others = {owner[t] for name, ts in tiles_of.items() if name != p.name for t in ts}
+        std = float(assemble(p, stack, raw).std()) / p.scale
         if others.intersection(gnets) or not std > 1e-6:  # g-nets shared with another one
             continue
         factor = p.start / std
-        rows, tiles = torch.tensor(gnets), torch.tensor(tiles_of[p.name])
-        leaves["w_out"][rows] *= factor
-        leaves["b_out"][rows] *= factor
+        leaves["w_out"][torch.tensor(gnets)] *= factor
+        leaves["b_out"][torch.tensor(gnets)] *= factor
         if "tile_hash" in leaves:
-            leaves["tile_hash"][tiles] *= factor
+            leaves["tile_hash"][torch.tensor(tiles_of[p.name])] *= factor
 
 
 def _draw_free(init: tuple[str, float], shape: tuple[int, ...], gen: torch.Generator) -> Tensor:

@@ -6,13 +6,14 @@ import bisect
 import itertools
 import math
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import replace
 
 import torch
 from torch import Tensor
 
 from ._plan import TILE_LEAVES, Stack
-from ._spec import HASH_GAIN, reference, stack_terms
+from ._spec import HASH_GAIN, hashed_tiles, reference, stack_terms
 from .generate.torch_ops import CHUNK_ELEMENTS, tile_chunks
 
 # Draws of a stack before a g-net constant over its positions is given up on: with few hidden
@@ -200,37 +201,55 @@ def _normalise_outputs(
 
 def _tile_moments(stack: Stack, leaves: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
     """Each tile's raw output summed over its positions, `(T, P)`, and its squares about its
-    own mean, `(T,)`, in float64.
+    own mean, `(T,)`, in float64, from `_pieces`, merged by Chan et al.'s pairwise update.
+    The moments are those of all tiles at once to float64 rounding (torch's kernels round
+    some sums differently over fewer tiles)."""
+    cols, outputs = stack.columns, stack.outputs
+    sums = torch.empty(stack.num_tiles, outputs, dtype=torch.float64)
+    sq = torch.empty(stack.num_tiles, dtype=torch.float64)
+    for lo, hi, first, y in _pieces(stack, leaves):
+        new, seen = y.shape[1], first * cols  # positions in the piece, and before it
+        piece_sums = y.sum(1)
+        piece_sq = (y - (piece_sums / new)[:, None, :]).square().sum((1, 2))
+        if seen == 0:
+            sums[lo:hi], sq[lo:hi] = piece_sums, piece_sq
+            continue
+        offset = piece_sums / new - sums[lo:hi] / seen
+        sq[lo:hi] += piece_sq + offset.square().sum(1) * (seen * new / (seen + new))
+        sums[lo:hi] += piece_sums
+    return sums, sq
 
-    The g-nets run on pieces of at most `_budget` hidden activations: chunks of tiles
-    (`tile_chunks`), and rows of a tile where one tile holds more. A tile's pieces are merged
-    by Chan et al.'s pairwise update. All tiles at once held `(T, TH, Q, H)` float64 values,
-    1 GiB for a 4096 x 4096 weight in 16 x 16 tiles at 8 hidden units. The moments are those
-    of all tiles at once to float64 rounding (torch's kernels round some sums differently
-    over fewer tiles).
-    """
+
+def raw_tiles(stack: Stack, leaves: dict[str, Tensor]) -> Tensor:
+    """Every tile of the stack, `(T, TH, Q * P)` in float64, hashed tables added: computed
+    from `_pieces`, so memory stays within twice the stack's float32 weights."""
+    rows, cols, outputs = stack.tile[0], stack.columns, stack.outputs
+    tiles = torch.empty(stack.num_tiles, rows, cols * outputs, dtype=torch.float64)
+    for lo, hi, first, y in _pieces(stack, leaves):
+        piece = y.reshape(hi - lo, -1, cols * outputs)
+        tiles[lo:hi, first : first + piece.shape[1]] = piece
+    if stack.genome.hashed:
+        tiles += hashed_tiles(stack, leaves["tile_hash"])
+    return tiles
+
+
+def _pieces(stack: Stack, leaves: dict[str, Tensor]) -> Iterator[tuple[int, int, int, Tensor]]:
+    """The stack's raw outputs in pieces of at most `_budget` hidden activations: chunks of
+    tiles (`tile_chunks`), and rows of a tile where one tile holds more. Yields `(lo, hi,
+    first, y)`: tiles `lo:hi` from their row `first`, `y` `(hi - lo, positions, P)` float64.
+    All tiles at once held `(T, TH, Q, H)` float64 values, 1 GiB for a 4096 x 4096 weight in
+    16 x 16 tiles at 8 hidden units."""
     rows, cols, outputs = stack.tile[0], stack.columns, stack.outputs
     hidden = cols * stack.genome.hidden  # per row of a tile
     budget = _budget(stack)
     step = max(1, budget // hidden)  # rows of a tile at once
-    sums = torch.empty(stack.num_tiles, outputs, dtype=torch.float64)
-    sq = torch.empty(stack.num_tiles, dtype=torch.float64)
     starts = list(itertools.accumulate(stack.tiles_per_gnet, initial=0))
     for lo, hi in tile_chunks(stack.num_tiles, rows * hidden, budget):
         terms = stack_terms(*_tile_range(stack, leaves, starts, lo, hi))
         for first in range(0, rows, step):
             piece = terms._replace(a=terms.a[:, first : first + step])
             y = reference(piece, stack.genome.activation).reshape(hi - lo, -1, outputs)
-            new, seen = y.shape[1], first * cols  # positions in the piece, and before it
-            piece_sums = y.sum(1)
-            piece_sq = (y - (piece_sums / new)[:, None, :]).square().sum((1, 2))
-            if seen == 0:
-                sums[lo:hi], sq[lo:hi] = piece_sums, piece_sq
-                continue
-            offset = piece_sums / new - sums[lo:hi] / seen
-            sq[lo:hi] += piece_sq + offset.square().sum(1) * (seen * new / (seen + new))
-            sums[lo:hi] += piece_sums
-    return sums, sq
+            yield lo, hi, first, y
 
 
 def _budget(stack: Stack) -> int:

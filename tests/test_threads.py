@@ -1,6 +1,7 @@
 """Threads: module-level caches read while another thread clears them, and a `gb.Bottleneck`
 called from two threads at once."""
 
+import copy
 import sys
 import threading
 
@@ -78,3 +79,26 @@ def test_a_bottleneck_called_from_a_second_thread_during_a_call_raises():
     assert torch.equal(got[0], want)
     assert type(b.pnet[0].weight) is nn.Parameter
     assert torch.equal(b(x), want)  # and the next call, from any thread, runs
+
+
+def test_a_copy_made_during_another_threads_call_is_free_to_call():
+    # The call in progress was marked on the module, so a deepcopy carried it: the copy
+    # refused every call from another thread, for good.
+    torch.manual_seed(0)
+    gate = _Gate()
+    b = gb.Bottleneck(nn.Sequential(nn.Linear(8, 8), gate), tile=(4, 4))
+    x = torch.randn(3, 8)
+
+    def call() -> None:
+        with torch.no_grad():  # (grad mode is per thread)
+            b(x)
+
+    first = threading.Thread(target=call)
+    first.start()
+    assert gate.entered.wait(30)
+    b.pnet[1] = nn.Identity()  # (the gate's events do not deepcopy; the call holds its own)
+    twin = copy.deepcopy(b)
+    gate.release.set()
+    first.join()
+    with torch.no_grad():
+        assert torch.equal(twin(x), b(x))

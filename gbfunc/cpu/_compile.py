@@ -25,6 +25,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -43,6 +44,7 @@ _POLL_S = 0.05
 _PARTIAL = ".partial-"  # temporary files' infix; left by a killed build, removed by the next
 _NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP)  # flock not supported there
 _OPEN_LOCKS: set[int] = set()  # lock files this process has open (`locked`)
+_OPENING = threading.Lock()  # held across opening a lock file and noting it, and over a fork
 
 
 def _close_inherited_locks() -> None:
@@ -50,14 +52,20 @@ def _close_inherited_locks() -> None:
     belongs to the open file, which the child shares, so a child forked during another
     thread's build held that lock for its whole life, and waited `LOCK_WAIT_S` on it itself
     (the parent's copy still holds it until the parent's build ends)."""
+    global _OPENING
+    _OPENING = threading.Lock()  # the parent's was held for the fork
     for descriptor in _OPEN_LOCKS:
         with contextlib.suppress(OSError):
             os.close(descriptor)
     _OPEN_LOCKS.clear()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_close_inherited_locks)
+if hasattr(os, "register_at_fork"):  # no fork between a lock file's opening and its noting
+    os.register_at_fork(
+        before=lambda: _OPENING.acquire(),
+        after_in_parent=lambda: _OPENING.release(),
+        after_in_child=_close_inherited_locks,
+    )
 
 
 def load_built(
@@ -98,19 +106,15 @@ def locked(path: Path) -> Iterator[bool]:
         raise OSError(
             "the CPU loops' builds need POSIX file locks (fcntl), which this system lacks"
         )
-    kind = fcntl.LOCK_EX
-    try:
-        descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    except OSError as e:  # a read-only cache: loaded under a shared lock, where one is had
-        if e.errno not in (errno.EROFS, errno.EACCES):
-            raise
-        try:
-            descriptor, kind = os.open(path, os.O_RDONLY | os.O_NOFOLLOW), fcntl.LOCK_SH
-        except FileNotFoundError:  # no lock file, and none can be made: none to wait for
-            yield False
-            return
+    with _OPENING:
+        opened = _open_lock_file(path)
+        if opened is not None:
+            _OPEN_LOCKS.add(opened[0])
+    if opened is None:  # no lock file, and none can be made: none to wait for
+        yield False
+        return
+    descriptor, kind = opened
     held, said = True, False
-    _OPEN_LOCKS.add(descriptor)
     try:
         start = time.monotonic()
         deadline = start + LOCK_WAIT_S
@@ -144,6 +148,20 @@ def locked(path: Path) -> Iterator[bool]:
     finally:
         _OPEN_LOCKS.discard(descriptor)
         os.close(descriptor)  # releases the lock
+
+
+def _open_lock_file(path: Path) -> tuple[int, int] | None:
+    """`path` opened for an exclusive lock (created where missing), or, in a read-only
+    cache, for a shared one where the file is there; None where it is not and cannot be."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600), fcntl.LOCK_EX
+    except OSError as e:  # a read-only cache: loaded under a shared lock, where one is had
+        if e.errno not in (errno.EROFS, errno.EACCES):
+            raise
+    try:
+        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW), fcntl.LOCK_SH
+    except FileNotFoundError:
+        return None
 
 
 def _build(command: list[str], library: Path, inputs: str, *, clean: bool = True) -> None:
