@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ._plan import TILE_LEAVES, Stack
-from ._spec import HASH_GAIN, hashed_tiles, reference, stack_terms
+from ._spec import HASH_GAIN, code_tables, hashed_tiles, reference, stack_terms
 from .generate.torch_ops import CHUNK_ELEMENTS, tile_chunks
 
 # Draws of a stack before a g-net constant over its positions is given up on: with few hidden
@@ -45,10 +45,10 @@ def init_stack(
         return leaves, []
     with torch.no_grad():
         moments = _tile_moments(stack, leaves)
-        for _ in range(DRAWS - 1):
+        for attempt in range(DRAWS - 1):
             if not (dead := _constant_tiles(stack, *moments)):
                 break
-            _redraw(stack, leaves, _draw(stack, gen), dead)
+            _redraw(stack, leaves, _draw(stack, gen), dead, shrink=0.5 ** (attempt + 1))
             moments = _tile_moments(stack, leaves)
         dead = _constant_tiles(stack, *moments)
         _normalise_outputs(stack, leaves, moments, gen)
@@ -76,10 +76,18 @@ def _draw(stack: Stack, gen: torch.Generator) -> dict[str, Tensor]:
             leaves[name] = normal(shape, 1.0, gen)
         elif name != "tile_hash":  # (drawn by the caller)
             leaves[name] = torch.zeros(shape, dtype=torch.float64)
-    if _positions(stack) > 1:
-        if genome.depth == 1 and genome.activation != "tanh":
-            _make_odd(leaves, stack.row_width)
-    elif not genome.hashed:
+    # Tying units odd in the row and the column codes (`_make_odd`) cancels every output of a
+    # tile whose code along one of them is zero throughout (one row or one column, in the
+    # codes that centre it); a hashed stack's g-nets start at zero output, and keep the tie
+    # wherever there are positions.
+    zero = any(not bool(code.any()) for code in code_tables(stack, leaves["w_in"]))
+    if (
+        genome.depth == 1
+        and genome.activation != "tanh"
+        and (not zero or (genome.hashed and _positions(stack) > 1))
+    ):
+        _make_odd(leaves, stack.row_width)
+    if _positions(stack) == 1 and not genome.hashed:
         # One evaluation position: its codes are zero (tying units odd in them, `_make_odd`,
         # would cancel every output), so its units' inputs are their biases, drawn nonzero
         # (at zero a ReLU unit passes no gradient, and a conditioned g-net never learned to
@@ -110,22 +118,30 @@ def _constant_tiles(stack: Stack, sums: Tensor, sq: Tensor) -> list[int]:
 
 
 def _redraw(
-    stack: Stack, leaves: dict[str, Tensor], fresh: dict[str, Tensor], tiles: list[int]
+    stack: Stack,
+    leaves: dict[str, Tensor],
+    fresh: dict[str, Tensor],
+    tiles: list[int],
+    *,
+    shrink: float,
 ) -> None:
     """Take the constant `tiles`' draws from `fresh`: their tile embeddings where the g-nets
-    are shared, and whole g-nets where all of a g-net's tiles are constant."""
+    are shared, times `shrink`, and whole g-nets where all of a g-net's tiles are constant.
+    A shared g-net's tile is constant where its embedding puts every unit past its kink for
+    all the tile's positions; a smaller embedding moves the units back within reach of the
+    codes (at zero, an odd-tied group is not constant)."""
     owner = stack.gnet_of_tile
     counts = Counter(owner[t] for t in tiles)
     gnets = torch.tensor([g for g, n in counts.items() if n == stack.tiles_per_gnet[g]])
     for name, value in leaves.items():
         if name == "tile_embed":
-            rows = torch.tensor(tiles)
+            rows, scale = torch.tensor(tiles), shrink
         elif name not in TILE_LEAVES:
-            rows = gnets
+            rows, scale = gnets, 1.0
         else:
             continue
         if len(rows):
-            value[rows] = fresh[name][rows]
+            value[rows] = fresh[name][rows] * scale
 
 
 def _standardised(x: Tensor, correction: int = 1) -> Tensor:

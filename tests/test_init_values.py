@@ -429,7 +429,7 @@ def test_a_real_init_evaluates_its_tiles_in_chunks_of_bounded_memory():
 def test_evaluating_in_pieces_gives_the_values_of_all_tiles_at_once(monkeypatch, options, pieces):
     """In chunks of 7 tiles, or 3 rows of a tile at a time, or all at once: the same g-nets,
     to float64 rounding."""
-    import gbfunc._init as init_module
+    import gbfunc._stack_init as init_module
 
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 32))
     plan = gb.plan(model, **{"tile": (8, 8), **options})
