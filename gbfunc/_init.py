@@ -207,23 +207,19 @@ def _starts(plan: Plan, index: int) -> Tensor:
     starts = torch.ones(stack.num_tiles, dtype=torch.float64)
     for p in plan.generated_by(index):
         if p.start != 1.0:
-            for b in p.blocks:
-                starts[b.first_tile : b.first_tile + b.grid[0] * b.grid[1]] = p.start
+            starts[_tiles_of(p)] = p.start
     return starts
+
+
+def _tiles_of(p: Generated) -> list[int]:
+    """The tiles of its stack that generate `p`."""
+    return [t for b in p.blocks for t in range(b.first_tile, b.first_tile + b.num_tiles)]
 
 
 def _warn_constant(plan: Plan, index: int, tiles: list[int], seed: int) -> None:
     """Warn that `tiles` of stack `index` start constant, naming their parameters."""
     dead = set(tiles)
-    names = [
-        p.name
-        for p in plan.generated_by(index)
-        if any(
-            t in dead
-            for b in p.blocks
-            for t in range(b.first_tile, b.first_tile + b.grid[0] * b.grid[1])
-        )
-    ]
+    names = [p.name for p in plan.generated_by(index) if dead.intersection(_tiles_of(p))]
     warnings.warn(
         f"gb.init: {len(dead)} of {plan.stacks[index].num_tiles} tiles of "
         f"{', '.join(names)} start constant at seed {seed} after {DRAWS} draws: every hidden "
@@ -243,21 +239,17 @@ def _start_centred(plan: Plan, index: int, leaves: dict[str, Tensor]) -> None:
     if not centred:
         return
     stack = plan.stacks[index]
-    owner = stack.gnet_of_tile
-    tiles_of = {
-        p.name: [t for b in p.blocks for t in range(b.first_tile, b.first_tile + b.num_tiles)]
-        for p in plan.generated_by(index)
-    }
+    tiles_of = {p.name: _tiles_of(p) for p in plan.generated_by(index)}
+    gnets_of = {name: {stack.gnet_of_tile[t] for t in ts} for name, ts in tiles_of.items()}
     raw = raw_tiles(stack, leaves)  # float64, in pieces
     for p in centred:
-        gnets = sorted({owner[t] for t in tiles_of[p.name]})
-        others = {owner[t] for name, ts in tiles_of.items() if name != p.name for t in ts}
+        shared = any(gnets_of[p.name] & g for name, g in gnets_of.items() if name != p.name)
         std = float(assemble(p, stack, raw).std()) / p.scale
-        if others.intersection(gnets) or not std > 1e-6:  # g-nets shared with another one
+        if shared or not std > 1e-6:  # g-nets that generate another parameter too
             continue
-        factor = p.start / std
-        leaves["w_out"][torch.tensor(gnets)] *= factor
-        leaves["b_out"][torch.tensor(gnets)] *= factor
+        factor, rows = p.start / std, torch.tensor(sorted(gnets_of[p.name]))
+        leaves["w_out"][rows] *= factor
+        leaves["b_out"][rows] *= factor
         if "tile_hash" in leaves:
             leaves["tile_hash"][torch.tensor(tiles_of[p.name])] *= factor
 

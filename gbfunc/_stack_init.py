@@ -105,16 +105,11 @@ def _constant_tiles(stack: Stack, sums: Tensor, sq: Tensor) -> list[int]:
     """The tiles whose raw output is constant at init (to 1e-6 of the unit std it is scaled
     to): over their positions; with one position, over their g-net's tiles (a g-net of one
     tile and one position is a constant: `_normalise_outputs` starts it as drawn values)."""
-    positions, outputs = _positions(stack), stack.outputs
-    if positions > 1:
-        return (sq < 1e-12 * positions * outputs).nonzero().flatten().tolist()
-    owner = torch.tensor(stack.gnet_of_tile)
-    counts = torch.tensor(stack.tiles_per_gnet, dtype=sums.dtype)
-    mean = torch.zeros(stack.num_gnets, outputs, dtype=sums.dtype).index_add_(0, owner, sums)
-    spread = (sums - (mean / counts[:, None])[owner]).square().sum(1)
-    var = torch.zeros(stack.num_gnets, dtype=sums.dtype).index_add_(0, owner, spread)
-    flat = (var < 1e-12 * counts * outputs) & (counts > 1)
-    return flat[owner].nonzero().flatten().tolist()
+    if _positions(stack) > 1:
+        return (sq < 1e-12 * stack.tile_positions).nonzero().flatten().tolist()
+    _, std = _gnet_moments(stack, sums, sq)
+    flat = (std < 1e-6) & (torch.tensor(stack.tiles_per_gnet) > 1)
+    return flat[torch.tensor(stack.gnet_of_tile)].nonzero().flatten().tolist()
 
 
 def _redraw(
@@ -194,7 +189,22 @@ def _normalise_outputs(
     """Shift and scale each g-net's output layer so its raw tiles have mean 0 and std 1
     (`moments`: `_tile_moments`); a g-net of one tile and one position, a constant, starts
     its outputs at drawn values of mean 0 and std 1 instead."""
-    sums, sq = moments
+    mean, std = _gnet_moments(stack, *moments)
+    # A g-net constant over its positions (every unit dead behind a ReLU, after `DRAWS`) is
+    # left unscaled: dividing by a vanishing std would blow its rounding errors up to O(1).
+    std = torch.where(std < 1e-6, torch.ones_like(std), std)
+    single = torch.tensor(stack.tiles_per_gnet) * _positions(stack) == 1
+    if bool(single.any()):
+        drawn = normal((int(single.sum()), stack.outputs), 1.0, gen)
+        drawn = _standardised(drawn, correction=0)
+        mean[single] -= drawn
+    leaves["b_out"] = (leaves["b_out"] - mean) / std[:, None]
+    leaves["w_out"] = leaves["w_out"] / std[:, None, None]
+
+
+def _gnet_moments(stack: Stack, sums: Tensor, sq: Tensor) -> tuple[Tensor, Tensor]:
+    """Each g-net's raw output mean `(G, P)` and std `(G,)` over its tiles' positions and
+    outputs, from the tiles' moments (`_tile_moments`)."""
     positions = _positions(stack)
     counts = torch.tensor(stack.tiles_per_gnet, dtype=sums.dtype) * positions  # (G,)
     owner = torch.tensor(stack.gnet_of_tile)
@@ -203,16 +213,7 @@ def _normalise_outputs(
     # Each tile's squares about its g-net's mean: about its own, plus its mean's offset.
     sq = sq + (sums / positions - mean[owner]).square().sum(1) * positions
     var = torch.zeros(stack.num_gnets, dtype=sums.dtype).index_add_(0, owner, sq)
-    std = (var / (counts * stack.outputs)).sqrt()  # (G,)
-    # A g-net constant over its positions (every unit dead behind a ReLU, after `DRAWS`) is
-    # left unscaled: dividing by a vanishing std would blow its rounding errors up to O(1).
-    std = torch.where(std < 1e-6, torch.ones_like(std), std)
-    if bool((single := counts == 1).any()):
-        drawn = normal((int(single.sum()), stack.outputs), 1.0, gen)
-        drawn = _standardised(drawn, correction=0)
-        mean[single] -= drawn
-    leaves["b_out"] = (leaves["b_out"] - mean) / std[:, None]
-    leaves["w_out"] = leaves["w_out"] / std[:, None, None]
+    return mean, (var / (counts * stack.outputs)).sqrt()
 
 
 def _tile_moments(stack: Stack, leaves: dict[str, Tensor]) -> tuple[Tensor, Tensor]:

@@ -146,8 +146,9 @@ def locked(path: Path) -> Iterator[bool]:
                 time.sleep(_POLL_S)
         yield held
     finally:
-        _OPEN_LOCKS.discard(descriptor)
-        os.close(descriptor)  # releases the lock
+        with _OPENING:  # no fork between the two either
+            _OPEN_LOCKS.discard(descriptor)
+            os.close(descriptor)  # releases the lock
 
 
 def _open_lock_file(path: Path) -> tuple[int, int] | None:
