@@ -198,7 +198,8 @@ def _configuration(rows: list[dict], task_name: str, arm: str, value: float) -> 
 
 def same_text(a: str | None, b: str | None) -> bool:
     """Whether two rows may be paired: unless both recorded their corpus and the two differ
-    (package-docs holds the installed gbfunc's README, so it changed with its edits)."""
+    (package-docs held the installed gbfunc's README until 2026-11-30, so it changed with its
+    edits; the corpus also follows the installed distributions)."""
     return a is None or b is None or a == b
 
 
