@@ -16,6 +16,7 @@ neither compiling nor the dispatcher's first routing of a plan is recorded.
 import ast
 import functools
 import json
+import os
 import sys
 from collections import Counter
 from collections.abc import Callable, Collection
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any, NamedTuple
+from unittest import mock
 
 import torch
 from torch import Tensor, nn
@@ -81,7 +83,22 @@ DEFINITIONS = (
     "Sideways: an entry between two modules neither of which imports the other.",
     "Excluding leaf utilities (`LEAF_UTILITIES`): their frames are not recorded, so that a "
     "call from one is its caller's, and entries into them are not steps.",
+    "Paths as units (`PATH_UNITS`), the third view, after leaving leaf utilities out: a "
+    "path's module in `gbfunc/generate/` and the package of native code it drives count as "
+    "one unit, the path (the C++ loops' `gbfunc.cpu` for `cpu-loops`, the Triton kernels' "
+    "`gbfunc.kernels` for `triton`), so that its runner's layers (custom op, loader, launch) "
+    "are not steps; a unit imports another when one of its modules imports one of the "
+    "other's. The `torch` path's traced forms call the C++ loops as sub-ops: there the "
+    "`cpu-loops` unit is a second path crossed.",
 )
+
+# The units of the third view: each path's module and the native package it drives.
+PATH_UNITS = {
+    "gbfunc.generate.cpu_loops": "path cpu-loops",
+    "gbfunc.cpu": "path cpu-loops",
+    "gbfunc.generate.triton": "path triton",
+    "gbfunc.kernels": "path triton",
+}
 
 # The issue's "done when" (apply → check → dispatch → one path → spec/layout).
 TARGET = "at most 6 modules crossed, at most 3 climbs"
@@ -121,6 +138,23 @@ def import_graph() -> dict[str, set[str]]:
                 )
         graph[module] = {name for name in found if name in files and name != module}
     return graph
+
+
+def unit_of(module: str) -> str:
+    """The unit `module` belongs to in the third view: its path's, else itself."""
+    for prefix, unit in PATH_UNITS.items():
+        if module == prefix or module.startswith(prefix + "."):
+            return unit
+    return module
+
+
+def unit_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """`graph` between units: a unit imports the units its modules' imports reach."""
+    units: dict[str, set[str]] = {}
+    for module, imported in graph.items():
+        unit = unit_of(module)
+        units.setdefault(unit, set()).update(unit_of(name) for name in imported)
+    return {unit: imported - {unit} for unit, imported in units.items()}
 
 
 def _resolved(node: ast.ImportFrom, package: str) -> str:
@@ -175,17 +209,21 @@ class Way:
 
     def without(self, excluded: Collection[str]) -> "Way":
         """This way as if the frames of the `excluded` modules had not been recorded."""
+        return self.relabelled(lambda module: None if module in excluded else module)
+
+    def relabelled(self, unit: Callable[[str], str | None]) -> "Way":
+        """This way with each module read as `unit(module)`: None leaves its frames out (their
+        calls are their caller's), and an entry into the unit of its caller is no entry."""
         kept: list[Entry] = []
         stands_for: dict[int, int | None] = {}  # an entry → the kept entry that stands for it
         for index, entry in enumerate(self.entries):
             parent = None if entry.parent is None else stands_for[entry.parent]
-            if entry.module in excluded or (
-                parent is not None and kept[parent].module == entry.module
-            ):
+            module = unit(entry.module)
+            if module is None or (parent is not None and kept[parent].module == module):
                 stands_for[index] = parent
             else:
                 stands_for[index] = len(kept)
-                kept.append(entry._replace(parent=parent))
+                kept.append(Entry(module, entry.function, parent))
         return Way(tuple(kept))
 
 
@@ -368,6 +406,24 @@ def _torch_compile(model: nn.Module, plan: gb.Plan, gparams: dict) -> Case:
     return Case(lambda: compiled(gparams), lambda: gb.explain(gparams, plan))
 
 
+def _loops_off(make: Callable[[nn.Module, gb.Plan, dict], Case]) -> Callable[..., Case]:
+    """`make`'s case with the CPU loops off (`$GBFUNC_CPU_LOOPS=off` during each call, so that
+    the route memo's key stays one: `gb.cpu.set_mode` would make every call route anew)."""
+
+    def off(function: Callable[[], Any]) -> Callable[[], Any]:
+        def call() -> Any:
+            with mock.patch.dict(os.environ, {gb.cpu.MODE_VARIABLE: "off"}):
+                return function()
+
+        return call
+
+    def made(model: nn.Module, plan: gb.Plan, gparams: dict) -> Case:
+        case = make(model, plan, gparams)
+        return Case(off(case.call), off(case.explain))
+
+    return made
+
+
 class Scenario(NamedTuple):
     """What is called (`what`, as the output says it), and its `Case` for a genome; `traced`:
     inside `torch.compile`, where `gb.explain` cannot be asked (it is asked eagerly)."""
@@ -389,6 +445,11 @@ SCENARIOS = {
         "the same loss of `gb.apply(..., compile=True)`, then `.backward()` (autograd: "
         "`torch.func` transforms keep compiled paths off)",
         _compiled_backward,
+    ),
+    "compile, loops off": Scenario(
+        "`gb.apply(gparams, plan, compile=True)`, eager, with `GBFUNC_CPU_LOOPS=off` (as "
+        "where the loops cannot be built: no C++ compiler, not Linux x86-64)",
+        _loops_off(_compiled),
     ),
     "torch.compile": Scenario(
         "`torch.compile(fullgraph=True)` of a function calling `gb.apply(gparams, plan)`: "
@@ -422,6 +483,7 @@ def measure(genome: str, scenario: str) -> dict[str, Any]:
     case = SCENARIOS[scenario].make(model, plan, gb.init(plan, seed=0))
     case.call()
     way = record(case.call)
+    left = way.without(LEAF_UTILITIES)
     graph = import_graph()
     explanation = case.explain()
     return {
@@ -431,21 +493,28 @@ def measure(genome: str, scenario: str) -> dict[str, Any]:
         "route": route_line(explanation),
         "paths": ("eagerly " if SCENARIOS[scenario].traced else "") + paths(explanation),
         "all": summary(way, graph),
-        "excluding_leaf_utilities": summary(way.without(LEAF_UTILITIES), graph),
+        "excluding_leaf_utilities": summary(left, graph),
+        "paths_as_units": summary(left.relabelled(unit_of), unit_graph(graph)),
     }
 
 
-VIEWS = {"all": "all modules", "excluding_leaf_utilities": "excluding leaf utilities"}
+VIEWS = {
+    "all": "all modules",
+    "excluding_leaf_utilities": "excluding leaf utilities",
+    "paths_as_units": "paths as units",
+}
 
 
 def report(rows: list[dict[str, Any]]) -> str:
     """The markdown results: definitions, a summary table, then each scenario's way."""
     leaves = ", ".join(f"`{name}` ({why})" for name, why in LEAF_UTILITIES.items())
     text = "## Definitions\n\n" + "".join(f"- {line}\n" for line in DEFINITIONS)
-    text += f"- Leaf utilities: {leaves}.\n- The issue's target: {TARGET}.\n\n## Summary\n\n"
+    units = ", ".join(f"`{module}` in {unit}" for module, unit in PATH_UNITS.items())
+    text += f"- Leaf utilities: {leaves}.\n- Path units: {units}.\n"
+    text += f"- The issue's target: {TARGET}.\n\n## Summary\n\n"
     columns = [("genome", "l"), ("scenario", "l"), ("stacks' paths", "l")] + [
         (f"{title} ({view})", "r")
-        for view in ("all", "leaves out")
+        for view in ("all", "leaves out", "units")
         for title in ("modules", "climbs")
     ]
     text += markdown_table(
@@ -497,6 +566,7 @@ def main() -> None:
             "provenance": provenance(),
             "definitions": DEFINITIONS,
             "leaf_utilities": LEAF_UTILITIES,
+            "path_units": PATH_UNITS,
             "rows": rows,
         }
         print(json.dumps(body, indent=1, ensure_ascii=False))
