@@ -27,8 +27,10 @@ What differs from torchGB, on purpose:
   so the replicas stay identical without further communication; `save` writes on rank 0 only.
 """
 
+import copy
 import math
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import replace
 from typing import Any
@@ -40,7 +42,7 @@ from ._apply import apply
 from ._check_model import unwrap
 from ._checkpoint import CheckpointMismatchError, read, restore_buffers
 from ._init import init
-from ._numbers import integer, real
+from ._numbers import as_integer, integer, real
 from ._options import check_tile
 from ._plan import Free, Generated, Plan
 from ._planner import plan
@@ -56,10 +58,11 @@ _OPTIMIZER, _SCHEDULER = "compat.optimizer", "compat.scheduler"
 class GenomicBottleneck:
     """Generate `model`'s weights with g-nets, driven by torchGB's method calls.
 
-    The constructor takes torchGB's arguments, current and older: `GenomicBottleneck(model,
-    local_rank_dict, hidden_dim=..., scheduler=..., lr=..., gnet_batchsize=...,
-    ignore_layers=..., compression=..., hypernet_type=...)`, and the older
-    `GenomicBottleneck(model, num_batches, ...)`. The g-nets take the model's dtype, but
+    The constructor takes torchGB's arguments, current and older, by keyword after the
+    second: `GenomicBottleneck(model, local_rank_dict, hidden_dim=..., scheduler=..., lr=...,
+    gnet_batchsize=..., ignore_layers=..., compression=..., hypernet_type=...)`, and the older
+    `GenomicBottleneck(model, num_batches, ...)` (an int second is read as `num_batches`, not
+    as the `hidden_dim` some versions took there). The g-nets take the model's dtype, but
     float32 for a float16 or bfloat16 model (torchGB's are float32 throughout); the weights
     they generate are cast into the model's.
 
@@ -118,8 +121,12 @@ class GenomicBottleneck:
             raise TypeError(
                 f"GenomicBottleneck: model must be an nn.Module, got {type(model).__name__}."
             )
-        if not isinstance(local_rank_dict, Mapping):  # older torchGB's num_batches
-            integer("GenomicBottleneck", "num_batches", local_rank_dict, optional=True)
+        older = as_integer(local_rank_dict) is not None  # older torchGB's num_batches
+        if not (isinstance(local_rank_dict, Mapping) or older or local_rank_dict is None):
+            raise TypeError(
+                "GenomicBottleneck: local_rank_dict must be a dict {rank: device} (or older "
+                f"torchGB's num_batches, an int) or None, got {local_rank_dict!r:.100}."
+            )
         integer("GenomicBottleneck", "num_batches", num_batches, optional=True)
         if hypernet_type not in ("g-net", "gnet"):
             raise ValueError(
@@ -171,6 +178,7 @@ class GenomicBottleneck:
         self.scheduler = None if scheduler is None else scheduler(self.optimizer, lr)
         self._weights: dict[str, Tensor] = {}
         self._with_grad = False
+        self._warned: set[tuple[str, ...]] = set()  # parameters named by a warning already
 
     def predict_weights(self) -> None:
         """Generate every g-net weight and write it into the p-net's parameter, in place.
@@ -178,6 +186,7 @@ class GenomicBottleneck:
         With gradients enabled the generated tensors keep their graph for `backward()`;
         under `torch.no_grad()` (e.g. rollouts) only the values are written.
         """
+        self._check_params("GenomicBottleneck.predict_weights")
         params = apply(self.gparams, self.plan)
         self._weights = {p.name: params[p.name] for p in self.plan.generated}
         self._with_grad = torch.is_grad_enabled()
@@ -205,11 +214,43 @@ class GenomicBottleneck:
             for n, w in self._weights.items()
             if self._params[n].grad is not None and w.requires_grad  # a frozen stack's: not
         ]
+        self._warn_without_gradient({n for n, w in self._weights.items() if w.requires_grad})
         if pairs:
             torch.autograd.backward([w for w, _ in pairs], [g for _, g in pairs])
         for name in self._weights:
             self._params[name].grad = None
         self._weights = {}  # the graph is consumed
+
+    def _warn_without_gradient(self, trained: set[str]) -> None:
+        """Warn once per set of generated parameters that the last backward left without a
+        gradient (unused in the forward, or frozen after construction): in plain PyTorch the
+        optimizer skips them, here their g-nets still move (weight decay, momentum) with
+        the stack they share."""
+        missing = sorted(n for n in trained if self._params[n].grad is None)
+        if missing and tuple(missing) not in self._warned:
+            self._warned.add(tuple(missing))
+            warnings.warn(
+                f"GenomicBottleneck.backward: generated parameters {missing} got no gradient "
+                "(unused in the forward, or requires_grad set False after construction); "
+                "their g-nets still change at step() (weight decay, momentum). To keep them "
+                "fixed, build the GenomicBottleneck with ignore_layers= naming them.",
+                UserWarning,
+                stacklevel=3,
+            )
+
+    def _check_params(self, where: str) -> None:
+        """Raise unless the p-net still holds the parameter tensors this object was built on:
+        `load_state_dict(..., assign=True)` replaces them, and weights written into the old
+        ones would neither reach the model nor train the g-nets."""
+        current = dict(unwrap(self.model).named_parameters())
+        for name, param in self._params.items():
+            if current.get(name) is not param:
+                raise RuntimeError(
+                    f"{where}: the model's parameter {name!r} is no longer the tensor this "
+                    "GenomicBottleneck was built on (replaced, e.g. by "
+                    "load_state_dict(..., assign=True)); load weights without assign=True, "
+                    "or build the GenomicBottleneck after replacing them."
+                )
 
     def zero_grad(self) -> None:
         """Clear the g-nets' gradients."""
@@ -238,14 +279,16 @@ class GenomicBottleneck:
         """Write g-nets, free parameters and g-net optimizer state (`gb.save` format), and the
         scheduler's state where there is a scheduler (then `opt_state` is `{"compat.optimizer":
         ..., "compat.scheduler": ...}`, both stored as they are: int keys, tensors and all).
+        `meta["compat.optimizer"]` names the optimizer's class, which `load` checks.
 
         Under `torch.distributed` rank 0 writes and every rank returns once the file is
         complete (`gb.dist.save_replicated`); call it on every rank.
         """
+        self._check_params("GenomicBottleneck.save")
         state: dict[str, object] = self.optimizer.state_dict()
         if self.scheduler is not None:
             state = {_OPTIMIZER: state, _SCHEDULER: self.scheduler.state_dict()}
-        meta = {"writer": "gbfunc.compat.GenomicBottleneck"}
+        meta = {"writer": "gbfunc.compat.GenomicBottleneck", _OPTIMIZER: _kind(self.optimizer)}
         save_replicated(fname, self.gparams, self.plan, opt_state=state, meta=meta)
 
     def load(self, fname: str | os.PathLike) -> None:
@@ -272,6 +315,14 @@ class GenomicBottleneck:
             )
         stacks = ckpt.gparams["stacks"]  # copied below, cast into this object's leaves
         optimizer_state, scheduler_state = _split_state(ckpt.opt_state)
+        saved_with = (ckpt.meta or {}).get(_OPTIMIZER)  # None: written before 2026-11-30
+        ours = _kind(self.optimizer)
+        if saved_with not in (None, ours) and optimizer_state is not None:
+            raise CheckpointMismatchError(
+                f"{where}: its optimizer state is {saved_with}'s and this "
+                f"GenomicBottleneck's optimizer is {ours}; build it with the optimizer= "
+                "it was saved with."
+            )
         self._try_states(stacks, optimizer_state, scheduler_state, where)
         # first: it writes all or none, so that a failure changes nothing
         restore_buffers(pnet, buffers, where)
@@ -320,10 +371,11 @@ class GenomicBottleneck:
             return
         copies = [t.detach().clone().requires_grad_(t.requires_grad) for t in _leaves(stacks)]
         trial = self._make_optimizer(copies)
-        try:
-            trial.load_state_dict(optimizer_state)
+        try:  # on copies of the states too: some loads take keys out (CyclicLR's)
+            trial.load_state_dict(copy.deepcopy(optimizer_state))
             if scheduler_state is not None:  # (then there is a scheduler: checked above)
-                self._make_scheduler(trial, self._lr).load_state_dict(scheduler_state)
+                scheduler = self._make_scheduler(trial, self._lr)
+                scheduler.load_state_dict(copy.deepcopy(scheduler_state))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointMismatchError(
                 f"{where}: the optimizer or scheduler state does not fit this one "
@@ -399,6 +451,12 @@ def _tile_of(
         )
     side = math.isqrt(size - 1) + 1  # ceil(sqrt(size)), as torchGB
     return (side, side)
+
+
+def _kind(optimizer: torch.optim.Optimizer) -> str:
+    """The optimizer's class, as a checkpoint names it."""
+    kind = type(optimizer)
+    return f"{kind.__module__}.{kind.__qualname__}"
 
 
 def _leaves(stacks: dict[str, dict[str, Tensor]]) -> list[Tensor]:

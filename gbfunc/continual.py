@@ -45,10 +45,11 @@ def targets(gparams: GParams, plan: Plan, tasks: Iterable[int]) -> dict[int, dic
         tasks: The earlier tasks' ids (ints, or a 1-d integer tensor).
     """
     check_gparams(gparams, plan, "gb.continual.targets")
-    if not isinstance(tasks, Iterable):
+    if not isinstance(tasks, Iterable) or (isinstance(tasks, Tensor) and tasks.dim() == 0):
+        one = " (a 0-d tensor: one id; pass [id])" if isinstance(tasks, Tensor) else ""
         raise TypeError(
             f"gb.continual.targets: tasks must be an iterable of task ids (e.g. [0, 1]), got "
-            f"{type(tasks).__name__}."
+            f"{type(tasks).__name__}{one}."
         )
     ids = _task_ids(tasks, plan, "gb.continual.targets")
     with torch.no_grad():

@@ -3,14 +3,16 @@
 from collections.abc import Callable, Hashable, Iterator
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 def saved_bytes(fn: Callable[[], object]) -> int:
     """Bytes of distinct tensor storage autograd saves for backward while `fn()` runs.
 
     A sparse tensor (COO or compressed: CSR, CSC, BSR, BSC) counts its indices' and values'
-    storage, a nested one its buffers';
-    a tensor with no storage to read (a subclass without one) counts its elements. `fn` may
+    storage, a nested one its buffers', a wrapper subclass (a `DTensor`'s local shard,
+    `__tensor_flatten__`) its inner tensors'; a tensor with no storage to read (another
+    subclass without one) counts its elements. `fn` may
     not run `torch.func` transforms: they do not take autograd's saved-tensor hooks.
 
     Examples:
@@ -51,10 +53,14 @@ def _storages(t: torch.Tensor) -> Iterator[tuple[Hashable, int]]:
     elif t.is_nested:
         parts = [t.values(), t.offsets()] if t.layout == torch.jagged else [t.values()]
         yield from (s for part in parts if part is not None for s in _storages(part))
+    elif is_traceable_wrapper_subclass(t):  # its storage is its inner tensors'
+        names, _ = t.__tensor_flatten__()
+        yield from (s for name in names for s in _storages(getattr(t, name)))
     else:
         try:
             storage = t.untyped_storage()
+            key = (storage.data_ptr(), t.device.type, t.device.index or 0)
         except (RuntimeError, NotImplementedError):  # a subclass with no storage of its own
             yield ("tensor", id(t)), t.nelement() * t.element_size()
             return
-        yield (storage.data_ptr(), t.device.type, t.device.index or 0), storage.nbytes()
+        yield key, storage.nbytes()

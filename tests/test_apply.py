@@ -7,6 +7,7 @@ import torch
 from naive import naive_apply
 from torch import nn
 from torch.func import functional_call
+from torch.testing._internal.two_tensor import TwoTensor
 
 import gbfunc as gb
 from gbfunc._spec import reference, stack_terms
@@ -210,6 +211,13 @@ def test_saved_bytes_wants_the_computation_not_its_result():
         TypeError, match=r"^gb\.memory\.saved_bytes: fn must be a callable .* got Tensor"
     ):
         gb.memory.saved_bytes(x.exp())
+
+
+def test_saved_bytes_counts_a_wrapper_subclass_by_its_inner_tensors():
+    """A wrapper subclass (as DTensor) answers `untyped_storage()` with a storage whose data
+    pointer raises; its inner tensors hold the bytes."""
+    two = TwoTensor(torch.randn(1000), torch.randn(1000)).requires_grad_()
+    assert gb.memory.saved_bytes(lambda: two.exp()) == 2 * 1000 * 4  # exp saves its output
 
 
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")

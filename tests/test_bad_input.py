@@ -751,7 +751,8 @@ def _compat_cases(tmp: Path | None) -> dict[str, Case]:
         "compat-bad-num-batches": Case(
             lambda: GenomicBottleneck(mlp(), "100"),
             TypeError,
-            "num_batches must be an integer or None, got '100'",
+            r"local_rank_dict must be a dict \{rank: device\} \(or older torchGB's num_batches, "
+            r"an int\) or None, got '100'",
         ),
         "compat-bad-hidden-dim": Case(
             lambda: GenomicBottleneck(mlp(), hidden_dim=0),

@@ -1,5 +1,7 @@
 """gbfunc.compat.GenomicBottleneck: torchGB's training loop on plain and DDP-wrapped models."""
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -352,3 +354,77 @@ def test_a_checkpoint_whose_free_tables_were_drawn_or_worded_otherwise_still_loa
     bigger = gb.plan(nn.Sequential(nn.Embedding(11, 4), nn.Linear(4, 8)), tile=(4, 4))
     assert bigger != net.plan
     assert bigger.fingerprint() != net.plan.fingerprint()
+
+
+def test_a_cyclic_schedule_resumes_exactly(tmp_path):
+    """CyclicLR's `load_state_dict` takes a key out of the state it is given: the trial load
+    of `load` must read a copy, or the real one fails after the g-nets were replaced."""
+    x, y = batch((16,))
+
+    def cyclic(optimizer, lr):
+        return torch.optim.lr_scheduler.CyclicLR(
+            optimizer, lr / 10, lr, step_size_up=2, cycle_momentum=False
+        )
+
+    def build(seed: int):
+        torch.manual_seed(seed)
+        model = mlp()
+        gnets = GenomicBottleneck(model, tile=(16, 16), scheduler=cyclic, lr=3e-3, seed=seed)
+        return model, gnets, torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+    model, gnets, optimizer = build(0)
+    torchgb_loop(model, gnets, optimizer, x, y, steps=3)
+    gnets.save(tmp_path / "g.safetensors")
+    torch.save(optimizer.state_dict(), tmp_path / "opt.pt")
+    straight = torchgb_loop(model, gnets, optimizer, x, y, steps=3)
+
+    other, gnets2, optimizer2 = build(1)
+    gnets2.load(tmp_path / "g.safetensors")
+    optimizer2.load_state_dict(torch.load(tmp_path / "opt.pt"))
+    assert gnets2.scheduler.last_epoch == 3
+    assert torchgb_loop(other, gnets2, optimizer2, x, y, steps=3) == straight
+
+
+def test_load_refuses_another_optimizers_state_and_changes_nothing(tmp_path):
+    GenomicBottleneck(mlp(), tile=(16, 16)).save(tmp_path / "g.safetensors")  # AdamW
+
+    def sgd(leaves):
+        return torch.optim.SGD(leaves, lr=1e-2, momentum=0.9)
+
+    gnets = GenomicBottleneck(mlp(), tile=(16, 16), seed=3, optimizer=sgd)
+    before = [t.clone() for t in gnets.optimizer.param_groups[0]["params"]]
+    with pytest.raises(gb.CheckpointMismatchError, match=r"AdamW's and .* optimizer is .*SGD"):
+        gnets.load(tmp_path / "g.safetensors")
+    after = gnets.optimizer.param_groups[0]["params"]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert gnets.optimizer.param_groups[0]["momentum"] == 0.9
+
+
+def test_parameters_replaced_after_construction_are_named():
+    """`load_state_dict(assign=True)` swaps the model's parameters: writing into the old ones
+    would train nothing, silently."""
+    model = mlp()
+    gnets = GenomicBottleneck(model, tile=(16, 16))
+    model.load_state_dict(mlp().state_dict(), assign=True)
+    with pytest.raises(RuntimeError, match=r"parameter '0.weight' is no longer the tensor"):
+        gnets.predict_weights()
+
+
+def test_a_generated_layer_left_without_gradient_is_named_once():
+    """Unused in the forward: plain PyTorch's optimizer would skip it, here its g-nets still
+    move with their stack; the user is told once which layers and what to do."""
+    model = mlp()
+    gnets = GenomicBottleneck(model, tile=(16, 16))
+    model[4].weight.requires_grad_(False)  # frozen after construction
+    x, y = batch((16,))
+    with pytest.warns(UserWarning, match=r"\['4.weight'\] got no gradient.*ignore_layers"):
+        torchgb_loop(model, gnets, torch.optim.AdamW(model.parameters()), x, y, steps=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        torchgb_loop(model, gnets, torch.optim.AdamW(model.parameters()), x, y, steps=1)
+
+
+@pytest.mark.parametrize("second", ["cpu", [0], True])
+def test_a_wrong_local_rank_dict_is_named(second):
+    with pytest.raises(TypeError, match="local_rank_dict must be a dict"):
+        GenomicBottleneck(mlp(), second)

@@ -503,6 +503,8 @@ def test_the_continual_penalty_is_zero_at_its_targets_and_pulls_back_to_them():
         gb.continual.penalty(gparams, plan, [earlier[1]])
     with pytest.raises(TypeError, match=r"tasks must be an iterable .* got int"):
         gb.continual.targets(gparams, plan, tasks=1)
+    with pytest.raises(TypeError, match=r"tasks must be an iterable .* 0-d tensor: one id"):
+        gb.continual.targets(gparams, plan, tasks=torch.tensor(1))
 
 
 def test_the_continual_penalty_leaves_a_frozen_mask_out():
