@@ -59,8 +59,12 @@ def advice(
         except ValueError as refused:  # e.g. outputs= wider than a table it would generate
             said.append(f"{label} is refused ({str(refused).removeprefix('gb.plan: ')})")
             continue
-        if lo > hi:  # nothing measured: under every tile every weight stayed free
-            said.append(f"{label} generates no weight under any tile")
+        if lo > hi:  # no tile measured: each left every weight (or conditioned one) free
+            said.append(
+                f"{label} leaves the parameters that read the condition free under every tile"
+                if stored
+                else f"{label} generates no weight under any tile"
+            )
             continue
         said.append(
             f"{label} gives {lo:.2f}x to {hi:.2f}x"

@@ -170,7 +170,8 @@ def tile_for(
     """The tile of a `(rows, cols)` block of parameter `name` (`layout` says whether it is a
     bias, a column of one value per row, and into how many blocks the parameter splits). An
     explicit tile larger than the block is refused; a bias takes only its rows (a tile set
-    for a whole layer, weight and bias, fits the bias)."""
+    for a whole layer, weight and bias, fits the bias); a searched tile leaves an axis of
+    labelled neurons whole (`clip_tile`)."""
     tile = opts["tile"]
     if tile == "full":
         th, tw = rows, cols
@@ -178,6 +179,9 @@ def tile_for(
         th, tw = tile
         if layout.bias:
             tw = cols
+        if opts.get("searched"):
+            th = rows if opts["row_labels"] != "position" else th
+            tw = cols if opts["col_labels"] != "position" else tw
         if opts.get("explicit_tile") and (th > rows or tw > cols):
             part = (
                 f"{name}'s weight matrix"
@@ -255,6 +259,9 @@ def param_cost(
 
 
 def clip_tile(genome: Genome, rows: int, cols: int, tile: tuple) -> tuple[int, int]:
-    """A candidate `tile` as a `(rows, cols)` block gets it: cut to the block, its width a
-    whole number of evaluations (as `tile_for` lays it out)."""
-    return min(tile[0], rows), -(-min(tile[1], cols) // genome.outputs) * genome.outputs
+    """A candidate `tile` as a `(rows, cols)` block gets it: cut to the block, an axis of
+    labelled neurons whole (`check_labels` refuses a tile that splits one), its width a whole
+    number of evaluations (as `tile_for` lays it out)."""
+    th = rows if genome.row_labels != "position" else min(tile[0], rows)
+    tw = cols if genome.col_labels != "position" else min(tile[1], cols)
+    return th, -(-tw // genome.outputs) * genome.outputs

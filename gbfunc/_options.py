@@ -112,13 +112,15 @@ def check_patterns(rules: Rules, names: list[str], tied: dict[str, str]) -> None
             )
 
 
-def warn_unused(rules: Rules, generated: set[str], reasons: dict[str, str]) -> None:
-    """Warn of each override whose genome options reach no generated parameter: every name
-    it matches stays free (`reasons`: why, by name), so they change nothing."""
+def warn_unused(rules: Rules, shaped: set[str], reasons: dict[str, str]) -> None:
+    """Warn of each override whose genome options reach no parameter whose g-nets they shape
+    (`shaped`: generated ones, and those `compression=` left free for what their g-nets would
+    cost): every name it matches stays free whatever its g-nets (`reasons`: why, by name), so
+    they change nothing."""
     for pattern, over in rules:
         options = sorted(set(over) - {"generate", "explicit_tile"})
         matched = [n for n in reasons if fnmatch.fnmatchcase(n, pattern)]
-        if options and not any(fnmatch.fnmatchcase(n, pattern) for n in generated) and matched:
+        if options and not any(fnmatch.fnmatchcase(n, pattern) for n in shaped) and matched:
             why = "; ".join(f"{n}: {reasons[n]}" for n in matched[:3])
             more = ", ..." if len(matched) > 3 else ""
             warnings.warn(

@@ -179,9 +179,14 @@ def plan(
             "reaches; pass compression=<ratio> with it (without one, no ratio is sought)."
         )
     tasks = integer("gb.plan", "tasks", tasks, minimum=0)
-    # The task table is (tasks, width), the width of whichever layers read a condition: the
-    # top-level one or an override's (one width in all, `_check_condition`).
-    width = max((o["condition"] for o in options if isinstance(o["condition"], int)), default=0)
+    reasons = [free_reason(e, o, flags) for e, o in zip(entries, options, strict=True)]
+    _check_generates(model, reasons)
+    # The task table is (tasks, width), the width of whichever generated layers read a
+    # condition: the top-level one or an override's (one width in all, `_check_condition`).
+    width = max(
+        (o["condition"] for o, r in zip(options, reasons, strict=True) if r is None),
+        default=0,
+    )
     task_params = tasks * width
     goal = (
         None
@@ -190,19 +195,27 @@ def plan(
     )
     options = _compress(goal, options, tile is not None)
     result = replace(_build(entries, options, flags), tasks=tasks).naming(model)
-    warn_unused(rules, {p.name for p in result.generated}, {p.name: p.reason for p in result.free})
+    # the options of an override shape the g-nets of the parameters it matches that are not free
+    # whatever their g-nets: generated, or left free by the search for what those would cost
+    shaped = {e.name for e, r in zip(entries, reasons, strict=True) if r is None}
+    warn_unused(rules, shaped, {p.name: p.reason for p in result.free if p.name not in shaped})
     warn_dropped(rules, result)
-    if not result.params:
-        raise ValueError(f"gb.plan: {type(model).__name__} has no parameters to generate.")
-    if not result.generated:
-        raise ValueError(
-            f"gb.plan: {type(model).__name__} has no parameter to generate: "
-            + _why_free(result)
-            + " Register a rule with gb.register_rule, or pass embeddings=True for embeddings."
-        )
     _check_stored_size(result)
     _check_condition(result)
     return result
+
+
+def _check_generates(model: nn.Module, reasons: list[str | None]) -> None:
+    """Refuse a model with no parameter to generate (`reasons`: why each stays free, `None`
+    where it is generated), before `compression=` searches for one."""
+    if not reasons:
+        raise ValueError(f"gb.plan: {type(model).__name__} has no parameters to generate.")
+    if None not in reasons:
+        raise ValueError(
+            f"gb.plan: {type(model).__name__} has no parameter to generate: every parameter is "
+            f"free ({'; '.join(sorted(set(reasons))[:4])}). Register a rule with "
+            "gb.register_rule, or pass embeddings=True for embeddings."
+        )
 
 
 def _check_condition(plan: Plan) -> None:
@@ -217,7 +230,7 @@ def _check_condition(plan: Plan) -> None:
     if plan.tasks and not widths:
         raise ValueError(
             f"gb.plan: tasks={plan.tasks} needs a condition for the task embeddings to feed: "
-            "pass condition=<width> (e.g. 8), and leave at least one layer conditioned."
+            "pass condition=<width> (e.g. 8), and leave at least one generated layer conditioned."
         )
 
 
@@ -390,11 +403,6 @@ class _Stacks:
             )
             for i, (genome, tile, window, geometry) in enumerate(self._specs)
         )
-
-
-def _why_free(p: Plan) -> str:
-    reasons = sorted({f.reason for f in p.free})
-    return "every parameter is free (" + "; ".join(reasons[:4]) + ")."
 
 
 def _tied_names(model: nn.Module) -> dict[str, str]:

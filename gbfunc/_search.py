@@ -98,11 +98,14 @@ def search_tile(goal: Goal, options: list[dict[str, object]]) -> list[dict[str, 
             found = _scan_tiles(goal._replace(flags=fl), opts)
             return found.lo, found.hi, found.reached
 
-        found = (
-            f"with these g-nets: tiles give {scan.lo:.2f}x to {scan.hi:.2f}x"
+        found = "with these g-nets: " + (
+            f"tiles give {scan.lo:.2f}x to {scan.hi:.2f}x"
             if scan.nearest is not None
-            else "with these g-nets: under every tile they cost more than the weights they "
-            "would generate, which then stay free"
+            else "under every tile the g-nets of the parameters that read the condition (which "
+            "tasks= feeds) cost more than those parameters, which then stay free"
+            if goal.stored
+            else "under every tile they cost more than the weights they would generate, which "
+            "then stay free"
         )
         raise goal.unreachable(options, reach, found, "change hidden/depth, or pass tile= directly")
     tile = scan.nearest[1]
@@ -118,6 +121,7 @@ def _scan_tiles(goal: Goal, options: list[dict[str, object]]) -> _Scan:
     """The ratio of every candidate tile, against the goal's target."""
     entries, flags, target, scope, stored = goal
     fixed_weights, fixed = 0, 0  # weights and g-net parameters of tiles the caller fixed
+    fixed_condition = False  # whether one of those reads the condition
     kept = 0  # parameters that stay free whatever the tile
     searched: dict[tuple, int] = {}  # (genome, window, block shapes) -> parameters like it
     for entry, opts in zip(entries, options, strict=True):
@@ -129,6 +133,7 @@ def _scan_tiles(goal: Goal, options: list[dict[str, object]]) -> _Scan:
         blocks = tuple(block_shapes(shape, layout.splits, layout.split_dim))
         if opts.get("explicit_tile"):
             fixed_weights += math.prod(shape)
+            fixed_condition = fixed_condition or genome.condition > 0
             for rows, cols in blocks:
                 tile = tile_for(name, opts, rows, cols, genome.outputs, layout)
                 fixed += block_cost(genome, shape[2:], rows, cols, tile)
@@ -136,7 +141,16 @@ def _scan_tiles(goal: Goal, options: list[dict[str, object]]) -> _Scan:
             key = (genome, shape[2:], blocks)
             searched[key] = searched.get(key, 0) + 1
     if not searched:
-        raise ValueError("gb.plan: compression= has no parameter to choose a tile for.")
+        given = [
+            e.name
+            for e, o in zip(entries, options, strict=True)
+            if o.get("explicit_tile") and free_reason(e, o, flags) is None
+        ]
+        raise ValueError(
+            "gb.plan: compression= has no tile to choose: every generated parameter's tile is "
+            f"given in overrides ({', '.join(given[:4])}{', ...' if len(given) > 4 else ''}); "
+            "drop compression=, or one of those tiles."
+        )
     measure = _Ratio(scope == "model", kept, stored)
     dims = {d for (_, _, blocks) in searched for shape in blocks for d in shape}
     sizes = sorted(
@@ -165,8 +179,9 @@ def _scan_tiles(goal: Goal, options: list[dict[str, object]]) -> _Scan:
                     generated.append((key, count))
                 else:  # it stays free (as the plan builder decides)
                     left_free += count * size
-            if cost == 0:
-                continue
+            conditioned = fixed_condition or any(key[0].condition for key, _ in generated)
+            if cost == 0 or (stored and not conditioned):
+                continue  # nothing generated, or no g-net left to read the task embeddings
             ratio = measure(weights, cost, left_free)
             lo, hi = min(lo, ratio), max(hi, ratio)
             err = abs(ratio / target - 1)
@@ -224,29 +239,29 @@ def size_tables(goal: Goal, options: list[dict[str, object]]) -> list[dict[str, 
     at least one, at most one per position), one factor `k` for the whole plan, found by
     bisection. On the digits CNN this gives nearly the tables that were tuned by hand per
     layer: small layers get more buckets per weight than large ones, and equal tiles get
-    equal tables.
+    equal tables. A target that the sizes on either side of it both miss by more than 10% is
+    unreachable too.
     """
     target = goal.target
     ratio, auto, top = _tables(goal, options)
-    if not _tables_reach(ratio, top, target):
+    k, (above, below) = _factor(ratio, top, target)
+    if abs(ratio(k) / target - 1) > 0.10:
 
         def reach(opts: list[dict[str, object]], fl: dict[str, bool]) -> tuple[float, float, bool]:
             their_ratio, _, their_top = _tables(goal._replace(flags=fl), opts)
-            reached = _tables_reach(their_ratio, their_top, target)
+            their_k, _ = _factor(their_ratio, their_top, target)
+            reached = abs(their_ratio(their_k) / target - 1) <= 0.10
             return their_ratio(their_top), their_ratio(0.0), reached
 
-        raise goal.unreachable(
-            options,
-            reach,
+        found = (
             f"by sizing the hashed tables: they give {ratio(top):.2f}x (a bucket per position) "
-            f"to {ratio(0.0):.2f}x (one per tile)",
-            "change hidden/tile, or give hashed= a number of buckets",
+            f"to {ratio(0.0):.2f}x (one per tile)"
         )
-    lo, hi = 0.0, top
-    for _ in range(60):  # the largest k whose ratio stays at or above the target
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if ratio(mid) >= target else (lo, mid)
-    k = lo if abs(ratio(lo) / target - 1) <= abs(ratio(hi) / target - 1) else hi
+        if ratio(top) <= target <= ratio(0.0):  # spanned, but stepped over
+            found += f", and the sizes on either side of it give {above:.2f}x and {below:.2f}x"
+        raise goal.unreachable(
+            options, reach, found, "change hidden/tile, or give hashed= a number of buckets"
+        )
     sized = {index: _buckets(k, positions) for index, _, positions in auto}
     return [{**opts, "hashed": sized[i]} if i in sized else opts for i, opts in enumerate(options)]
 
@@ -256,10 +271,18 @@ def _buckets(k: float, positions: int) -> int:
     return min(positions, max(1, round(k * positions**TABLE_EXPONENT)))
 
 
-def _tables_reach(ratio: Callable[[float], float], top: float, target: float) -> bool:
-    """Whether factors from 0 (a bucket per tile) to `top` (one per position) span `target`
-    within 10%."""
-    return ratio(top) <= target * 1.1 and ratio(0.0) >= target / 1.1
+def _factor(
+    ratio: Callable[[float], float], top: float, target: float
+) -> tuple[float, tuple[float, float]]:
+    """The table factor, from 0 (a bucket per tile) to `top` (one per position), whose ratio
+    is nearest `target`, and the ratios on either side of it: of the largest factor whose
+    ratio stays at or above the target (found by bisection), and of the next one."""
+    lo, hi = 0.0, top
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ratio(mid) >= target else (lo, mid)
+    k = lo if abs(ratio(lo) / target - 1) <= abs(ratio(hi) / target - 1) else hi
+    return k, (ratio(lo), ratio(hi))
 
 
 def _tables(
