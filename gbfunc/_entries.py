@@ -170,8 +170,8 @@ def tile_for(
     """The tile of a `(rows, cols)` block of parameter `name` (`layout` says whether it is a
     bias, a column of one value per row, and into how many blocks the parameter splits). An
     explicit tile larger than the block is refused; a bias takes only its rows (a tile set
-    for a whole layer, weight and bias, fits the bias); a searched tile leaves an axis of
-    labelled neurons whole (`clip_tile`)."""
+    for a whole layer, weight and bias, fits the bias); a tile `compression=` chose
+    (`tile_chosen`) leaves an axis of labelled neurons whole (`clip_tile`)."""
     tile = opts["tile"]
     if tile == "full":
         th, tw = rows, cols
@@ -179,7 +179,7 @@ def tile_for(
         th, tw = tile
         if layout.bias:
             tw = cols
-        if opts.get("searched"):
+        if opts.get("tile_chosen"):
             th = rows if opts["row_labels"] != "position" else th
             tw = cols if opts["col_labels"] != "position" else tw
         if opts.get("explicit_tile") and (th > rows or tw > cols):

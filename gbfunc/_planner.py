@@ -299,7 +299,8 @@ def _compress(
         if tile_given:
             return size_tables(goal, options)
         for tile in TABLE_TILES:  # the first tile whose tables can reach the target
-            tiled = [o if o.get("explicit_tile") else {**o, "tile": tile} for o in options]
+            chosen = {"tile": tile, "tile_chosen": True}
+            tiled = [o if o.get("explicit_tile") else {**o, **chosen} for o in options]
             try:
                 return size_tables(goal, tiled)
             except UnreachableError as e:

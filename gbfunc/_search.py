@@ -114,7 +114,8 @@ def search_tile(goal: Goal, options: list[dict[str, object]]) -> list[dict[str, 
         shaped = [c for c in scan.close if c[0] <= max(MAX_ASPECT, squarest[0] + ASPECT_SLACK)]
         least = min(shaped, key=lambda c: (c[1], c[0], c[2]))
         tile = least[2] if least[1] <= WORK_GAIN * squarest[1] else squarest[2]
-    return [o if o.get("explicit_tile") else {**o, "tile": tile, "searched": True} for o in options]
+    chosen = {"tile": tile, "searched": True, "tile_chosen": True}
+    return [o if o.get("explicit_tile") else {**o, **chosen} for o in options]
 
 
 def _scan_tiles(goal: Goal, options: list[dict[str, object]]) -> _Scan:

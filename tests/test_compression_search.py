@@ -77,6 +77,15 @@ def test_auto_tables_that_step_over_the_target_are_unreachable():
         ({"row_labels": "onehot"}, 2),
         ({"row_labels": "onehot"}, 6.5),
         ({"col_labels": (16, 16), "overrides": {"2.weight": {"col_labels": "position"}}}, 3),
+        # tables sized on the tiles it tries
+        (
+            {
+                "row_labels": (8, 16),
+                "hashed": "auto",
+                "overrides": {"2.*": {"row_labels": "position"}},
+            },
+            2,
+        ),
     ],
 )
 def test_compression_keeps_an_axis_of_labelled_neurons_whole(options, target):
