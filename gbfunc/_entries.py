@@ -37,9 +37,11 @@ class Entry:
 
 
 def collect(model: nn.Module) -> list[Entry]:
-    """Every parameter once, under its first name; a tied one (`head.weight = emb.weight`)
-    is judged by its embedding's layout wherever the embedding is registered, so that a
-    table whose module keeps it free (`embeddings=False`, `padding_idx`, ...) stays free."""
+    """Every parameter once, under its first name. A tied one (`head.weight = emb.weight`)
+    is judged by one of the modules holding it whose rule covers it, whatever their order:
+    an embedding that keeps its table free (`padding_idx`, ...) if one does, so that the
+    table stays free, else an embedding, else the first (a weight registered on a parent
+    without a rule and shared into its layers is judged by the first layer)."""
     # per parameter, every (name, module, local name, layout) that holds it
     holders: dict[int, tuple[Tensor, list[tuple[str, nn.Module, str, Layout | None]]]] = {}
     for prefix, module in model.named_modules():
@@ -51,9 +53,10 @@ def collect(model: nn.Module) -> list[Entry]:
     entries: list[Entry] = []
     for param, held in holders.values():  # tied: generated once, functional_call keeps the tie
         name = held[0][0]
-        _, module, local, layout = next(
-            (h for h in held if h[3] is not None and h[3].embedding), held[0]
-        )
+        covered = [h for h in held if h[3] is not None]
+        tables = [h for h in covered if h[3].embedding]
+        kept = [h for h in tables if _kept_table(h[1]) is not None]
+        _, module, local, layout = (kept or tables or covered or held)[0]
         dtype = str(param.dtype).removeprefix("torch.")
         if layout is not None:
             layout = replace(layout, init_std=start_scale(param, layout.init_std))

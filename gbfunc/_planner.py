@@ -1,10 +1,11 @@
 """`gb.plan`: build the plan of a model from its parameters, its rules and the options."""
 
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from torch import nn
+from torch import Tensor, nn
 
 from ._check_model import check_module
 from ._entries import (
@@ -200,9 +201,39 @@ def plan(
     shaped = {e.name for e, r in zip(entries, reasons, strict=True) if r is None}
     warn_unused(rules, shaped, {p.name: p.reason for p in result.free if p.name not in shaped})
     warn_dropped(rules, result)
+    _warn_constant(entries, result)
     _check_stored_size(result)
     _check_condition(result)
     return result
+
+
+def _warn_constant(entries: list[Entry], plan: Plan) -> None:
+    """Warn of generated weights that are constant in the model (zero-initialised, say): with
+    no std to measure they start at their rule's (`start_scale`), not at that value. Biases
+    are left out: layers zero theirs by default (attention's), and `biases=True` asks."""
+    generated = {p.name for p in plan.generated}
+    constant = [
+        e.name
+        for e in entries
+        if e.name in generated and not e.layout.bias and _constant(e.module._parameters[e.local])
+    ]
+    if constant:
+        more = ", ..." if len(constant) > 4 else ""
+        warnings.warn(
+            f"gb.plan: {', '.join(constant[:4])}{more} is constant in the model (zero-"
+            "initialised, say); generated, it starts at its rule's std, not at that value. "
+            "Pass overrides={name: {'generate': False}} to keep it as it is.",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _constant(param: Tensor) -> bool:
+    """Whether `param` holds one value throughout (at least two of them, readable)."""
+    if param.is_meta or param.numel() < 2 or not param.is_floating_point():
+        return False
+    flat = param.detach().reshape(-1)
+    return bool((flat == flat[0]).all())
 
 
 def _check_generates(model: nn.Module, reasons: list[str | None]) -> None:

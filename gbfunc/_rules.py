@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from ._numbers import integer, real
+from ._numbers import as_integer, integer, real
 
 
 @dataclass(frozen=True)
@@ -45,13 +45,15 @@ class Layout:
         """Refuse fields the planner cannot use, here rather than deep inside `gb.plan`."""
         std = float(real("gb.Layout", "init_std", self.init_std, above=0))
         splits = integer("gb.Layout", "splits", self.splits, minimum=1)
-        if isinstance(self.split_dim, bool) or self.split_dim not in (0, 1):
+        split_dim = as_integer(self.split_dim)
+        if split_dim not in (0, 1):
             raise ValueError(f"gb.Layout: split_dim must be 0 or 1, got {self.split_dim!r}.")
         for flag in ("embedding", "bias", "inputs_first"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"gb.Layout: {flag} must be a bool, got {getattr(self, flag)!r}.")
         object.__setattr__(self, "init_std", std)  # e.g. a numpy float, as Python's
         object.__setattr__(self, "splits", splits)
+        object.__setattr__(self, "split_dim", split_dim)  # a numpy int too, as JSON takes it
 
 
 Rule = Callable[[nn.Module], dict[str, Layout]]
@@ -102,13 +104,17 @@ def layouts_of(module: nn.Module) -> dict[str, Layout]:
     if found is None:
         return {}
     cls, rule = found
-    layouts = rule(module)
-    params = dict(module.named_parameters(recurse=False))
     name = getattr(rule, "__qualname__", None) or type(rule).__qualname__
     where = f"gb.plan: the rule {getattr(rule, '__module__', '?')}.{name} registered for "
     where += cls.__qualname__
     if cls is not type(module):
         where += f" (called on its subclass {type(module).__qualname__})"
+    try:
+        layouts = rule(module)
+    except Exception as e:
+        e.add_note(f"{where} raised this on a {type(module).__qualname__}.")
+        raise
+    params = dict(module.named_parameters(recurse=False))
     contract = (
         "a rule must return a dict {local parameter name: gb.Layout(...)} naming some of the "
         f"module's own parameters ({', '.join(params) or 'it has none'}); see gb.register_rule."

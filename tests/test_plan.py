@@ -867,3 +867,84 @@ def test_an_option_the_advice_cannot_plan_is_named_not_raised():
         r"embeddings=True is refused \(0\.weight: outputs=2 is wider than its tile's 1 columns",
     ):
         gb.plan(model, outputs=2, hashed="auto", tile=(64, 64), compression=200)
+
+
+class _SharedWeight(nn.Module):
+    """One weight registered on the parent and shared into two Linear layers (cross-layer
+    sharing): the parent, first in `named_modules`, has no rule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.W = nn.Parameter(torch.randn(32, 32) / 32**0.5)
+        self.a, self.b = nn.Linear(32, 32, bias=False), nn.Linear(32, 32, bias=False)
+        self.a.weight = self.b.weight = self.W
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+class _TwoTables(nn.Module):
+    """One table in two embeddings, one of them with a padding row, in either order."""
+
+    def __init__(self, padding_first: bool) -> None:
+        super().__init__()
+        plain, padded = nn.Embedding(10, 8), nn.Embedding(10, 8, padding_idx=0)
+        padded.weight = plain.weight
+        self.first, self.second = (padded, plain) if padding_first else (plain, padded)
+        self.head = nn.Linear(8, 8)
+
+
+def test_a_tied_parameter_is_judged_by_a_module_whose_rule_covers_it_in_any_order():
+    shared = gb.plan(_SharedWeight(), tile=(8, 8))
+    assert [p.name for p in shared.generated] == ["W"]  # was: free, "no rule for _SharedWeight"
+    weights = gb.apply(gb.init(shared), shared)
+    out = torch.func.functional_call(_SharedWeight(), weights, (torch.randn(2, 32),))
+    assert out.shape == (2, 32)
+    for padding_first in (True, False):  # the padding row must stay zero: the table stays free
+        plan = gb.plan(_TwoTables(padding_first), tile=(8, 8), embeddings=True)
+        reasons = {p.name: p.reason for p in plan.free}
+        assert "padding_idx=0" in reasons["first.weight"], padding_first
+
+
+def test_a_constant_weight_that_is_generated_is_named():
+    """A zero-initialised layer has no std to start from: it starts at its rule's, which
+    undoes a zero-init start; gb.plan says so. Zero biases (attention's) are not named."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    nn.init.zeros_(model[2].weight)
+    nn.init.zeros_(model[2].bias)
+    with pytest.warns(UserWarning, match=r"^gb\.plan: 2\.weight is constant in the model"):
+        gb.plan(model, tile=(8, 8), biases=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gb.plan(model, tile=(8, 8), biases=True, overrides={"2.weight": {"generate": False}})
+
+
+def test_a_layouts_split_dim_may_be_any_integer_and_the_plan_still_saves(tmp_path):
+    np = pytest.importorskip("numpy")
+
+    class Gate(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(16, 32) / 4)
+
+    def plan_with(split_dim: object) -> gb.Plan:
+        gb.register_rule(Gate, lambda m: {"w": gb.Layout(0.25, splits=2, split_dim=split_dim)})
+        return gb.plan(Gate(), tile=(8, 8))
+
+    plans = [plan_with(d) for d in (1, np.int64(1), torch.tensor(1))]
+    assert len({p.fingerprint() for p in plans}) == 1
+    gb.save(tmp_path / "g.safetensors", gb.init(plans[1]), plans[1])
+    with pytest.raises(ValueError, match=r"split_dim must be 0 or 1, got 1\.0"):
+        gb.Layout(0.25, split_dim=1.0)
+
+
+def test_an_error_inside_a_registered_rule_names_the_rule_and_the_module_type():
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 8))
+
+    gb.register_rule(Block, lambda m: {"w": gb.Layout(m.gate_std)})
+    with pytest.raises(AttributeError, match="gate_std") as info:
+        gb.plan(Block())
+    assert any("registered for " in note and "Block" in note for note in info.value.__notes__)
