@@ -251,7 +251,7 @@ def free_init(module: nn.Module, name: str, shape: tuple[int, ...]) -> tuple[str
     free by the caller; other parameters get ones (1-D weights, i.e. scales), zeros (biases,
     other 1-D) or N(0, 0.02) (matrices).
     """
-    if isinstance(module, nn.Embedding):
+    if isinstance(module, nn.Embedding | nn.EmbeddingBag):
         if module.padding_idx is not None:  # N(0, 1), then its padding row zeroed
             return ("normal_padded", module.padding_idx)
         return ("normal", 1.0)
@@ -263,9 +263,12 @@ def free_init(module: nn.Module, name: str, shape: tuple[int, ...]) -> tuple[str
         if name in ("bias_k", "bias_v"):  # xavier_normal_ of (1, 1, E): fans of E each
             return ("normal", 1.0 / math.sqrt(shape[-1]))
         return ("zeros", 0.0)
-    if isinstance(module, nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d) and isinstance(
-        module.weight, Tensor
-    ):
+    if isinstance(module, nn.Bilinear):  # weight and bias: U(+-1 / sqrt(in1_features))
+        return ("uniform", 1.0 / math.sqrt(max(1, module.in1_features)))
+    # A transposed convolution's (in, out / groups, k...) weight: torch's fan-in is the
+    # second dimension times the kernel's, as `_fan_in` reads it.
+    linear_like = nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d | nn.modules.conv._ConvTransposeNd
+    if isinstance(module, linear_like) and isinstance(module.weight, Tensor):
         if name == "bias" and isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
             return ("zeros", 0.0)  # MultiheadAttention zeroes out_proj.bias
         # kaiming_uniform_(a=sqrt(5)) for the weight and the bias's own rule share this bound.

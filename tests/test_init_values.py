@@ -440,3 +440,25 @@ def test_evaluating_in_pieces_gives_the_values_of_all_tiles_at_once(monkeypatch,
     monkeypatch.setattr(init_module, "_budget", lambda stack: rows * per_row[stack.key])
     in_pieces = gb.init(plan, seed=2, dtype=torch.float64, requires_grad=False)
     torch.testing.assert_close(in_pieces, at_once, rtol=1e-12, atol=1e-15)
+
+
+def test_free_parameters_of_more_layers_are_drawn_as_their_modules_draw_them():
+    """Transposed convolutions, embedding bags and bilinear layers were drawn N(0, 0.02) (or
+    zeros for their biases): 50x too small for a bag's N(0, 1) rows."""
+    torch.manual_seed(0)
+    layers = {
+        "0": nn.ConvTranspose2d(16, 24, 3),
+        "1": nn.EmbeddingBag(400, 16, padding_idx=3),
+        "2": nn.Bilinear(20, 30, 40),
+        "3": nn.Linear(16, 8),  # something to generate
+    }
+    plan = gb.plan(nn.ModuleDict(layers), tile=(8, 8))
+    drawn = gb.init(plan, values="draw")["free"]
+    for name in ("0.weight", "1.weight", "2.weight"):  # thousands of values each
+        module = layers[name[0]]
+        module.reset_parameters()
+        assert drawn[name].std().item() == pytest.approx(module.weight.std().item(), rel=0.1)
+    for name, fan_in in (("0.bias", 24 * 9), ("2.bias", 20)):  # U(+-1 / sqrt(fan_in))
+        bound = fan_in**-0.5
+        assert 0.5 * bound / 3**0.5 < drawn[name].std().item() <= drawn[name].abs().max() <= bound
+    assert torch.equal(drawn["1.weight"][3], torch.zeros(16))
