@@ -113,8 +113,9 @@ def test_generated_weights_start_at_the_models_own_scale():
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64))
     with torch.no_grad():
         model[1].weight.normal_(0.0, 0.01)  # custom init: kept
-        model[2].weight.zero_()  # constant: the layer's default std instead
-    plan = gb.plan(model, tile=(16, 16))
+        model[2].weight.zero_()  # constant: the layer's default std instead, and said so
+    with pytest.warns(UserWarning, match=r"2\.weight is constant in the model"):
+        plan = gb.plan(model, tile=(16, 16))
     scales = {p.name: p.scale for p in plan.generated}
     assert scales["0.weight"] == pytest.approx(1 / (3 * 64) ** 0.5)  # the default, exactly
     assert scales["1.weight"] == pytest.approx(0.01, rel=0.05)
