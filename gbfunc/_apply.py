@@ -64,8 +64,7 @@ def apply(
         torch.Size([2, 32])
     """
     check_call(gparams, plan, "gb.apply", backend=backend, compile=compile, values=check)
-    leaf = next((x for leaves in gparams["stacks"].values() for x in leaves.values()), None)
-    with autocast_off(leaf):
+    with autocast_off(gparams["stacks"]):
         return _generate(gparams, plan, condition, task, backend, compile)
 
 

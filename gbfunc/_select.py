@@ -16,6 +16,7 @@ from ._condition import folded
 from ._dispatch import context_of, runner, stack_path
 from ._plan import Free, Generated, Plan
 from ._realised import realised
+from ._spec import autocast_off
 from ._tiling import (
     Concat,
     Piece,
@@ -119,6 +120,13 @@ class Selection:
         takes `condition` or `task` as `gb.apply` does; `where` names the call in its errors.
         """
         gparams, _ = folded(gparams, self.plan, condition, task, where)
+        with autocast_off(gparams["stacks"]):  # as `gb.apply`: in the g-nets' dtype
+            return self._generate(gparams, compile, paths)
+
+    def _generate(
+        self, gparams: GParams, compile: bool | None, paths: Sequence[str] | None
+    ) -> dict[str, Tensor]:
+        """`apply`'s work once the condition is folded in."""
         context = context_of(gparams["stacks"], backend="torch", compile=compile)
         tiles, whole = {}, {}
         for s, indices in self.tiles.items():

@@ -221,9 +221,11 @@ _MADE: dict[tuple, Tensor | Tensors] = {}
 
 
 def _plain(make: Callable[..., Made], *args: Hashable) -> Made:
-    # Outside any torch.func transform (made inside one, they would be its wrapped tensors)
-    # and outside inference mode (its tensors cannot be saved for a later backward).
-    with torch._C._DisableFuncTorch(), torch.inference_mode(False):
+    # Outside any torch.func transform (made inside one, they would be its wrapped tensors),
+    # outside inference mode (its tensors cannot be saved for a later backward), and on the
+    # CPU unless `make` says where (under `with torch.device("meta")`, FSDP2's way to build a
+    # model, the tables came out on meta: the loops then wrote through a null pointer).
+    with torch._C._DisableFuncTorch(), torch.inference_mode(False), torch.device("cpu"):
         return make(*args)
 
 
@@ -302,10 +304,12 @@ def plain_eager() -> bool:
     )
 
 
-def autocast_off(leaf: Tensor | None) -> contextlib.AbstractContextManager:
-    """Autocast off on the g-net `leaf`'s device where it is on: weights are computed in the
-    g-nets' dtype, as the loops and kernels do, whatever autocast the caller runs under (the
-    torch path's matmuls ran in bfloat16 under CPU autocast)."""
+def autocast_off(stacks: Mapping[str, Mapping[str, Tensor]]) -> contextlib.AbstractContextManager:
+    """Autocast off on the g-nets' device (that of the first leaf of `stacks`) where it is on:
+    weights are computed in the g-nets' dtype, as the loops and kernels do, whatever autocast
+    the caller runs under (the torch path's matmuls ran in bfloat16 under CPU autocast, and
+    handed the loops bfloat16 tensors they read as float32)."""
+    leaf = next((x for leaves in stacks.values() for x in leaves.values()), None)
     device = None if leaf is None else leaf.device.type
     if device is None or not torch.amp.is_autocast_available(device):
         return contextlib.nullcontext()

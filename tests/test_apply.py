@@ -615,3 +615,23 @@ def test_weights_come_in_the_gnets_dtype_under_autocast_on_every_path():
             torch.testing.assert_close(got[name], weight, rtol=1e-5, atol=1e-6)
         (grad,) = torch.autograd.grad(got["0.weight"].square().sum(), leaf)
         torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-6)
+
+
+def test_generation_under_a_meta_default_device_runs_where_the_gnets_are():
+    """Under `with torch.device("meta")` (FSDP2's way to build a model), the loops' placement
+    tables and the code tables, made on first use, came out on meta: the C loop then wrote
+    through their null pointers (a segfault), or copying them failed."""
+    from gbfunc import _spec
+
+    model = nn.Sequential(nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 10))
+    plan = gb.plan(model, tile=(16, 16))
+    gparams = gb.init(plan, seed=0)
+    for compile in (True, False):
+        want = gb.apply(gparams, plan, compile=compile)
+        _spec._MADE.clear()
+        _relu_rows.placement_tables.cache_clear()
+        with torch.device("meta"):
+            got = gb.apply(gparams, plan, compile=compile)
+        for name, weight in want.items():
+            assert got[name].device.type == "cpu"
+            torch.testing.assert_close(got[name], weight, rtol=0, atol=0)

@@ -559,3 +559,28 @@ def test_init_mesh_gives_its_timeout_to_every_dimensions_groups(tmp_path):
     for rank in (0, 1):
         lines = (tmp_path / f"timeouts{rank}.txt").read_text().splitlines()
         assert lines == ["pp 7.0", "dp 7.0", "tp 7.0"], (rank, lines)
+
+
+def test_every_dist_generator_makes_the_gnets_weights_under_autocast(process_group):
+    """`gb.apply` turned autocast off, the dist wrappers did not: their weights came in
+    bfloat16 precision (3.6e-3 off), and a `Selection` of part of a stack handed the C loops
+    bfloat16 tensors they read as float32 (NaN, or 1e21)."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    plan = gb.plan(model, tile=(16, 16))
+    gparams = gb.init(plan, seed=0)
+    want = gb.apply(gparams, plan, compile=False)
+    owned = gbd.RankOwned(plan)
+    local = owned.shard(gparams)
+    part = gbd.Selection(plan, {"0.weight": ((0, 32), (0, 64))})
+    stage = gbd.StageGenerator(plan, model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = {
+            "owned": owned.apply(local)["0.weight"],
+            "part": part.apply(gparams, compile=True)["0.weight"],
+            "whole": gbd.Selection.whole(plan).apply(gparams)["0.weight"],
+        }
+        stage.load(gparams)
+    got["stage"] = model[0].weight.detach()
+    for how, weight in got.items():
+        expected = want["0.weight"][:32] if how == "part" else want["0.weight"]
+        torch.testing.assert_close(weight, expected, rtol=1e-5, atol=1e-6, msg=how)

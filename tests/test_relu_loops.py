@@ -11,6 +11,7 @@ from threads import on_threads
 
 from gbfunc._spec import Terms
 from gbfunc.cpu import _relu_loops
+from gbfunc.cpu._build import check_float32
 from gbfunc.cpu._relu_loops import (
     MIN_UNITS,
     backward_reference,
@@ -368,3 +369,15 @@ def test_the_backward_loop_under_vmap_and_autograd():
 
     for x, y in zip(gradient(relu_layer_backward), gradient(backward_reference), strict=True):
         torch.testing.assert_close(x, y)
+
+
+def test_a_loop_refuses_tensors_it_would_misread():
+    """The loops read raw pointers as float32: a bfloat16 tensor (autocast's) was read past
+    its end; a meta table made inside (not an op's input) was written through a null
+    pointer."""
+    row_terms = torch.zeros(1, 2, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"relu_one_output takes CPU float32 tensors with"):
+        _relu_loops.relu_one_output(row_terms, torch.zeros(1, 8, 3), torch.zeros(1, 8))
+    with pytest.raises(RuntimeError, match=r"got torch.float32 on meta"):
+        check_float32("a loop", [torch.zeros(3), None, torch.zeros(3, device="meta")])
+    check_float32("a loop", [torch.zeros(0), None, torch.ones(2)])  # empty, absent, fine

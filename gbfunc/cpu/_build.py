@@ -26,6 +26,7 @@ import platform
 import shutil
 import sys
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -234,6 +235,23 @@ def _fail(reason: str) -> None:
 
 
 # Launching a loop: threads, row splits, genomes batched by vmap.
+
+
+def check_float32(loop: str, tensors: Iterable[Tensor | None]) -> None:
+    """Raise unless every tensor (None: absent) is a CPU float32 tensor with data: a loop reads
+    raw pointers as float32, and another dtype or device would be read as garbage, past its
+    end, or through a null pointer (bfloat16 under autocast did, before autocast was off)."""
+    for t in tensors:
+        if t is None:
+            continue
+        readable = t.dtype == torch.float32 and t.device.type == "cpu"
+        if readable and (t.numel() == 0 or t.data_ptr() != 0):
+            continue
+        raise RuntimeError(
+            f"gbfunc.cpu: the loop {loop} takes CPU float32 tensors with data, got "
+            f"{t.dtype} on {t.device}; gbfunc's dispatcher should not have sent it here: "
+            "please report it (GBFUNC_CPU_LOOPS=off avoids the loops meanwhile)."
+        )
 
 
 def threads_and_splits(tiles: int, tile_rows: int) -> tuple[int, int]:

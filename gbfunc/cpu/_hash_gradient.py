@@ -37,6 +37,7 @@ def table_gradient(grad: Tensor, packed: Tensor, buckets: int) -> Tensor:
     """`_spec.gradient_reference(grad, packed, buckets)` by the C loop (`usable` must hold)."""
     tiles = grad.shape[0]
     grad, packed = grad.reshape(tiles, -1).contiguous(), packed.contiguous()
+    _build.check_float32("hash_table_gradient", [grad])
     positions = grad.shape[1]
     # A tile's positions are its rows.
     threads, splits = _build.threads_and_splits(tiles, positions)

@@ -42,6 +42,7 @@ from torch import Tensor
 
 from ._build import (
     Loop,
+    check_float32,
     compiled_loop,
     runnable,
     splits_added,
@@ -287,4 +288,5 @@ def supported(units: int, dtype: torch.dtype, device_type: str) -> bool:
 def _run(loop: Loop, units: int, outputs: int, tensors: tuple, sizes: tuple, threads: int) -> None:
     """Call `loop` compiled for `units` and `outputs` on contiguous `tensors` (inputs, then the
     outputs it writes), `sizes` and `threads`."""
+    check_float32(loop.name, tensors)
     runnable(loop, units, outputs)(*(t.data_ptr() for t in tensors), *sizes, threads)

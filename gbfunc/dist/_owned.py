@@ -21,6 +21,7 @@ from .._condition import condition_of, conditioned
 from .._dispatch import torch_variant
 from .._numbers import integer
 from .._plan import TILE_LEAVES, Plan, Stack
+from .._spec import autocast_off
 from .._tiling import assemble, parameters
 from .._tree import GParams
 from ..generate.torch_ops import evaluate_stack
@@ -197,7 +198,8 @@ class RankOwned:
             _check_same_condition(z, self.group)
             local, _ = conditioned(local, self.plan, _summed_gradient(z, self.group))
         self.comm_bytes = 0
-        gathered = [self._generate_and_gather(s, local) for s in range(len(self.plan.stacks))]
+        with autocast_off(local["stacks"]):  # as `gb.apply`: in the g-nets' dtype
+            gathered = [self._generate_and_gather(s, local) for s in range(len(self.plan.stacks))]
         tiles = []
         for g in gathered:
             if isinstance(g, funcol.AsyncCollectiveTensor):
