@@ -155,14 +155,20 @@ def adamw_init(gparams: dict) -> AdamState:
     """Zero moments for every trainable leaf and a step counter.
 
     The counter is float64, so the bias corrections `1 - beta ** step` keep full precision
-    (in float32, `1 - 0.999 ** 1` is off by 1e-4 relative) without leaving the graph.
+    (in float32, `1 - 0.999 ** 1` is off by 1e-4 relative) without leaving the graph. The
+    moments of float16 and bfloat16 leaves are float32: in float16 a gradient below 2.4e-4
+    squares to 0 and `eps` (1e-8) is 0 too, so the step divided by zero (inf leaves after
+    one step, as `torch.optim.AdamW` gives there).
     """
     if not isinstance(gparams, dict) or "frozen" not in gparams:
         raise TypeError(
             f"gb.optim.adamw_init: gparams must be the dict made by gb.init, got "
             f"{type(gparams).__name__}."
         )
-    zeros = tree_map(lambda p: torch.zeros_like(p, requires_grad=False), _trainable(gparams))
+    zeros = tree_map(
+        lambda p: torch.zeros_like(p, dtype=_moment_dtype(p.dtype), requires_grad=False),
+        _trainable(gparams),
+    )
     return {
         "step": torch.zeros((), dtype=torch.float64),
         "m": zeros,
@@ -194,8 +200,8 @@ def adamw_update(
         _check_hyperparameters(lr, betas, eps, weight_decay)
     b1, b2 = betas
     step = state["step"] + 1
-    m = tree_map(lambda m, g: b1 * m + (1 - b1) * g, state["m"], _trainable(grads))
-    v = tree_map(lambda v, g: b2 * v + (1 - b2) * g * g, state["v"], _trainable(grads))
+    m = tree_map(lambda m, g: b1 * m + (1 - b1) * g.to(m.dtype), state["m"], _trainable(grads))
+    v = tree_map(lambda v, g: b2 * v + (1 - b2) * g.to(v.dtype) ** 2, state["v"], _trainable(grads))
     c1, c2 = 1 - b1**step, 1 - b2**step
 
     def update(p: Tensor, m: Tensor, v: Tensor) -> Tensor:
@@ -206,6 +212,11 @@ def adamw_update(
     new = tree_map(update, _trainable(gparams), m, v)
     new["frozen"] = gparams["frozen"]
     return new, {"step": step, "m": m, "v": v}
+
+
+def _moment_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a leaf's moments: float32 for 16-bit floats, else the leaf's own."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def _check_hyperparameters(lr: object, betas: object, eps: object, weight_decay: object) -> None:

@@ -441,6 +441,25 @@ def test_functional_adamw_keeps_a_0_dim_leafs_dtype():
     assert loss(gparams).dtype == torch.float32
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_functional_adamw_keeps_16_bit_leaves_finite(dtype):
+    """In float16 a gradient below 2.4e-4 squared to 0, and eps to 0: the step divided by
+    zero (inf after one step). The moments are float32; the leaves keep their dtype."""
+    model = nn.Linear(32, 16)
+    plan = gb.plan(model, tile=(8, 8))
+    gparams = gb.init(plan, requires_grad=False, dtype=dtype)
+    grads = torch.utils._pytree.tree_map(lambda t: torch.full_like(t, 1e-5), gparams)
+    state = gb.optim.adamw_init(gparams)
+    new, state = gb.optim.adamw_update(gparams, grads, state)
+    leaves = torch.utils._pytree.tree_leaves(new["stacks"])
+    assert all(t.dtype == dtype and torch.isfinite(t).all() for t in leaves)
+    assert all(t.dtype == torch.float32 for t in torch.utils._pytree.tree_leaves(state["m"]))
+    leaf = new["stacks"][plan.stacks[0].key]["w_in"]
+    before = gparams["stacks"][plan.stacks[0].key]["w_in"]
+    moved = (before.float() - leaf.float()).abs().max().item()  # Adam's first step: about lr
+    assert 5e-4 < moved < 2e-3
+
+
 def test_functional_adamw_defaults_are_lr_1e_3_without_weight_decay():
     """The defaults are documented values (torch's AdamW decays by 1e-2; this one does not)."""
     gparams, grads, state = _adamw_start()
