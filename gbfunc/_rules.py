@@ -171,7 +171,8 @@ def xavier_std(fan_in: int, fan_out: int) -> float:
 def step_scale(init_std: float, shape: tuple[int, ...], inputs_first: bool = False) -> float:
     """The unit in which a generated weight of `shape` starting at std `init_std` learns
     (`Generated.scale`): `init_std`, at most `1 / sqrt(fan_in)` (a bias: no cap). The fan-in
-    is `shape[0]` for a weight stored `(inputs, outputs)` (`Layout.inputs_first`).
+    is `shape[0]` (times a kernel window's size) for a weight stored `(inputs, outputs, ...)`
+    (`Layout.inputs_first`).
 
     Adam moves a g-net's or a table's value by about its rate per step, so a generated weight
     by about `rate * scale`. Linear, conv and attention weights start below the cap, where
@@ -182,7 +183,7 @@ def step_scale(init_std: float, shape: tuple[int, ...], inputs_first: bool = Fal
     """
     if len(shape) < 2:
         return init_std
-    fan_in = max(1, shape[0]) if inputs_first else _fan_in(shape)
+    fan_in = max(1, shape[0] * math.prod(shape[2:])) if inputs_first else _fan_in(shape)
     return min(init_std, 1.0 / math.sqrt(fan_in))
 
 

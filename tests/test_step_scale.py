@@ -116,6 +116,8 @@ def test_a_weight_stored_inputs_first_is_capped_by_its_inputs():
     p = by_name(plan)
     assert p["0.weight"].scale == pytest.approx(1 / math.sqrt(8))
     assert p["1.weight"].scale == pytest.approx(1 / math.sqrt(64))
+    # With a kernel window, the fan-in counts its taps too: 8 inputs x 9 taps.
+    assert _rules.step_scale(1.0, (8, 64, 3, 3), inputs_first=True) == pytest.approx(1 / 72**0.5)
 
 
 def test_equally_built_small_models_get_equal_plans_whatever_their_seed():
