@@ -26,15 +26,8 @@ from torch import Tensor
 
 from .._function import signature_once
 from .._spec import cached_tile_hash, legacy_batched, signed_buckets
-from ._build import (
-    Loop,
-    check_float32,
-    compiled_loop,
-    runnable,
-    splits_added,
-    threads_and_splits,
-    vectorised_cpu,
-)
+from . import _build
+from ._build import Loop, compiled_loop, runnable, splits_added, threads_and_splits, vectorised_cpu
 from ._relu_rows import (
     Placement,
     batched_gradients,
@@ -142,7 +135,7 @@ def hash_weights(
     weights = new_weights(table, decoded(placement).shapes)
     base = [x.contiguous() for x in base]
     table = table.contiguous()
-    check_float32("hash_weights", [*base, table])
+    _build.check_float32("hash_weights", [*base, table])
     packed = cached_tile_hash(positions, table.shape[-1], table.device)
     runnable(_FORWARD, 1)(
         pointers(base),
@@ -189,7 +182,7 @@ def hash_weights_backward(
     gradient (None: zero), by the C loop, which reads them in place."""
     present = [g for g in grads if g is not None]
     grads = [None if g is None else g.contiguous() for g in grads]
-    check_float32("hash_weights_backward", grads)
+    _build.check_float32("hash_weights_backward", grads)
     packed = cached_tile_hash(positions, buckets, present[0].device)
     table_of, tile_scales = placement_tables(placement, gain)
     num_tiles = table_of.shape[0]

@@ -40,9 +40,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from . import _build
 from ._build import (
     Loop,
-    check_float32,
     compiled_loop,
     runnable,
     splits_added,
@@ -288,5 +288,5 @@ def supported(units: int, dtype: torch.dtype, device_type: str) -> bool:
 def _run(loop: Loop, units: int, outputs: int, tensors: tuple, sizes: tuple, threads: int) -> None:
     """Call `loop` compiled for `units` and `outputs` on contiguous `tensors` (inputs, then the
     outputs it writes), `sizes` and `threads`."""
-    check_float32(loop.name, tensors)
+    _build.check_float32(loop.name, tensors)
     runnable(loop, units, outputs)(*(t.data_ptr() for t in tensors), *sizes, threads)

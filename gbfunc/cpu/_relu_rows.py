@@ -40,14 +40,8 @@ from torch._functorch.utils import unwrap_dead_wrappers
 from .._function import signature_once
 from .._plan import Generated, Stack, tile_places
 from .._spec import Terms, code_tables, legacy_batched, reference
-from ._build import (
-    Loop,
-    check_float32,
-    compiled_loop,
-    runnable,
-    splits_added,
-    threads_and_splits,
-)
+from . import _build
+from ._build import Loop, compiled_loop, runnable, splits_added, threads_and_splits
 from ._relu_loops import supported
 from ._relu_tiles import BACKWARD as TILES_BACKWARD, BLOCK_ROWS, FORWARD as TILES_FORWARD
 
@@ -258,7 +252,7 @@ def relu_rows(
 
 def _forward(row_code, col_code, w_in, b_in, w_out, b_out, where: Placement) -> list[Tensor]:
     inputs = [x.contiguous() for x in (row_code, col_code, w_in, b_in, w_out, b_out)]
-    check_float32("relu_rows", inputs)
+    _build.check_float32("relu_rows", inputs)
     weights = new_weights(w_in, where.shapes)
     table, tile_scales = placement_tables(where.encoded)
     units, outputs = w_out.shape[-2:]
@@ -318,7 +312,7 @@ def relu_rows_backward(
 def _backward(grads, row_code, col_code, w_in, b_in, w_out, where: Placement) -> tuple:
     inputs = [x.contiguous() for x in (row_code, col_code, w_in, b_in, w_out)]
     grads = [None if g is None else g.contiguous() for g in grads]
-    check_float32("relu_rows_backward", [*inputs, *grads])
+    _build.check_float32("relu_rows_backward", [*inputs, *grads])
     table, tile_scales = placement_tables(where.encoded)
     num_tiles, width, units = w_in.shape
     outputs, tile_rows = w_out.shape[-1], row_code.shape[0]
