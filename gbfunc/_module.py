@@ -196,7 +196,7 @@ class Bottleneck(PnetFace, nn.Module):
                 )
             task = number
         self._task = task
-        self._task_index = None if task is None else torch.tensor(task, device=self.tasks.device)
+        self._task_index = None if task is None else _task_index(task, self.tasks.device)
 
     @property
     def gparams(self) -> GParams:
@@ -383,7 +383,7 @@ class Bottleneck(PnetFace, nn.Module):
         super()._apply(fn, recurse)
         self._link_buffers()
         if self._task is not None:
-            self._task_index = torch.tensor(self._task, device=self.tasks.device)
+            self._task_index = _task_index(self._task, self.tasks.device)
         if self.condition is not None:  # a conditioned genome has its `w_cond` parameters
             device = next(self.parameters()).device
             self.condition = self.condition.to(device)
@@ -476,3 +476,10 @@ def _check_plan_options(options: dict[str, Any]) -> None:
                 f"gb.Bottleneck: unknown option {name!r}; {hint}gb.plan's options are "
                 f"{', '.join(known)}."
             )
+
+
+def _task_index(task: int, device: torch.device) -> Tensor:
+    """The task's index as `gb.apply` selects its embedding with, kept across calls: made
+    outside inference mode, which a later training call could not save for backward."""
+    with torch.inference_mode(False):
+        return torch.tensor(task, device=device)

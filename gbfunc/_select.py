@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from ._check_gparams import check_gparams
 from ._condition import folded
 from ._dispatch import context_of, runner, stack_path
 from ._plan import Free, Generated, Plan
@@ -119,8 +120,9 @@ class Selection:
         C loops may write them); the others, the tiles under their regions. A conditioned plan
         takes `condition` or `task` as `gb.apply` does; `where` names the call in its errors.
         """
-        gparams, _ = folded(gparams, self.plan, condition, task, where)
+        check_gparams(gparams, self.plan, where)  # the loops trust the plan's tile counts
         with autocast_off(gparams["stacks"]):  # as `gb.apply`: in the g-nets' dtype
+            gparams, _ = folded(gparams, self.plan, condition, task, where)
             return self._generate(gparams, compile, paths)
 
     def _generate(
@@ -242,10 +244,11 @@ class Selection:
             return rows  # nothing cached, so a compiled caller's guards stay valid
         key = (name, k, device)
         if key not in self._index:
-            self._index[key] = [
-                rows if isinstance(rows, slice) else torch.tensor(rows, device=device)
-                for rows in self._rows[name, k]
-            ]
+            with torch.inference_mode(False):  # kept for later calls, which may train
+                self._index[key] = [
+                    rows if isinstance(rows, slice) else torch.tensor(rows, device=device)
+                    for rows in self._rows[name, k]
+                ]
         return self._index[key]
 
 

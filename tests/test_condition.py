@@ -613,3 +613,22 @@ def test_calibrate_and_fit_take_the_condition_their_weights_are_for():
     net.task = 1
     net.calibrate(x)
     assert abs(first_layer_mean(net.gparams, 1)) < 1e-4
+
+
+def test_a_bottleneck_task_set_during_evaluation_trains_after():
+    """The task's index was made when set: under `inference_mode` (an evaluation loop over the
+    tasks) an inference tensor, which the next training call could not save for backward."""
+    torch.manual_seed(0)
+    net = gb.Bottleneck(
+        nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)),
+        tile=(8, 8),
+        condition=8,
+        tasks=3,
+    )
+    x = torch.randn(4, 16)
+    with torch.inference_mode():
+        for task in range(3):
+            net.task = task
+            net(x)
+    net(x).square().sum().backward()
+    assert net.tasks.grad is not None

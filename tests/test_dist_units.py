@@ -561,26 +561,70 @@ def test_init_mesh_gives_its_timeout_to_every_dimensions_groups(tmp_path):
         assert lines == ["pp 7.0", "dp 7.0", "tp 7.0"], (rank, lines)
 
 
-def test_every_dist_generator_makes_the_gnets_weights_under_autocast(process_group):
+@pytest.mark.parametrize("tasks", [0, 3])
+def test_every_dist_generator_makes_the_gnets_weights_under_autocast(process_group, tasks):
     """`gb.apply` turned autocast off, the dist wrappers did not: their weights came in
     bfloat16 precision (3.6e-3 off), and a `Selection` of part of a stack handed the C loops
-    bfloat16 tensors they read as float32 (NaN, or 1e21)."""
+    bfloat16 tensors they read as float32 (NaN, or 1e21). A task's condition was folded in
+    before autocast was off (2.5e-3 off)."""
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-    plan = gb.plan(model, tile=(16, 16))
+    options = {"condition": 8, "tasks": tasks} if tasks else {}
+    plan = gb.plan(model, tile=(16, 16), **options)
     gparams = gb.init(plan, seed=0)
-    want = gb.apply(gparams, plan, compile=False)
+    task = {"task": 1} if tasks else {}
+    if tasks:  # the task embeddings and their weights into the g-nets start at zero
+        gparams = torch.utils._pytree.tree_map(lambda t: t + 0.1 * torch.randn_like(t), gparams)
+    want = gb.apply(gparams, plan, compile=False, **task)
     owned = gbd.RankOwned(plan)
     local = owned.shard(gparams)
     part = gbd.Selection(plan, {"0.weight": ((0, 32), (0, 64))})
-    stage = gbd.StageGenerator(plan, model)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = {
-            "owned": owned.apply(local)["0.weight"],
-            "part": part.apply(gparams, compile=True)["0.weight"],
-            "whole": gbd.Selection.whole(plan).apply(gparams)["0.weight"],
+            "owned": owned.apply(local, **task)["0.weight"],
+            "part": part.apply(gparams, compile=True, **task)["0.weight"],
+            "whole": gbd.Selection.whole(plan).apply(gparams, **task)["0.weight"],
         }
-        stage.load(gparams)
-    got["stage"] = model[0].weight.detach()
+        if not tasks:
+            stage = gbd.StageGenerator(plan, model)
+            stage.load(gparams)
+            got["stage"] = model[0].weight.detach()
     for how, weight in got.items():
         expected = want["0.weight"][:32] if how == "part" else want["0.weight"]
         torch.testing.assert_close(weight, expected, rtol=1e-5, atol=1e-6, msg=how)
+
+
+def test_the_dist_generators_check_gparams_as_gb_apply_does(process_group):
+    """Neither `Selection` nor `RankOwned` checked them: the C loops, which take the tile
+    count from the g-nets and the placement from the plan, returned 1e37 weights for another
+    plan's gparams, or crashed; a leaf of another dtype gave float64 or mixed weights."""
+    model = nn.Linear(64, 64)
+    plan = gb.plan(model, tile=(16, 16))
+    other = gb.init(gb.plan(nn.Linear(64, 32), tile=(16, 16)), seed=0)  # the same stack key
+    with pytest.raises(ValueError, match=r"gb\.dist\.Selection\.apply: .*expected \(16, "):
+        gbd.Selection.whole(plan).apply(other, compile=True)
+    gparams = gb.init(plan, seed=0)
+    key = plan.stacks[0].key
+    gparams["stacks"][key]["b_in"] = gparams["stacks"][key]["b_in"].double()
+    owned = gbd.RankOwned(plan)
+    with pytest.raises(ValueError, match=r"gb\.dist\.RankOwned\.apply: .*float64"):
+        owned.apply(owned.shard(gparams))
+
+
+def test_selections_and_ranks_built_or_evaluated_in_odd_modes_still_train(process_group):
+    """A `Selection`'s index tensors made under `inference_mode` (an evaluation first) could
+    not be saved for a later training call's backward; a `RankOwned` built under
+    `torch.device("meta")` kept its tile positions on meta."""
+    model = nn.Linear(64, 64)
+    plan = gb.plan(model, tile=(16, 16))
+    gparams = gb.init(plan, seed=0)
+    strips = gbd.Concat((((0, 64), (0, 16)), ((0, 64), (32, 48))), dim=1)  # rows apart
+    selection = gbd.Selection(plan, {"weight": strips})
+    with torch.inference_mode():
+        evaluated = selection.apply(gparams)["weight"]
+    trained = selection.apply(gparams)["weight"]
+    trained.square().sum().backward()
+    torch.testing.assert_close(trained.detach(), evaluated.clone())
+    with torch.device("meta"):
+        owned = gbd.RankOwned(plan)
+    weights = owned.apply(owned.shard(gparams))
+    torch.testing.assert_close(weights["weight"], gb.apply(gparams, plan)["weight"])

@@ -11,7 +11,7 @@ from threads import on_threads
 
 from gbfunc._spec import Terms
 from gbfunc.cpu import _relu_loops
-from gbfunc.cpu._build import check_float32
+from gbfunc.cpu._build import check_float32, check_tiles
 from gbfunc.cpu._relu_loops import (
     MIN_UNITS,
     backward_reference,
@@ -381,3 +381,6 @@ def test_a_loop_refuses_tensors_it_would_misread():
     with pytest.raises(RuntimeError, match=r"got torch.float32 on meta"):
         check_float32("a loop", [torch.zeros(3), None, torch.zeros(3, device="meta")])
     check_float32("a loop", [torch.zeros(0), None, torch.ones(2)])  # empty, absent, fine
+    with pytest.raises(RuntimeError, match=r"relu_rows got g-nets for 4 tiles where the plan"):
+        check_tiles("relu_rows", 4, 8)
+    check_tiles("relu_rows", 8, 8)

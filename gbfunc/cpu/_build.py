@@ -254,6 +254,18 @@ def check_float32(loop: str, tensors: Iterable[Tensor | None]) -> None:
         )
 
 
+def check_tiles(loop: str, tiles: int, placed: int) -> None:
+    """Raise unless the g-nets hold as many tiles as the placement places: a loop takes the
+    one count from the tensors and the other from the plan, and writes past a weight's end
+    where they differ (gparams of another plan, a segfault)."""
+    if tiles != placed:
+        raise RuntimeError(
+            f"gbfunc.cpu: the loop {loop} got g-nets for {tiles} tiles where the plan places "
+            f"{placed}: gparams of another plan? gbfunc's checks should have refused it: "
+            "please report it."
+        )
+
+
 def threads_and_splits(tiles: int, tile_rows: int) -> tuple[int, int]:
     """torch's thread count, and into how many row ranges the loops split each tile: tiles
     are shared out among the threads; too few of them and each is split by rows, every split

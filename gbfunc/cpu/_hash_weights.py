@@ -136,6 +136,7 @@ def hash_weights(
     base = [x.contiguous() for x in base]
     table = table.contiguous()
     _build.check_float32("hash_weights", [*base, table])
+    _build.check_tiles("hash_weights", table.shape[0], table_of.shape[0])
     packed = cached_tile_hash(positions, table.shape[-1], table.device)
     runnable(_FORWARD, 1)(
         pointers(base),

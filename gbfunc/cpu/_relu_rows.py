@@ -253,6 +253,7 @@ def relu_rows(
 def _forward(row_code, col_code, w_in, b_in, w_out, b_out, where: Placement) -> list[Tensor]:
     inputs = [x.contiguous() for x in (row_code, col_code, w_in, b_in, w_out, b_out)]
     _build.check_float32("relu_rows", inputs)
+    _build.check_tiles("relu_rows", w_in.shape[0], len(where.tiles) // 5)
     weights = new_weights(w_in, where.shapes)
     table, tile_scales = placement_tables(where.encoded)
     units, outputs = w_out.shape[-2:]
@@ -313,6 +314,7 @@ def _backward(grads, row_code, col_code, w_in, b_in, w_out, where: Placement) ->
     inputs = [x.contiguous() for x in (row_code, col_code, w_in, b_in, w_out)]
     grads = [None if g is None else g.contiguous() for g in grads]
     _build.check_float32("relu_rows_backward", [*inputs, *grads])
+    _build.check_tiles("relu_rows_backward", w_in.shape[0], len(where.tiles) // 5)
     table, tile_scales = placement_tables(where.encoded)
     num_tiles, width, units = w_in.shape
     outputs, tile_rows = w_out.shape[-1], row_code.shape[0]

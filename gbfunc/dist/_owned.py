@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
+from .._check_gparams import check_gparams
 from .._condition import condition_of, conditioned
 from .._dispatch import torch_variant
 from .._numbers import integer
@@ -148,7 +149,7 @@ class RankOwned:
                 for i, t in enumerate(tiles):
                     position[t] = r * rows + i
             self._rows.append(rows)
-            self._position.append(torch.tensor(position))
+            self._position.append(torch.tensor(position, device="cpu"))  # moved where used
         self.comm_bytes = 0  # payload all-gathered and reduce-scattered in the last step
 
     def _local_stack(self, s: int) -> Stack:
@@ -192,13 +193,15 @@ class RankOwned:
         each of which holds the part its own g-nets give, so that every rank ends with the
         whole of it.
         """
+        where = "gb.dist.RankOwned.apply"
+        check_gparams(local, self.plan, where, shard=True)
         self._check_shard(local)
-        z = condition_of(local, self.plan, condition, task, "gb.dist.RankOwned.apply")
-        if z is not None:
-            _check_same_condition(z, self.group)
-            local, _ = conditioned(local, self.plan, _summed_gradient(z, self.group))
-        self.comm_bytes = 0
         with autocast_off(local["stacks"]):  # as `gb.apply`: in the g-nets' dtype
+            z = condition_of(local, self.plan, condition, task, where)
+            if z is not None:
+                _check_same_condition(z, self.group)
+                local, _ = conditioned(local, self.plan, _summed_gradient(z, self.group))
+            self.comm_bytes = 0
             gathered = [self._generate_and_gather(s, local) for s in range(len(self.plan.stacks))]
         tiles = []
         for g in gathered:
