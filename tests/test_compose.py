@@ -148,6 +148,26 @@ def test_compiled_grad_of_a_vmapped_ensemble_equals_eager():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+def test_compiled_vmap_over_genomes_that_train_backpropagates_as_each_genome_does():
+    """`torch.compile(vmap(loss))` over genomes whose leaves require grad: the trace reached
+    the loops' ops (row g-nets, a hashed table) without the Functions around them, and they
+    had no autograd formula ("Trying to backward through gbfunc.relu_rows.default")."""
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+    plan = gb.plan(model, tile=(16, 16), hidden=8, outputs=16, hashed=40)
+    trees = [gb.init(plan, seed=s, requires_grad=False) for s in range(2)]
+    stacked = tree_map(lambda *xs: torch.stack(xs).requires_grad_(), *trees)
+    x, y = torch.randn(8, 32), torch.randint(0, 4, (8,))
+    loss = loss_fn(model, plan)
+    losses = torch.compile(vmap(loss, in_dims=(0, None, None)), fullgraph=True)(stacked, x, y)
+    losses.sum().backward()
+    for k, tree in enumerate(trees):
+        one = grad(loss)(tree, x, y)
+        for a, b in zip(tree_leaves(stacked["stacks"]), tree_leaves(one["stacks"]), strict=True):
+            torch.testing.assert_close(a.grad[k], b, rtol=1e-4, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def compiled_step():
     """One whole training step (generate, forward, loss, grad, AdamW), compiled once."""

@@ -253,3 +253,18 @@ def _backward_backward(ctx, outer: Tensor) -> tuple:
 
 
 hash_weights_backward.register_autograd(_backward_backward, setup_context=_save_backward)
+
+
+def _save_forward(ctx, inputs: tuple, output) -> None:
+    _, table, *numbers = inputs
+    ctx.buckets, ctx.numbers = table.shape[-1], numbers
+
+
+def _forward_backward(ctx, grads: list[Tensor | None]) -> tuple:
+    """The op's own backward, as `_HashWeights`'s: where a trace reaches the op without
+    `_HashWeights` around it (`torch.compile` of `vmap` over genomes that train)."""
+    g_table = hash_weights_backward(list(grads), ctx.buckets, *ctx.numbers)
+    return (list(grads), g_table, None, None, None, None)
+
+
+hash_weights.register_autograd(_forward_backward, setup_context=_save_forward)

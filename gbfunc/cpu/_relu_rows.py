@@ -411,6 +411,22 @@ def _backward_backward(ctx, *outer: Tensor | None) -> tuple:
 relu_rows_backward.register_autograd(_backward_backward, setup_context=_save_backward)
 
 
+def _save_forward(ctx, inputs: tuple, output) -> None:
+    *tensors, _, placement = inputs
+    ctx.save_for_backward(*tensors)
+    ctx.placement = placement
+
+
+def _forward_backward(ctx, grads: list[Tensor | None]) -> tuple:
+    """The op's own backward, `relu_rows_backward`, as `_Rows`'s: where a trace reaches the
+    op without `_Rows` around it (`torch.compile` of `vmap` over genomes that train)."""
+    gradients = relu_rows_backward(list(grads), *ctx.saved_tensors, ctx.placement)
+    return (None, None, *gradients, None)
+
+
+relu_rows.register_autograd(_forward_backward, setup_context=_save_forward)
+
+
 def new_weights(like: Tensor, shapes: Sequence[int]) -> list[Tensor]:
     """Empty weight matrices like `like`, of `shapes` (`Placement.shapes`: rows, columns...)."""
     return [like.new_empty(shapes[i], shapes[i + 1]) for i in range(0, len(shapes), 2)]
