@@ -11,7 +11,7 @@ from threads import on_threads
 
 from gbfunc._spec import Terms
 from gbfunc.cpu import _relu_loops
-from gbfunc.cpu._build import check_float32, check_tiles
+from gbfunc.cpu._build import Loop, launch
 from gbfunc.cpu._relu_loops import (
     MIN_UNITS,
     backward_reference,
@@ -218,19 +218,14 @@ def test_a_compiled_step_through_relu_gnets_runs_the_c_loops(outputs, columns):
     b_t = b.transpose(1, 2) if by_columns else None
     traced = traced_form(Terms(a, b, c, None, None, w_out, b_out), "relu", b_t)
     calls = []
-    function = _relu_loops.runnable  # what the ops call to run a loop
+    function = _relu_loops.launch  # what the ops call to run a loop
 
-    def counted(loop, units, outputs=1):
-        c_function = function(loop, units, outputs)
-
-        def call(*args):
-            calls.append(loop.name)
-            return c_function(*args)
-
-        return call
+    def counted(loop, *args, **kwargs):
+        calls.append(loop.name)
+        return function(loop, *args, **kwargs)
 
     compiled = torch.compile(functools.partial(loss, form=traced), fullgraph=True, dynamic=False)
-    with mock.patch.object(_relu_loops, "runnable", counted):
+    with mock.patch.object(_relu_loops, "launch", counted):
         got = torch.autograd.grad(compiled(*leaves), leaves)
     for x, y in zip(got, want, strict=True):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
@@ -372,15 +367,14 @@ def test_the_backward_loop_under_vmap_and_autograd():
 
 
 def test_a_loop_refuses_tensors_it_would_misread():
-    """The loops read raw pointers as float32: a bfloat16 tensor (autocast's) was read past
-    its end; a meta table made inside (not an op's input) was written through a null
-    pointer."""
+    """The loops read raw pointers: a bfloat16 tensor (autocast's) was read as float32 past
+    its end, a meta table written through a null pointer, and another plan's g-nets (the
+    tile count from the tensors, the placement from the plan) written past a weight's end."""
     row_terms = torch.zeros(1, 2, 8, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match=r"relu_one_output takes CPU float32 tensors with"):
+    with pytest.raises(RuntimeError, match=r"relu_one_output takes CPU tensors with data, float"):
         _relu_loops.relu_one_output(row_terms, torch.zeros(1, 8, 3), torch.zeros(1, 8))
-    with pytest.raises(RuntimeError, match=r"got torch.float32 on meta"):
-        check_float32("a loop", [torch.zeros(3), None, torch.zeros(3, device="meta")])
-    check_float32("a loop", [torch.zeros(0), None, torch.ones(2)])  # empty, absent, fine
-    with pytest.raises(RuntimeError, match=r"relu_rows got g-nets for 4 tiles where the plan"):
-        check_tiles("relu_rows", 4, 8)
-    check_tiles("relu_rows", 8, 8)
+    loop = Loop("any_loop", "none.cpp", pointers=2, sizes=1)
+    with pytest.raises(RuntimeError, match=r"any_loop takes .* got torch.float32 on meta"):
+        launch(loop, 8, 1, [torch.zeros(3), None, torch.zeros(3, device="meta")], 3)
+    with pytest.raises(RuntimeError, match=r"any_loop got g-nets for 4 tiles where the plan"):
+        launch(loop, 8, 1, torch.zeros(3), 3, tiles=(4, 8))

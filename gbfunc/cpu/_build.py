@@ -26,7 +26,6 @@ import platform
 import shutil
 import sys
 import warnings
-from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -237,33 +236,48 @@ def _fail(reason: str) -> None:
 # Launching a loop: threads, row splits, genomes batched by vmap.
 
 
-def check_float32(loop: str, tensors: Iterable[Tensor | None]) -> None:
-    """Raise unless every tensor (None: absent) is a CPU float32 tensor with data: a loop reads
-    raw pointers as float32, and another dtype or device would be read as garbage, past its
-    end, or through a null pointer (bfloat16 under autocast did, before autocast was off)."""
-    for t in tensors:
-        if t is None:
-            continue
-        readable = t.dtype == torch.float32 and t.device.type == "cpu"
-        if readable and (t.numel() == 0 or t.data_ptr() != 0):
-            continue
+def launch(
+    loop: Loop, units: int, outputs: int, *args: object, tiles: tuple[int, int] | None = None
+) -> None:
+    """Run `loop` for `units` and `outputs` (`runnable`) on `args`: tensors, passed as their
+    data pointers; lists of tensors (None: absent), as an array of pointers; sizes, as they
+    are. `tiles`: the g-nets' tile count and the placement's, which must agree.
+
+    A loop reads raw pointers, so each tensor is checked first: on the CPU, with data, and
+    float32 where it holds floats (a bfloat16 tensor was read as float32 past its end, a meta
+    table written through a null pointer), and the tile counts, which come one from the
+    tensors and one from the plan (another plan's g-nets wrote past a weight's end).
+    """
+    if tiles is not None and tiles[0] != tiles[1]:
         raise RuntimeError(
-            f"gbfunc.cpu: the loop {loop} takes CPU float32 tensors with data, got "
-            f"{t.dtype} on {t.device}; gbfunc's dispatcher should not have sent it here: "
-            "please report it (GBFUNC_CPU_LOOPS=off avoids the loops meanwhile)."
+            f"gbfunc.cpu: the loop {loop.name} got g-nets for {tiles[0]} tiles where the plan "
+            f"places {tiles[1]}: gparams of another plan? gbfunc's checks should have "
+            "refused them: please report it."
         )
+    arguments = [_argument(loop, a) for a in args]  # checked before a build is asked for
+    runnable(loop, units, outputs)(*arguments)
 
 
-def check_tiles(loop: str, tiles: int, placed: int) -> None:
-    """Raise unless the g-nets hold as many tiles as the placement places: a loop takes the
-    one count from the tensors and the other from the plan, and writes past a weight's end
-    where they differ (gparams of another plan, a segfault)."""
-    if tiles != placed:
-        raise RuntimeError(
-            f"gbfunc.cpu: the loop {loop} got g-nets for {tiles} tiles where the plan places "
-            f"{placed}: gparams of another plan? gbfunc's checks should have refused it: "
-            "please report it."
-        )
+def _argument(loop: Loop, value: object) -> object:
+    """`value` as the loop's C function takes it (`launch`), its tensors checked."""
+    if isinstance(value, Tensor):
+        return _readable(loop, value).data_ptr()
+    if isinstance(value, list):
+        held = [None if t is None else _readable(loop, t).data_ptr() for t in value]
+        return (ctypes.c_void_p * len(held))(*held)
+    return value
+
+
+def _readable(loop: Loop, t: Tensor) -> Tensor:
+    """`t`, if a loop can read it: a CPU tensor with data, float32 if it holds floats."""
+    readable = t.device.type == "cpu" and (t.numel() == 0 or t.data_ptr() != 0)
+    if readable and (t.dtype == torch.float32 or not t.is_floating_point()):
+        return t
+    raise RuntimeError(
+        f"gbfunc.cpu: the loop {loop.name} takes CPU tensors with data, float32 where they hold "
+        f"floats, got {t.dtype} on {t.device}; gbfunc's dispatcher should not have sent it "
+        "here: please report it (GBFUNC_CPU_LOOPS=off avoids the loops meanwhile)."
+    )
 
 
 def threads_and_splits(tiles: int, tile_rows: int) -> tuple[int, int]:

@@ -37,13 +37,11 @@ def table_gradient(grad: Tensor, packed: Tensor, buckets: int) -> Tensor:
     """`_spec.gradient_reference(grad, packed, buckets)` by the C loop (`usable` must hold)."""
     tiles = grad.shape[0]
     grad, packed = grad.reshape(tiles, -1).contiguous(), packed.contiguous()
-    _build.check_float32("hash_table_gradient", [grad])
     positions = grad.shape[1]
     # A tile's positions are its rows.
     threads, splits = _build.threads_and_splits(tiles, positions)
     partial = grad.new_empty(tiles, splits, buckets)
-    pointers = (grad.data_ptr(), packed.data_ptr(), partial.data_ptr())
-    _build.runnable(_LOOP, 1)(*pointers, tiles, positions, buckets, splits, threads)
+    _build.launch(_LOOP, 1, 1, grad, packed, partial, tiles, positions, buckets, splits, threads)
     return _build.splits_added(partial)
 
 

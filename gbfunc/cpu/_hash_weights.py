@@ -26,8 +26,7 @@ from torch import Tensor
 
 from .._function import signature_once
 from .._spec import cached_tile_hash, legacy_batched, signed_buckets
-from . import _build
-from ._build import Loop, compiled_loop, runnable, splits_added, threads_and_splits, vectorised_cpu
+from ._build import Loop, compiled_loop, launch, splits_added, threads_and_splits, vectorised_cpu
 from ._relu_rows import (
     Placement,
     batched_gradients,
@@ -36,7 +35,6 @@ from ._relu_rows import (
     per_genome,
     placed,
     placement_tables,
-    pointers,
 )
 
 _FORWARD = Loop("hash_weights", "hash_weights.cpp", pointers=6, sizes=4)
@@ -135,21 +133,23 @@ def hash_weights(
     weights = new_weights(table, decoded(placement).shapes)
     base = [x.contiguous() for x in base]
     table = table.contiguous()
-    _build.check_float32("hash_weights", [*base, table])
-    _build.check_tiles("hash_weights", table.shape[0], table_of.shape[0])
     packed = cached_tile_hash(positions, table.shape[-1], table.device)
-    runnable(_FORWARD, 1)(
-        pointers(base),
-        table.data_ptr(),
-        packed.data_ptr(),
-        tile_scales.data_ptr(),
-        table_of.data_ptr(),
-        pointers(weights),
+    launch(
+        _FORWARD,
+        1,
+        1,
+        base,
+        table,
+        packed,
+        tile_scales,
+        table_of,
+        weights,
         table.shape[0],
         tile_rows,
         positions // tile_rows,
         table.shape[1],
         torch.get_num_threads(),
+        tiles=(table.shape[0], table_of.shape[0]),
     )
     return weights
 
@@ -183,18 +183,20 @@ def hash_weights_backward(
     gradient (None: zero), by the C loop, which reads them in place."""
     present = [g for g in grads if g is not None]
     grads = [None if g is None else g.contiguous() for g in grads]
-    _build.check_float32("hash_weights_backward", grads)
     packed = cached_tile_hash(positions, buckets, present[0].device)
     table_of, tile_scales = placement_tables(placement, gain)
     num_tiles = table_of.shape[0]
     threads, splits = threads_and_splits(num_tiles, tile_rows)
     partials = present[0].new_empty(num_tiles, splits, buckets)
-    runnable(_BACKWARD, 1)(
-        pointers(grads),
-        packed.data_ptr(),
-        tile_scales.data_ptr(),
-        table_of.data_ptr(),
-        partials.data_ptr(),
+    launch(
+        _BACKWARD,
+        1,
+        1,
+        grads,
+        packed,
+        tile_scales,
+        table_of,
+        partials,
         num_tiles,
         tile_rows,
         positions // tile_rows,

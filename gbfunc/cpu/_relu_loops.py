@@ -40,11 +40,10 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from . import _build
 from ._build import (
     Loop,
     compiled_loop,
-    runnable,
+    launch,
     splits_added,
     threads_and_splits,
     tiles_folded,
@@ -288,5 +287,4 @@ def supported(units: int, dtype: torch.dtype, device_type: str) -> bool:
 def _run(loop: Loop, units: int, outputs: int, tensors: tuple, sizes: tuple, threads: int) -> None:
     """Call `loop` compiled for `units` and `outputs` on contiguous `tensors` (inputs, then the
     outputs it writes), `sizes` and `threads`."""
-    _build.check_float32(loop.name, tensors)
-    runnable(loop, units, outputs)(*(t.data_ptr() for t in tensors), *sizes, threads)
+    launch(loop, units, outputs, *tensors, *sizes, threads)

@@ -28,7 +28,6 @@ through the same ops, placement and glue; `rows_reference` specifies both kinds.
 `benchmarks/results/design_measurements.md`.
 """
 
-import ctypes
 import functools
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -40,8 +39,7 @@ from torch._functorch.utils import unwrap_dead_wrappers
 from .._function import signature_once
 from .._plan import Generated, Stack, tile_places
 from .._spec import Terms, code_tables, legacy_batched, reference
-from . import _build
-from ._build import Loop, compiled_loop, runnable, splits_added, threads_and_splits
+from ._build import Loop, compiled_loop, launch, splits_added, threads_and_splits
 from ._relu_loops import supported
 from ._relu_tiles import BACKWARD as TILES_BACKWARD, BLOCK_ROWS, FORWARD as TILES_FORWARD
 
@@ -252,33 +250,22 @@ def relu_rows(
 
 def _forward(row_code, col_code, w_in, b_in, w_out, b_out, where: Placement) -> list[Tensor]:
     inputs = [x.contiguous() for x in (row_code, col_code, w_in, b_in, w_out, b_out)]
-    _build.check_float32("relu_rows", inputs)
-    _build.check_tiles("relu_rows", w_in.shape[0], len(where.tiles) // 5)
     weights = new_weights(w_in, where.shapes)
     table, tile_scales = placement_tables(where.encoded)
     units, outputs = w_out.shape[-2:]
     columns = col_code.shape[0]
-    tables = (*(x.data_ptr() for x in inputs), tile_scales.data_ptr(), table.data_ptr())
+    tiles = (w_in.shape[0], table.shape[0])
+    tables = (*inputs, tile_scales, table, weights)
     widths = (row_code.shape[0], row_code.shape[1], col_code.shape[1])
     if columns == 1:
-        loop = runnable(_FORWARD, units, outputs)
-        loop(*tables, pointers(weights), w_in.shape[0], *widths, torch.get_num_threads())
+        threads = torch.get_num_threads()
+        launch(_FORWARD, units, outputs, *tables, w_in.shape[0], *widths, threads, tiles=tiles)
         return weights
-    loop = runnable(TILES_FORWARD, units)
     tile_rows, row_width, col_width = widths
     blocks = -(-tile_rows // BLOCK_ROWS)
     threads, splits = threads_and_splits(w_in.shape[0], blocks)
-    loop(
-        *tables,
-        pointers(weights),
-        w_in.shape[0],
-        tile_rows,
-        columns,
-        row_width,
-        col_width,
-        splits,
-        threads,
-    )
+    sizes = (w_in.shape[0], tile_rows, columns, row_width, col_width, splits, threads)
+    launch(TILES_FORWARD, units, 1, *tables, *sizes, tiles=tiles)
     return weights
 
 
@@ -313,8 +300,6 @@ def relu_rows_backward(
 def _backward(grads, row_code, col_code, w_in, b_in, w_out, where: Placement) -> tuple:
     inputs = [x.contiguous() for x in (row_code, col_code, w_in, b_in, w_out)]
     grads = [None if g is None else g.contiguous() for g in grads]
-    _build.check_float32("relu_rows_backward", [*inputs, *grads])
-    _build.check_tiles("relu_rows_backward", w_in.shape[0], len(where.tiles) // 5)
     table, tile_scales = placement_tables(where.encoded)
     num_tiles, width, units = w_in.shape
     outputs, tile_rows = w_out.shape[-1], row_code.shape[0]
@@ -327,18 +312,21 @@ def _backward(grads, row_code, col_code, w_in, b_in, w_out, where: Placement) ->
     )
     columns = col_code.shape[0]
     sizes = (num_tiles, tile_rows) + ((columns,) if columns > 1 else ())
-    loop = runnable(TILES_BACKWARD if columns > 1 else _BACKWARD, units, outputs)
-    loop(
-        pointers(grads),
-        *(x.data_ptr() for x in inputs),
-        tile_scales.data_ptr(),
-        table.data_ptr(),
-        *(x.data_ptr() for x in partials),
+    widths = (row_code.shape[1], col_code.shape[1], splits, threads)
+    loop = TILES_BACKWARD if columns > 1 else _BACKWARD
+    tiles = (num_tiles, table.shape[0])
+    launch(
+        loop,
+        units,
+        outputs,
+        grads,
+        *inputs,
+        tile_scales,
+        table,
+        *partials,
         *sizes,
-        row_code.shape[1],
-        col_code.shape[1],
-        splits,
-        threads,
+        *widths,
+        tiles=tiles,
     )
     return tuple(splits_added(x) for x in partials)
 
@@ -441,11 +429,6 @@ def placement_tables(placement: str, gain: float = 1.0) -> tuple[Tensor, Tensor]
     table = torch.tensor(where.tiles, dtype=torch.int64, device="cpu").reshape(-1, 5)
     scales = [s * gain for s in where.scales]
     return table, torch.tensor(scales, dtype=torch.float32, device="cpu")
-
-
-def pointers(tensors: list[Tensor | None]) -> ctypes.Array:
-    """An array of the tensors' data pointers (NULL for None) for the loops."""
-    return (ctypes.c_void_p * len(tensors))(*(None if x is None else x.data_ptr() for x in tensors))
 
 
 def batched(size: int, in_dims: tuple, tensors: tuple) -> list[tuple[Tensor, ...]]:
