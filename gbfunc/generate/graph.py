@@ -132,7 +132,11 @@ def generate(
         for i in positions:
             flat[i] = flat[i].detach().requires_grad_()
     traced = tree_unflatten(flat, spec)
-    graph = _GRAPHS.call(key, _generated, op_by_op, plan, *traced, task)
+    # On the g-nets' device whatever the default (`with torch.device("meta")`, FSDP2's way to
+    # build a model, put the constants the trace makes, the code tables, on meta).
+    device = next((x.device for x in flat if isinstance(x, Tensor)), torch.device("cpu"))
+    with torch.device(device):
+        graph = _GRAPHS.call(key, _generated, op_by_op, plan, *traced, task)
     if graph is None:
         return None
     if differentiable:
