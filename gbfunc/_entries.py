@@ -25,6 +25,8 @@ class Entry:
         trainable: `requires_grad`.
         module, local: The module that holds it, and its name there.
         layout: How its rule generates it, with the start scale measured; `None`: no rule.
+        constant: Under a rule, whether its values are one number throughout (a std of 0:
+            it starts at the rule's std, not at that value).
     """
 
     name: str
@@ -34,6 +36,7 @@ class Entry:
     module: nn.Module
     local: str
     layout: Layout | None
+    constant: bool = False
 
 
 def collect(model: nn.Module) -> list[Entry]:
@@ -58,11 +61,11 @@ def collect(model: nn.Module) -> list[Entry]:
         kept = [h for h in tables if _kept_table(h[1]) is not None]
         _, module, local, layout = (kept or tables or covered or held)[0]
         dtype = str(param.dtype).removeprefix("torch.")
+        std = None if layout is None else measured_std(param)
         if layout is not None:
-            layout = replace(layout, init_std=start_scale(param, layout.init_std))
-        entries.append(
-            Entry(name, tuple(param.shape), dtype, param.requires_grad, module, local, layout)
-        )
+            layout = replace(layout, init_std=start_scale(std, param.numel(), layout.init_std))
+        shape, trainable = tuple(param.shape), param.requires_grad
+        entries.append(Entry(name, shape, dtype, trainable, module, local, layout, std == 0.0))
     return entries
 
 
@@ -75,22 +78,28 @@ _SNAP = 0.2
 _SNAP_DEVIATIONS = 4.0
 
 
-def start_scale(param: Tensor, rule_std: float) -> float:
-    """The std a generated weight starts at: its model tensor's own, measured now.
-
-    On the `meta` device (no values), for constant tensors (e.g. zero-initialised) and for
-    single values, the rule's std. A measured std within 20% of the rule's (within
-    `4 / sqrt(n)` for a tensor of n < 400 values, whose std is a noisy measure) is the rule's,
-    and others are rounded to two significant digits, so that equally built models with
-    different seeds get equal plans; pretrained or custom-initialised weights keep their own
-    scale.
-    """
+def measured_std(param: Tensor) -> float | None:
+    """The std of `param`'s values; None where there is none to measure: on the `meta`
+    device, a single value, not floating point, not finite."""
     if param.is_meta or param.numel() < 2 or not param.is_floating_point():
-        return rule_std
+        return None
     std = float(param.detach().double().std())
-    if not math.isfinite(std) or std == 0.0:
+    return std if math.isfinite(std) else None
+
+
+def start_scale(std: float | None, numel: int, rule_std: float) -> float:
+    """The std a generated weight of `numel` values starts at: its model tensor's own,
+    measured now (`measured_std`).
+
+    Where none was measured and for constant tensors (e.g. zero-initialised: a std of 0), the
+    rule's std. A measured std within 20% of the rule's (within `4 / sqrt(n)` for a tensor of
+    n < 400 values, whose std is a noisy measure) is the rule's, and others are rounded to two
+    significant digits, so that equally built models with different seeds get equal plans;
+    pretrained or custom-initialised weights keep their own scale.
+    """
+    if std is None or std == 0.0:
         return rule_std
-    if abs(std / rule_std - 1) <= max(_SNAP, _SNAP_DEVIATIONS / math.sqrt(param.numel())):
+    if abs(std / rule_std - 1) <= max(_SNAP, _SNAP_DEVIATIONS / math.sqrt(numel)):
         return rule_std
     return float(f"{std:.2g}")
 

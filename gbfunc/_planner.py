@@ -5,7 +5,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from torch import Tensor, nn
+from torch import nn
 
 from ._check_model import check_module
 from ._entries import (
@@ -212,11 +212,7 @@ def _warn_constant(entries: list[Entry], plan: Plan) -> None:
     no std to measure they start at their rule's (`start_scale`), not at that value. Biases
     are left out: layers zero theirs by default (attention's), and `biases=True` asks."""
     generated = {p.name for p in plan.generated}
-    constant = [
-        e.name
-        for e in entries
-        if e.name in generated and not e.layout.bias and _constant(e.module._parameters[e.local])
-    ]
+    constant = [e.name for e in entries if e.constant and e.name in generated and not e.layout.bias]
     if constant:
         more = ", ..." if len(constant) > 4 else ""
         warnings.warn(
@@ -226,14 +222,6 @@ def _warn_constant(entries: list[Entry], plan: Plan) -> None:
             UserWarning,
             stacklevel=3,
         )
-
-
-def _constant(param: Tensor) -> bool:
-    """Whether `param` holds one value throughout (at least two of them, readable)."""
-    if param.is_meta or param.numel() < 2 or not param.is_floating_point():
-        return False
-    flat = param.detach().reshape(-1)
-    return bool((flat == flat[0]).all())
 
 
 def _check_generates(model: nn.Module, reasons: list[str | None]) -> None:
