@@ -41,7 +41,7 @@ from ._check_gparams import check_gparams
 from ._condition import without_condition
 from ._plan import Plan, Stack
 from ._tracing import dynamo_disabled, exporting, transforms
-from ._tree import GParams
+from ._tree import GParams, first_leaf
 from .cpu import loops_state, mode, unavailable_reason
 from .generate import compiled_mlp, cpu_loops, graph, torch_ops, triton
 from .generate._policy import Call, Context
@@ -76,7 +76,7 @@ def context_of(
 ) -> Context:
     """The context of a call on the g-net leaves `stacks`, from the process's state
     (`backend` and `compile` checked by `check_call`)."""
-    leaf = next((x for leaves in stacks.values() for x in leaves.values()), None)
+    leaf = first_leaf(stacks)
     compiling = torch.compiler.is_compiling()
     transformed = torch._C._functorch.peek_interpreter_stack() is not None
     return Context(

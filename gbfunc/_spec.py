@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ._genome import hash_buckets, stack_codes
 from ._plan import Stack
+from ._tree import first_leaf
 
 Tensors = tuple[Tensor, Tensor]
 Made = TypeVar("Made", Tensor, Tensors)
@@ -309,7 +310,7 @@ def autocast_off(stacks: Mapping[str, Mapping[str, Tensor]]) -> contextlib.Abstr
     weights are computed in the g-nets' dtype, as the loops and kernels do, whatever autocast
     the caller runs under (the torch path's matmuls ran in bfloat16 under CPU autocast, and
     handed the loops bfloat16 tensors they read as float32)."""
-    leaf = next((x for leaves in stacks.values() for x in leaves.values()), None)
+    leaf = first_leaf(stacks)
     device = None if leaf is None else leaf.device.type
     if device is None or not torch.amp.is_autocast_available(device):
         return contextlib.nullcontext()

@@ -1,5 +1,7 @@
 """`gb.trainable_leaves`: the tensors an optimizer trains, taken out of a gparams pytree."""
 
+from collections.abc import Mapping
+
 from torch import Tensor
 
 from ._check_gparams import TASKS
@@ -38,3 +40,9 @@ def trainable_leaves(gparams: GParams) -> list[Tensor]:
     stacks = [t for leaves in gparams["stacks"].values() for t in leaves.values()]
     tasks = [gparams[TASKS]] if TASKS in gparams else []
     return [*stacks, *gparams["free"].values(), *tasks]
+
+
+def first_leaf(stacks: Mapping[str, Mapping[str, Tensor]]) -> Tensor | None:
+    """The first g-net leaf of `stacks` (`gparams["stacks"]`), whose device and dtype the
+    stacks share (`check_gparams`); None for a plan without stacks."""
+    return next((x for leaves in stacks.values() for x in leaves.values()), None)

@@ -26,7 +26,7 @@ from .._condition import task_number
 from .._plan import Plan, Stack
 from .._spec import legacy_batched
 from .._tiling import parameters
-from .._tree import GParams
+from .._tree import GParams, first_leaf
 from ..cpu import loops_state
 from . import compiled_mlp, cpu_loops, triton
 from ._policy import (
@@ -134,8 +134,8 @@ def generate(
     traced = tree_unflatten(flat, spec)
     # On the g-nets' device whatever the default (`with torch.device("meta")`, FSDP2's way to
     # build a model, put the constants the trace makes, the code tables, on meta).
-    device = next((x.device for x in flat if isinstance(x, Tensor)), torch.device("cpu"))
-    with torch.device(device):
+    leaf = first_leaf(stacks)
+    with torch.device("cpu" if leaf is None else leaf.device):
         graph = _GRAPHS.call(key, _generated, op_by_op, plan, *traced, task)
     if graph is None:
         return None
