@@ -183,7 +183,7 @@ def tile_for(
     bias, a column of one value per row, and into how many blocks the parameter splits). An
     explicit tile larger than the block is refused; a bias takes only its rows (a tile set
     for a whole layer, weight and bias, fits the bias); a tile `compression=` chose
-    (`tile_chosen`) leaves an axis of labelled neurons whole (`clip_tile`)."""
+    (`tile_chosen_by`) leaves an axis of labelled neurons whole (`clip_tile`)."""
     tile = opts["tile"]
     if tile == "full":
         th, tw = rows, cols
@@ -191,7 +191,7 @@ def tile_for(
         th, tw = tile
         if layout.bias:
             tw = cols
-        if opts.get("tile_chosen"):
+        if opts.get("tile_chosen_by"):
             th = rows if opts["row_labels"] != "position" else th
             tw = cols if opts["col_labels"] != "position" else tw
         if opts.get("explicit_tile") and (th > rows or tw > cols):

@@ -318,7 +318,7 @@ def _compress(
         if tile_given:
             return size_tables(goal, options)
         for tile in TABLE_TILES:  # the first tile whose tables can reach the target
-            chosen = {"tile": tile, "tile_chosen": True}
+            chosen = {"tile": tile, "tile_chosen_by": "tables"}
             tiled = [o if o.get("explicit_tile") else {**o, **chosen} for o in options]
             try:
                 return size_tables(goal, tiled)
@@ -339,7 +339,7 @@ def _build(entries: list[Entry], options: list[dict[str, object]], flags: dict[s
         shape, layout = entry.shape, entry.layout
         reason = free_reason(entry, opts, flags)
         genome = None if reason is not None else genome_for(opts, shape[2:], layout)
-        if genome is not None and opts.get("searched"):
+        if genome is not None and opts.get("tile_chosen_by") == "search":
             blocks = tuple(block_shapes(shape, layout.splits, layout.split_dim))
             spent = param_cost(genome, shape[2:], blocks, opts["tile"])
             if spent >= math.prod(shape):

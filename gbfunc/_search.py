@@ -114,7 +114,7 @@ def search_tile(goal: Goal, options: list[dict[str, object]]) -> list[dict[str, 
         shaped = [c for c in scan.close if c[0] <= max(MAX_ASPECT, squarest[0] + ASPECT_SLACK)]
         least = min(shaped, key=lambda c: (c[1], c[0], c[2]))
         tile = least[2] if least[1] <= WORK_GAIN * squarest[1] else squarest[2]
-    chosen = {"tile": tile, "searched": True, "tile_chosen": True}
+    chosen = {"tile": tile, "tile_chosen_by": "search"}
     return [o if o.get("explicit_tile") else {**o, **chosen} for o in options]
 
 
