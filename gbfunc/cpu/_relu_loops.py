@@ -161,9 +161,7 @@ def relu_unit_sums(g: Tensor, threshold: Tensor, b: Tensor) -> tuple[Tensor, Ten
     threads, splits = threads_and_splits(tiles, tile_rows)
     rows = g.new_empty(tiles, tile_rows, units)
     cols = g.new_empty(tiles, splits, columns, units)
-    _run(
-        _SUMS, units, 1, (g, threshold, b, rows, cols), (tiles, tile_rows, columns, splits), threads
-    )
+    launch(_SUMS, units, 1, g, threshold, b, rows, cols, tiles, tile_rows, columns, splits, threads)
     return rows, splits_added(cols)
 
 
@@ -192,7 +190,7 @@ def relu_one_output(row_terms: Tensor, b_t: Tensor, w: Tensor) -> Tensor:
     row_terms, b_t, w = (x.contiguous() for x in (row_terms, b_t, w))
     out = row_terms.new_empty(tiles, tile_rows, columns)
     sizes = (tiles, tile_rows, columns)
-    _run(_ONE_OUTPUT, units, 1, (row_terms, b_t, w, out), sizes, torch.get_num_threads())
+    launch(_ONE_OUTPUT, units, 1, row_terms, b_t, w, out, *sizes, torch.get_num_threads())
     return out
 
 
@@ -218,14 +216,8 @@ def relu_layer_forward(row_terms: Tensor, b: Tensor, w_out: Tensor, b_out: Tenso
     columns, outputs = b.shape[1], w_out.shape[-1]
     row_terms, b, w_out, b_out = (x.contiguous() for x in (row_terms, b, w_out, b_out))
     out = row_terms.new_empty(tiles, tile_rows, columns, outputs)
-    _run(
-        _FORWARD,
-        units,
-        outputs,
-        (row_terms, b, w_out, b_out, out),
-        (tiles, tile_rows, columns),
-        torch.get_num_threads(),
-    )
+    sizes = (tiles, tile_rows, columns, torch.get_num_threads())
+    launch(_FORWARD, units, outputs, row_terms, b, w_out, b_out, out, *sizes)
     return out
 
 
@@ -259,7 +251,7 @@ def relu_layer_backward(
     g_cols = grad.new_empty(tiles, splits, columns, units)
     g_w_out = grad.new_empty(tiles, splits, units, outputs)
     tensors = (grad, row_terms, b, w_out, g_rows, g_cols, g_w_out)
-    _run(_BACKWARD, units, outputs, tensors, (tiles, tile_rows, columns, splits), threads)
+    launch(_BACKWARD, units, outputs, *tensors, tiles, tile_rows, columns, splits, threads)
     return g_rows, splits_added(g_cols), splits_added(g_w_out)
 
 
@@ -282,9 +274,3 @@ def supported(units: int, dtype: torch.dtype, device_type: str) -> bool:
     """Whether loops for `units` hidden units can run here: `MIN_UNITS` to `MAX_UNITS` units,
     where `vectorised_cpu` holds."""
     return MIN_UNITS <= units <= MAX_UNITS and vectorised_cpu(dtype, device_type)
-
-
-def _run(loop: Loop, units: int, outputs: int, tensors: tuple, sizes: tuple, threads: int) -> None:
-    """Call `loop` compiled for `units` and `outputs` on contiguous `tensors` (inputs, then the
-    outputs it writes), `sizes` and `threads`."""
-    launch(loop, units, outputs, *tensors, *sizes, threads)
