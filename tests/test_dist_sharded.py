@@ -389,6 +389,38 @@ def test_a_bad_resume_is_refused_before_anything_changes(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_gparams_of_another_plan_are_refused_and_the_checkpoint_kept(tmp_path):
+    model, plan, gparams, _ = _small()
+    gbd.save_sharded(tmp_path, gparams, plan=plan, step=1)
+    wider = gb.init(gb.plan(model, tile=(4, 4), hidden=plan.stacks[0].genome.hidden * 2))
+    with pytest.raises(ValueError, match=r"gb.dist.save_sharded: gparams\['stacks'\].* shape"):
+        gbd.save_sharded(tmp_path, wider, plan=plan, step=2)
+    with pytest.raises(TypeError, match=r"plan must be a gb.Plan"):
+        gbd.save_sharded(tmp_path, gparams, plan=model, step=2)
+    assert gbd.load_sharded(tmp_path, model).step == 1
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_into_that_cannot_take_the_values_is_refused_before_anything_changes(tmp_path):
+    model, plan, gparams, _ = _small()
+    gbd.save_sharded(tmp_path, gparams, plan=plan)
+    with pytest.raises(ValueError, match=r"into\['stacks'\].* is on the meta device"):
+        gbd.load_sharded(tmp_path, model, into=gb.init(plan, device="meta"))
+    with torch.inference_mode():
+        inference = gb.init(plan, seed=1)
+    with pytest.raises(ValueError, match=r"is an inference tensor"):
+        gbd.load_sharded(tmp_path, model, into=inference)
+    truncating = gb.init(plan, seed=1)
+    truncating["free"]["1.weight"] = torch.zeros(16, dtype=torch.int64)
+    before = [t.clone() for t in gb.trainable_leaves(truncating)]
+    with pytest.raises(TypeError, match=r"into\['free'\]\['1\.weight'\] is torch.int64"):
+        gbd.load_sharded(tmp_path, model, into=truncating)
+    assert all(
+        torch.equal(a, b) for a, b in zip(before, gb.trainable_leaves(truncating), strict=True)
+    )
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_older_manifests_load_and_unknown_versions_are_refused(tmp_path):
     """A format-2 manifest (SHA-256 only, written before checksums and optimizer state, DCP's
     files beside it) loads, also into DTensors; a save over it replaces it, DCP's old files

@@ -177,7 +177,7 @@ def load_sharded(
                 )
             rows = _rows(plan, owned)
             if into is not None:
-                _check_into(plan, rows, into, where)
+                _check_into(plan, rows, into, dtypes, where)
             state = _templates(plan, rows, dtypes, into, where)
             state.update(_buffer_templates(manifest, model, where))
             known = optim_leaves(plan, into, rows) if optimizer is not None else {}
@@ -335,9 +335,14 @@ def _read(
 
 
 def _check_into(
-    plan: Plan, rows: dict[str, dict[str, list[int]]], into: GParams, where: str
+    plan: Plan,
+    rows: dict[str, dict[str, list[int]]],
+    into: GParams,
+    dtypes: dict[str, torch.dtype],
+    where: str,
 ) -> None:
-    """`into` holds every tensor this rank reads, in its shape (global for a DTensor)."""
+    """`into` holds every tensor this rank reads, in its shape (global for a DTensor), one
+    that can take the saved values: with storage, writable here, floating where they are."""
     wanted = [
         (("stacks", stack.key, leaf), (len(rows[stack.key][leaf]), *shape[1:]))
         for stack in plan.stacks
@@ -349,12 +354,25 @@ def _check_into(
         node: Any = into
         for part in path:
             node = node.get(part) if isinstance(node, dict) else None
+        named = f"{where}: into{''.join(f'[{k!r}]' for k in path)}"
         if not isinstance(node, Tensor) or tuple(node.shape) != tuple(shape):
             found = tuple(node.shape) if isinstance(node, Tensor) else type(node).__name__
             raise ValueError(
-                f"{where}: into{''.join(f'[{k!r}]' for k in path)} is {found}; this rank reads "
-                f"{tuple(shape)} there. Pass the gparams of the same plan and world size "
-                "(with `owned`: `owned.shard(gparams)`)."
+                f"{named} is {found}; this rank reads {tuple(shape)} there. Pass the gparams of "
+                "the same plan and world size (with `owned`: `owned.shard(gparams)`)."
+            )
+        saved = dtypes.get("/".join(path))
+        if node.is_meta:
+            raise ValueError(f"{named} is on the meta device: it cannot hold the values read.")
+        if node.is_inference() and not torch.is_inference_mode_enabled():
+            raise ValueError(
+                f"{named} is an inference tensor (made under torch.inference_mode): it cannot "
+                "be written outside it. Pass gparams made outside inference mode."
+            )
+        if saved is not None and saved.is_floating_point and not node.dtype.is_floating_point:
+            raise TypeError(
+                f"{named} is {node.dtype}; the checkpoint holds {saved} there, which it would "
+                "truncate."
             )
 
 

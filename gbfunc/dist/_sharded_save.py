@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from .._check_gparams import TASKS
+from .._check_gparams import TASKS, check_gparams
 from .._checkpoint import BUFFERS, CheckpointError, buffers_to_save
 from .._files import check_no_meta
 from .._numbers import integer
@@ -106,7 +106,9 @@ def save_sharded(
         plan = _plan(owned, plan, where)
         directory = target(path, where)
         rows = _rows(plan, owned)
-        state, manifest = _prepare(plan, rows, local, buffers, optimizer, step, meta, where)
+        state, manifest = _prepare(
+            plan, rows, local, buffers, optimizer, step, meta, where, sharded=owned is not None
+        )
         digests = {k: _digest(k, v) for k, v in state.items() if not isinstance(v, DTensor)}
         mine = (digests, new_folder())
     except Exception as e:
@@ -204,6 +206,10 @@ def _group(owned: object, group: dist.ProcessGroup | None) -> dist.ProcessGroup 
 def _plan(owned: RankOwned | None, plan: Plan | None, where: str) -> Plan:
     """The plan of the g-nets saved, from `owned` or `plan=` (exactly one of them)."""
     if plan is not None and owned is None:
+        if not isinstance(plan, Plan):
+            raise TypeError(
+                f"{where}: plan must be a gb.Plan (from gb.plan), got {type(plan).__name__}."
+            )
         return plan
     if owned is not None and plan is None:
         if not isinstance(owned, RankOwned):
@@ -224,10 +230,14 @@ def _prepare(
     step: int | None,
     meta: Any,
     where: str,
+    *,
+    sharded: bool,
 ) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    """This rank's entries, and the manifest but for what depends on every rank's."""
+    """This rank's entries, and the manifest but for what depends on every rank's; `local`
+    checked against the plan first (a rank's part where `sharded`), as `gb.save` checks it."""
     step = integer(where, "step", step, minimum=0, optional=True)
     kept_meta = meta_fields(meta, where)  # refused here, before any shard is written
+    check_gparams(local, plan, where, shard=sharded)
     state = _value_entries(local, rows, where)
     kept = buffers_to_save(buffers, plan, where, stacklevel=3)  # save_sharded's caller
     state.update({BUFFERS + name: t for name, t in kept.items()})
