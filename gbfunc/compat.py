@@ -272,7 +272,10 @@ class GenomicBottleneck:
         return self.train(False)
 
     def compression(self) -> float:
-        """Dense parameters of the (unwrapped) p-net per stored parameter."""
+        """Dense parameters of the (unwrapped) p-net per stored parameter: the whole model's
+        ratio, as torchGB's `compression()` counts it. The constructor's `compression=`
+        counts generated weights per g-net parameter (torchGB's per-tile count), which free
+        embeddings, biases and norms do not lower; `repr()` shows both."""
         return report(self.plan).compression
 
     def save(self, fname: str | os.PathLike) -> None:
@@ -304,6 +307,7 @@ class GenomicBottleneck:
         whose stds set other scales). A file saved without a scheduler keeps this object's
         scheduler and the rates it set.
         """
+        self._check_params("GenomicBottleneck.load")  # before anything is replaced
         first = next(iter(self.gparams["stacks"].values()))["w_in"]
         pnet = unwrap(self.model)
         where = f"GenomicBottleneck.load: {os.fspath(fname)}"
@@ -389,7 +393,8 @@ class GenomicBottleneck:
         return (
             f"GenomicBottleneck({name}: {len(self.plan.generated)} generated tensors, {tiles} "
             f"tiles in {len(self.plan.stacks)} stacks, {rep.gnet_params:,} g-net parameters, "
-            f"compression {rep.compression:.2f}x)\n{rep}"
+            f"compression {rep.compression:.2f}x of the whole model, "
+            f"{rep.generated_compression:.2f}x of the generated weights)\n{rep}"
         )
 
 

@@ -113,7 +113,9 @@ def test_one_optimizer_over_the_stacks_and_an_honest_repr():
     )
     assert "4.weight" in [p.name for p in gnets.plan.free]  # ignore_layers substring
     assert gnets.compression() == pytest.approx(gb.report(gnets.plan).compression)
-    assert f"compression {gnets.compression():.2f}x" in repr(gnets)
+    assert f"compression {gnets.compression():.2f}x of the whole model" in repr(gnets)
+    ratio = gb.report(gnets.plan).generated_compression  # what `compression=` asks for
+    assert f"{ratio:.2f}x of the generated weights" in repr(gnets)
     assert gnets.eval() is gnets
     assert not model.training
     gnets.train()
@@ -400,14 +402,22 @@ def test_load_refuses_another_optimizers_state_and_changes_nothing(tmp_path):
     assert gnets.optimizer.param_groups[0]["momentum"] == 0.9
 
 
-def test_parameters_replaced_after_construction_are_named():
+def test_parameters_replaced_after_construction_are_named(tmp_path):
     """`load_state_dict(assign=True)` swaps the model's parameters: writing into the old ones
     would train nothing, silently."""
     model = mlp()
     gnets = GenomicBottleneck(model, tile=(16, 16))
+    gnets.save(tmp_path / "g.safetensors")
     model.load_state_dict(mlp().state_dict(), assign=True)
     with pytest.raises(RuntimeError, match=r"parameter '0.weight' is no longer the tensor"):
         gnets.predict_weights()
+    before = [t.clone() for t in gnets.optimizer.param_groups[0]["params"]]
+    plan = gnets.plan
+    with pytest.raises(RuntimeError, match=r"load: the model's parameter '0.weight' is no"):
+        gnets.load(tmp_path / "g.safetensors")  # refused before anything is replaced
+    after = gnets.optimizer.param_groups[0]["params"]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert gnets.plan is plan
 
 
 def test_a_generated_layer_left_without_gradient_is_named_once():
