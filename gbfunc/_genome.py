@@ -18,6 +18,9 @@ from ._numbers import as_integer, integer
 
 ACTIVATIONS = ("relu", "gelu", "tanh", "silu")
 ENCODINGS = ("binary", "gray", "fourier")
+# Frequencies 2^k pi, k < fourier_features: past 2^52 a float64 position times the frequency
+# is a whole multiple of pi, each feature the same at every position (and 2^1024 overflows).
+MAX_FOURIER_FEATURES = 52
 WINDOW_MODES = ("code", "output")
 # How the neurons along a weight axis are labelled: "position" codes the tile-local index with
 # the genome's `encoding`; "onehot" gives each neuron its own input (e.g. output classes); a
@@ -125,7 +128,8 @@ def check_genome(
     checked = dict(options)
     for name in ("hidden", "depth", "fourier_features", "outputs", "embed_dim"):
         if name in options:
-            checked[name] = integer(where, label(name), options[name], minimum=1)
+            most = MAX_FOURIER_FEATURES if name == "fourier_features" else None
+            checked[name] = integer(where, label(name), options[name], minimum=1, maximum=most)
     if "condition" in options:
         checked["condition"] = integer(where, label("condition"), options["condition"], minimum=0)
     if "hashed" in options and options["hashed"] != AUTO:

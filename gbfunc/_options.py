@@ -134,7 +134,7 @@ def warn_unused(rules: Rules, shaped: set[str], reasons: dict[str, str]) -> None
 def warn_dropped(rules: Rules, plan: Plan) -> None:
     """Warn of each override that asks `outputs` > 1 or `center=True` where no parameter it
     matches can take it: a convolution kernel's or a bias's g-nets emit one value per
-    evaluation, and a bias has no inputs to centre over."""
+    evaluation, and a bias (or a weight of one input per row) has no inputs to centre over."""
     for pattern, over in rules:
         matched = [p for p in plan.generated if fnmatch.fnmatchcase(p.name, pattern)]
         if not matched:
@@ -148,7 +148,8 @@ def warn_dropped(rules: Rules, plan: Plan) -> None:
             one_value = "emit one value per evaluation: convolution kernels and biases"
             _warn_dropped(pattern, f"outputs={outputs}", matched, one_value)
         if over.get("center") is True and not any(p.center for p in matched):
-            _warn_dropped(pattern, "center=True", matched, "have no inputs to centre over: biases")
+            one_input = "have no inputs to centre over: biases and weights of one input"
+            _warn_dropped(pattern, "center=True", matched, one_input)
 
 
 def _warn_dropped(pattern: str, option: str, matched: list[Generated], why: str) -> None:

@@ -115,11 +115,11 @@ def plan(
         center: Remove each generated weight row's mean over its inputs (see `Generated`);
             with neuron labels it makes image-input genomes train stably.
         compression: The ratio to reach, within 10%: by default the whole model's, its
-            parameters / the parameters stored and trained (g-nets, free and frozen ones;
-            `gb.report(plan).compression`). With `hashed="auto"` somewhere, by sizing those
-            tables (each tile's buckets in proportion to the square root of its positions),
-            with the tile given, or else the first of (64, 64), (128, 128), ... and "full"
-            that can reach it; otherwise by choosing the `(TH, TW)` tile of every weight
+            parameters / the parameters stored (g-nets, free and frozen ones, frozen ones
+            stored but not trained; `gb.report(plan).compression`). With `hashed="auto"`
+            somewhere, by sizing those tables (each tile's buckets in proportion to the
+            square root of its positions), with the tile given, or else the first of (64,
+            64), (128, 128), ... and "full" that can reach it; otherwise by choosing the `(TH, TW)` tile of every weight
             whose tile is not given (the squarest within 2%, or one about as square whose
             g-nets evaluate 5% fewer vectors; a weight whose g-nets would cost more than
             itself stays free), and then it is exclusive with `tile`.
@@ -355,7 +355,9 @@ def _build(entries: list[Entry], options: list[dict[str, object]], flags: dict[s
             stack_id, block = stacks.add(genome, tile, shape[2:], rows, cols, entry.dtype)
             blocks.append(block)
         split_dim = layout.split_dim if layout.splits > 1 else 0
-        center = opts["center"] and len(shape) > 1  # a bias has no inputs to centre over
+        # a bias, or a weight of one input per row, has no inputs to centre over (centred,
+        # it would be zero, and stay zero: its gradient is centred too)
+        center = opts["center"] and math.prod(shape[1:]) > 1
         _check_outputs_are_rows(entry.name, layout, genome, center)
         where = {"stack_index": stack_id, "blocks": tuple(blocks), "split_dim": split_dim}
         scale = step_scale(layout.init_std, shape, layout.inputs_first)

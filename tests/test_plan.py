@@ -393,6 +393,19 @@ def test_override_options_no_matched_parameter_can_take_warn():
         gb.plan(mixed, tile=(4, 4), biases=True, overrides={"*": {"outputs": 2, "center": True}})
 
 
+def test_a_weight_of_one_input_is_not_centred():
+    """Centred over its one input, a row is zero, and so is its gradient: the layer stayed
+    dead, silently."""
+    model = nn.Sequential(nn.Linear(1, 16), nn.ReLU(), nn.Conv1d(16, 8, 1), nn.Conv1d(8, 1, 3))
+    plan = gb.plan(model, tile=(4, 4), center=True)
+    centred = {p.name: p.center for p in plan.generated}
+    assert centred == {"0.weight": False, "2.weight": True, "3.weight": True}
+    weights = gb.apply(gb.init(plan, seed=0), plan)
+    assert weights["0.weight"].std() > 0.1
+    with pytest.warns(UserWarning, match=r"sets center=True, but .*weights of one input"):
+        gb.plan(model, tile=(4, 4), overrides={"0.weight": {"center": True}})
+
+
 def test_a_parameter_both_left_free_and_generated_is_refused_by_name():
     """`free=` is applied before the overrides, so an override's generate=True won without a
     word; the two ask opposite things."""
@@ -639,6 +652,12 @@ def test_override_values_are_checked_and_named(overrides, error, match):
         ({"row_labels": (0,)}, ValueError, r"^gb.Genome: row_labels must be one of"),
         ({"hashed": 2.5}, TypeError, r"^gb.Genome: hashed must be an integer >= 0, got 2.5\.$"),
         ({"fourier_features": 0}, ValueError, r"^gb.Genome: fourier_features must be an integer"),
+        # 2^1024 pi overflowed: every g-net's output layer was drawn NaN, silently
+        (
+            {"fourier_features": 1024},
+            ValueError,
+            r"fourier_features must be an integer in \[1, 52\]",
+        ),
         ({"embed_dim": 0}, ValueError, r"^gb.Genome: embed_dim must be an integer >= 1, got 0"),
         (
             {"window_in": "taps"},
