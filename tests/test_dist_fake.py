@@ -144,6 +144,22 @@ def test_tensor_parallel_rejects_a_plan_of_another_model(mesh):
         gbd.TensorParallel(other, model, mesh["tp"])
 
 
+@pytest.mark.parametrize(
+    ("fused", "error", "match"),
+    [
+        # a misspelt pattern left a fused parameter sharded as one matrix: wrong weights
+        ({"*.attn.qq.weight": 3}, ValueError, r"fused pattern '\*\.attn\.qq\.weight' matches no"),
+        ({"*.attn.q.weight": 0}, ValueError, r"fused\['\*\.attn\.q\.weight'\] must be an"),
+        ({"*.attn.q.weight": "3"}, TypeError, r"fused\[.*\] must be an integer >= 1"),
+        ([("*.attn.q.weight", 3)], TypeError, r"fused must be a dict"),
+    ],
+)
+def test_tensor_parallel_refuses_fused_patterns_it_cannot_apply(mesh, fused, error, match):
+    model, plan = _gpt_plan(tile=(16, 16))
+    with pytest.raises(error, match=rf"^gb\.dist\.TensorParallel: {match}"):
+        gbd.TensorParallel(plan, model, mesh["tp"], fused=fused)
+
+
 def test_grad_sync_buckets_divides_by_dp_and_counts_bytes(mesh):
     model, plan = _gpt_plan(tile=(16, 16))
     gparams = gb.init(plan, seed=0)

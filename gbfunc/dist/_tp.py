@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
 from .._check_model import check_matches
+from .._numbers import integer
 from .._plan import Generated, Plan
 from .._select import Selection
 from .._tiling import Concat, Region, cuts_tiles, full_region
@@ -79,6 +80,29 @@ def fused_regions(
     return Concat(tuple(regions), dim)
 
 
+def _checked_fused(fused: object, plan: Plan) -> dict[str, int]:
+    """`fused` as `{pattern: parts}`, each pattern matching a parameter of the plan and each
+    count an integer >= 1 (a pattern that matches nothing would leave a fused parameter
+    sharded as one matrix, its shards holding the wrong weights)."""
+    where = "gb.dist.TensorParallel"
+    if fused is None:
+        return {}
+    if not isinstance(fused, Mapping):
+        raise TypeError(
+            f"{where}: fused must be a dict {{name_pattern: parts}}, got {fused!r:.100}."
+        )
+    checked = {}
+    for pattern, parts in fused.items():
+        if not isinstance(pattern, str):
+            raise TypeError(f"{where}: fused's keys must be name patterns, got {pattern!r:.100}.")
+        checked[pattern] = integer(where, f"fused[{pattern!r}]", parts, minimum=1)
+        if not any(fnmatch.fnmatch(p.name, pattern) for p in plan.params):
+            raise ValueError(
+                f"{where}: fused pattern {pattern!r} matches no parameter of the plan."
+            )
+    return checked
+
+
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
 
@@ -117,6 +141,7 @@ class TensorParallel:
         fused: Mapping[str, int] | None = None,
     ) -> None:
         check_matches(plan, model, "gb.dist.TensorParallel", "the plan")
+        fused = _checked_fused(fused, plan)
         names = dict(model.named_parameters())
         regions: dict[str, Region | Concat] = {}
         self._wrap: dict[str, tuple[tuple[Placement, ...] | None, float, tuple[int, ...]]] = {}
@@ -130,8 +155,7 @@ class TensorParallel:
                         f"not on the given mesh {mesh}."
                     )
                 placements = tuple(param.placements)
-                rules = (fused or {}).items()
-                parts = next((n for pat, n in rules if fnmatch.fnmatch(p.name, pat)), 1)
+                parts = next((n for pat, n in fused.items() if fnmatch.fnmatch(p.name, pat)), 1)
                 if parts > 1:
                     regions[p.name] = fused_regions(p.shape, placements, mesh, parts)
                 else:
