@@ -200,7 +200,7 @@ def setup_charlm(cfg: CharLMConfig, device: torch.device) -> Setup:
         f"{len(corpus.test):,} test characters (by topic), "
         f"vocabulary {corpus.vocab_size}, unigram entropy {entropy:.3f} nats; plan {dict(cfg.plan)}"
     ]
-    title = f"char transformer on pydoc topics (gb: {gb.report(plan).generated_compression:.0f}x)"
+    title = f"char transformer on pydoc topics (gb: {gb.report(plan).compression:.0f}x whole model)"
     return Setup(
         plan,
         arms,

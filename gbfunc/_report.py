@@ -52,8 +52,8 @@ class Report:
          ('2.weight', 'generated', 8), ('2.bias', 'free', 0)]
         >>> report.dense_params, report.stored_params
         (68362, 27730)
-        >>> print(f"{report.compression:.1f}x fewer parameters to train and store")
-        2.5x fewer parameters to train and store
+        >>> print(f"{report.compression:.1f}x fewer parameters to store")
+        2.5x fewer parameters to store
     """
 
     rows: tuple[Row, ...]
@@ -88,8 +88,10 @@ class Report:
 
     @property
     def stored_params(self) -> int:
-        """What a compressed checkpoint holds: g-nets, free and frozen parameters, task
-        embeddings."""
+        """The parameters a compressed checkpoint holds: g-nets, free and frozen parameters,
+        task embeddings. Frozen ones are stored but not trained; the model's buffers
+        (BatchNorm's statistics), which a checkpoint holds too, are not parameters and are
+        not counted."""
         return self.gnet_params + self.free_params + self.frozen_params + self.task_params
 
     def _numel(self, kind: str) -> int:
@@ -103,7 +105,7 @@ class Report:
 
     @property
     def compression(self) -> float:
-        """Dense parameters per stored parameter, the whole model."""
+        """Dense parameters per stored parameter (`stored_params`), the whole model."""
         return self.dense_params / max(1, self.stored_params)
 
     def __str__(self) -> str:
