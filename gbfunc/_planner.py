@@ -118,11 +118,12 @@ def plan(
             parameters / the parameters stored (g-nets, free and frozen ones, frozen ones
             stored but not trained; `gb.report(plan).compression`). With `hashed="auto"`
             somewhere, by sizing those tables (each tile's buckets in proportion to the
-            square root of its positions), with the tile given, or else the first of (64,
-            64), (128, 128), ... and "full" that can reach it; otherwise by choosing the `(TH, TW)` tile of every weight
-            whose tile is not given (the squarest within 2%, or one about as square whose
-            g-nets evaluate 5% fewer vectors; a weight whose g-nets would cost more than
-            itself stays free), and then it is exclusive with `tile`.
+            square root of its positions), with the tile given, or else the first of
+            (64, 64), (128, 128), ... and "full" that can reach it; otherwise by choosing the
+            `(TH, TW)` tile of every weight whose tile is not given (the squarest within 2%,
+            or one about as square whose g-nets evaluate 5% fewer vectors; a weight whose
+            g-nets would cost more than itself stays free), and then it is exclusive with
+            `tile`.
         compression_of: `"model"` (default) for the whole model's ratio, or `"generated"`
             for generated weights / g-net parameters (`gb.report(plan).generated_compression`,
             the count of the genomic bottleneck papers and torchGB).
