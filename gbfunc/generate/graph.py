@@ -14,11 +14,11 @@ The graph's compiled backward cannot be differentiated again nor take batched gr
 """
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .._check_gparams import TASKS
 from .._compiled import CompiledCache
@@ -124,32 +124,51 @@ def generate(
     tasks = gparams.get(TASKS) if task is not None else None
     if task is not None and not isinstance(task, Tensor):  # numpy's integers too, checked
         task = torch.tensor(task_number(task, plan.tasks, "gb.apply"))
-    flat, spec = tree_flatten((stacks, tasks, condition))
-    positions = [i for i, x in enumerate(flat) if isinstance(x, Tensor) and x.requires_grad]
-    inputs = [flat[i] for i in positions]
-    differentiable = torch.is_grad_enabled() and bool(positions)
-    if differentiable:  # the graph runs on leaves of its own, tied to these by `_Gradient`
-        for i in positions:
-            flat[i] = flat[i].detach().requires_grad_()
-    traced = tree_unflatten(flat, spec)
+    # Where gradients flow, the graph runs on leaves of its own, tied to these by `_Gradient`.
+    grads_on = torch.is_grad_enabled()
+    inputs: list[Tensor] = []  # the leaves that require grad, in order
+    own: list[Tensor] = []  # the graph's own leaves standing for them
+
+    def own_leaf(x: Tensor | None) -> Tensor | None:
+        if not (grads_on and x is not None and x.requires_grad):
+            return x
+        inputs.append(x)
+        own.append(x.detach().requires_grad_())
+        return own[-1]
+
+    traced = (
+        {k: {n: own_leaf(t) for n, t in v.items()} for k, v in stacks.items()},
+        own_leaf(tasks),
+        own_leaf(condition),
+    )
+    differentiable = bool(inputs)
     # On the g-nets' device whatever the default (`with torch.device("meta")`, FSDP2's way to
     # build a model, put the constants the trace makes, the code tables, on meta).
     leaf = first_leaf(stacks)
-    with torch.device("cpu" if leaf is None else leaf.device):
+    device = torch.device("cpu") if leaf is None else leaf.device
+    # (entered only where needed: the context is a torch function mode, which every torch
+    # call in the compiled code's Python wrappers would go through)
+    with nullcontext() if torch.get_default_device() == device else device:
         graph = _GRAPHS.call(key, _generated, op_by_op, plan, *traced, task)
     if graph is None:
         return None
     if differentiable:
 
         def eager(*leaves: Tensor) -> tuple[Tensor, ...]:
-            full = list(flat)
-            for i, x in zip(positions, leaves, strict=True):
-                full[i] = x
-            made = _generated(op_by_op, plan, *tree_unflatten(full, spec), task)
+            swap = dict(zip(map(id, own), leaves, strict=True))
+            other = lambda x: swap.get(id(x), x)
+            made = _generated(
+                op_by_op,
+                plan,
+                {k: {n: other(t) for n, t in v.items()} for k, v in traced[0].items()},
+                other(traced[1]),
+                other(traced[2]),
+                task,
+            )
             return tuple(made[p.name] for p in plan.generated)
 
         outputs = tuple(graph[p.name] for p in plan.generated)
-        compiled = _Compiled(outputs, [flat[i] for i in positions], eager)
+        compiled = _Compiled(outputs, own, eager)
         tied = _Gradient.apply(compiled, *(o.detach() for o in outputs), *inputs)
         graph = {p.name: w for p, w in zip(plan.generated, tied, strict=True)}
     return parameters(plan.params, gparams, graph)
