@@ -21,7 +21,7 @@ from ._buffers import is_persistent
 from ._calibrate import calibrate, check_inputs
 from ._check_gparams import TASKS, check_gparams, expected_shapes
 from ._check_model import check_matches, check_module
-from ._checkpoint import load
+from ._checkpoint import read, restore_buffers
 from ._export import export
 from ._init import init
 from ._module_names import Buffers, escape, parameter_dict, unescape
@@ -118,6 +118,11 @@ class Bottleneck(PnetFace, nn.Module):
             )
         else:
             check_matches(plan, model, "gb.Bottleneck", "the plan")
+        if not plan.generated:
+            raise ValueError(
+                "gb.Bottleneck: the plan generates no parameter (every one is free): there are "
+                "no g-nets to hold; train the model itself."
+            )
         object.__setattr__(self, "_pnet", model)  # a plain attribute: not a submodule
         # transformers' modules that can checkpoint their layers, each with its on/off flag
         # (`gradient_checkpointing`): read by `forward`, where transformers' own
@@ -322,7 +327,8 @@ class Bottleneck(PnetFace, nn.Module):
                 "plan) names the first difference); build the module from it instead: "
                 "gb.Bottleneck(model, plan) or gb.Bottleneck.from_checkpoint(path, model)."
             )
-        check_gparams(gparams, self.plan, "gb.Bottleneck.load_gparams")
+        # values too: a meta leaf cannot be copied, and would raise half way through
+        check_gparams(gparams, self.plan, "gb.Bottleneck.load_gparams", values=True)
         mine = self.gparams
         with torch.no_grad():
             for keys in expected_shapes(self.plan):
@@ -352,11 +358,13 @@ class Bottleneck(PnetFace, nn.Module):
             >>> torch.equal(b2(x), b(x))
             True
         """
-        ckpt = load(path, model, device=device)
+        where = "gb.Bottleneck.from_checkpoint"
+        ckpt, buffers = read(path, model, where, device=device)
         module = cls(model, ckpt.plan)
         if device is not None:
             module.to(device)
         module.load_gparams(ckpt.gparams, ckpt.plan)
+        restore_buffers(model, buffers, f"{where}: {os.fspath(path)}")  # last: all or none
         return module
 
     def train(self, mode: bool = True) -> "Bottleneck":

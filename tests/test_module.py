@@ -311,6 +311,37 @@ def test_load_gparams_copies_in_place_so_an_optimizer_keeps_its_tensors(tmp_path
     assert_stacks_equal(b, gb.init(b.plan, seed=5))
 
 
+def test_a_load_that_cannot_finish_changes_nothing(tmp_path):
+    """A meta leaf raised after the leaves before it were copied; a plan without g-nets
+    raised IndexError after `from_checkpoint` had restored the model's buffers."""
+    b = gb.Bottleneck(mlp(), tile=(8, 8), seed=0)
+    before = [t.clone() for t in b.parameters()]
+    meta = gb.init(b.plan, seed=5)
+    last = list(meta["stacks"].values())[-1]
+    for name, leaf in last.items():  # the stacks before it were copied, then it raised
+        last[name] = torch.empty_like(leaf, device="meta")
+    with pytest.raises(ValueError, match=r"load_gparams: .*\['w_in'\] is on the meta device"):
+        b.load_gparams(meta)
+    assert all(torch.equal(p, q) for p, q in zip(b.parameters(), before, strict=True))
+
+    def model() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+
+    saved = model()
+    saved[1].running_mean.fill_(9.0)
+    free = [
+        gb.Free(n, tuple(p.shape), "float32", ("zeros", 0.0), True, "by hand")
+        for n, p in saved.named_parameters()
+    ]
+    plan = gb.Plan(tuple(free), ()).naming(saved)
+    path = tmp_path / "free.safetensors"
+    gb.save(path, gb.init(plan), plan)
+    fresh = model()
+    with pytest.raises(ValueError, match=r"gb.Bottleneck: the plan generates no parameter"):
+        gb.Bottleneck.from_checkpoint(path, fresh)
+    assert torch.equal(fresh[1].running_mean, torch.zeros(4))  # not restored
+
+
 def test_load_gparams_refuses_the_gparams_of_another_genome_of_the_same_shapes(tmp_path):
     """A tanh, centred genome has a ReLU one's shapes: its gparams generate other weights."""
     saved = gb.Bottleneck(mlp(), tile=(8, 8), seed=0)
