@@ -47,6 +47,14 @@ class CheckpointMismatchError(CheckpointError):
     """The checkpoint was made for a different model (or different g-nets)."""
 
 
+def optimizer_class(optimizer: torch.optim.Optimizer) -> str:
+    """The optimizer's class as checkpoints record it (`torch.optim.adamw.AdamW`): another
+    optimizer's state loads into one without error (torch checks the groups' sizes only) and
+    fails at its first step, or trains on with foreign settings."""
+    kind = type(optimizer)
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
 def checkpoint_path(path: object, where: str) -> str:
     """`path` as a string, or a `CheckpointError` naming it where no file can have it."""
     try:

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from ._apply import apply
 from ._check_model import unwrap
 from ._checkpoint import CheckpointMismatchError, read, restore_buffers
+from ._checkpoint_checks import optimizer_class
 from ._init import init
 from ._numbers import as_integer, integer, real
 from ._options import check_tile
@@ -291,7 +292,10 @@ class GenomicBottleneck:
         state: dict[str, object] = self.optimizer.state_dict()
         if self.scheduler is not None:
             state = {_OPTIMIZER: state, _SCHEDULER: self.scheduler.state_dict()}
-        meta = {"writer": "gbfunc.compat.GenomicBottleneck", _OPTIMIZER: _kind(self.optimizer)}
+        meta = {
+            "writer": "gbfunc.compat.GenomicBottleneck",
+            _OPTIMIZER: optimizer_class(self.optimizer),
+        }
         save_replicated(fname, self.gparams, self.plan, opt_state=state, meta=meta)
 
     def load(self, fname: str | os.PathLike) -> None:
@@ -320,7 +324,7 @@ class GenomicBottleneck:
         stacks = ckpt.gparams["stacks"]  # copied below, cast into this object's leaves
         optimizer_state, scheduler_state = _split_state(ckpt.opt_state)
         saved_with = (ckpt.meta or {}).get(_OPTIMIZER)  # None: written before 2026-11-30
-        ours = _kind(self.optimizer)
+        ours = optimizer_class(self.optimizer)
         if saved_with not in (None, ours) and optimizer_state is not None:
             raise CheckpointMismatchError(
                 f"{where}: its optimizer state is {saved_with}'s and this "
@@ -456,12 +460,6 @@ def _tile_of(
         )
     side = math.isqrt(size - 1) + 1  # ceil(sqrt(size)), as torchGB
     return (side, side)
-
-
-def _kind(optimizer: torch.optim.Optimizer) -> str:
-    """The optimizer's class, as a checkpoint names it."""
-    kind = type(optimizer)
-    return f"{kind.__module__}.{kind.__qualname__}"
 
 
 def _leaves(stacks: dict[str, dict[str, Tensor]]) -> list[Tensor]:

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from .._check_gparams import TASKS
 from .._checkpoint import CheckpointMismatchError
+from .._checkpoint_checks import optimizer_class
 from .._plan import Plan
 from .._tree import GParams
 
@@ -59,7 +60,8 @@ def state_entries(
     optimizer: torch.optim.Optimizer, known: dict[int, Leaf], where: str
 ) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """`(entries, description)`: the state's tensors by entry name, and what the manifest keeps
-    to rebuild it (groups' settings and parameter names, each state value's kind)."""
+    to rebuild it (the optimizer's class, groups' settings and parameter names, each state
+    value's kind)."""
     entries: dict[str, Tensor] = {}
     groups, kinds = [], {}
     for group in optimizer.param_groups:
@@ -77,7 +79,7 @@ def state_entries(
                         entries[f"{OPTIM}{leaf.name}/{row}/{key}"] = value[i].detach().clone()
                 elif kind != "value":
                     entries[f"{OPTIM}{leaf.name}/{key}"] = value.detach()
-    return entries, {"groups": groups, "state": kinds}
+    return entries, {"class": optimizer_class(optimizer), "groups": groups, "state": kinds}
 
 
 def _describe(value: object, param: Tensor, leaf: Leaf, key: str, where: str) -> dict[str, Any]:
@@ -123,8 +125,15 @@ def templates(
 ) -> dict[str, Tensor]:
     """Empty tensors for every saved state entry of `optimizer`'s parameters, to load into.
 
-    Raises `CheckpointMismatchError` unless the optimizer's groups hold the saved parameters.
+    Raises `CheckpointMismatchError` unless the optimizer is of the saved one's class (where
+    the manifest names it: since 2026-11-30) and its groups hold the saved parameters.
     """
+    saved_class = description.get("class")
+    if saved_class not in (None, optimizer_class(optimizer)):
+        raise CheckpointMismatchError(
+            f"{where}: its optimizer state is {saved_class}'s and the optimizer given is "
+            f"{optimizer_class(optimizer)}; pass the optimizer class it was saved with."
+        )
     saved = [g["params"] for g in description["groups"]]
     ours = [[_leaf_of(p, known, where).name for p in g["params"]] for g in optimizer.param_groups]
     if saved != ours:
