@@ -5,7 +5,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ._plan import Plan, shared_dtype
+from ._plan import Plan, check_is_plan, shared_dtype
 
 _GROUPS = ("stacks", "free", "frozen")
 TASKS = "tasks"  # the task embeddings, a tensor of its own, where the plan has them
@@ -41,10 +41,7 @@ def check_gparams(
     `shard=True` also accepts a rank's part (`gb.dist.RankOwned.shard`): stack leaves with
     fewer rows (g-nets or tiles) than the plan's, every other dimension as planned.
     """
-    if not isinstance(plan, Plan):
-        raise TypeError(
-            f"{where}: plan must be a gb.Plan (from gb.plan), got {type(plan).__name__}."
-        )
+    check_is_plan(plan, where)
     top = groups(plan)
     if not isinstance(gparams, dict) or set(gparams) != set(top):
         got = sorted(gparams) if isinstance(gparams, dict) else type(gparams).__name__

@@ -3,7 +3,7 @@
 from torch import nn
 from torch.nn.parameter import UninitializedParameter
 
-from ._plan import Plan
+from ._plan import Plan, check_is_plan
 
 _WRAPPERS = (nn.parallel.DistributedDataParallel, nn.DataParallel)
 
@@ -90,6 +90,7 @@ def check_matches(
         error: The exception class to raise.
         dtypes: Whether dtypes must match too.
     """
+    check_is_plan(plan, where)
     check_module(model, where)
     theirs = [(p.name, p.shape) for p in plan.params]
     ours = [(name, tuple(p.shape)) for name, p in model.named_parameters()]

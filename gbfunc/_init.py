@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from ._check_gparams import TASKS
 from ._check_model import check_matches
 from ._numbers import integer
-from ._plan import Free, Generated, Plan, shared_dtype
+from ._plan import Free, Generated, Plan, check_is_plan, shared_dtype
 from ._stack_init import DRAWS, init_stack, normal, raw_tiles
 from ._tiling import assemble
 from ._tree import GParams
@@ -79,10 +79,7 @@ def init(
         >>> sorted(gparams)
         ['free', 'frozen', 'stacks']
     """
-    if not isinstance(plan, Plan):
-        raise TypeError(
-            f"gb.init: plan must be a gb.Plan (from gb.plan), got {type(plan).__name__}."
-        )
+    check_is_plan(plan, "gb.init")
     if dtype is not None and dtype not in DTYPES:
         raise TypeError(
             f"gb.init: dtype must be one of {', '.join(map(str, DTYPES))} or None, got {dtype!r}."

@@ -308,6 +308,16 @@ _COUNT = itertools.count()
 _LIVE_PLANS: "weakref.WeakValueDictionary[str, Plan]" = weakref.WeakValueDictionary()
 
 
+def check_is_plan(plan: object, where: str, name: str = "plan") -> Plan:
+    """`plan`, else a TypeError naming `where` and the argument: every entry point that takes
+    a plan reads its attributes, which a model or a path passed instead lacks."""
+    if not isinstance(plan, Plan):
+        raise TypeError(
+            f"{where}: {name} must be a gb.Plan (from gb.plan), got {type(plan).__name__}."
+        )
+    return plan
+
+
 def plan_of(token: str) -> Plan:
     """The live plan whose `token` this is."""
     return _LIVE_PLANS[token]

@@ -160,6 +160,30 @@ def test_tensor_parallel_refuses_fused_patterns_it_cannot_apply(mesh, fused, err
         gbd.TensorParallel(plan, model, mesh["tp"], fused=fused)
 
 
+def test_grad_sync_and_rank_owned_name_what_they_were_given(mesh):
+    """A gparams dict for `leaves` (it iterates over its keys), a bucket size of 0 and a plan
+    or gparams of another kind raised AttributeError deep inside, or were accepted."""
+    model, plan = _gpt_plan(tile=(16, 16))
+    gparams = gb.init(plan, seed=0)
+    wanted = r"^gb\.dist\.GradSync: leaves must be an iterable of tensors .* got"
+    with pytest.raises(TypeError, match=wanted + " dict"):
+        gbd.GradSync(gparams, mesh)
+    with pytest.raises(TypeError, match=wanted + " an iterable holding 'int'"):
+        gbd.GradSync([1, 2], mesh)
+    with pytest.raises(ValueError, match=r"bucket_bytes must be an integer >= 1, got 0"):
+        gbd.GradSync(gb.trainable_leaves(gparams), mesh, bucket_bytes=0)
+    with pytest.raises(TypeError, match=r"overlap must be a bool, got 'no'"):
+        gbd.GradSync(gb.trainable_leaves(gparams), mesh, overlap="no")
+    for made in (lambda: gbd.RankOwned(model), lambda: gbd.assign(model, 2)):
+        with pytest.raises(TypeError, match=r"plan must be a gb\.Plan \(from gb\.plan\), got GPT"):
+            made()
+    with pytest.raises(TypeError, match=r"plan_difference: theirs must be a gb\.Plan"):
+        gbd.plan_difference(plan, model)
+    other = gb.init(_gpt_plan(tile=(32, 32))[1])
+    with pytest.raises(ValueError, match=r"^gb\.dist\.RankOwned\.shard: gparams\['stacks'\]"):
+        gbd.RankOwned(plan).shard(other)
+
+
 def test_grad_sync_buckets_divides_by_dp_and_counts_bytes(mesh):
     model, plan = _gpt_plan(tile=(16, 16))
     gparams = gb.init(plan, seed=0)

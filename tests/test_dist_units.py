@@ -604,10 +604,14 @@ def test_the_dist_generators_check_gparams_as_gb_apply_does(process_group):
         gbd.Selection.whole(plan).apply(other, compile=True)
     gparams = gb.init(plan, seed=0)
     key = plan.stacks[0].key
-    gparams["stacks"][key]["b_in"] = gparams["stacks"][key]["b_in"].double()
     owned = gbd.RankOwned(plan)
+    local = owned.shard(gparams)
+    local["stacks"][key]["b_in"] = local["stacks"][key]["b_in"].double()
     with pytest.raises(ValueError, match=r"gb\.dist\.RankOwned\.apply: .*float64"):
-        owned.apply(owned.shard(gparams))
+        owned.apply(local)
+    gparams["stacks"][key]["b_in"] = gparams["stacks"][key]["b_in"].double()
+    with pytest.raises(ValueError, match=r"gb\.dist\.RankOwned\.shard: .*float64"):
+        owned.shard(gparams)
 
 
 def test_selections_and_ranks_built_or_evaluated_in_odd_modes_still_train(process_group):

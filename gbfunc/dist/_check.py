@@ -4,7 +4,7 @@ from dataclasses import asdict
 
 import torch.distributed as dist
 
-from .._plan import Plan
+from .._plan import Plan, check_is_plan
 
 
 def _entries(plan: Plan) -> list[tuple[str, dict[str, str]]]:
@@ -46,6 +46,8 @@ def plan_difference(ours: Plan, theirs: Plan) -> str | None:
         >>> gb.dist.plan_difference(ours, same) is None
         True
     """
+    check_is_plan(ours, "gb.dist.plan_difference", "ours")
+    check_is_plan(theirs, "gb.dist.plan_difference", "theirs")
     a, b = _entries(ours), _entries(theirs)
     for (label_a, fields_a), (label_b, fields_b) in zip(a, b, strict=False):
         if label_a != label_b:
@@ -79,8 +81,7 @@ def check_plan(plan: Plan, group: dist.ProcessGroup | None = None) -> None:
     Examples:
         >>> gb.dist.check_plan(plan)  # every rank, under torchrun  # doctest: +SKIP
     """
-    if not isinstance(plan, Plan):
-        raise TypeError(f"gb.dist.check_plan: plan must be a gb.Plan, got {type(plan).__name__}.")
+    check_is_plan(plan, "gb.dist.check_plan")
     prints: list[str | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(prints, plan.fingerprint(), group=group)
     if len(set(prints)) == 1:

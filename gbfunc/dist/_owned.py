@@ -21,7 +21,7 @@ from .._check_gparams import check_gparams
 from .._condition import condition_of, conditioned
 from .._dispatch import torch_variant
 from .._numbers import integer
-from .._plan import TILE_LEAVES, Plan, Stack
+from .._plan import TILE_LEAVES, Plan, Stack, check_is_plan
 from .._spec import autocast_off
 from .._tiling import assemble, parameters
 from .._tree import GParams
@@ -85,6 +85,7 @@ def assign(plan: Plan, world_size: int) -> Ownership:
         >>> round(assign(plan, 4).imbalance, 3)  # the busiest rank over the mean
         1.099
     """
+    check_is_plan(plan, "gb.dist.assign")
     world_size = integer("gb.dist.assign", "world_size", world_size, minimum=1)
     items = [
         (-n * stack.tile_flops, s, g)
@@ -126,7 +127,7 @@ class RankOwned:
     """
 
     def __init__(self, plan: Plan, group: dist.ProcessGroup | None = None) -> None:
-        self.plan = plan
+        self.plan = check_is_plan(plan, "gb.dist.RankOwned")
         # each dp group's members make its copy (other ranks copy theirs): local
         # synchronisation, which names the copy by its ranks, not by a world-wide count
         parent = group or dist.group.WORLD
@@ -158,6 +159,7 @@ class RankOwned:
 
     def shard(self, gparams: GParams) -> GParams:
         """This rank's part of full `gparams`: its g-nets (as new leaves), the rest as it is."""
+        check_gparams(gparams, self.plan, "gb.dist.RankOwned.shard")
         stacks = {}
         for s, stack in enumerate(self.plan.stacks):
             leaves = gparams["stacks"][stack.key]

@@ -17,7 +17,7 @@ the schedule.
 import torch
 from torch import Tensor, nn
 
-from .._plan import Plan
+from .._plan import Plan, check_is_plan
 from .._select import Selection
 from .._tiling import full_region
 from .._tree import GParams
@@ -42,6 +42,7 @@ class StageGenerator:
     """
 
     def __init__(self, plan: Plan, stage: nn.Module) -> None:
+        check_is_plan(plan, "gb.dist.StageGenerator")
         self.params = dict(stage.named_parameters())
         known = {p.name: p for p in plan.params}
         for name, param in self.params.items():

@@ -24,7 +24,7 @@ from .._check_gparams import TASKS, check_gparams
 from .._checkpoint import BUFFERS, CheckpointError, buffers_to_save
 from .._files import check_no_meta
 from .._numbers import integer
-from .._plan import Plan
+from .._plan import Plan, check_is_plan
 from .._serial import meta_fields, plan_to_json
 from .._tree import GParams
 from ._checksum import checksum
@@ -206,11 +206,7 @@ def _group(owned: object, group: dist.ProcessGroup | None) -> dist.ProcessGroup 
 def _plan(owned: RankOwned | None, plan: Plan | None, where: str) -> Plan:
     """The plan of the g-nets saved, from `owned` or `plan=` (exactly one of them)."""
     if plan is not None and owned is None:
-        if not isinstance(plan, Plan):
-            raise TypeError(
-                f"{where}: plan must be a gb.Plan (from gb.plan), got {type(plan).__name__}."
-            )
-        return plan
+        return check_is_plan(plan, where)
     if owned is not None and plan is None:
         if not isinstance(owned, RankOwned):
             raise TypeError(f"{where}: owned must be a RankOwned, got {type(owned).__name__}.")

@@ -11,7 +11,7 @@ import datetime
 import functools
 import hashlib
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
+from .._numbers import integer
 from ._mesh import dim_size
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
@@ -142,7 +143,10 @@ class GradSync:
                 "pass the mesh from gb.dist.init_mesh, which spans every rank."
             )
         self.divisor = world if mesh is None else dim_size(mesh, "dp", "gb.dist.GradSync")
-        leaves = list(leaves)
+        leaves = _checked_leaves(leaves)
+        bucket_bytes = integer("gb.dist.GradSync", "bucket_bytes", bucket_bytes, minimum=1)
+        if not isinstance(overlap, bool):
+            raise TypeError(f"gb.dist.GradSync: overlap must be a bool, got {overlap!r:.100}.")
         _check_same_leaves(leaves)
         frozen = next((i for i, t in enumerate(leaves) if not t.requires_grad), None)
         if overlap and frozen is not None:
@@ -251,6 +255,23 @@ def _remove(hooks: list) -> None:
     for handle in hooks:
         handle.remove()
     hooks.clear()
+
+
+def _checked_leaves(leaves: object) -> list[Tensor]:
+    """`leaves` as a list of tensors, else a TypeError naming what to pass (a gparams dict
+    iterates over its keys)."""
+    if isinstance(leaves, Tensor | Mapping | str) or not isinstance(leaves, Iterable):
+        got = type(leaves).__name__
+    else:
+        leaves = list(leaves)
+        bad = next((x for x in leaves if not isinstance(x, Tensor)), None)
+        if bad is None:
+            return leaves
+        got = f"an iterable holding {type(bad).__name__!r}"
+    raise TypeError(
+        f"gb.dist.GradSync: leaves must be an iterable of tensors "
+        f"(gb.trainable_leaves(gparams)), got {got}."
+    )
 
 
 def _on_gradient(sync: "weakref.ref[GradSync]", leaf: Tensor) -> None:
