@@ -85,6 +85,8 @@ def init(
             f"gb.init: dtype must be one of {', '.join(map(str, DTYPES))} or None, got {dtype!r}."
         )
     seed = integer("gb.init", "seed", seed, minimum=-(2**63), maximum=2**64 - 1)  # torch's range
+    if not isinstance(requires_grad, bool):
+        raise TypeError(f"gb.init: requires_grad must be a bool, got {requires_grad!r:.100}.")
     source = _value_source(plan, values, model)
     default = torch.get_default_device()
     device = default if device is None else torch.device(device)

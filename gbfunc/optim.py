@@ -238,8 +238,9 @@ def _check_like(gparams: dict, grads: dict, state: AdamState) -> None:
     shapes: trees of another plan raised pytree's arity errors, and a wrongly shaped
     gradient was broadcast into the update."""
     where = "gb.optim.adamw_update"
-    if not isinstance(state, dict):
-        raise TypeError(f"{where}: state must be adamw_init's dict, got {type(state).__name__}.")
+    if not isinstance(state, dict) or "step" not in state:
+        got = "a dict without 'step'" if isinstance(state, dict) else type(state).__name__
+        raise TypeError(f"{where}: state must be adamw_init's dict, got {got}.")
     want = dict(tree_flatten_with_path(_trainable(gparams))[0])
     for name, tree in (
         ("grads", grads),
@@ -260,6 +261,11 @@ def _check_like(gparams: dict, grads: dict, state: AdamState) -> None:
         if extra:
             raise ValueError(f"{where}: {name} has a leaf at {keystr(extra[0])} that gparams lack.")
         for path, leaf in got.items():
+            if not isinstance(leaf, Tensor):
+                raise TypeError(
+                    f"{where}: {name}{keystr(path)} is {type(leaf).__name__}, not a tensor "
+                    "(torch.func.grad gives one per leaf, zeros where the loss ignores it)."
+                )
             if tuple(leaf.shape) != tuple(want[path].shape):
                 raise ValueError(
                     f"{where}: {name}{keystr(path)} has shape {tuple(leaf.shape)}; gparams' "

@@ -455,6 +455,9 @@ def _init_cases(tmp: Path | None) -> dict[str, Case]:
         "init-not-a-plan": Case(
             lambda: gb.init(mlp()), TypeError, "gb.init: plan must be a gb.Plan .*got Sequential"
         ),
+        "init-requires-grad-not-a-bool": Case(
+            lambda: gparams(requires_grad=0), TypeError, r"gb.init: requires_grad must be a bool"
+        ),
         "init-int-dtype": Case(
             lambda: gparams(dtype=torch.int32),
             TypeError,

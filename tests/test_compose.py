@@ -409,6 +409,11 @@ def test_functional_adamw_names_trees_that_do_not_match_the_gparams():
             gb.optim.adamw_update(gparams, *args)
     with pytest.raises(TypeError, match=r"state must be adamw_init's dict, got list"):
         gb.optim.adamw_update(gparams, grads, [state])
+    with pytest.raises(TypeError, match=r"state must be adamw_init's dict, got a dict without"):
+        gb.optim.adamw_update(gparams, grads, {"m": state["m"], "v": state["v"]})  # KeyError
+    empty = dict(grads, free=dict(grads["free"], **{"0.bias": None}))  # AttributeError
+    with pytest.raises(TypeError, match=r"grads\['free'\]\['0\.bias'\] is NoneType, not a"):
+        gb.optim.adamw_update(gparams, empty, state)
     with pytest.raises(TypeError, match=r"^gb\.optim\.adamw_init: gparams must be the dict"):
         gb.optim.adamw_init([1])
 
