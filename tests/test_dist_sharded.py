@@ -364,7 +364,8 @@ def test_a_bad_resume_is_refused_before_anything_changes(tmp_path):
     sgd = torch.optim.SGD(leaves, lr=0.5, momentum=0.9)  # took AdamW's rate and moments
     with pytest.raises(gb.CheckpointMismatchError, match=r"AdamW's and the optimizer .*SGD"):
         gbd.load_sharded(tmp_path, model, into=fresh, optimizer=sgd)
-    assert sgd.param_groups[0]["lr"] == 0.5 and not sgd.state
+    assert sgd.param_groups[0]["lr"] == 0.5
+    assert not sgd.state
     stranger = torch.optim.AdamW([torch.zeros(3, requires_grad=True)])
     with pytest.raises(ValueError, match=r"holds a tensor of shape \(3,\) that is not"):
         gbd.load_sharded(tmp_path, model, into=fresh, optimizer=stranger)
