@@ -15,7 +15,8 @@ from torch import Tensor
 from ._check_gparams import check_gparams
 from ._condition import folded
 from ._dispatch import context_of, runner, stack_path
-from ._plan import Free, Generated, Plan
+from ._numbers import as_integer
+from ._plan import Free, Generated, Plan, check_is_plan
 from ._realised import realised
 from ._spec import autocast_off
 from ._tiling import (
@@ -58,13 +59,17 @@ class Selection:
     """
 
     def __init__(self, plan: Plan, regions: Mapping[str, Region | Concat]) -> None:
+        check_is_plan(plan, "gb.dist.Selection")
+        if not isinstance(regions, Mapping):
+            raise TypeError(
+                f"gb.dist: regions must be a dict {{name: region or Concat}}, got "
+                f"{type(regions).__name__}."
+            )
         params = {p.name: p for p in plan.params}
+        regions = {name: _checked(params.get(name), name, r) for name, r in regions.items()}
         self._parts = {name: _parts(region) for name, region in regions.items()}
-        for name, (parts, _) in self._parts.items():
-            for region in parts:
-                _check_region(params.get(name), name, region)
         self.plan = plan
-        self.regions = dict(regions)
+        self.regions = regions
         self._params = {name: params[name] for name in regions}
         self._index: dict[tuple[str, int, torch.device], list[Tensor]] = {}
         # The stacks whose parameters are all selected whole: generated as `gb.apply` does,
@@ -266,9 +271,44 @@ def _parts(region: Region | Concat) -> tuple[tuple[Region, ...], int]:
     return (region.regions, region.dim) if isinstance(region, Concat) else ((region,), 0)
 
 
-def _check_region(p: Generated | Free | None, name: str, region: Region) -> None:
+def _checked(p: Generated | Free | None, name: str, entry: object) -> Region | Concat:
+    """A selection entry as tuples of Python ints, checked against `p`'s shape (lists, numpy
+    or tensor bounds taken; a Concat's joined regions must agree off its `dim`)."""
     if p is None:
         raise ValueError(f"gb.dist: {name!r} is not a parameter of the plan.")
+    if not isinstance(entry, Concat):
+        return _check_region(p, name, _region(name, entry))
+    dim = as_integer(entry.dim)
+    if dim is None or not 0 <= dim < len(p.shape):
+        raise ValueError(
+            f"gb.dist: {name}'s Concat dim must be in [0, {len(p.shape)}), got {entry.dim!r}."
+        )
+    parts = tuple(_check_region(p, name, _region(name, r)) for r in entry.regions)
+    if (
+        not parts
+        or len({tuple(b - a for i, (a, b) in enumerate(r) if i != dim) for r in parts}) > 1
+    ):
+        raise ValueError(
+            f"gb.dist: {name}'s Concat regions {parts} cannot be joined along dim {dim}: "
+            "their sizes differ on another dim (or there are none)."
+        )
+    return Concat(parts, dim)
+
+
+def _region(name: str, region: object) -> Region:
+    """`region` as `((start, stop), ...)` of Python ints, else a TypeError naming `name`."""
+    spans = tuple(region) if isinstance(region, Sequence) else None
+    if spans is not None and all(isinstance(x, Sequence) and len(x) == 2 for x in spans):
+        bounds = tuple((as_integer(a), as_integer(b)) for a, b in spans)
+        if all(a is not None and b is not None for a, b in bounds):
+            return bounds
+    raise TypeError(
+        f"gb.dist: the region of {name} must be one (start, stop) pair of integers per dim, "
+        f"got {region!r:.100}."
+    )
+
+
+def _check_region(p: Generated | Free, name: str, region: Region) -> Region:
     ok = len(region) == len(p.shape) and all(
         (a, b) == (0, n) or 0 <= a < b <= n for (a, b), n in zip(region, p.shape, strict=True)
     )
@@ -280,3 +320,4 @@ def _check_region(p: Generated | Free | None, name: str, region: Region) -> None
             f"gb.dist: {name} has center=True, which needs whole rows, but region "
             f"{region} splits its columns; shard it by rows or plan it without center."
         )
+    return region

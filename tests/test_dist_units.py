@@ -4,6 +4,7 @@ import math
 from dataclasses import dataclass
 
 import hypothesis.strategies as st
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -458,6 +459,33 @@ def test_bad_regions_are_named(region, match):
     plan = gb.plan(nn.Linear(8, 8), tile=(4, 4))
     with pytest.raises(ValueError, match=match):
         gbd.Selection(plan, {"weight": region})
+
+
+def test_regions_given_as_lists_or_numbers_of_any_kind_select_the_same():
+    """A region of lists never equalled the tuples compared with it: a whole convolution
+    kernel was refused as split, a whole row as cutting a centred weight's columns; a float
+    bound passed the checks and raised in apply."""
+    conv = gb.plan(nn.Conv2d(4, 8, 3), tile=(4, 2))
+    gparams = gb.init(conv, seed=0)
+    whole = [[0, 8], [0, 4], [0, 3], [0, 3]]
+    torch.testing.assert_close(
+        gbd.Selection(conv, {"weight": whole}).apply(gparams)["weight"],
+        gb.apply(gparams, conv)["weight"],
+    )
+    linear = gb.plan(nn.Linear(32, 16), tile=(8, 8), center=True)
+    rows = {"weight": [[np.int64(0), 8], [0, torch.tensor(32)]]}
+    assert gbd.Selection(linear, rows).regions == {"weight": ((0, 8), (0, 32))}
+    with pytest.raises(TypeError, match=r"region of weight must be one \(start, stop\) pair"):
+        gbd.Selection(linear, {"weight": ((0, 8.5), (0, 32))})
+    with pytest.raises(TypeError, match=r"region of weight must be one \(start, stop\) pair"):
+        gbd.Selection(linear, {"weight": (0, 8)})
+    with pytest.raises(TypeError, match=r"regions must be a dict"):
+        gbd.Selection(linear, [("weight", ((0, 8), (0, 32)))])
+    apart = gbd.Concat((((0, 8), (0, 32)), ((0, 4), (0, 32))), dim=1)  # torch.cat's error
+    with pytest.raises(ValueError, match=r"cannot be joined along dim 1"):
+        gbd.Selection(linear, {"weight": apart})
+    with pytest.raises(ValueError, match=r"Concat dim must be in \[0, 2\), got 5"):
+        gbd.Selection(linear, {"weight": gbd.Concat((((0, 8), (0, 32)),), dim=5)})
 
 
 def test_a_convolution_can_only_be_split_along_its_first_two_dims():
