@@ -104,7 +104,7 @@ def calibrate(
 def check_inputs(inputs: Tensor | Sequence[Tensor], call: str) -> tuple[Tensor, ...]:
     """`inputs` as a tuple of positional arguments, refusing empty or non-finite tensors:
     a layer's mean over no values, or over a NaN, would make every bias it shifts NaN."""
-    if not isinstance(inputs, Tensor | Sequence):
+    if not isinstance(inputs, Tensor | Sequence) or isinstance(inputs, str | bytes):
         raise TypeError(
             f"{call}: inputs must be a tensor or a sequence of the model's positional "
             f"arguments, got {type(inputs).__name__}."

@@ -132,6 +132,8 @@ def test_a_model_other_than_the_plans_and_inputs_of_another_type_are_named():
         gb.calibrate(gb.init(plan), plan, nn.Sequential(nn.Linear(3, 2)), X)
     with pytest.raises(TypeError, match=r"^gb\.calibrate: inputs must be a tensor .* got int"):
         gb.calibrate(gb.init(plan), plan, model, 3)
+    with pytest.raises(TypeError, match=r"^gb\.calibrate: inputs must be a tensor .* got str"):
+        gb.calibrate(gb.init(plan), plan, model, "x.pt")  # its letters went to forward()
 
 
 class _Attention(nn.Module):

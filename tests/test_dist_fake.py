@@ -59,6 +59,9 @@ def test_batches_are_sharded_across_dp_ranks_only(mesh):
         gbd.data_loader(TensorDataset(torch.arange(40)), 7, mesh)
     with pytest.raises(ValueError, match="dim-0 sizes"):
         gbd.shard_batch((x, x[:3]), mesh)
+    for batch in (torch.tensor(3.0), [[1, 2], [3, 4]]):  # IndexError, AttributeError
+        with pytest.raises(TypeError, match=r"shard_batch: batch must be a tensor or a sequence"):
+            gbd.shard_batch(batch, mesh)
 
 
 @pytest.mark.parametrize(("tile", "aligned"), [((16, 16), True), ((12, 24), False)])

@@ -36,6 +36,11 @@ def shard_batch(batch: Tensor | Sequence[Tensor], mesh: DeviceMesh) -> Tensor | 
         >>> x, y = gb.dist.shard_batch((x, y), mesh)  # doctest: +SKIP
     """
     tensors = (batch,) if isinstance(batch, Tensor) else tuple(batch)
+    if not all(isinstance(t, Tensor) and t.dim() > 0 for t in tensors):
+        raise TypeError(
+            "gb.dist.shard_batch: batch must be a tensor or a sequence of tensors with a "
+            f"batch dim (dim 0), got {batch!r:.100}."
+        )
     rows = {t.shape[0] for t in tensors}
     if len(rows) != 1:
         raise ValueError(
