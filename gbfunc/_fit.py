@@ -283,5 +283,9 @@ def check_weights(plan: Plan, weights: object, what: str) -> None:
                 f"{what}[{p.name!r}] has shape {tuple(value.shape)}; the plan's parameter has "
                 f"{p.shape}."
             )
+        if value.is_meta:
+            raise ValueError(f"{what}[{p.name!r}] is on the meta device: it has no values.")
+        if value.is_complex():
+            raise TypeError(f"{what}[{p.name!r}] is {value.dtype}; weights are real.")
         if value.is_floating_point() and not bool(value.isfinite().all()):
             raise ValueError(f"{what}[{p.name!r}] contains NaN or inf.")

@@ -95,6 +95,9 @@ def test_fit_rejects_bad_input(kwargs, message):
         ("0.bias", torch.zeros(3), ValueError, r"has shape \(3,\); .* has \(16,\)"),
         ("0.bias", torch.zeros(1).expand(16).numpy(), TypeError, "must be a Tensor, got ndarray"),
         ("2.bias", torch.tensor([1.0, float("inf"), 0.0, 0.0]), ValueError, "contains NaN or inf"),
+        # Tensor.item() on meta; the imaginary part dropped with only torch's warning
+        ("2.weight", torch.empty(4, 16, device="meta"), ValueError, "is on the meta device"),
+        ("2.weight", torch.ones(4, 16, dtype=torch.complex64), TypeError, "is torch.complex64"),
     ],
 )
 def test_fit_names_a_bad_target_entry(entry, value, error, message):
