@@ -175,8 +175,20 @@ class GenomicBottleneck:
             lambda leaves: torch.optim.AdamW(leaves, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
         )
         self.optimizer = self._make_optimizer(_leaves(stacks))
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                "GenomicBottleneck: optimizer(leaves) must return a torch.optim.Optimizer, "
+                f"got {type(self.optimizer).__name__}."
+            )
         self._make_scheduler, self._lr = scheduler, lr
         self.scheduler = None if scheduler is None else scheduler(self.optimizer, lr)
+        if self.scheduler is not None and not all(
+            callable(getattr(self.scheduler, m, None)) for m in ("step", "state_dict")
+        ):
+            raise TypeError(
+                "GenomicBottleneck: scheduler(optimizer, lr) must return a learning-rate "
+                f"scheduler (with step and state_dict), got {type(self.scheduler).__name__}."
+            )
         self._weights: dict[str, Tensor] = {}
         self._with_grad = False
         self._warned: set[tuple[str, ...]] = set()  # parameters named by a warning already

@@ -438,3 +438,20 @@ def test_a_generated_layer_left_without_gradient_is_named_once():
 def test_a_wrong_local_rank_dict_is_named(second):
     with pytest.raises(TypeError, match="local_rank_dict must be a dict"):
         GenomicBottleneck(mlp(), second)
+
+
+@pytest.mark.parametrize(
+    ("factories", "match"),
+    [
+        ({"optimizer": lambda leaves: None}, r"optimizer\(leaves\) must return a torch\.optim"),
+        (
+            {"optimizer": lambda leaves: list(leaves)},
+            r"optimizer\(leaves\) must return .* got list",
+        ),
+        ({"scheduler": lambda opt, lr: 3}, r"scheduler\(optimizer, lr\) must return .* got int"),
+    ],
+)
+def test_a_factory_returning_something_else_is_named_at_construction(factories, match):
+    """It constructed, then raised AttributeError at zero_grad, step or save."""
+    with pytest.raises(TypeError, match=rf"^GenomicBottleneck: {match}"):
+        GenomicBottleneck(mlp(), tile=(16, 16), **factories)
