@@ -37,7 +37,8 @@ def apply(
             one weight set per condition.
         task: Instead of `condition`, the index of a learned task embedding
             (`gb.plan(..., tasks=n)`): an int, or a 0-d integer tensor under `vmap`.
-        check: Also reject NaN or inf in `gparams` (reads values: not for compiled code).
+        check: Also reject NaN or inf in `gparams` and `condition` (reads values: not for
+            compiled code).
         backend: `"torch"`, `"triton"` (fused kernels, `gbfunc.kernels`; through Triton's
             interpreter on CPU) or `"auto"`: Triton for CUDA tensors, torch otherwise.
         compile: Whether an eager call may generate through compiled code of gbfunc's own
@@ -63,7 +64,15 @@ def apply(
         >>> torch.func.functional_call(model, params, (torch.randn(2, 64),)).shape
         torch.Size([2, 32])
     """
-    check_call(gparams, plan, "gb.apply", backend=backend, compile=compile, values=check)
+    check_call(
+        gparams,
+        plan,
+        "gb.apply",
+        backend=backend,
+        compile=compile,
+        values=check,
+        condition=condition,
+    )
     with autocast_off(gparams["stacks"]):
         return _generate(gparams, plan, condition, task, backend, compile)
 

@@ -104,6 +104,12 @@ def _fits(got: tuple[int, ...], want: tuple[int, ...], fewer_rows: bool) -> bool
     return len(got) == len(want) and got[1:] == want[1:] and got[0] <= want[0]
 
 
+def check_finite(value: Tensor, name: str, where: str) -> None:
+    """Raise, naming `name`, unless every value of `value` is finite."""
+    if not _all_finite(value, where):
+        raise ValueError(f"{where}: {name} holds NaN or inf (check=True).")
+
+
 def _all_finite(node: Tensor, where: str) -> bool:
     """Whether every value of `node` is finite; a clear error where the values cannot be
     read (under `torch.func.vmap`, which refuses a Python bool of a batched tensor)."""

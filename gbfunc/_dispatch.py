@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 from torch.autograd import forward_ad
 
-from ._check_gparams import check_gparams
+from ._check_gparams import check_finite, check_gparams
 from ._condition import without_condition
 from ._plan import Plan, Stack
 from ._tracing import dynamo_disabled, exporting, transforms
@@ -61,10 +61,14 @@ def check_call(
     backend: str,
     compile: bool | None,
     values: bool = False,
+    condition: object = None,
 ) -> None:
     """Refuse a `gb.apply` call's arguments; `gb.explain` runs the same checks, so that it
-    explains exactly the calls `gb.apply` accepts. `values`: also NaN and inf (`check=True`)."""
+    explains exactly the calls `gb.apply` accepts. `values`: also NaN and inf (`check=True`),
+    in the g-nets and in `condition`."""
     check_gparams(gparams, plan, call, values=values)
+    if values and isinstance(condition, Tensor) and condition.is_floating_point():
+        check_finite(condition, "condition", call)
     if compile is not None and not isinstance(compile, bool):
         raise TypeError(f"{call}: compile must be True, False or None, got {compile!r}.")
     if backend not in BACKENDS:

@@ -341,6 +341,12 @@ def test_plans_without_a_condition_keep_their_json_and_conditioned_ones_round_tr
             r"gb.apply: gparams\['tasks'\] is on meta but the g-nets of stack",
         ),
         (lambda g, p, q: gb.apply(gb.init(q), q, condition=torch.ones(3)), "read no condition"),
+        (  # check=True passed it, and every weight came out NaN
+            lambda g, p, q: gb.apply(
+                g, p, condition=torch.tensor([0, float("nan"), 0]), check=True
+            ),
+            r"^gb.apply: condition holds NaN or inf \(check=True\)",
+        ),
         (
             lambda g, p, q: gb.plan(mlp(), condition=2, tasks=3, overrides={"*": {"condition": 0}}),
             "needs a condition",
