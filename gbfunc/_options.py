@@ -23,10 +23,11 @@ def check_tile(where: str, tile: object, call: str = "gb.plan") -> tuple[int, in
         return "full"
     pair = isinstance(tile, Sequence) and not isinstance(tile, str) and len(tile) == 2
     sizes = tuple(map(as_integer, tile)) if pair else ()
-    if not sizes or not all(t is not None and t > 0 for t in sizes):
-        raise ValueError(
-            f"{call}: {where} must be (th, tw) with positive integers or 'full', got {tile!r}."
-        )
+    wanted = f"{call}: {where} must be (th, tw) with positive integers or 'full', got {tile!r}."
+    if (pair and None in sizes) or not isinstance(tile, Sequence):  # floats, bools; a number
+        raise TypeError(wanted)
+    if not sizes or not all(t > 0 for t in sizes):  # another length, another string
+        raise ValueError(wanted)
     return sizes
 
 

@@ -356,7 +356,7 @@ def _plan_cases_1(tmp: Path | None) -> dict[str, Case]:
             lambda: gb.plan(mlp(), tile=(0, 4)), ValueError, r"tile must be .*got \(0, 4\)"
         ),
         "plan-float-tile": Case(
-            lambda: gb.plan(mlp(), tile=(2.0, 4)), ValueError, r"tile must be .*got \(2.0, 4\)"
+            lambda: gb.plan(mlp(), tile=(2.0, 4)), TypeError, r"tile must be .*got \(2.0, 4\)"
         ),
         "plan-bad-hidden": Case(
             lambda: gb.plan(mlp(), hidden=0), ValueError, "hidden must be an integer >= 1, got 0"

@@ -256,6 +256,9 @@ def test_report_table_has_every_parameter_and_totals():
     ("kwargs", "error", "match"),
     [
         ({"tile": (0, 8)}, ValueError, r"tile must be \(th, tw\) with positive integers"),
+        # the wrong kind is a TypeError, as everywhere else (it was a ValueError)
+        ({"tile": (8.0, 8)}, TypeError, r"tile must be \(th, tw\) with positive integers"),
+        ({"tile": (True, 8)}, TypeError, r"tile must be \(th, tw\) with positive integers"),
         ({"tile": (8,)}, ValueError, "tile must be"),
         ({"tile": "big"}, ValueError, "tile must be"),
         ({"tile": (8, 8), "compression": 10}, ValueError, "either tile or compression"),
