@@ -37,9 +37,19 @@ def trainable_leaves(gparams: GParams) -> list[Tensor]:
             "gb.trainable_leaves: gparams must be the dict made by gb.init with keys "
             f"['free', 'frozen', 'stacks'], got {got}."
         )
-    stacks = [t for leaves in gparams["stacks"].values() for t in leaves.values()]
+    stacks, free = gparams["stacks"], gparams["free"]
+    if not (
+        isinstance(stacks, dict)
+        and all(isinstance(leaves, dict) for leaves in stacks.values())
+        and isinstance(free, dict)
+    ):
+        raise TypeError(
+            "gb.trainable_leaves: gparams['stacks'] must be a dict of dicts and "
+            f"gparams['free'] a dict, as gb.init makes them; got {type(stacks).__name__} and "
+            f"{type(free).__name__}."
+        )
     tasks = [gparams[TASKS]] if TASKS in gparams else []
-    return [*stacks, *gparams["free"].values(), *tasks]
+    return [*(t for leaves in stacks.values() for t in leaves.values()), *free.values(), *tasks]
 
 
 def first_leaf(stacks: Mapping[str, Mapping[str, Tensor]]) -> Tensor | None:

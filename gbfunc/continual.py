@@ -109,7 +109,7 @@ def _check_targets(targets: Mapping[int, Mapping[str, Tensor]], plan: Plan) -> N
             value = params.get(p.name) if isinstance(params, Mapping) else None
             if isinstance(value, Tensor) and tuple(value.shape) == p.shape:
                 continue
-            got = f"shape {tuple(value.shape)}" if isinstance(value, Tensor) else repr(value)
+            got = f"shape {tuple(value.shape)}" if isinstance(value, Tensor) else f"{value!r:.100}"
             raise ValueError(
                 f"gb.continual.penalty: targets[{task}][{p.name!r}] must be a tensor of shape "
                 f"{p.shape}, got {got}; take targets with gb.continual.targets(gparams, plan, "

@@ -507,6 +507,10 @@ def test_the_continual_penalty_is_zero_at_its_targets_and_pulls_back_to_them():
             gb.continual.penalty(gparams, plan, bad)
     with pytest.raises(TypeError, match=r"targets must map task ids .* got list"):
         gb.continual.penalty(gparams, plan, [earlier[1]])
+    as_numpy = {1: dict(earlier[1], **{"0.weight": np.zeros((100, 100))})}
+    with pytest.raises(ValueError, match=r"(?s)got array\(.{0,100}; take targets") as raised:
+        gb.continual.penalty(gparams, plan, as_numpy)
+    assert len(str(raised.value)) < 400  # the whole array's repr was in it
     with pytest.raises(TypeError, match=r"tasks must be an iterable .* got int"):
         gb.continual.targets(gparams, plan, tasks=1)
     with pytest.raises(TypeError, match=r"tasks must be an iterable .* 0-d tensor: one id"):

@@ -139,6 +139,14 @@ def test_trainable_leaves_are_stacks_then_free_and_not_the_frozen():
 def test_trainable_leaves_rejects_other_trees():
     with pytest.raises(TypeError, match=r"gb.trainable_leaves: gparams must be the dict"):
         gb.trainable_leaves([torch.zeros(2)])
+    gparams = gb.init(gb.plan(nn.Linear(8, 8), tile=(4, 4)))
+    wanted = r"gb.trainable_leaves: gparams\['stacks'\] must be a dict of dicts and "
+    for bad, got in (
+        (dict(gparams, stacks=[1]), "list and dict"),
+        (dict(gparams, free=[1]), "dict and list"),
+    ):
+        with pytest.raises(TypeError, match=wanted + f".*got {got}"):  # AttributeError
+            gb.trainable_leaves(bad)
 
 
 # ---------------------------------------------------------------- frozen parameters and buffers
