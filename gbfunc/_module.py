@@ -112,11 +112,7 @@ class Bottleneck(PnetFace, nn.Module):
                 f"gb.Bottleneck: pass either plan or plan options, not both; got plan and "
                 f"{sorted(plan_options)}."
             )
-        elif not isinstance(plan, Plan):
-            raise TypeError(
-                f"gb.Bottleneck: plan must be a gb.Plan (from gb.plan), got {type(plan).__name__}."
-            )
-        else:
+        else:  # (a non-Plan is refused there, by name)
             check_matches(plan, model, "gb.Bottleneck", "the plan")
         if not plan.generated:
             raise ValueError(

@@ -394,6 +394,8 @@ def test_rejects_a_plan_together_with_plan_options():
     model = mlp()
     with pytest.raises(TypeError, match=r"gb.Bottleneck: pass either plan or plan options"):
         gb.Bottleneck(model, gb.plan(model), tile=(8, 8))
+    with pytest.raises(TypeError, match=r"^gb.Bottleneck: plan must be a gb.Plan .*got str\.$"):
+        gb.Bottleneck(model, "plan.safetensors")
 
 
 def test_rejects_a_plan_of_another_model():
