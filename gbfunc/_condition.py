@@ -94,7 +94,7 @@ def _task_embedding(gparams: GParams, plan: Plan, task: int | Tensor, where: str
     if isinstance(task, Tensor):
         not_integer = task.is_floating_point() or task.is_complex() or task.dtype == torch.bool
         if task.dim() != 0 or not_integer:
-            raise ValueError(
+            raise (TypeError if not_integer else ValueError)(
                 f"{where}: task must be an int or a 0-d integer tensor, got a {task.dtype} "
                 f"tensor of shape {tuple(task.shape)} (for many tasks, torch.func.vmap over "
                 "their ids)."
@@ -139,11 +139,14 @@ def _unwrapped(tensor: Tensor) -> Tensor:
 
 
 def task_number(task: object, tasks: int, where: str) -> int:
-    """`task` as an int in `0..tasks - 1` (Python's or numpy's integers; not a bool), or a
-    `ValueError` that begins with `where`."""
-    number = None if isinstance(task, bool) else as_integer(task)
-    if isinstance(task, Tensor) or number is None or not 0 <= number < tasks:
-        raise ValueError(f"{where}: task must be an int in 0..{tasks - 1}, got {task!r}.")
+    """`task` as an int in `0..tasks - 1` (Python's or numpy's integers; not a bool or a
+    tensor): a `TypeError` for another kind, a `ValueError` out of range, each beginning
+    with `where`."""
+    number = None if isinstance(task, bool | Tensor) else as_integer(task)
+    if number is None or not 0 <= number < tasks:
+        raise (TypeError if number is None else ValueError)(
+            f"{where}: task must be an int in 0..{tasks - 1}, got {task!r:.100}."
+        )
     return number
 
 

@@ -22,10 +22,10 @@ from ._calibrate import calibrate, check_inputs
 from ._check_gparams import TASKS, check_gparams, expected_shapes
 from ._check_model import check_matches, check_module
 from ._checkpoint import read, restore_buffers
+from ._condition import condition_of, task_number
 from ._export import export
 from ._init import init
 from ._module_names import Buffers, escape, parameter_dict, unescape
-from ._numbers import as_integer
 from ._one_thread import one_thread_at_a_time
 from ._plan import Plan
 from ._planner import plan as make_plan
@@ -190,12 +190,7 @@ class Bottleneck(PnetFace, nn.Module):
                     "gb.Bottleneck.task: this module has no task embeddings; make it with "
                     "gb.Bottleneck(model, condition=<width>, tasks=<n>), or set b.condition."
                 )
-            number = None if isinstance(task, bool) else as_integer(task)
-            if number is None or not 0 <= number < count:
-                raise ValueError(
-                    f"gb.Bottleneck.task must be an int in 0..{count - 1} or None, got {task!r}."
-                )
-            task = number
+            task = task_number(task, count, "gb.Bottleneck")
         self._task = task
         self._task_index = None if task is None else _task_index(task, self.tasks.device)
 
@@ -261,8 +256,9 @@ class Bottleneck(PnetFace, nn.Module):
 
     def _check_condition_set(self) -> None:
         """Raise, in the module's words, unless exactly one of `task` and `condition` is set
-        where the g-nets read a condition (`gb.apply` would name its own arguments). It reads
-        the task's index, not the int, which `torch.compile` would specialise on."""
+        where the g-nets read a condition, and that `condition` fits (`gb.apply` would name its
+        own arguments). It reads the task's index, not the int, which `torch.compile` would
+        specialise on."""
         if not self._plan.condition:
             return
         if self.condition is None and self._task_index is None:
@@ -275,6 +271,8 @@ class Bottleneck(PnetFace, nn.Module):
             raise ValueError(
                 "gb.Bottleneck: both b.task and b.condition are set; set the other to None."
             )
+        if self.condition is not None:  # its shape, dtype and device, in the module's name
+            condition_of(self.gparams, self._plan, self.condition, None, "gb.Bottleneck")
 
     def report(self) -> Report:
         """Parameter counts and compression, `gb.report(b.plan)`."""

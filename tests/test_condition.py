@@ -232,9 +232,16 @@ def test_a_compiled_bottleneck_takes_every_task_without_recompiling():
     net.task, net.condition = 1, torch.ones(3)
     with pytest.raises(ValueError, match=r"^gb\.Bottleneck: both b\.task and b\.condition"):
         net(x)
+    net.task = None
+    for bad, message in ((torch.ones(4), r"shape \(4,\)"), ("x", "got str")):
+        net.condition = bad  # named as the module's (they were gb.apply's)
+        with pytest.raises(
+            (ValueError, TypeError), match=rf"^gb\.Bottleneck: condition .*{message}"
+        ):
+            net(x)
     net.condition = None
-    for bad in (10, -1, True, 1.0):
-        with pytest.raises(ValueError, match=r"^gb\.Bottleneck\.task must be an int in 0\.\.9"):
+    for bad, error in ((10, ValueError), (-1, ValueError), (True, TypeError), (1.0, TypeError)):
+        with pytest.raises(error, match=r"^gb\.Bottleneck: task must be an int in 0\.\.9"):
             net.task = bad
     plain = gb.Bottleneck(mlp(), tile=(4, 4), hidden=5, condition=3)
     with pytest.raises(ValueError, match=r"^gb\.Bottleneck\.task: this module has no task"):
@@ -369,6 +376,20 @@ def test_bad_conditions_are_refused_with_the_argument_named(call, message):
         call(gb.init(plan), plan, plain)
 
 
+def test_a_task_of_the_wrong_kind_is_a_type_error_and_one_out_of_range_a_value_error():
+    # (a bool, a float, a string and float or bool tensors raised ValueError, as 4 does)
+    plan = gb.plan(mlp(), tile=(4, 4), hidden=5, condition=3, tasks=4)
+    gparams = gb.init(plan)
+    for task in (True, 1.5, "1", torch.tensor(1.0), torch.tensor(True)):
+        with pytest.raises(TypeError, match=r"^gb\.apply: task must be an int"):
+            gb.apply(gparams, plan, task=task)
+    for task in (4, -1, torch.tensor([0, 1])):
+        with pytest.raises(ValueError, match=r"^gb\.apply: task must be"):
+            gb.apply(gparams, plan, task=task)
+    with pytest.raises(TypeError, match=r"^gb\.apply: task must be an int in 0\.\.3, got True"):
+        gb.apply(gparams, plan, task=True, compile=True)  # the graph path reads it itself
+
+
 def test_a_task_may_be_any_integer_number_or_0d_integer_tensor():
     plan = gb.plan(mlp(), tile=(4, 4), hidden=5, condition=3, tasks=4)
     gparams = gb.init(plan)
@@ -490,7 +511,7 @@ def test_the_continual_penalty_is_zero_at_its_targets_and_pulls_back_to_them():
     assert sorted(by_tensor) == [0, 1]
     keyed = {torch.tensor(1): earlier[1]}  # task 0 added nothing to `moved`, the mean of two
     torch.testing.assert_close(gb.continual.penalty(gparams, plan, keyed, strength=2.0), 2 * moved)
-    with pytest.raises(ValueError, match=r"task must be an int in 0\.\.2, got tensor\(1\.\)"):
+    with pytest.raises(TypeError, match=r"task must be an int in 0\.\.2, got tensor\(1\.\)"):
         gb.continual.targets(gparams, plan, tasks=torch.ones(1))
     with pytest.raises(ValueError, match="strength"):
         gb.continual.penalty(gparams, plan, earlier, strength=-1)
