@@ -43,6 +43,7 @@ from ._checkpoint_checks import (
     check_restorable,
     checkpoint_path,
 )
+from ._devices import checked_device
 from ._files import (
     FILE_KINDS,
     check_no_meta,
@@ -234,6 +235,7 @@ def read(
 ) -> tuple[Checkpoint, dict[str, Tensor]]:
     """`gb.load` without its one side effect: the checkpoint and the p-net buffers it holds,
     checked against `model`'s, for a caller that has more to check before restoring them."""
+    device = checked_device(where, "device", device)
     check_module(model, where)
     path = checkpoint_path(path, where)
     where = f"{where}: {path}"

@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from ._check_gparams import TASKS
 from ._check_model import check_matches
+from ._devices import checked_device
 from ._numbers import integer
 from ._plan import Free, Generated, Plan, check_is_plan, shared_dtype
 from ._stack_init import DRAWS, init_stack, normal, raw_tiles
@@ -89,7 +90,7 @@ def init(
         raise TypeError(f"gb.init: requires_grad must be a bool, got {requires_grad!r:.100}.")
     source = _value_source(plan, values, model)
     default = torch.get_default_device()
-    device = default if device is None else torch.device(device)
+    device = checked_device("gb.init", "device", device) or default
     if device.type == "meta":
         return _on_meta(plan, dtype, requires_grad)
     # Drawn on the CPU whatever the default device, then moved (the context's function mode

@@ -472,6 +472,18 @@ def _init_cases(tmp: Path | None) -> dict[str, Case]:
         "init-float-seed": Case(
             lambda: gparams(seed=1.5), TypeError, r"seed must be an integer in \[.*\], got 1\.5"
         ),
+        # torch's errors named neither the call nor the parameter (an AssertionError for CUDA)
+        "init-unknown-device": Case(
+            lambda: gparams(device="gpu"), ValueError, r"^gb.init: device='gpu' is not a device"
+        ),
+        "init-absent-device": Case(
+            lambda: gparams(device="xpu:3"),
+            ValueError,
+            r"^gb.init: device='xpu:3' is not available in this process",
+        ),
+        "init-float-device": Case(
+            lambda: gparams(device=1.0), TypeError, r"^gb.init: device must be a torch.device"
+        ),
     }
 
 
@@ -604,6 +616,11 @@ def _save_load_cases_1(tmp: Path | None, meta_g: dict) -> dict[str, Case]:
             lambda: gb.load(tmp / "none.safetensors", mlp()),
             gb.CheckpointNotFoundError,
             "none.safetensors: no such file",
+        ),
+        "load-unknown-device-before-reading": Case(  # checked before the file (none here)
+            lambda: gb.load(tmp / "none.safetensors", mlp(), device="gpu"),
+            ValueError,
+            r"^gb.load: device='gpu' is not a device",
         ),
         "load-directory": Case(
             lambda: gb.load(tmp, mlp()), gb.CheckpointUnreadableError, "is a directory"

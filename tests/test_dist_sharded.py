@@ -411,6 +411,8 @@ def test_into_that_cannot_take_the_values_is_refused_before_anything_changes(tmp
     gbd.save_sharded(tmp_path, gparams, plan=plan)
     with pytest.raises(ValueError, match=r"into\['stacks'\].* is on the meta device"):
         gbd.load_sharded(tmp_path, model, into=gb.init(plan, device="meta"))
+    with pytest.raises(ValueError, match=r"^gb.dist.load_sharded: device='gpu' is not a device"):
+        gbd.load_sharded(tmp_path, model, into=gb.init(plan, seed=1), device="gpu")
     with torch.inference_mode():
         inference = gb.init(plan, seed=1)
     with pytest.raises(ValueError, match=r"is an inference tensor"):

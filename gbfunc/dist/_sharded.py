@@ -45,6 +45,7 @@ from .._checkpoint import (
     restore_buffers,
 )
 from .._checkpoint_checks import check_buffer, check_restorable
+from .._devices import checked_device
 from .._plan import TILE_LEAVES, Plan
 from .._serial import meta_from, plan_from_json
 from .._tree import GParams
@@ -162,6 +163,7 @@ def load_sharded(
         failure = None
         try:  # what each rank checks alone; the ranks agree on it before DCP's collective read
             check_module(model, "gb.dist.load_sharded")
+            device = checked_device("gb.dist.load_sharded", "device", device)
             manifest = _manifest(Path(path), where)
             data = data_folder(Path(path), manifest, where)
             plan, dtypes, digests, checksums, meta = _read_manifest(manifest, where)
