@@ -18,7 +18,7 @@ from ._check_gparams import TASKS, check_gparams
 from ._condition import condition_of
 from ._numbers import integer, real
 from ._plan import Plan
-from ._tree import GParams
+from ._tree import GParams, stack_leaves
 from .optim import _leaves_by_rate
 
 
@@ -112,11 +112,7 @@ def fit(
         return sum(errors(stacks).values()) / len(weights)
 
     step_loss = torch.compile(loss, dynamic=False) if compile else loss
-    by_rate = (
-        _leaves_by_rate(stacks, plan)
-        if lr is None
-        else {lr: [t for leaves in stacks.values() for t in leaves.values()]}
-    )
+    by_rate = _leaves_by_rate(stacks, plan) if lr is None else {lr: stack_leaves(stacks)}
     optimizer = torch.optim.Adam([{"params": p, "lr": rate} for rate, p in by_rate.items()])
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda t: 0.5 * (1 + math.cos(math.pi * t / steps))

@@ -49,7 +49,12 @@ def trainable_leaves(gparams: GParams) -> list[Tensor]:
             f"{type(free).__name__}."
         )
     tasks = [gparams[TASKS]] if TASKS in gparams else []
-    return [*(t for leaves in stacks.values() for t in leaves.values()), *free.values(), *tasks]
+    return [*stack_leaves(stacks), *free.values(), *tasks]
+
+
+def stack_leaves(stacks: Mapping[str, Mapping[str, Tensor]]) -> list[Tensor]:
+    """Every leaf of the g-net stacks `{key: {leaf: tensor}}`, in their dicts' order."""
+    return [t for leaves in stacks.values() for t in leaves.values()]
 
 
 def first_leaf(stacks: Mapping[str, Mapping[str, Tensor]]) -> Tensor | None:

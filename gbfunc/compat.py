@@ -49,6 +49,7 @@ from ._plan import Free, Generated, Plan
 from ._planner import plan
 from ._replicated import save_replicated
 from ._report import report
+from ._tree import stack_leaves
 
 OptimizerFactory = Callable[[list[Tensor]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer, float], Any]  # torchGB's: f(optimizer, lr)
@@ -174,7 +175,7 @@ class GenomicBottleneck:
         self._make_optimizer: OptimizerFactory = optimizer or (
             lambda leaves: torch.optim.AdamW(leaves, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
         )
-        self.optimizer = self._make_optimizer(_leaves(stacks))
+        self.optimizer = self._make_optimizer(stack_leaves(stacks))
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise TypeError(
                 "GenomicBottleneck: optimizer(leaves) must return a torch.optim.Optimizer, "
@@ -389,7 +390,7 @@ class GenomicBottleneck:
             )
         if optimizer_state is None:
             return
-        copies = [t.detach().clone().requires_grad_(t.requires_grad) for t in _leaves(stacks)]
+        copies = [t.detach().clone().requires_grad_(t.requires_grad) for t in stack_leaves(stacks)]
         trial = self._make_optimizer(copies)
         try:  # on copies of the states too: some loads take keys out (CyclicLR's)
             trial.load_state_dict(copy.deepcopy(optimizer_state))
@@ -472,10 +473,6 @@ def _tile_of(
         )
     side = math.isqrt(size - 1) + 1  # ceil(sqrt(size)), as torchGB
     return (side, side)
-
-
-def _leaves(stacks: dict[str, dict[str, Tensor]]) -> list[Tensor]:
-    return [t for leaves in stacks.values() for t in leaves.values()]
 
 
 def _describe(p: Generated | Free, owner: Plan) -> str:

@@ -18,7 +18,7 @@ from .._check_model import check_matches
 from .._plan import Plan
 from .._select import Selection
 from .._tiling import full_region
-from .._tree import GParams
+from .._tree import GParams, stack_leaves
 
 
 class ShardedFree:
@@ -96,7 +96,7 @@ class ShardedFree:
         """The g-net stacks' leaves and any task embeddings: what `GradSync` all-reduces
         (`gparams["free"]` is unused)."""
         tasks = [gparams[TASKS]] if TASKS in gparams else []
-        return [t for leaves in gparams["stacks"].values() for t in leaves.values()] + tasks
+        return stack_leaves(gparams["stacks"]) + tasks
 
 
 def _release(model: nn.Module, name: str) -> nn.Parameter:

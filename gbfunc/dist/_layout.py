@@ -1,4 +1,5 @@
-"""Where a sharded checkpoint's files lie in its directory, and how a save replaces them.
+"""Where a sharded checkpoint's files lie in its directory (and which DCP file holds an entry),
+and how a save replaces them.
 
 The directory holds the manifest (`gbfunc.json`) and, in a subfolder the manifest names
 (`"data": "shards-<hex>"`), DCP's files. A save writes a new subfolder beside the current
@@ -38,6 +39,7 @@ try:
 except ImportError:  # not POSIX: saves and loads take no lock
     fcntl = None
 
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
 from .._checkpoint import CheckpointCorruptError, CheckpointError, checkpoint_path
@@ -174,3 +176,35 @@ def reason(error: BaseException) -> str:
     if isinstance(error, OSError) and error.strerror:
         return f"{error.strerror}: {error.filename}" if error.filename else error.strerror
     return f"{error!s:.300}" or type(error).__name__
+
+
+def entry_file(path: Path, key: str) -> str:
+    """The DCP data file holding entry `key` (for messages)."""
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+        for index, info in metadata.storage_data.items():
+            if index.fqn == key:
+                return str(path / info.relative_path)
+    except Exception:  # the message still names the entry
+        pass
+    return str(path)
+
+
+def short_data_file(path: Path) -> str | None:
+    """The first DCP data file in `path` that is missing or shorter than its entries need,
+    and how (for messages); None where every file is there and long enough."""
+    try:  # a damaged `.metadata` may hold anything: the caller then gives DCP's reason
+        metadata = dcp.FileSystemReader(path).read_metadata()
+        ends: dict[str, int] = {}
+        for info in metadata.storage_data.values():
+            end = info.offset + info.length
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), end)
+        for name, end in sorted(ends.items()):
+            file = path / name
+            if not file.is_file():
+                return f"{file} is missing"
+            if (size := file.stat().st_size) < end:
+                return f"{file} is truncated: it has {size} bytes, its entries need {end}"
+    except Exception:
+        return None
+    return None

@@ -50,7 +50,7 @@ from .._plan import TILE_LEAVES, Plan
 from .._serial import meta_from, plan_from_json
 from .._tree import GParams
 from ._checksum import checksum
-from ._layout import MANIFEST, data_folder, reason, sharing
+from ._layout import MANIFEST, data_folder, entry_file, reason, sharing, short_data_file
 from ._optim_state import leaves as optim_leaves, restore, staged, templates
 from ._owned import RankOwned
 
@@ -329,7 +329,7 @@ def _read(
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
             dcp.load(state, checkpoint_id=data, process_group=group, no_dist=not group)
     except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException
-        found = _short_file(data)
+        found = short_data_file(data)
         peers = "" if group is None or found else ", or a peer rank failed while reading"
         raise CheckpointCorruptError(
             f"{where}: a shard is missing or damaged{peers} ({found or reason(e)})."
@@ -401,7 +401,7 @@ def _verify(
         first = next((k for k in every if k is not None), None)
     if first is not None:
         raise CheckpointCorruptError(
-            f"{where}: {first} in {_file_of(path, first)} does not match its checksum: the "
+            f"{where}: {first} in {entry_file(path, first)} does not match its checksum: the "
             "shard was altered or damaged after it was written."
         )
 
@@ -450,38 +450,6 @@ def _manifest(path: Path, where: str) -> dict[str, Any]:
             f"versions {READABLE_VERSIONS}."
         )
     return manifest
-
-
-def _file_of(path: Path, key: str) -> str:
-    """The DCP data file holding entry `key` (for messages)."""
-    try:
-        metadata = dcp.FileSystemReader(path).read_metadata()
-        for index, info in metadata.storage_data.items():
-            if index.fqn == key:
-                return str(path / info.relative_path)
-    except Exception:  # the message still names the entry
-        pass
-    return str(path)
-
-
-def _short_file(path: Path) -> str | None:
-    """The first DCP data file in `path` that is missing or shorter than its entries need,
-    and how (for messages); None where every file is there and long enough."""
-    try:  # a damaged `.metadata` may hold anything: the caller then gives DCP's reason
-        metadata = dcp.FileSystemReader(path).read_metadata()
-        ends: dict[str, int] = {}
-        for info in metadata.storage_data.values():
-            end = info.offset + info.length
-            ends[info.relative_path] = max(ends.get(info.relative_path, 0), end)
-        for name, end in sorted(ends.items()):
-            file = path / name
-            if not file.is_file():
-                return f"{file} is missing"
-            if (size := file.stat().st_size) < end:
-                return f"{file} is truncated: it has {size} bytes, its entries need {end}"
-    except Exception:
-        return None
-    return None
 
 
 def _assemble(
