@@ -54,7 +54,7 @@ LEAF_UTILITIES = {
     "gbfunc._genome": "the g-net's shapes and position codes, read by the plan's properties",
     "gbfunc._tree": "the gparams pytree's type and its trainable leaves",
     "gbfunc._numbers": "what counts as a number in an argument",
-    "gbfunc._tracing": "one predicate: whether torch.export is tracing",
+    "gbfunc._tracing": "predicates on what torch does to the call (export, transforms)",
     "gbfunc.cpu._mode": "the CPU loops' mode in force and whether a build failed (the memo's key)",
 }
 
@@ -86,14 +86,17 @@ DEFINITIONS = (
     "Paths as units (`PATH_UNITS`), the third view, after leaving leaf utilities out: a "
     "path's module in `gbfunc/generate/` and the package of native code it drives count as "
     "one unit, the path (the C++ loops' `gbfunc.cpu` for `cpu-loops`, the Triton kernels' "
-    "`gbfunc.kernels` for `triton`), so that its runner's layers (custom op, loader, launch) "
-    "are not steps; a unit imports another when one of its modules imports one of the "
+    "`gbfunc.kernels` for `triton`, the tile MLP's bodies `generate._bodies` for `torch`), so "
+    "that its runner's layers (custom op, loader, launch, bodies) are not steps; a unit "
+    "imports another when one of its modules imports one of the "
     "other's. The `torch` path's traced forms call the C++ loops as sub-ops: there the "
     "`cpu-loops` unit is a second path crossed.",
 )
 
 # The units of the third view: each path's module and the native package it drives.
 PATH_UNITS = {
+    "gbfunc.generate.torch_ops": "path torch",
+    "gbfunc.generate._bodies": "path torch",
     "gbfunc.generate.cpu_loops": "path cpu-loops",
     "gbfunc.cpu": "path cpu-loops",
     "gbfunc.generate.triton": "path triton",

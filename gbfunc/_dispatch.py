@@ -40,7 +40,7 @@ from torch.autograd import forward_ad
 from ._check_gparams import check_finite, check_gparams
 from ._condition import without_condition
 from ._plan import Plan, Stack
-from ._tracing import dynamo_disabled, exporting, transforms
+from ._tracing import dynamo_disabled, exporting, functions_traceable, transforms
 from ._tree import GParams, first_leaf
 from .cpu import loops_state, mode, unavailable_reason
 from .generate import compiled_mlp, cpu_loops, graph, torch_ops, triton
@@ -96,6 +96,7 @@ def context_of(
         dispatch_mode=not compiling and torch._C._len_torch_dispatch_stack() > 0,
         forward_ad=not compiling and forward_ad._current_level >= 0,
         nested=transformed and transforms() > 1,
+        plain=compiling and not functions_traceable(),
     )
 
 

@@ -1,5 +1,6 @@
 """What torch is doing to the call: whether `torch.export` traces it (the one reading of it
-for every torch version), whether dynamo is switched off, and whether transforms nest.
+for every torch version), whether dynamo is switched off, whether transforms nest, and
+whether dynamo traces a custom `autograd.Function` under them.
 
 `torch.compiler.is_exporting()` returns the flag `torch.export` sets while it traces. Dynamo up
 to torch 2.11 at least (2.13 reads the flag) folds the call to `True` in every graph it traces,
@@ -30,3 +31,20 @@ def transforms() -> int:
     and folds `peek_interpreter_stack()` to not-None in every graph."""
     stack = torch._C._functorch.get_interpreter_stack()
     return 0 if stack is None else len(stack)
+
+
+@torch.compiler.assume_constant_result
+def functions_traceable() -> bool:
+    """Whether dynamo traces a custom `autograd.Function` correctly under the `torch.func`
+    transforms that wrap the call (torch 2.13): under none, one `grad`/`vjp` level, `vmap`s,
+    or `vmap`s inside one `grad`. Not under two reverse-mode levels (`grad` of `grad`, MAML's
+    inner step: the Function's backward, differentiated again, came out wrong without a
+    word), a forward-mode level (`jvp`, `jacfwd`, `hessian`: no forward rule is traced), or a
+    `grad` inside a `vmap` ("You tried to vmap over ApplyTemplate"). Run in Python where
+    `torch.compile` traces it, as `transforms`."""
+    stack = torch._C._functorch.get_interpreter_stack() or []
+    kinds = [level.key() for level in stack]  # outermost first
+    kind = torch._C._functorch.TransformType
+    if kind.Jvp in kinds or kinds.count(kind.Grad) > 1:
+        return False
+    return kind.Grad not in kinds or kind.Vmap not in kinds[: kinds.index(kind.Grad)]

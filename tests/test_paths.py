@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
 import gbfunc as gb
+from gbfunc import _dispatch as gb_dispatch
 from gbfunc._spec import reference, stack_terms
 from gbfunc._tiling import assemble
 from gbfunc.cpu import _build, missing_compiler
@@ -324,6 +325,8 @@ VARIANT_PLANS = {
     "by-units": (gb.plan(mlp([9, 6]), tile=(3, 5), hidden=5, activation="tanh"), True),
     "unrolled": (gb.plan(mlp([9, 6]), tile=(4, 4), hidden=5, outputs=2, activation="tanh"), True),
     "units-major": (gb.plan(mlp([9, 6]), tile=(3, 5), hidden=5, depth=2), True),
+    # traced under transforms dynamo traces no autograd.Function under (made to say so below)
+    "plain-autograd": (gb.plan(mlp([9, 6]), tile=(3, 5), hidden=5, hashed=4), True),
 }
 
 
@@ -355,6 +358,8 @@ def test_each_variant_runs_where_gb_explain_names_it_and_equals_the_references(
 
     monkeypatch.setattr(torch_ops, "forward_no_save", recorded)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: traced)
+    if variant == _traced_forms.PLAIN:
+        monkeypatch.setattr(gb_dispatch, "functions_traceable", lambda: False)
     report = str(gb.explain(gparams, plan, compile=False))
     assert report.count(f": torch ({variant})\n") == len(plan.stacks), report
     weights, grads = generate(gparams, plan, torch_path, seed)

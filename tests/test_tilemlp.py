@@ -8,6 +8,7 @@ from forms import traced_form
 from hypothesis import example, given, strategies as st
 
 from gbfunc._spec import Terms, activate, activate_grad, reference
+from gbfunc.generate._bodies import _units_major_terms, backward_recompute, forward_no_save
 from gbfunc.generate._traced_forms import (
     EAGER,
     _fused_reductions,
@@ -15,15 +16,7 @@ from gbfunc.generate._traced_forms import (
     vectorised_units,
 )
 from gbfunc.generate.compiled_mlp import compiled_chunks
-from gbfunc.generate.torch_ops import (
-    CHUNK_ELEMENTS,
-    _eager_chunks,
-    _units_major_terms,
-    backward_recompute,
-    forward_no_save,
-    tile_chunks,
-    tile_mlp,
-)
+from gbfunc.generate.torch_ops import CHUNK_ELEMENTS, _eager_chunks, tile_chunks, tile_mlp
 
 ACTIVATIONS = ["relu", "gelu", "tanh", "silu"]
 

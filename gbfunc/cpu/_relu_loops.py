@@ -20,7 +20,7 @@
   the outputs, eight positions at a time (then four, then one; eight independent chains of
   multiply-adds).
 - `relu_layer_backward`, its backward: inductor's (from
-  `generate.torch_ops._backward_units_major`) is two matmuls with 32 or fewer
+  `generate._bodies._backward_units_major`) is two matmuls with 32 or fewer
   outputs as their short axis, where MKL is slow, and reductions around them; the loop
   recomputes a position's activations, their gradient, and adds into every sum (over the
   columns, the rows, the positions) in one pass. Four positions at a time share each pass

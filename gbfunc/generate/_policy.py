@@ -40,6 +40,9 @@ class Context(NamedTuple):
     dispatch_mode: bool  # inside a TorchDispatchMode (FlopCounterMode...): compiled code cannot run
     forward_ad: bool = False  # a forward-mode dual level is open (torch.autograd.forward_ad)
     nested: bool = False  # inside two or more torch.func transforms (`grad` of `vmap`...)
+    # traced under transforms that dynamo traces no custom autograd.Function under
+    # (`_tracing.functions_traceable`): plain autograd only
+    plain: bool = False
 
     @property
     def eager(self) -> bool:

@@ -1,6 +1,6 @@
 """The tile MLP's forms for traced code (`torch.compile`, gbfunc's compiled bodies): which
 form runs (`forward_form`, the `torch` path's variant), and the bodies of all but the
-units-major matmuls, which the eager form shares (`torch_ops`).
+units-major matmuls, which the eager form shares (`_bodies`).
 
 Traced, one hidden layer and one output is one reduction over the units: a sum with the
 columns as the vector axis (`by-columns`), or with the units as the vector axis on narrow
@@ -27,6 +27,7 @@ from .._spec import (
     code_tables,
     packed_tile_hash,
     per_tile,
+    signed_buckets,
 )
 from ..cpu import _relu_loops
 from ..cpu._hash_gradient import signed_gather
@@ -38,7 +39,9 @@ BY_COLUMNS = "by-columns"  # traced, one output: a sum with the columns as the v
 BY_UNITS = "by-units"  # traced, one output, narrow tiles: the units as the vector axis
 UNROLLED = "unrolled"  # traced, one layer, few outputs: a written-out sum over the units
 UNITS_MAJOR = "units-major"  # traced, hidden layers or many outputs: units-major matmuls
-FORMS = (EAGER, C_LOOPS, BY_COLUMNS, BY_UNITS, UNROLLED, UNITS_MAJOR)
+# traced under transforms that dynamo traces no autograd.Function under: the spec's reference
+PLAIN = "plain-autograd"
+FORMS = (EAGER, C_LOOPS, BY_COLUMNS, BY_UNITS, UNROLLED, UNITS_MAJOR, PLAIN)
 # The forms of a one-layer, one-output forward that read `b_t`, the columns' terms laid out
 # units-major (`torch_ops.tile_mlp`).
 ONE_OUTPUT_UNITS_MAJOR = (C_LOOPS, BY_COLUMNS)
@@ -55,6 +58,7 @@ def forward_form(
     traced: bool,
     exporting: bool,
     units_major_columns: bool,
+    plain: bool = False,
 ) -> str:
     """Which form of the forward runs (one of `FORMS`), for g-nets of one hidden layer or
     more (`one_layer`), `hidden` units and `outputs`: `EAGER` unless `traced` (by
@@ -62,9 +66,13 @@ def forward_form(
     apply (not `exporting`: exported graphs hold standard ops only), else the form written
     for inductor. `units_major_columns`: a one-output forward is given `b_t`
     (`torch_ops.tile_mlp`). The one decision the bodies and the `variant` of the
-    `torch`, `compiled-mlp` and `graph` paths (through `tile_form`) share."""
+    `torch`, `compiled-mlp` and `graph` paths (through `tile_form`) share. `plain`: traced
+    where dynamo traces no custom `autograd.Function` (`Context.plain`): `PLAIN`, the
+    specification's `reference` in plain autograd, materialising `(T, TH, Q, H)`."""
     if not traced:
         return EAGER
+    if plain:
+        return PLAIN
     relu_c = activation == "relu" and not exporting
     if one_layer and outputs == 1:
         if not units_major_columns:
@@ -106,10 +114,12 @@ def _reads_units_major(stack: Stack, w_in: Tensor, traced: bool) -> bool:
     return stack.one_reduction and wide and traced
 
 
-def tile_form(stack: Stack, w_in: Tensor, *, traced: bool, exporting: bool) -> str:
+def tile_form(
+    stack: Stack, w_in: Tensor, *, traced: bool, exporting: bool, plain: bool = False
+) -> str:
     """The form of the tile MLP's forward (`forward_form`) that `torch_ops.evaluate_parts` runs for
     `stack` with first layers `w_in`: `traced` by `torch.compile` or in gbfunc's compiled
-    bodies (the `compiled-mlp` path's, never exporting)."""
+    bodies (the `compiled-mlp` path's, never exporting); `plain`: `Context.plain`."""
     genome = stack.genome
     return forward_form(
         one_layer=genome.depth == 1,
@@ -121,6 +131,7 @@ def tile_form(stack: Stack, w_in: Tensor, *, traced: bool, exporting: bool) -> s
         traced=traced,
         exporting=exporting,
         units_major_columns=_reads_units_major(stack, w_in, traced),
+        plain=plain,
     )
 
 
@@ -353,15 +364,17 @@ def _one_unit_sums(g: Tensor, g_t: Tensor, row_terms: Tensor, b: Tensor, activat
 # Hashed tables, traced.
 
 
-def hashed_tiles(stack: Stack, table: Tensor) -> Tensor:
+def hashed_tiles(stack: Stack, table: Tensor, *, plain: bool = False) -> Tensor:
     """Each tile's hashed weights `(T, TH, TW * K)` from its table `(T, buckets)`, traced:
-    the hash an opaque op, the gather's backward the C loop where it runs."""
+    the hash an opaque op, the gather's backward the C loop where it runs (`plain`: where
+    dynamo traces no autograd.Function, `Context.plain`, torch's)."""
     packed = _packed_tile_hash_op(stack.tile_positions, stack.genome.hashed, table.device)
     # A view: under `torch.func.grad`, dynamo drops the backward of a Function applied to the
     # transformed function's own argument and differentiates its forward instead
     # (pytorch/pytorch#193279, torch 2.13), which kept torch's scatter-add and the int64
     # index inductor writes for it.
-    shared = signed_gather(table.view_as(table), packed) * HASH_GAIN
+    gather = signed_buckets if plain else signed_gather
+    shared = gather(table.view_as(table), packed) * HASH_GAIN
     return shared.reshape(table.shape[0], stack.tile[0], -1)
 
 

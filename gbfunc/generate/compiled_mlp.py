@@ -15,6 +15,7 @@ from torch import Tensor
 from .._compiled import CompiledCache
 from .._spec import Terms, tile_rows
 from . import torch_ops
+from ._bodies import backward_recompute, forward_no_save
 from ._policy import (
     AUTO_COMPILE_ELEMENTS,
     Call,
@@ -72,12 +73,12 @@ def _compiled(body: Callable, *args: object) -> object | None:
 
 def _forward_body(*inputs) -> Tensor:
     *flat, b_t, activation, form = inputs
-    return torch_ops.forward_no_save(Terms(*flat), activation, b_t, form)
+    return forward_no_save(Terms(*flat), activation, b_t, form)
 
 
 def _backward_body(grad: Tensor, *inputs) -> tuple:
     *saved, activation, form = inputs
-    return tuple(torch_ops.backward_recompute(grad, Terms(*saved, None), activation, form))
+    return tuple(backward_recompute(grad, Terms(*saved, None), activation, form))
 
 
 def _detached(terms: Terms) -> Terms:

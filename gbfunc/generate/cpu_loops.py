@@ -36,6 +36,11 @@ def refuses(call: Call) -> str | None:
         return "a TorchDispatchMode is active: it would not see the loops' work"
     if context.forward_ad:
         return "forward-mode AD is active: the loops have no forward-mode rule"
+    if context.plain:
+        return (
+            "traced under grad of grad, forward mode or grad inside vmap, where only plain "
+            "torch ops are differentiated correctly"
+        )
     if context.compiling and context.nested:  # torch 2.13: dynamo's fake tensors fail in the op
         return "traced inside nested torch.func transforms (grad of vmap): the ops fail there"
     if not context.compiling:

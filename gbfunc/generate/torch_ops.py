@@ -1,6 +1,6 @@
 """The `torch` path: pure torch, op by op, with a recomputing backward; its rule, its
-variant, its runners, the tile MLP as an `autograd.Function` and its eager bodies. Every
-other path falls back to it; `compiled-mlp` and `graph` run it in their own variants;
+variant, its runners and the tile MLP as an `autograd.Function` (its bodies in `_bodies`).
+Every other path falls back to it; `compiled-mlp` and `graph` run it in their own variants;
 `gbfunc.dist`'s rank-owned g-nets call it, and `gb.init` reads its chunking.
 
 A stack's g-nets run on its tiles in one batched call, `(tiles, TH, TW * K)` out, from the
@@ -9,13 +9,15 @@ an `autograd.Function`, saves nothing of size `(T, TH, Q, H)` and recomputes it 
 backward (FlashAttention-style); it composes with `grad`, `vmap` and `torch.compile`.
 
 The variants are the forms of the tile MLP (`_traced_forms.FORMS`): `eager-recompute`
-eagerly, in chunks of tiles (its bodies here: one fused reduction for one-layer, one-output
-g-nets, else units-major matmuls, which the traced `units-major` form runs too); traced, a
-form written for inductor or the C loops (`_traced_forms`). The `compiled-mlp` path passes
-its compiled bodies (`CompiledBodies`), which plainly eager calls run instead. Traced by
-`torch.compile` under `torch.func.grad`, the Function keeps its backward: dynamo drops it
-only where it is applied to the transformed function's own argument (pytorch/pytorch#193279,
-torch 2.13), and the terms are always computed from the leaves first.
+eagerly, in chunks of tiles (one fused reduction for one-layer, one-output g-nets, else
+units-major matmuls, which the traced `units-major` form runs too); traced, a form written
+for inductor or the C loops (`_traced_forms`), or, under transforms dynamo traces no
+`autograd.Function` under, `plain-autograd`: `reference` in plain ops, no Function. The
+`compiled-mlp` path passes its compiled bodies (`CompiledBodies`), which plainly eager calls
+run instead. Traced by `torch.compile` under `torch.func.grad`, the Function keeps its
+backward: dynamo drops it only where it is applied to the transformed function's own
+argument (pytorch/pytorch#193279, torch 2.13), and the terms are always computed from the
+leaves first.
 """
 
 import math
@@ -28,12 +30,9 @@ from torch import Tensor
 
 from .._function import signature_once
 from .._plan import TILE_LEAVES, Plan, Stack
-from .._realised import contiguous_buffer, realised
+from .._realised import realised
 from .._spec import (
     Terms,
-    activate,
-    activate_grad,
-    first_layer,
     hashed_tiles as spec_hashed_tiles,
     legacy_batched,
     plain_eager,
@@ -43,8 +42,9 @@ from .._spec import (
 )
 from .._tiling import assemble, block_spans, split_into
 from . import _traced_forms as traced_forms
+from ._bodies import after, backward_recompute, forward_no_save
 from ._policy import Call
-from ._traced_forms import C_LOOPS, EAGER, ONE_OUTPUT_UNITS_MAJOR, UNROLLED
+from ._traced_forms import EAGER, ONE_OUTPUT_UNITS_MAJOR, PLAIN
 
 NAME = "torch"
 
@@ -72,7 +72,9 @@ def variant(call: Call) -> str:
     """The variant that generates the call's stack (`_traced_forms.forward_form`)."""
     context, stack, w_in = call.context, call.stack, call.leaves["w_in"]
     traced, exporting = context.compiling, context.exporting
-    return traced_forms.tile_form(stack, w_in, traced=traced, exporting=exporting)
+    return traced_forms.tile_form(
+        stack, w_in, traced=traced, exporting=exporting, plain=context.plain
+    )
 
 
 def stack_weights(
@@ -102,7 +104,9 @@ def stack_weights(
         if spans is not None:
             tiles = split_into(tiles, spans)
     weights = {p.name: assemble(p, stack, tiles) for p in params}
-    return {name: realised(w) for name, w in weights.items()} if traced else weights
+    if not traced or form == PLAIN:  # (`realised` is an autograd.Function too)
+        return weights
+    return {name: realised(w) for name, w in weights.items()}
 
 
 def parts_from_tile_mlp(stack: Stack) -> bool:
@@ -140,7 +144,8 @@ def evaluate_parts(
     parts = (parts,) if spans is None else parts
     ranges = spans or ((0, stack.num_tiles),)
     traced = op_by_op_form(form, compiled) != EAGER
-    hashed = hashed_tiles(stack, leaves["tile_hash"], traced) if stack.genome.hashed else None
+    table = leaves["tile_hash"] if stack.genome.hashed else None
+    hashed = None if table is None else hashed_tiles(stack, table, traced, plain=form == PLAIN)
     out = []
     for y, (lo, hi) in zip(parts, ranges, strict=True):
         y = y.reshape(y.shape[0], y.shape[1], -1)
@@ -177,10 +182,13 @@ def evaluate_tile_parts(
     return evaluate_parts(sub_stack, sub, spans, form=form, compiled=compiled)
 
 
-def hashed_tiles(stack: Stack, table: Tensor, traced: bool) -> Tensor:
+def hashed_tiles(stack: Stack, table: Tensor, traced: bool, *, plain: bool = False) -> Tensor:
     """Each tile's hashed weights `(T, TH, TW * K)` from its table `(T, buckets)`, `traced`
-    by `torch.compile` (`_traced_forms.hashed_tiles`) or not (`_spec.hashed_tiles`)."""
-    return (traced_forms.hashed_tiles if traced else spec_hashed_tiles)(stack, table)
+    by `torch.compile` (`_traced_forms.hashed_tiles`, in plain autograd where `plain`) or not
+    (`_spec.hashed_tiles`)."""
+    if not traced:
+        return spec_hashed_tiles(stack, table)
+    return traced_forms.hashed_tiles(stack, table, plain=plain)
 
 
 def tile_chunks(
@@ -272,7 +280,7 @@ class _TileMLP(torch.autograd.Function):
                 return (*joined(results), *done)
             # Assembled once every range's gradient exists, not from the first one on.
             last = torch.cat([g.reshape(-1)[:1] for g in grads])
-            grads = tuple(_after(g, last) for g in grads)
+            grads = tuple(after(g, last) for g in grads)
         grad = joined(list(grads)).contiguous()
         compiled = ctx.compiled
         eager = plain_eager() and not torch.is_grad_enabled()  # no second order, nor batched
@@ -348,151 +356,11 @@ def tile_mlp(
     the first range's arrival, where a training step's activations peak, is never
     assembled; otherwise the ranges' gradients are joined once the last has arrived.
     """
+    if form == PLAIN:  # no autograd.Function: plain ops that dynamo differentiates itself
+        out = forward_no_save(terms, activation, form=PLAIN)
+        return out if spans is None else tuple(out[lo:hi] for lo, hi in spans)
     function = _TileMLP if torch.compiler.is_compiling() else _TileMLPForwardMode
     return function.apply(*terms, b_t, activation, form, compiled, spans)
-
-
-# The eager form's bodies, and the units-major matmuls that traced code shares.
-
-
-def forward_no_save(
-    terms: Terms, activation: str, b_t: Tensor | None = None, form: str = EAGER
-) -> Tensor:
-    """`reference` in `form` (`_traced_forms.forward_form`'s; `b_t` must fit it): eagerly one
-    reduction (one layer, one output) or units-major matmuls, which the traced `units-major`
-    runs too; the other traced forms' bodies are in `_traced_forms`."""
-    a, b, c, _, _, w_out, b_out = terms
-    if terms.one_reduction:
-        if form == EAGER:
-            h = activate(first_layer(a, b, c), activation)
-            out = (h * w_out[:, None, None, :, 0]).sum(-1)
-        else:
-            out = traced_forms.one_output(a + c[:, None], b, b_t, w_out[..., 0], activation, form)
-        return out[..., None] + b_out[:, None, None, :]
-    if form == C_LOOPS:
-        return traced_forms.relu_layer(terms)
-    if form == UNROLLED:
-        row_terms, col_terms = _units_major_terms(a, b, c)
-        return traced_forms.one_layer_unrolled(row_terms, col_terms, w_out, b_out, activation)
-    return _forward_units_major(terms, activation)
-
-
-def _forward_units_major(terms: Terms, activation: str) -> Tensor:
-    """`reference` with the hidden activations laid out units-major, `(T, H, Q * TH)`, so that
-    each layer is a `(T, K, H) @ (T, H, Q * TH)` matmul: the positions are its long output
-    axis instead of its contraction's partner, which MKL runs much faster for few hidden
-    units and outputs. Returns `(T, TH, Q, P)`, a transposed view."""
-    a, b, c, w_hidden, b_hidden, w_out, b_out = terms
-    num_tiles, rows, hidden = a.shape
-    h = activate(_first_layer_units_major(a, b, c), activation).reshape(num_tiles, hidden, -1)
-    for layer in range(0 if w_hidden is None else w_hidden.shape[1]):
-        z = w_hidden[:, layer].transpose(1, 2) @ h + b_hidden[:, layer, :, None]
-        h = activate(z, activation)
-    out = w_out.transpose(1, 2) @ h + b_out[..., None]  # (T, P, Q * TH)
-    return out.reshape(num_tiles, -1, b.shape[1], rows).permute(0, 3, 2, 1)
-
-
-def _first_layer_units_major(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
-    """`first_layer` as `(T, H, Q, TH)`: rows innermost, so that the backward's sums over
-    rows and over columns both keep or reduce a long axis (with the columns innermost,
-    inductor's sum over the rows of 8 columns ran many times slower)."""
-    row_terms, col_terms = _units_major_terms(a, b, c)
-    return row_terms[:, :, None, :] + col_terms[..., None]
-
-
-def _units_major_terms(a: Tensor, b: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
-    """Row terms `a + c` `(T, H, TH)` and column terms `b` `(T, H, Q)`, in buffers of that
-    layout: inductor picks a kernel's vector axis by its inputs' layouts, and with these
-    read units-innermost it vectorised the backward's sums along the 8 hidden units and
-    split each 8-column sum over threads, many times slower than due."""
-    return contiguous_buffer((a + c[:, None]).transpose(1, 2)), contiguous_buffer(b.transpose(1, 2))
-
-
-def _first_layer_again(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
-    """`first_layer` for the backward, bitwise equal (the last addition's operands swapped,
-    which IEEE addition ignores) but not the same traced op. A graph that holds forward and
-    backward together (AOTAutograd's) would otherwise merge the two as one common
-    subexpression and keep the forward's `(T, TH, Q, H)` alive for the backward, instead of
-    recomputing it there from the small terms."""
-    return b[:, None, :, :] + (a + c[:, None])[:, :, None, :]
-
-
-def backward_recompute(grad: Tensor, terms: Terms, activation: str, form: str = EAGER) -> Terms:
-    """Gradients of `reference` w.r.t. every term (`terms.b_out` is not read), for the
-    forward's `form` (`_traced_forms.forward_form`): eagerly, chunk by chunk; traced, the fused
-    reductions, or the C loops where the forward ran them (`_traced_forms`); units-major
-    matmuls for the other forms."""
-    if terms.one_reduction and form != EAGER:
-        return traced_forms.one_output_backward(grad, terms, activation)
-    if form == C_LOOPS:
-        return traced_forms.relu_layer_backward(grad, terms)
-    if not terms.one_reduction:
-        return _backward_units_major(grad, terms, activation)
-    a, b, c, _, _, w_out, _ = terms
-    z = _first_layer_again(a, b, c)  # (T, TH, Q, H), one chunk at a time in eager mode
-    num_tiles, hidden = a.shape[0], a.shape[-1]
-    h = activate(z, activation).reshape(num_tiles, -1, hidden)  # (T, TH*Q, H)
-    g_w_out = h.transpose(1, 2) @ grad.reshape(num_tiles, -1, 1)  # (T, H, 1)
-    del h
-    # `grad` first out of place: under vmap (`jacrev`) it may be batched where `z` is not.
-    g_z = (activate_grad(z, activation) * grad).mul_(w_out[:, None, None, :, 0])
-    g_a = g_z.sum(2)
-    g_b = g_z.sum(1)
-    return Terms.one_layer_gradients(g_a, g_b, g_w_out, grad)
-
-
-def _backward_units_major(grad: Tensor, terms: Terms, activation: str) -> Terms:
-    """`backward_recompute` of g-nets with hidden layers or several outputs, the hidden
-    activations recomputed units-major (`_forward_units_major`): every matmul has the
-    positions as its long axis."""
-    a, b, c, w_hidden, b_hidden, w_out, _ = terms
-    num_tiles, rows, hidden = a.shape
-    cols = b.shape[1]
-    g_out = grad.permute(0, 3, 2, 1).reshape(num_tiles, grad.shape[-1], -1)  # (T, P, Q*TH)
-    zs = [_first_layer_units_major_again(a, b, c, grad).reshape(num_tiles, hidden, -1)]
-    for layer in range(0 if w_hidden is None else w_hidden.shape[1]):
-        h = activate(zs[-1], activation)
-        zs.append(w_hidden[:, layer].transpose(1, 2) @ h + b_hidden[:, layer, :, None])
-    g_w_out = activate(zs[-1], activation) @ g_out.transpose(1, 2)  # (T, H, P)
-    g_h = w_out @ g_out  # (T, H, Q*TH)
-    g_ws, g_bs = [], []
-    for layer in range(len(zs) - 1, 0, -1):
-        g_z = g_h * activate_grad(zs[layer], activation)
-        g_ws.append(activate(zs[layer - 1], activation) @ g_z.transpose(1, 2))
-        g_bs.append(g_z.sum(-1))
-        g_h = w_hidden[:, layer - 1] @ g_z
-    g_z = (g_h * activate_grad(zs[0], activation)).reshape(num_tiles, hidden, cols, rows)
-    g_w_hidden = torch.stack(g_ws[::-1], 1) if g_ws else None
-    g_b_hidden = torch.stack(g_bs[::-1], 1) if g_bs else None
-    g_a = g_z.sum(2)  # (T, H, TH)
-    g_b = g_z.sum(-1)  # (T, H, Q)
-    g_c = g_a.sum(-1)
-    return Terms(
-        g_a.transpose(1, 2),
-        g_b.transpose(1, 2),
-        g_c,
-        g_w_hidden,
-        g_b_hidden,
-        g_w_out,
-        g_out.sum(-1),
-    )
-
-
-def _first_layer_units_major_again(a: Tensor, b: Tensor, c: Tensor, grad: Tensor) -> Tensor:
-    """`_first_layer_units_major` for the backward, bitwise equal up to the sign of zeros,
-    computed after `grad` exists. Traced with the forward as one graph (`torch.func.grad`
-    under `torch.compile`), inductor otherwise fuses this recomputation, which reads only
-    forward inputs, into a forward kernel that reads the same terms, and keeps its
-    `(T, H, Q * TH)` result until the backward, above the plain model's peak
-    (`benchmarks/results/design_measurements.md`)."""
-    row_terms, col_terms = _units_major_terms(a, b, c)
-    return row_terms[:, :, None, :] + _after(col_terms, grad)[..., None]
-
-
-def _after(x: Tensor, anchor: Tensor) -> Tensor:
-    """`x` plus an exact zero computed from `anchor` (never NaN; a float 0.0, which inductor
-    does not fold away): compiled code computes `x` and its readers once `anchor` exists."""
-    return x + anchor.reshape(-1)[:1].isnan().to(x.dtype) * 0.0
 
 
 # The runner for a selection's stacks (`gbfunc.dist`): the tiles `tiles` of a stack,

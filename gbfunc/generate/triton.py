@@ -67,6 +67,16 @@ def _unrunnable(call: Call) -> tuple[str, Exception] | None:
             "gb.apply: backend='triton' has no forward-mode rule (torch.func.jvp, jacfwd, "
             "torch.autograd.forward_ad); use backend='torch' (or 'auto', which sends it there)."
         )
+    if context.plain:
+        return (
+            "traced under grad of grad, forward mode or grad inside vmap, where only plain "
+            "torch ops are differentiated correctly"
+        ), ValueError(
+            "gb.apply: backend='triton' is not traced by torch.compile differentiated twice "
+            "(grad of grad, MAML), in forward mode (jvp, jacfwd, hessian) or as a grad inside a "
+            "vmap, where dynamo mis-traces custom autograd rules (torch 2.13); use "
+            "backend='auto' (which generates it in plain torch ops there) or call it eagerly."
+        )
     if not HAS_TRITON:
         return "triton is not installed", ModuleNotFoundError(
             "gb.apply: backend='triton' needs the triton package: pip install 'gbfunc[triton]'."
