@@ -7,8 +7,6 @@ generates the p-net's weights with `gb.apply` and runs the p-net through `functi
 Names are escaped for `nn.Module` attributes (`_module_names`).
 """
 
-import difflib
-import inspect
 import os
 from typing import Any
 
@@ -17,6 +15,12 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from ._apply import apply
+from ._bottleneck_checks import (
+    CHECKPOINTING,
+    check_plan_options,
+    check_pnet_unchanged,
+    check_same_stacks,
+)
 from ._buffers import is_persistent
 from ._calibrate import calibrate, check_inputs
 from ._check_gparams import TASKS, check_gparams, expected_shapes
@@ -34,19 +38,11 @@ from ._report import Report, report
 from ._tree import GParams
 from .optim import param_groups
 
-# `nn.Module`'s `state_dict` key for `get_extra_state`.
-_EXTRA_STATE = "_extra_state"
-
 _Buffers = Buffers  # the name whole modules pickled before 2026-11-30 hold
+_check_same_stacks = check_same_stacks  # their load_state_dict hook, before 2026-12-01
 
 # Activation checkpointing inside the p-net recomputes its layers in the backward pass, after
 # `functional_call` has put the p-net's own (unused, stale) weights back: wrong gradients.
-_CHECKPOINTING = (
-    "gb.Bottleneck: gradient checkpointing inside the p-net would recompute its layers in the "
-    "backward pass with the p-net's own dense weights, not the generated ones (wrong "
-    "gradients); checkpoint the whole call instead: torch.utils.checkpoint.checkpoint(b, x, "
-    "use_reentrant=False), or turn it off (model.activation_checkpointing_disable())."
-)
 
 
 class Bottleneck(PnetFace, nn.Module):
@@ -64,10 +60,13 @@ class Bottleneck(PnetFace, nn.Module):
     dense parameters are neither trained nor stored nor moved: `.to()` moves the compressed
     parameters and the buffers only (the p-net's buffers stay shared with it); `train()` and
     `eval()` reach the p-net (and `forward` follows `b.training` where a trainer sets it
-    directly). Nor do module walks reach it: convert its BatchNorm with
-    `nn.SyncBatchNorm.convert_sync_batchnorm` before wrapping. One p-net serves every call, so
-    not from several threads at once (an eager call that overlaps another thread's raises;
-    `nn.DataParallel` is refused); and, as under
+    directly). Nor do module walks reach it (`b.modules()`, `b.apply(fn)`): convert its
+    BatchNorm with `nn.SyncBatchNorm.convert_sync_batchnorm` before wrapping, and recompute
+    its statistics with `b.update_bn(loader)`, not `torch.optim.swa_utils.update_bn`. The
+    p-net's `requires_grad` flags are read once, by the plan: set after wrapping, they change
+    nothing; freeze a free parameter in `b.free`, or plan the model with it frozen. One p-net
+    serves every call, so not from several threads at once (an eager call that overlaps
+    another thread's raises; `nn.DataParallel` is refused); and, as under
     `functional_call`, a buffer its forward reassigns (`self.n = self.n + 1`, not in place) is
     lost. Its dense weights are never read: `forward` passes generated
     ones, so the p-net may even sit on the `meta` device (if it has no buffers), and then the
@@ -105,7 +104,7 @@ class Bottleneck(PnetFace, nn.Module):
         super().__init__()
         check_module(model, "gb.Bottleneck")  # (a Bottleneck's own is refused there too)
         if plan is None:
-            _check_plan_options(plan_options)
+            check_plan_options(plan_options)
             plan = make_plan(model, **plan_options)
         elif plan_options:
             raise TypeError(
@@ -125,8 +124,7 @@ class Bottleneck(PnetFace, nn.Module):
         # `is_activation_checkpointing` would walk every module (0.7 ms on GPT-2 small).
         checkpointable = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
         object.__setattr__(self, "_checkpointable", checkpointable)
-        if any(type(m).__name__ == "CheckpointWrapper" for m in model.modules()):
-            raise ValueError(_CHECKPOINTING)  # torch's `checkpoint_wrapper` around a layer
+        check_pnet_unchanged(model)  # torch's `checkpoint_wrapper` around a layer
         self._plan = plan
         first = model.get_parameter(plan.generated[0].name)
         # A p-net on the meta device is fine (its dense weights are never read); ours are real.
@@ -160,7 +158,7 @@ class Bottleneck(PnetFace, nn.Module):
         self._task_index: Tensor | None = None
         self._fingerprint: tuple[Plan, Tensor] | None = None  # get_extra_state's, for _plan
         self.register_load_state_dict_post_hook(_relink)  # `assign=True` replaces buffers
-        self.register_load_state_dict_pre_hook(_check_same_stacks)
+        self.register_load_state_dict_pre_hook(check_same_stacks)
         self.train(model.training)
 
     @property
@@ -223,13 +221,17 @@ class Bottleneck(PnetFace, nn.Module):
         wrapped model's arguments.
         """
         if any(m.gradient_checkpointing for m in self._checkpointable):
-            raise ValueError(_CHECKPOINTING)
+            raise ValueError(CHECKPOINTING)
         if self._pnet.training != self.training:  # set as an attribute (Lightning's evaluation
             self._pnet.train(self.training)  # loop restores `module.training` module by module)
         if torch.compiler.is_compiling():
             return functional_call(self._pnet, self._pnet_tensors(), args, kwargs)
         with one_thread_at_a_time(self, "gb.Bottleneck"):
-            return functional_call(self._pnet, self._pnet_tensors(), args, kwargs)
+            try:
+                return functional_call(self._pnet, self._pnet_tensors(), args, kwargs)
+            except (KeyError, AttributeError):  # a layer renamed since (checkpoint_wrapper)?
+                check_pnet_unchanged(self._pnet)
+                raise
 
     def _pnet_tensors(self) -> dict[str, Tensor]:
         """The p-net's parameters, generated, and its buffers: what its call runs on."""
@@ -241,8 +243,8 @@ class Bottleneck(PnetFace, nn.Module):
 
     def activation_checkpointing_enable(self, *args: Any, **kwargs: Any) -> None:
         """Refused (transformers' `Trainer(gradient_checkpointing=True)` calls it): see
-        `_CHECKPOINTING`."""
-        raise ValueError(_CHECKPOINTING)
+        `CHECKPOINTING`."""
+        raise ValueError(CHECKPOINTING)
 
     gradient_checkpointing_enable = activation_checkpointing_enable  # transformers < 5's name
 
@@ -431,53 +433,6 @@ class Bottleneck(PnetFace, nn.Module):
 
 def _relink(module: Bottleneck, incompatible_keys: object) -> None:
     module._link_buffers()  # a module-level function, so the module still pickles
-
-
-def _check_same_stacks(module: Bottleneck, state_dict: dict, prefix: str, *_: object) -> None:
-    """Refuse, whatever `strict` says and before anything loads, a state whose g-net stacks
-    are not this module's: made with another plan, it would load in part (transformers'
-    `Trainer` loads with `strict=False`) and train on from fresh g-nets without a word, or
-    load whole and generate other weights. A state saved before the plan's fingerprint was
-    in it (no `_extra_state`) is checked by its stacks' shapes alone."""
-    theirs = {
-        k.removeprefix(prefix): tuple(v.shape)
-        for k, v in state_dict.items()
-        if k.startswith(prefix + "stacks.")
-    }
-    mine = {f"stacks.{k}": tuple(v.shape) for k, v in module.stacks.state_dict().items()}
-    if theirs and theirs != mine:
-        differing = sorted(set(theirs) ^ set(mine)) or [
-            k for k in sorted(mine) if theirs[k] != mine[k]
-        ]
-        raise ValueError(
-            f"gb.Bottleneck.load_state_dict: the state's g-net stacks are not this module's "
-            f"(first difference: {differing[0]!r}); it was saved from another plan. Build the "
-            "module with the saved run's plan: gb.Bottleneck(model, plan)."
-        )
-    stored = state_dict.get(prefix + _EXTRA_STATE)
-    if stored is None:
-        state_dict[prefix + _EXTRA_STATE] = module.get_extra_state()  # so strict passes
-    elif not (isinstance(stored, Tensor) and torch.equal(stored.cpu(), module.get_extra_state())):
-        raise ValueError(
-            "gb.Bottleneck.load_state_dict: the state was saved from another plan: its "
-            f"fingerprint ({prefix + _EXTRA_STATE!r}) is not this module's plan's, so its "
-            "g-nets would generate other weights here, even where their shapes agree "
-            "(another activation, center, scale, or the model's dtype when the module was "
-            "built). Build the module with the saved run's plan: gb.Bottleneck(model, plan)."
-        )
-
-
-def _check_plan_options(options: dict[str, Any]) -> None:
-    """Raise `TypeError` for an option `gb.plan` does not take, naming the nearest one."""
-    known = [n for n in inspect.signature(make_plan).parameters if n != "model"]
-    for name in options:
-        if name not in known:
-            near = difflib.get_close_matches(name, known, n=1)
-            hint = f"did you mean {near[0]!r}? " if near else ""
-            raise TypeError(
-                f"gb.Bottleneck: unknown option {name!r}; {hint}gb.plan's options are "
-                f"{', '.join(known)}."
-            )
 
 
 def _task_index(task: int, device: torch.device) -> Tensor:

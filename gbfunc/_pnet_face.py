@@ -3,16 +3,20 @@
 transformers' `Trainer`, accelerate and `generate` ask the model they are given for its
 forward's signature (to choose dataset columns), its `config` (to turn the KV cache off in
 training and leave it out of the outputs), its embeddings (NEFTune's hook) and `generate`.
-A `gb.Bottleneck` answers with its p-net's, and generates with the g-nets' weights.
+A `gb.Bottleneck` answers with its p-net's, and generates with the g-nets' weights; and it
+recomputes its p-net's BatchNorm statistics, which `torch.optim.swa_utils.update_bn` cannot
+reach (`update_bn`).
 """
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.func import functional_call
+from torch.nn.modules.batchnorm import _BatchNorm
 
 
 def with_pnet_signature(function: Callable[..., Any]) -> "_WithPnetSignature":
@@ -133,6 +137,33 @@ class PnetFace:
             )
         tensors = self._pnet_tensors()
         return functional_call(_Generate(self.pnet), _prefixed(tensors), args, kwargs)
+
+    @torch.no_grad()
+    def update_bn(self, loader: Iterable[Any], device: torch.device | str | None = None) -> None:
+        """Recompute the p-net's BatchNorm running statistics over `loader`, under the
+        generated weights: `torch.optim.swa_utils.update_bn` for this module. Given the
+        module, torch's finds no BatchNorm (module walks do not reach the p-net) and returns
+        without a word; given `b.pnet`, it would run the p-net's dense weights, which training
+        never changes. For an SWA or EMA average: `swa_model.module.update_bn(loader)`. Each
+        batch is taken as torch's takes it: a tensor, or the first item of a list or tuple,
+        moved to `device` where given."""
+        norms = [m for m in self.pnet.modules() if isinstance(m, _BatchNorm)]
+        if not norms:
+            return
+        momenta = [m.momentum for m in norms]
+        for norm in norms:
+            norm.reset_running_stats()
+            norm.momentum = None  # a cumulative average over the batches
+        training = self.training
+        self.train()
+        try:
+            for batch in loader:
+                batch = batch[0] if isinstance(batch, list | tuple) else batch
+                self(batch if device is None else batch.to(device))
+        finally:
+            for norm, momentum in zip(norms, momenta, strict=True):
+                norm.momentum = momentum
+            self.train(training)
 
 
 class _Generate(nn.Module):

@@ -187,6 +187,34 @@ def test_batchnorm_statistics_update_in_the_pnet_in_train_mode_only():
     assert bn.training
 
 
+def test_update_bn_recomputes_the_statistics_under_the_generated_weights():
+    """`torch.optim.swa_utils.update_bn` given the module finds no BatchNorm (module walks do
+    not reach the p-net) and changed nothing without a word; `b.update_bn` computes what it
+    computes for the dense model the g-nets generate, into the module's shared buffers."""
+    from torch.optim.swa_utils import AveragedModel, update_bn
+
+    torch.manual_seed(0)
+    b = gb.Bottleneck(bn_net(), tile=(8, 8))
+    loader = [(torch.randn(16, 6) * 2 + 1, torch.zeros(16)) for _ in range(3)]
+    before = b.pnet[1].running_mean.clone()
+    update_bn(loader, b)
+    assert torch.equal(b.pnet[1].running_mean, before)  # why the method exists
+    dense = copy.deepcopy(b.pnet)
+    dense.load_state_dict(b.export())
+    update_bn(loader, dense)
+    b.eval()
+    b.update_bn(loader)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(b.pnet[1], name), getattr(dense[1], name))
+        stored = b.state_dict()[f"pnet_buffers.{escape('1.' + name)}"]
+        assert torch.equal(stored, getattr(dense[1], name))
+    assert b.pnet[1].momentum == 0.1  # as it was
+    assert not b.training
+    swa = AveragedModel(b)
+    swa.module.update_bn(loader)
+    torch.testing.assert_close(swa.module.pnet[1].running_mean, dense[1].running_mean)
+
+
 def test_to_moves_compressed_tensors_and_pnet_buffers_not_dense_weights():
     model = bn_net()
     b = gb.Bottleneck(model, tile=(8, 8)).double()
@@ -528,3 +556,6 @@ def test_checkpoint_wrappers_in_the_pnet_and_data_parallel_replicas_are_refused(
     b = gb.Bottleneck(mlp(), tile=(4, 4))
     with pytest.raises(TypeError, match=r"nn\.DataParallel .* use DistributedDataParallel"):
         b._replicate_for_data_parallel()
+    b.pnet[0] = checkpoint_wrapper(b.pnet[0])  # after wrapping: it raised a bare KeyError
+    with pytest.raises(ValueError, match=r"gradient checkpointing inside the p-net would"):
+        b(torch.randn(2, 8))
