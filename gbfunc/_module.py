@@ -39,7 +39,7 @@ from ._tree import GParams
 from .optim import param_groups
 
 _Buffers = Buffers  # the name whole modules pickled before 2026-11-30 hold
-_check_same_stacks = check_same_stacks  # their load_state_dict hook, before 2026-12-01
+_check_same_stacks = check_same_stacks  # their load_state_dict hook, until 2026-11-30
 
 # Activation checkpointing inside the p-net recomputes its layers in the backward pass, after
 # `functional_call` has put the p-net's own (unused, stale) weights back: wrong gradients.
