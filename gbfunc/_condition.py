@@ -139,12 +139,14 @@ def _unwrapped(tensor: Tensor) -> Tensor:
 
 
 def task_number(task: object, tasks: int, where: str) -> int:
-    """`task` as an int in `0..tasks - 1` (Python's or numpy's integers; not a bool or a
-    tensor): a `TypeError` for another kind, a `ValueError` out of range, each beginning
-    with `where`."""
-    number = None if isinstance(task, bool | Tensor) else as_integer(task)
+    """`task` as an int in `0..tasks - 1` (Python's or numpy's integers, a 0-d integer tensor;
+    not a bool): a `TypeError` for another kind, a `ValueError` for an integer tensor of
+    another shape or one out of range, each beginning with `where`."""
+    number = as_integer(task)
     if number is None or not 0 <= number < tasks:
-        raise (TypeError if number is None else ValueError)(
+        shaped = isinstance(task, Tensor) and not (task.is_floating_point() or task.is_complex())
+        kind = number is None and not (shaped and task.dtype != torch.bool)
+        raise (TypeError if kind else ValueError)(
             f"{where}: task must be an int in 0..{tasks - 1}, got {task!r:.100}."
         )
     return number

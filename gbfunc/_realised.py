@@ -13,13 +13,14 @@ import torch
 from torch import Tensor
 
 from ._function import signature_once
-from ._tracing import exporting
+from ._tracing import exporting, functions_traceable
 
 
 def realised(weight: Tensor) -> Tensor:
     """`weight`, computed into a buffer of its own where a graph is being compiled (not
-    exported: an exported graph keeps only standard ops); itself otherwise."""
-    if compiling_a_buffer():
+    exported: an exported graph keeps only standard ops), under transforms that dynamo traces
+    an `autograd.Function` under (`functions_traceable`); itself otherwise."""
+    if compiling_a_buffer() and functions_traceable():
         return _Realised.apply(weight)
     return weight
 

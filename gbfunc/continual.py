@@ -126,12 +126,4 @@ def _task_ids(ids: Iterable[object], plan: Plan, where: str) -> list[int]:
             f"{where}: the plan has no task embeddings; make it with "
             "gb.plan(..., condition=<width>, tasks=<n>)."
         )
-    return [task_number(_item(t), plan.tasks, where) for t in ids]
-
-
-def _item(task: object) -> object:
-    """A 0-d integer tensor's number; anything else as it is (for `task_number` to judge)."""
-    integer = isinstance(task, Tensor) and not (task.is_floating_point() or task.is_complex())
-    if integer and task.dim() == 0 and task.dtype != torch.bool:
-        return task.item()
-    return task
+    return [task_number(t, plan.tasks, where) for t in ids]

@@ -240,6 +240,10 @@ def test_a_compiled_bottleneck_takes_every_task_without_recompiling():
         ):
             net(x)
     net.condition = None
+    net.task = torch.tensor(3)  # a 0-d integer tensor, as gb.apply and gb.continual take
+    assert net.task == 3
+    assert type(net.task) is int
+    net.task = None
     for bad, error in ((10, ValueError), (-1, ValueError), (True, TypeError), (1.0, TypeError)):
         with pytest.raises(error, match=r"^gb\.Bottleneck: task must be an int in 0\.\.9"):
             net.task = bad

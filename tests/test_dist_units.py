@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given
 from torch import nn
+from torch.utils._pytree import tree_leaves
 from torchrun import torchrun
 
 import gbfunc as gb
@@ -619,6 +620,41 @@ def test_every_dist_generator_makes_the_gnets_weights_under_autocast(process_gro
     for how, weight in got.items():
         expected = want["0.weight"][:32] if how == "part" else want["0.weight"]
         torch.testing.assert_close(weight, expected, rtol=1e-5, atol=1e-6, msg=how)
+
+
+def test_the_dist_generators_under_compiled_second_order_transforms(process_group):
+    """Under `torch.compile`, forward mode and a grad inside a vmap met `Selection`'s
+    `realised` (an autograd.Function dynamo cannot trace there: torch's internal errors);
+    `RankOwned`, whose gathers have autograd rules, refuses such transforms by name."""
+    from torch.func import grad, jvp, vmap
+
+    model = nn.Linear(16, 8)
+    plan = gb.plan(model, tile=(4, 4), hidden=4, activation="tanh")
+    gparams = gb.init(plan, seed=0, requires_grad=False)
+    part = gbd.Selection(plan, {"weight": ((0, 4), (0, 16))})
+
+    def loss(g, select=part.apply):
+        return select(g)["weight"].square().sum()
+
+    def hvp(g, loss=loss):
+        return jvp(grad(loss), (g,), (g,))[1]
+
+    stacked = torch.utils._pytree.tree_map(lambda t: torch.stack([t, 1.1 * t]), gparams)
+    for f, x in ((hvp, gparams), (vmap(grad(loss)), stacked)):
+        torch._dynamo.reset()
+        compiled = torch.compile(f, fullgraph=True, backend="eager")(x)
+        pairs = zip(tree_leaves(compiled), tree_leaves(f(x)), strict=True)
+        for a, b in pairs:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    owned = gbd.RankOwned(plan)
+    local = owned.shard(gparams)
+
+    def owned_loss(g):
+        return owned.apply(g)["weight"].square().sum()
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"RankOwned\.apply: torch\.compile of a gradient of a"):
+        torch.compile(lambda g: hvp(g, owned_loss), fullgraph=True, backend="eager")(local)
 
 
 def test_the_dist_generators_check_gparams_as_gb_apply_does(process_group):

@@ -24,6 +24,7 @@ from .._numbers import integer
 from .._plan import TILE_LEAVES, Plan, Stack, check_is_plan
 from .._spec import autocast_off
 from .._tiling import assemble, parameters
+from .._tracing import functions_traceable
 from .._tree import GParams
 from ..generate.torch_ops import evaluate_stack
 from ._sync import (
@@ -196,6 +197,13 @@ class RankOwned:
         whole of it.
         """
         where = "gb.dist.RankOwned.apply"
+        if torch.compiler.is_compiling() and not functions_traceable():
+            raise ValueError(
+                f"{where}: torch.compile of a gradient of a gradient, of forward mode (jvp, "
+                "jacfwd, hessian) or of a grad inside a vmap is not supported through the "
+                "rank-owned g-nets, whose gathers have autograd rules dynamo mis-traces there "
+                "(torch 2.13); call it eagerly, or compile a first-order step."
+            )
         check_gparams(local, self.plan, where, shard=True)
         self._check_shard(local)
         with autocast_off(local["stacks"]):  # as `gb.apply`: in the g-nets' dtype

@@ -104,9 +104,7 @@ def stack_weights(
         if spans is not None:
             tiles = split_into(tiles, spans)
     weights = {p.name: assemble(p, stack, tiles) for p in params}
-    if not traced or form == PLAIN:  # (`realised` is an autograd.Function too)
-        return weights
-    return {name: realised(w) for name, w in weights.items()}
+    return {name: realised(w) for name, w in weights.items()} if traced else weights
 
 
 def parts_from_tile_mlp(stack: Stack) -> bool:
