@@ -14,6 +14,8 @@ from ._planner import plan as make_plan
 # `nn.Module`'s `state_dict` key for `get_extra_state`.
 EXTRA_STATE = "_extra_state"
 
+# Activation checkpointing inside the p-net recomputes its layers in the backward pass, after
+# `functional_call` has put the p-net's own (unused, stale) weights back: wrong gradients.
 CHECKPOINTING = (
     "gb.Bottleneck: gradient checkpointing inside the p-net would recompute its layers in the "
     "backward pass with the p-net's own dense weights, not the generated ones (wrong "
