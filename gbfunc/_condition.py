@@ -92,7 +92,7 @@ def _task_embedding(gparams: GParams, plan: Plan, task: int | Tensor, where: str
         )
     table = gparams[TASKS]
     if isinstance(task, Tensor):
-        not_integer = task.is_floating_point() or task.is_complex() or task.dtype == torch.bool
+        not_integer = not _integer_tensor(task)
         if task.dim() != 0 or not_integer:
             raise (TypeError if not_integer else ValueError)(
                 f"{where}: task must be an int or a 0-d integer tensor, got a {task.dtype} "
@@ -144,12 +144,16 @@ def task_number(task: object, tasks: int, where: str) -> int:
     another shape or one out of range, each beginning with `where`."""
     number = as_integer(task)
     if number is None or not 0 <= number < tasks:
-        shaped = isinstance(task, Tensor) and not (task.is_floating_point() or task.is_complex())
-        kind = number is None and not (shaped and task.dtype != torch.bool)
+        kind = number is None and not (isinstance(task, Tensor) and _integer_tensor(task))
         raise (TypeError if kind else ValueError)(
             f"{where}: task must be an int in 0..{tasks - 1}, got {task!r:.100}."
         )
     return number
+
+
+def _integer_tensor(task: Tensor) -> bool:
+    """Whether a task tensor holds integers (not floats, complex numbers or bools)."""
+    return not (task.is_floating_point() or task.is_complex() or task.dtype == torch.bool)
 
 
 def without_condition(

@@ -22,6 +22,12 @@ AUTO_GRAPH_WEIGHTS = 1 << 18
 # transient `(T, TH, Q, H)` on (about 1M): such a stack costs milliseconds per step eagerly,
 # and its compile (a few seconds) pays back within a few thousand steps.
 AUTO_COMPILE_ELEMENTS = 1 << 20
+# Why a path whose ops carry autograd rules of their own (the C loops', the kernels') is not
+# taken where `Context.plain` holds.
+PLAIN_ONLY = (
+    "traced under grad of grad, forward mode or grad inside vmap, where only plain torch ops "
+    "are differentiated correctly"
+)
 
 
 class Context(NamedTuple):

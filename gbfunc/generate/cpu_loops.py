@@ -15,7 +15,7 @@ from torch import Tensor
 from .._plan import Plan, Stack, plan_of, token_of
 from .._spec import HASH_GAIN
 from ..cpu import Placement, add_hash, placement, refusal, weights
-from ._policy import AUTO_GRAPH_WEIGHTS, Call, compiler_missing, compiling_asked
+from ._policy import AUTO_GRAPH_WEIGHTS, PLAIN_ONLY, Call, compiler_missing, compiling_asked
 
 NAME = "cpu-loops"
 # Its variants: called straight eagerly, without the custom ops' dispatch (tens of
@@ -37,10 +37,7 @@ def refuses(call: Call) -> str | None:
     if context.forward_ad:
         return "forward-mode AD is active: the loops have no forward-mode rule"
     if context.plain:
-        return (
-            "traced under grad of grad, forward mode or grad inside vmap, where only plain "
-            "torch ops are differentiated correctly"
-        )
+        return PLAIN_ONLY
     if context.compiling and context.nested:  # torch 2.13: dynamo's fake tensors fail in the op
         return "traced inside nested torch.func transforms (grad of vmap): the ops fail there"
     if not context.compiling:

@@ -16,7 +16,7 @@ from torch import Tensor
 from .._plan import Plan
 from .._spec import stack_terms
 from .._tiling import assemble, center_rows
-from ._policy import Call
+from ._policy import PLAIN_ONLY, Call
 from .torch_ops import hashed_tiles
 
 NAME = "triton"
@@ -68,10 +68,7 @@ def _unrunnable(call: Call) -> tuple[str, Exception] | None:
             "torch.autograd.forward_ad); use backend='torch' (or 'auto', which sends it there)."
         )
     if context.plain:
-        return (
-            "traced under grad of grad, forward mode or grad inside vmap, where only plain "
-            "torch ops are differentiated correctly"
-        ), ValueError(
+        return PLAIN_ONLY, ValueError(
             "gb.apply: backend='triton' is not traced by torch.compile differentiated twice "
             "(grad of grad, MAML), in forward mode (jvp, jacfwd, hessian) or as a grad inside a "
             "vmap, where dynamo mis-traces custom autograd rules (torch 2.13); use "
