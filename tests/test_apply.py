@@ -51,6 +51,10 @@ def models() -> dict[str, tuple[nn.Module, dict]]:
             nn.Sequential(nn.Conv2d(3, 6, 3), nn.Conv1d(3, 4, 2)),
             {"tile": (4, 3), "encoding": "gray", "outputs": 2},
         ),
+        "cnn-centred": (  # a row's mean is over its inputs and its kernel's taps
+            nn.Sequential(nn.Conv1d(3, 8, 3), nn.ReLU(), nn.Conv1d(8, 4, 3)),
+            {"tile": (4, 4), "center": True},
+        ),
         "paper-labels": (
             nn.Sequential(nn.Flatten(), nn.Linear(12, 9), nn.ReLU(), nn.Linear(9, 5)),
             {

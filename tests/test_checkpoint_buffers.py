@@ -124,6 +124,11 @@ MISFIT_BUFFERS = [
         {"2.gone": torch.zeros(1)},
         r"the checkpoint holds buffer '2\.gone', which the model does not",
     ),
+    (  # a count stored as a float would be truncated into the model's int64
+        {"1.num_batches_tracked": torch.tensor(3.7)},
+        r"buffer '1\.num_batches_tracked' is torch\.float32 \(\) in the checkpoint but "
+        r"torch\.int64",
+    ),
 ]
 
 

@@ -272,6 +272,7 @@ def test_checkpoints_module_export_report_and_optimizer_keep_the_task_embeddings
     gparams, plan, *_ = gb.load(path, model)
     assert plan.tasks == 4
     assert torch.equal(gparams["tasks"], net.tasks.detach())
+    assert all(t.requires_grad for t in gb.trainable_leaves(gparams))  # the embeddings train
     again = gb.Bottleneck.from_checkpoint(path, model)
     again.task = 2
     torch.testing.assert_close(again(x), before)
@@ -667,3 +668,12 @@ def test_a_bottleneck_task_set_during_evaluation_trains_after():
             net(x)
     net(x).square().sum().backward()
     assert net.tasks.grad is not None
+
+
+def test_a_condition_of_another_float_dtype_is_taken_in_the_gnets_dtype():
+    plan = gb.plan(mlp(), tile=(4, 4), hidden=5, condition=3)
+    gparams = gb.init(plan)  # float32 g-nets
+    z = torch.randn(3, dtype=torch.float64)
+    weights = gb.apply(gparams, plan, condition=z)
+    assert weights["0.weight"].dtype == torch.float32
+    torch.testing.assert_close(weights, gb.apply(gparams, plan, condition=z.float()))

@@ -198,6 +198,14 @@ def _grad_sync_cases(mesh) -> dict:
         rebuilt.append(bool(torch.allclose(leaf.grad, sum(x[0] for x in inputs) / world)))
         leaf.grad = None
     out["rebuilt_ok"] = all(rebuilt)
+    # leaves of two dtypes (free parameters keep their own): each reduced in its own, where
+    # one float64 bucket for both failed to assign rank 1's float32 gradient
+    single, double = torch.ones(3, requires_grad=True), torch.ones(2, dtype=torch.float64)
+    double.requires_grad_()
+    sync = gbd.GradSync([single, double], mesh, overlap=False)
+    ((double * 3).sum() + ((single * 2).sum() if rank == 0 else 0)).backward()
+    sync.wait()
+    out["mixed_dtypes"] = (single.grad.dtype, single.grad.tolist(), double.grad.dtype)
     # leaves that differ between the ranks (a RankOwned shard's g-nets passed to GradSync):
     # every rank raises, naming the leaf, where the buckets' all-reduce added unrelated
     # gradients or aborted in gloo
@@ -284,6 +292,7 @@ def test_data_parallel_matches_one_process_on_the_global_batch(tmp_path):
         assert r["used_grad_ok"], r
         assert r["accumulated_ok"], r
         assert r["rebuilt_ok"], r
+        assert r["mixed_dtypes"] == (torch.float32, [2 / world] * 3, torch.float64), r
         assert r["frozen"].startswith("gb.dist.GradSync: leaf 0 (shape (3,)) does not require")
     assert results[0]["mismatch"].startswith(
         "gb.dist.GradSync: the ranks passed different leaves: leaf 1 is shape (2,), "

@@ -1,6 +1,8 @@
 """gb.init starts no generated weight constant: tiles of one evaluation position, g-nets
 whose units all start inactive, and the warning where drawing again cannot help."""
 
+import warnings
+
 import pytest
 import torch
 from test_apply import target_stds
@@ -8,6 +10,7 @@ from torch import nn
 from torch.func import functional_call
 
 import gbfunc as gb
+from gbfunc import _stack_init
 
 
 def _small_mlp() -> nn.Module:
@@ -118,3 +121,37 @@ def test_centred_weights_start_at_their_std_once_centred(kwargs):
         weight = gb.apply(gb.init(plan, seed), plan)["weight"].detach()
         assert weight.std().item() == pytest.approx(p.scale * p.start, rel=1e-3), seed
         assert weight.mean(1).abs().max() < 1e-6  # still centred
+
+
+def test_tile_embeddings_drawn_again_are_halved_at_each_draw(monkeypatch):
+    seen: list[float] = []
+    redraw = _stack_init._redraw
+
+    def spy(*args, shrink, **kwargs):
+        seen.append(shrink)
+        return redraw(*args, shrink=shrink, **kwargs)
+
+    monkeypatch.setattr(_stack_init, "_redraw", spy)
+    plan = gb.plan(nn.Linear(64, 64), tile=(16, 16), share=True, hidden=4)
+    draws = []
+    for seed in range(12):  # seed 8 draws a tile's embedding again
+        seen.clear()
+        gb.init(plan, seed)
+        assert seen == [0.5 ** (k + 1) for k in range(len(seen))], seed
+        draws += seen
+    assert draws
+
+
+def test_gnets_of_one_tile_and_one_position_start_without_a_warning():
+    plan = gb.plan(nn.Linear(5, 3), tile=(1, 1), biases=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # pyproject.toml ignores "start constant" warnings
+        weights = gb.apply(gb.init(plan, 0), plan)
+    assert weights["weight"].std() > 0.1
+
+
+def test_task_embeddings_start_as_standard_normal_draws():
+    plan = gb.plan(nn.Linear(16, 8), tile=(4, 4), hidden=4, condition=32, tasks=64)
+    tasks = gb.init(plan, seed=0)["tasks"].detach()
+    assert tasks.std().item() == pytest.approx(1.0, abs=0.05)
+    assert abs(tasks.mean().item()) < 0.05

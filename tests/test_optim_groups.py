@@ -127,9 +127,33 @@ def test_the_schedule_warms_up_over_a_quarter_then_decays_to_its_final_fraction(
         torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), 10, warmup=2
     )
     assert short.get_last_lr() == [0.5]
+    for steps, warmup in ((1, None), (4, 4)):  # warm-up to the last step: no decay to divide
+        one = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+        whole = gb.optim.schedule(one, steps, warmup=warmup)
+        for _ in range(steps):
+            one.step()
+            whole.step()
+        assert whole.get_last_lr() == [1.0]
     with pytest.raises(ValueError, match="steps"):
         gb.optim.schedule(opt, steps=0)
     with pytest.raises(ValueError, match=r"final must be a fraction of the peak rate in \[0, 1\]"):
         gb.optim.schedule(opt, steps=10, final=2.0)
     with pytest.raises(TypeError, match=r"optimizer must be a torch\.optim\.Optimizer, got str"):
         gb.optim.schedule("opt", steps=10)
+
+
+@pytest.mark.parametrize(
+    ("override", "rate"),
+    [
+        ({"activation": "tanh"}, gb.optim.GNET_LR["tanh"]),  # the larger of the two fed
+        ({"activation": "tanh", "condition": 0}, gb.optim.GNET_LR["relu"]),  # tanh not fed
+    ],
+)
+def test_task_embeddings_take_the_largest_rate_of_the_gnets_they_feed(override, rate):
+    mlp = nn.Sequential(nn.Linear(12, 8), nn.ReLU(), nn.Linear(8, 4))
+    plan = gb.plan(
+        mlp, tile=(4, 4), hidden=5, condition=3, tasks=2, overrides={"2.weight": override}
+    )
+    gparams = gb.init(plan)
+    groups = gb.optim.param_groups(gparams, plan, free_lr=1e-3)
+    assert rates(groups)[id(gparams["tasks"])] == rate
