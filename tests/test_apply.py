@@ -52,7 +52,7 @@ def models() -> dict[str, tuple[nn.Module, dict]]:
             {"tile": (4, 3), "encoding": "gray", "outputs": 2},
         ),
         "cnn-centred": (  # a row's mean is over its inputs and its kernel's taps
-            nn.Sequential(nn.Conv1d(3, 8, 3), nn.ReLU(), nn.Conv1d(8, 4, 3)),
+            nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3)),
             {"tile": (4, 4), "center": True},
         ),
         "paper-labels": (
