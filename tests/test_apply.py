@@ -224,6 +224,13 @@ def test_saved_bytes_counts_a_wrapper_subclass_by_its_inner_tensors():
     assert gb.memory.saved_bytes(lambda: two.exp()) == 2 * 1000 * 4  # exp saves its output
 
 
+def test_saved_bytes_counts_a_storage_once_and_a_meta_tensor_as_nothing():
+    x = torch.randn(1000, requires_grad=True)
+    assert gb.memory.saved_bytes(lambda: (x[:500].sin(), x[500:].sin())) == 4000  # one storage
+    on_meta = torch.randn(1000, device="meta", requires_grad=True)
+    assert gb.memory.saved_bytes(lambda: on_meta.exp()) == 0
+
+
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
 def test_saved_bytes_counts_sparse_and_nested_tensors_by_their_buffers():
     # Their `untyped_storage()` raised (NotImplementedError, "invalid python storage").

@@ -1060,3 +1060,22 @@ def test_a_rule_key_naming_a_buffer_is_refused_not_taken_for_a_derived_weight():
         from gbfunc import _rules
 
         del _rules._RULES[Buffered]
+
+
+def test_a_registered_rule_leaves_a_legacy_spectral_normed_weight_free():
+    """Under `torch.nn.utils.spectral_norm` the layer holds `weight_orig` and computes
+    `weight`: a rule naming `weight` leaves it free, as the built-in rules do."""
+
+    class MyLinear(nn.Linear):
+        pass
+
+    gb.register_rule(MyLinear, lambda m: {"weight": gb.Layout(0.1)})
+    try:
+        model = nn.Sequential(torch.nn.utils.spectral_norm(MyLinear(8, 8)), nn.Linear(8, 4))
+        plan = gb.plan(model, tile=(4, 4))
+    finally:
+        from gbfunc import _rules
+
+        del _rules._RULES[MyLinear]
+    assert [p.name for p in plan.generated] == ["1.weight"]
+    assert "0.weight_orig" in {p.name for p in plan.free}

@@ -113,7 +113,15 @@ def test_a_plain_pytree_opt_state_round_trips(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "tagged", ['{"$tensor": "meta/0"}', '{"$dict": [[1]]}', '{"$tuple": 3}', "[" * 5000]
+    "tagged",
+    [
+        '{"$tensor": "meta/0"}',
+        '{"$dict": [[1]]}',
+        '{"$tuple": 3}',
+        "[" * 5000,
+        '{"$tuple": [1], "$dict": []}',  # a node holds one tag
+        '{"$tuple": [1], "extra": 2}',
+    ],
 )
 def test_a_forged_tagged_meta_is_refused_as_corrupt(saved, tagged):
     forge(saved, lambda tensors, metadata: metadata.update(meta_tagged=tagged))
@@ -590,6 +598,7 @@ def test_plans_of_every_kind_pass_the_checks_of_gb_load(tmp_path):
         (lambda: nn.Linear(50, 70), {"tile": (16, 7), "outputs": 3}),
         (lambda: nn.Linear(50, 70), {"tile": (16, 7), "outputs": 3, "hashed": 9}),
         (lambda: nn.ModuleDict({"c_attn": Conv1D(48, 16)}), {"tile": (8, 8)}),
+        (lambda: nn.Sequential(Conv1D(16, 8), nn.ReLU(), Conv1D(4, 16)), {"tile": (8, 8)}),
         (
             lambda: nn.Sequential(nn.Flatten(), nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 3)),
             paper,

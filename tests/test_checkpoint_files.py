@@ -484,3 +484,46 @@ def _check_hand_built(
 def test_a_hand_built_plan_is_checked_like_a_crafted_file(edit, match):
     """`check_plan` also guards plans built in code, not only read from JSON."""
     _check_hand_built(edit, match)
+
+
+def test_a_save_syncs_the_new_file_before_its_rename_and_the_folder_after(tmp_path, monkeypatch):
+    """Without the first, a crash can leave an empty file under the name; without the
+    second, the old one."""
+    events: list[tuple[str, str]] = []
+    fsync, replace = os.fsync, os.replace
+
+    def recorded_fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def recorded_replace(src, dst, *args, **kwargs) -> None:
+        events.append(("replace", os.fspath(src)))
+        replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", recorded_fsync)
+    monkeypatch.setattr(os, "replace", recorded_replace)
+    folder = os.path.realpath(tmp_path)
+    plan = gb.plan(nn.Linear(8, 8), tile=(4, 4))
+    gb.save(os.path.join(folder, "c.safetensors"), gb.init(plan), plan)
+    renamed = max(i for i, (kind, _) in enumerate(events) if kind == "replace")
+    assert ("fsync", events[renamed][1]) in events[:renamed]
+    assert ("fsync", folder) in events[renamed:]
+
+
+def test_the_copy_replacing_a_private_file_is_private_while_it_is_written(tmp_path):
+    existing = tmp_path / "private.bin"
+    existing.write_bytes(b"old")
+    existing.chmod(0o600)
+    modes = []
+
+    def write(tmp: str) -> None:
+        modes.append(stat.S_IMODE(os.stat(tmp).st_mode))
+        Path(tmp).write_bytes(b"new")
+
+    umask = os.umask(0o022)  # a new file would be 0o644
+    try:
+        write_atomic(str(existing), write)
+    finally:
+        os.umask(umask)
+    assert modes[0] & 0o077 == 0, oct(modes[0])
+    assert stat.S_IMODE(existing.stat().st_mode) == 0o600

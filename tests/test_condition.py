@@ -677,3 +677,18 @@ def test_a_condition_of_another_float_dtype_is_taken_in_the_gnets_dtype():
     weights = gb.apply(gparams, plan, condition=z)
     assert weights["0.weight"].dtype == torch.float32
     torch.testing.assert_close(weights, gb.apply(gparams, plan, condition=z.float()))
+
+
+def test_continual_targets_are_copies_that_in_place_training_does_not_move():
+    plan = gb.plan(mlp(16, 8, 2), tile="full", hidden=4, condition=4, tasks=3)
+    gparams = gb.init(plan)
+    earlier = gb.continual.targets(gparams, plan, tasks=[0, 1])
+    with torch.no_grad():
+        gparams["free"]["0.bias"].add_(1.0)  # an optimizer's step, in place
+    assert gb.continual.penalty(gparams, plan, earlier).item() > 0
+
+
+def test_the_report_gives_the_task_tables_shape_tasks_by_condition():
+    report = gb.report(gb.plan(mlp(16, 8, 2), tile="full", hidden=4, condition=4, tasks=3))
+    assert report.task_shape == (3, 4)
+    assert "3x4" in str(report)

@@ -184,3 +184,13 @@ def test_a_padded_tables_plan_round_trips_a_checkpoint(tmp_path):
     assert plan.params[0].init == ("normal_padded", 3)
     gb.save(tmp_path / "c.safetensors", gb.init(plan), plan)
     assert gb.load(tmp_path / "c.safetensors", model).plan == plan
+
+
+def test_the_exported_buffers_are_copies_of_the_models():
+    model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Linear(16, 2))
+    plan = gb.plan(model, tile=(8, 8))
+    exported = gb.export(gb.init(plan), plan, model=model)
+    kept = exported["1.running_mean"].clone()
+    model.train()(torch.randn(8, 6) + 5)  # moves the model's statistics in place
+    assert not torch.equal(model[1].running_mean, kept)
+    assert torch.equal(exported["1.running_mean"], kept)

@@ -239,3 +239,34 @@ def test_alternating_training_rejects_bad_options():
                 gb.init(plan), plan, lambda p, n: called.append(n), generations=1, **{option: 0}
             )
     assert called == []  # refused before the first generation trains
+
+
+def test_fit_decays_its_rate_along_a_cosine_to_zero(monkeypatch):
+    rates: list[float] = []
+    step = torch.optim.Adam.step
+
+    def recorded(self, *args, **kwargs):
+        rates.append(self.param_groups[0]["lr"])
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", recorded)
+    trained = nn.Linear(16, 8)
+    plan = gb.plan(trained, tile=(8, 8))
+    gb.fit(gb.init(plan), plan, trained.state_dict(), steps=10, lr=0.1)
+    want = [0.1 * 0.5 * (1 + math.cos(math.pi * t / 10)) for t in range(10)]
+    assert rates == pytest.approx(want, abs=1e-12)
+
+
+def test_alternating_training_starts_from_starts_free_parameters():
+    model = nn.Linear(16, 8)
+    plan = gb.plan(model, tile=(8, 8))
+    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    start["bias"] = torch.full((8,), 3.0)
+    seen: dict[int, dict] = {}
+
+    def train_dense(params: dict, generation: int) -> dict:
+        seen.setdefault(generation, {k: v.clone() for k, v in params.items()})
+        return {k: v.clone() for k, v in params.items()}
+
+    gb.train_alternating(gb.init(plan), plan, train_dense, generations=1, fit_steps=1, start=start)
+    assert torch.equal(seen[0]["bias"], start["bias"])

@@ -563,3 +563,64 @@ def test_checkpoint_wrappers_in_the_pnet_and_data_parallel_replicas_are_refused(
     b.pnet[0] = checkpoint_wrapper(b.pnet[0])  # after wrapping: it raised a bare KeyError
     with pytest.raises(ValueError, match=r"gradient checkpointing inside the p-net would"):
         b(torch.randn(2, 8))
+
+
+def test_a_pnet_wrapped_in_eval_mode_stays_in_it():
+    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.5), nn.Linear(16, 2)).eval()
+    b = gb.Bottleneck(model, tile=(8, 8))
+    assert not b.training
+    assert not b.pnet.training
+    x = torch.randn(4, 6)
+    assert torch.equal(b(x), b(x))  # no dropout
+
+
+def test_a_buffer_persistent_under_one_of_its_two_names_is_stored():
+    shared = torch.arange(3.0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    model[0].register_buffer("s", shared)
+    model[1].register_buffer("s", shared, persistent=False)  # the same tensor
+    b = gb.Bottleneck(model, tile=(4, 4))
+    assert f"pnet_buffers.{escape('0.s')}" in b.state_dict()
+
+
+def _mlp_12_24_3() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 24), nn.ReLU(), nn.Linear(24, 3))
+
+
+def test_load_gparams_refuses_a_genome_that_differs_only_in_its_activation():
+    relu = gb.Bottleneck(_mlp_12_24_3(), tile=(8, 8), seed=0)
+    tanh = gb.Bottleneck(_mlp_12_24_3(), tile=(8, 8), activation="tanh")
+    assert relu.plan.generated == tanh.plan.generated  # same shapes: only the genome differs
+    with pytest.raises(ValueError, match="plan is not this module's plan"):
+        tanh.load_gparams(relu.gparams, relu.plan)
+
+
+def test_an_unmarked_state_of_other_stack_shapes_is_refused_before_anything_loads():
+    saved = gb.Bottleneck(_mlp_12_24_3(), tile=(8, 8), hidden=16, seed=0)
+    other = gb.Bottleneck(_mlp_12_24_3(), tile=(8, 8), hidden=32, seed=1)
+    unmarked = {k: v for k, v in saved.state_dict().items() if k != "_extra_state"}
+    before = {k: v.detach().clone() for k, v in other.state_dict().items()}
+    with pytest.raises(ValueError, match="g-net stacks are not this module's"):
+        other.load_state_dict(unmarked, strict=False)
+    after = other.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_update_bn_starts_the_statistics_again_after_training_moved_them():
+    from torch.optim.swa_utils import update_bn
+
+    torch.manual_seed(0)
+    b = gb.Bottleneck(
+        nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Linear(16, 2)), tile=(8, 8)
+    )
+    b.train()
+    for _ in range(5):  # moves the running statistics and counts batches
+        b(torch.randn(16, 6) * 3 - 2)
+    loader = [(torch.randn(16, 6) * 2 + 1, torch.zeros(16)) for _ in range(3)]
+    dense = copy.deepcopy(b.pnet)
+    dense.load_state_dict(b.export())
+    update_bn(loader, dense)
+    b.update_bn(loader)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(b.pnet[1], name), getattr(dense[1], name))

@@ -970,3 +970,11 @@ def test_an_error_inside_a_registered_rule_names_the_rule_and_the_module_type():
     with pytest.raises(AttributeError, match="gate_std") as info:
         gb.plan(Block())
     assert any("registered for " in note and "Block" in note for note in info.value.__notes__)
+
+
+def test_stored_parameters_count_the_frozen_ones():
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    model[0].bias.requires_grad_(False)
+    report = gb.report(gb.plan(model, tile=(8, 8)))
+    assert report.frozen_params == 16
+    assert report.stored_params == report.gnet_params + report.free_params + 16
