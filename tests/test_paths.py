@@ -253,8 +253,8 @@ GRAPH_PLANS = {
 def test_the_graph_path_equals_the_references(name, seed):
     """`compile=True` with gradients on: the plan's generation as one compiled graph."""
     plan, stacks = GRAPH_PLANS[name]
-    if "cpu-loops" in stacks and (_build.flavour() is None or _build.compiler() is None):
-        pytest.skip("the loops are not built on this machine")
+    if _build.flavour() is None or _build.compiler() is None:  # no loops: all traced forms
+        stacks = tuple("graph" if path == "cpu-loops" else path for path in stacks)
     gparams = init(plan, seed)
     assert_route(gparams, plan, stacks, compile=True)
     assert gb.explain(gparams, plan, compile=True).route.plan == "graph"
