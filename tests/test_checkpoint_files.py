@@ -112,23 +112,30 @@ def test_new_files_follow_the_umask_and_existing_files_keep_their_mode(tmp_path)
     assert stat.S_IMODE(existing.stat().st_mode) == 0o640
 
 
-def test_a_read_only_file_is_replaced_whole_and_stays_read_only(tmp_path):
+@pytest.mark.parametrize("mode", [0o444, 0o600])
+def test_a_file_is_replaced_whole_keeping_its_mode_and_giving_others_no_more(tmp_path, mode):
     """The temporary file is its owner's to write even where the file it replaces is not
-    (as a non-root user, safetensors could not open a read-only one: permission denied)."""
+    (as a non-root user, safetensors could not open a read-only one: permission denied),
+    and others may read it only where they could read the file (a private one's copy was
+    0o644 under a umask of 022 while it was written)."""
     existing = tmp_path / "kept.bin"
     existing.write_bytes(b"old")
-    existing.chmod(0o444)
+    existing.chmod(mode)
     modes = []
 
     def write(tmp: str) -> None:
         modes.append(stat.S_IMODE(os.stat(tmp).st_mode))
         Path(tmp).write_bytes(b"new")
 
-    write_atomic(str(existing), write)
+    umask = os.umask(0o022)
+    try:
+        write_atomic(str(existing), write)
+    finally:
+        os.umask(umask)
     assert modes[0] & 0o600 == 0o600
-    assert modes[0] & 0o077 & ~0o044 == 0  # others get no more than the file gave them
+    assert modes[0] & 0o077 & ~(mode & 0o077) == 0
+    assert stat.S_IMODE(existing.stat().st_mode) == mode
     assert existing.read_bytes() == b"new"
-    assert stat.S_IMODE(existing.stat().st_mode) == 0o444
 
 
 def _generated(plan: dict, index: int = 0) -> dict:
@@ -508,22 +515,3 @@ def test_a_save_syncs_the_new_file_before_its_rename_and_the_folder_after(tmp_pa
     renamed = max(i for i, (kind, _) in enumerate(events) if kind == "replace")
     assert ("fsync", events[renamed][1]) in events[:renamed]
     assert ("fsync", folder) in events[renamed:]
-
-
-def test_the_copy_replacing_a_private_file_is_private_while_it_is_written(tmp_path):
-    existing = tmp_path / "private.bin"
-    existing.write_bytes(b"old")
-    existing.chmod(0o600)
-    modes = []
-
-    def write(tmp: str) -> None:
-        modes.append(stat.S_IMODE(os.stat(tmp).st_mode))
-        Path(tmp).write_bytes(b"new")
-
-    umask = os.umask(0o022)  # a new file would be 0o644
-    try:
-        write_atomic(str(existing), write)
-    finally:
-        os.umask(umask)
-    assert modes[0] & 0o077 == 0, oct(modes[0])
-    assert stat.S_IMODE(existing.stat().st_mode) == 0o600
