@@ -196,6 +196,8 @@ def test_update_bn_recomputes_the_statistics_under_the_generated_weights():
 
     torch.manual_seed(0)
     b = gb.Bottleneck(bn_net(), tile=(8, 8))
+    for _ in range(5):  # training moves the statistics: update_bn starts them again
+        b(torch.randn(16, 6) * 3 - 2)
     loader = [(torch.randn(16, 6) * 2 + 1, torch.zeros(16)) for _ in range(3)]
     before = b.pnet[1].running_mean.clone()
     update_bn(loader, b)
@@ -583,44 +585,20 @@ def test_a_buffer_persistent_under_one_of_its_two_names_is_stored():
     assert f"pnet_buffers.{escape('0.s')}" in b.state_dict()
 
 
-def _mlp_12_24_3() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(12, 24), nn.ReLU(), nn.Linear(24, 3))
-
-
 def test_load_gparams_refuses_a_genome_that_differs_only_in_its_activation():
-    relu = gb.Bottleneck(_mlp_12_24_3(), tile=(8, 8), seed=0)
-    tanh = gb.Bottleneck(_mlp_12_24_3(), tile=(8, 8), activation="tanh")
+    relu = gb.Bottleneck(mlp(), tile=(8, 8), seed=0)
+    tanh = gb.Bottleneck(mlp(), tile=(8, 8), activation="tanh")
     assert relu.plan.generated == tanh.plan.generated  # same shapes: only the genome differs
     with pytest.raises(ValueError, match="plan is not this module's plan"):
         tanh.load_gparams(relu.gparams, relu.plan)
 
 
 def test_an_unmarked_state_of_other_stack_shapes_is_refused_before_anything_loads():
-    saved = gb.Bottleneck(_mlp_12_24_3(), tile=(8, 8), hidden=16, seed=0)
-    other = gb.Bottleneck(_mlp_12_24_3(), tile=(8, 8), hidden=32, seed=1)
+    saved = gb.Bottleneck(mlp(), tile=(8, 8), hidden=16, seed=0)
+    other = gb.Bottleneck(mlp(), tile=(8, 8), hidden=32, seed=1)
     unmarked = {k: v for k, v in saved.state_dict().items() if k != "_extra_state"}
     before = {k: v.detach().clone() for k, v in other.state_dict().items()}
     with pytest.raises(ValueError, match="g-net stacks are not this module's"):
         other.load_state_dict(unmarked, strict=False)
     after = other.state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())
-
-
-def test_update_bn_starts_the_statistics_again_after_training_moved_them():
-    from torch.optim.swa_utils import update_bn
-
-    torch.manual_seed(0)
-    b = gb.Bottleneck(
-        nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Linear(16, 2)), tile=(8, 8)
-    )
-    b.train()
-    for _ in range(5):  # moves the running statistics and counts batches
-        b(torch.randn(16, 6) * 3 - 2)
-    loader = [(torch.randn(16, 6) * 2 + 1, torch.zeros(16)) for _ in range(3)]
-    dense = copy.deepcopy(b.pnet)
-    dense.load_state_dict(b.export())
-    update_bn(loader, dense)
-    b.update_bn(loader)
-    for name in ("running_mean", "running_var", "num_batches_tracked"):
-        torch.testing.assert_close(getattr(b.pnet[1], name), getattr(dense[1], name))
