@@ -54,7 +54,7 @@ LEAF_UTILITIES = {
     "gbfunc._genome": "the g-net's shapes and position codes, read by the plan's properties",
     "gbfunc._tree": "the gparams pytree's type and its trainable leaves",
     "gbfunc._numbers": "what counts as a number in an argument",
-    "gbfunc._tracing": "predicates on what torch does to the call (export, transforms)",
+    "gbfunc._tracing": "what torch does to the call (export, transforms, autocast)",
     "gbfunc.cpu._mode": "the CPU loops' mode in force and whether a build failed (the memo's key)",
 }
 

@@ -5,9 +5,9 @@ from torch import Tensor
 from ._condition import condition_of, conditioned, folded, without_condition
 from ._dispatch import Route, check_call, context_of, route, runner
 from ._plan import Plan
-from ._spec import autocast_off
 from ._tiling import parameters
-from ._tree import GParams
+from ._tracing import autocast_off
+from ._tree import GParams, first_leaf
 from .generate import graph, torch_ops
 
 
@@ -73,7 +73,7 @@ def apply(
         values=check,
         condition=condition,
     )
-    with autocast_off(gparams["stacks"]):
+    with autocast_off(first_leaf(gparams["stacks"])):
         return _generate(gparams, plan, condition, task, backend, compile)
 
 

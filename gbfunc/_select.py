@@ -18,7 +18,6 @@ from ._dispatch import context_of, runner, stack_path
 from ._numbers import as_integer
 from ._plan import Free, Generated, Plan, check_is_plan
 from ._realised import realised
-from ._spec import autocast_off
 from ._tiling import (
     Concat,
     Piece,
@@ -31,7 +30,8 @@ from ._tiling import (
     pieces,
     split_into,
 )
-from ._tree import GParams
+from ._tracing import autocast_off
+from ._tree import GParams, first_leaf
 from .generate import cpu_loops, torch_ops
 
 Rows = slice | list[int]  # a piece's rows in the evaluated tiles: a slice where consecutive
@@ -126,7 +126,7 @@ class Selection:
         takes `condition` or `task` as `gb.apply` does; `where` names the call in its errors.
         """
         check_gparams(gparams, self.plan, where)  # the loops trust the plan's tile counts
-        with autocast_off(gparams["stacks"]):  # as `gb.apply`: in the g-nets' dtype
+        with autocast_off(first_leaf(gparams["stacks"])):  # as `gb.apply`: in the g-nets' dtype
             gparams, _ = folded(gparams, self.plan, condition, task, where)
             return self._generate(gparams, compile, paths)
 

@@ -5,11 +5,12 @@ the position-code tables they read (`code_tables`), the activations and their de
 the tile hash and a hashed table's signed gather (`signed_buckets`, and its gradient), and
 `reference`: the tile MLP in plain autograd, which defines what every generation path (the
 compiled torch forms, the C loops, the Triton kernels) must return.
-`gbfunc.cpu` and `gbfunc.kernels` import this module, the plan and `_function` (and the
-kernels' reference the tiling), nothing above them (`tests/test_import_graph.py`).
+`gbfunc.cpu` and `gbfunc.kernels` import this module, the plan and `_function` (the loops
+`_tracing` too, the kernels' reference the tiling), nothing above them
+(`tests/test_import_graph.py`). What torch does to a call (tracing, transforms, autocast)
+is `_tracing`'s.
 """
 
-import contextlib
 import math
 from collections.abc import Callable, Hashable, Mapping
 from typing import NamedTuple, TypeVar
@@ -20,7 +21,6 @@ from torch import Tensor
 
 from ._genome import hash_buckets, stack_codes
 from ._plan import Stack
-from ._tree import first_leaf
 
 Tensors = tuple[Tensor, Tensor]
 Made = TypeVar("Made", Tensor, Tensors)
@@ -292,36 +292,3 @@ def per_tile(x: Tensor, counts: tuple[int, ...]) -> Tensor:
 def tile_rows(x: Tensor | None, lo: int, hi: int) -> Tensor | None:
     """Tiles `lo:hi` of an optional per-tile tensor."""
     return None if x is None else x[lo:hi]
-
-
-def plain_eager() -> bool:
-    """Neither traced by `torch.compile` nor inside a `torch.func` transform.
-
-    Dynamo refuses to run compiled code under a functorch transform ("Unsupported functorch
-    tracing attempt"), so compiled bodies are only used outside both.
-    """
-    return (
-        not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is None
-    )
-
-
-def autocast_off(stacks: Mapping[str, Mapping[str, Tensor]]) -> contextlib.AbstractContextManager:
-    """Autocast off on the g-nets' device (that of the first leaf of `stacks`) where it is on:
-    weights are computed in the g-nets' dtype, as the loops and kernels do, whatever autocast
-    the caller runs under (the torch path's matmuls ran in bfloat16 under CPU autocast, and
-    handed the loops bfloat16 tensors they read as float32)."""
-    leaf = first_leaf(stacks)
-    device = None if leaf is None else leaf.device.type
-    if device is None or not torch.amp.is_autocast_available(device):
-        return contextlib.nullcontext()
-    if torch.is_autocast_enabled(device):
-        return torch.autocast(device, enabled=False)
-    return contextlib.nullcontext()
-
-
-def legacy_batched(grads: tuple[Tensor | None, ...]) -> bool:
-    """Whether eager gradients are autograd's legacy batched tensors, which have no storage
-    (never so in traced code, where dynamo cannot ask)."""
-    if torch.compiler.is_compiling():
-        return False
-    return not all(g is None or torch._C._has_storage(g) for g in grads)

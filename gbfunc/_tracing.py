@@ -1,6 +1,7 @@
 """What torch is doing to the call: whether `torch.export` traces it (the one reading of it
-for every torch version), whether dynamo is switched off, whether transforms nest, and
-whether dynamo traces a custom `autograd.Function` under them.
+for every torch version), whether dynamo is switched off, whether transforms nest, whether
+dynamo traces a custom `autograd.Function` under them, whether gradients are legacy batched
+tensors, and autocast (which generation turns off).
 
 `torch.compiler.is_exporting()` returns the flag `torch.export` sets while it traces. Dynamo up
 to torch 2.11 at least (2.13 reads the flag) folds the call to `True` in every graph it traces,
@@ -10,7 +11,10 @@ Read directly, the flag is right under both (checked on 2.11 and 2.13: `False` i
 `torch.compile`, `True` in `torch.export.export`, strict and not).
 """
 
+import contextlib
+
 import torch
+from torch import Tensor
 
 
 def exporting() -> bool:
@@ -48,3 +52,35 @@ def functions_traceable() -> bool:
     if kind.Jvp in kinds or kinds.count(kind.Grad) > 1:
         return False
     return kind.Grad not in kinds or kind.Vmap not in kinds[: kinds.index(kind.Grad)]
+
+
+def plain_eager() -> bool:
+    """Neither traced by `torch.compile` nor inside a `torch.func` transform.
+
+    Dynamo refuses to run compiled code under a functorch transform ("Unsupported functorch
+    tracing attempt"), so compiled bodies are only used outside both.
+    """
+    return (
+        not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is None
+    )
+
+
+def legacy_batched(grads: tuple[Tensor | None, ...]) -> bool:
+    """Whether eager gradients are autograd's legacy batched tensors, which have no storage
+    (never so in traced code, where dynamo cannot ask)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not all(g is None or torch._C._has_storage(g) for g in grads)
+
+
+def autocast_off(leaf: Tensor | None) -> contextlib.AbstractContextManager:
+    """Autocast off on the g-nets' device (that of `leaf`, a g-net leaf) where it is on:
+    weights are computed in the g-nets' dtype, as the loops and kernels do, whatever autocast
+    the caller runs under (the torch path's matmuls ran in bfloat16 under CPU autocast, and
+    handed the loops bfloat16 tensors they read as float32)."""
+    device = None if leaf is None else leaf.device.type
+    if device is None or not torch.amp.is_autocast_available(device):
+        return contextlib.nullcontext()
+    if torch.is_autocast_enabled(device):
+        return torch.autocast(device, enabled=False)
+    return contextlib.nullcontext()

@@ -14,9 +14,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # What the low packages may import from gbfunc: the plan, the specification and the tiling
-# (tile-and-cut, which the kernels' forward reference checks their fused layout against).
+# (tile-and-cut, which the kernels' forward reference checks their fused layout against);
+# the loops also what torch does to the call (`_tracing`, which imports only torch).
 ALLOWED = {
-    "gbfunc/cpu": {"gbfunc._plan", "gbfunc._spec", "gbfunc._function"},
+    "gbfunc/cpu": {"gbfunc._plan", "gbfunc._spec", "gbfunc._function", "gbfunc._tracing"},
     "kernels": {"gbfunc._plan", "gbfunc._spec", "gbfunc._tiling", "gbfunc._function"},
 }
 # The modules of `gbfunc/generate/`, one per path, in the dispatcher's order.

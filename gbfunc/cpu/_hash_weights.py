@@ -25,7 +25,8 @@ import torch
 from torch import Tensor
 
 from .._function import signature_once
-from .._spec import cached_tile_hash, legacy_batched, signed_buckets
+from .._spec import cached_tile_hash, signed_buckets
+from .._tracing import legacy_batched
 from ._build import Loop, compiled_loop, launch, splits_added, threads_and_splits, vectorised_cpu
 from ._relu_rows import (
     Placement,

@@ -38,7 +38,8 @@ from torch._functorch.utils import unwrap_dead_wrappers
 
 from .._function import signature_once
 from .._plan import Generated, Stack, tile_places
-from .._spec import Terms, code_tables, legacy_batched, reference
+from .._spec import Terms, code_tables, reference
+from .._tracing import legacy_batched
 from ._build import Loop, compiled_loop, launch, splits_added, threads_and_splits
 from ._relu_loops import supported
 from ._relu_tiles import BACKWARD as TILES_BACKWARD, BLOCK_ROWS, FORWARD as TILES_FORWARD

@@ -22,10 +22,9 @@ from .._condition import condition_of, conditioned
 from .._dispatch import torch_variant
 from .._numbers import integer
 from .._plan import TILE_LEAVES, Plan, Stack, check_is_plan
-from .._spec import autocast_off
 from .._tiling import assemble, parameters
-from .._tracing import functions_traceable
-from .._tree import GParams
+from .._tracing import autocast_off, functions_traceable
+from .._tree import GParams, first_leaf
 from ..generate.torch_ops import evaluate_stack
 from ._sync import (
     CollectiveError,
@@ -206,7 +205,7 @@ class RankOwned:
             )
         check_gparams(local, self.plan, where, shard=True)
         self._check_shard(local)
-        with autocast_off(local["stacks"]):  # as `gb.apply`: in the g-nets' dtype
+        with autocast_off(first_leaf(local["stacks"])):  # as `gb.apply`: in the g-nets' dtype
             z = condition_of(local, self.plan, condition, task, where)
             if z is not None:
                 _check_same_condition(z, self.group)

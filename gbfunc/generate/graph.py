@@ -24,8 +24,8 @@ from .._check_gparams import TASKS
 from .._compiled import CompiledCache
 from .._condition import task_number
 from .._plan import Plan, Stack
-from .._spec import legacy_batched
 from .._tiling import parameters
+from .._tracing import legacy_batched
 from .._tree import GParams, first_leaf
 from ..cpu import loops_state
 from . import compiled_mlp, cpu_loops, triton

@@ -34,13 +34,12 @@ from .._realised import realised
 from .._spec import (
     Terms,
     hashed_tiles as spec_hashed_tiles,
-    legacy_batched,
-    plain_eager,
     reference_jvp,
     stack_terms,
     tile_rows,
 )
 from .._tiling import assemble, block_spans, split_into
+from .._tracing import legacy_batched, plain_eager
 from . import _traced_forms as traced_forms
 from ._bodies import after, backward_recompute, forward_no_save
 from ._policy import Call
