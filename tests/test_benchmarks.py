@@ -228,6 +228,25 @@ def test_lr_leaves_family_reports_each_genome_against_its_default_paired_by_seed
     assert "2 seeds" in printed
 
 
+def test_lr_no_tables_reports_each_factor_against_the_default_paired_by_seed(capsys):
+    from benchmarks import lr_no_tables
+
+    image, text = "digits CNN, tiled genome", "character transformer, tiled genome"
+    scores = {
+        (image, 1.0): {0: 96.0, 1: 97.0},
+        (image, 3.0): {0: 97.0, 1: 97.5},
+        (text, 1.0): {0: 2.0, 1: 2.1, 2: 2.2},
+        (text, 2.0): {0: 2.3, 1: 2.4, 2: 2.5},
+    }
+    lr_no_tables.report(scores)
+    printed = capsys.readouterr().out
+    assert f"| {image} | 1x | 96.500 % | 0.500 | 1.000 | - |" in printed
+    assert f"| {image} | 3x | 97.250 % | 0.250 | 0.500 | +0.750 +- 0.250 % (within" in printed
+    # three seeds each 0.3 nats worse: no spread in the gap, beyond noise
+    assert f"| {text} | 2x | 2.400 nats | 0.058 | 0.200 | +0.300 +- 0.000 nats (beyond" in printed
+    assert "digits MLP" not in printed  # p-nets without scores are left out
+
+
 def test_lr_leaves_budgets_report_each_budget_against_its_default_paired_by_seed(capsys):
     from benchmarks import equal_params as ep
     from benchmarks.lr_leaves import report_budgets
