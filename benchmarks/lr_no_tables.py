@@ -13,36 +13,59 @@ multiples of them, and prints each factor's mean and its gap to the default, pai
 - the main job's character transformer with `equal_params`' tiled genome at ~20x (64x64
   tiles, 8 hidden units, 8 outputs, embeddings and head generated), on the main corpus.
 
-    python -m benchmarks.lr_no_tables    # about 20 minutes on 2 cores, 18 of them the text
+    python -m benchmarks.lr_no_tables                  # about 20 minutes on 2 cores
+    python -m benchmarks.lr_no_tables --pnets mlp cnn  # the image models: about 2 minutes
 
 Writes `results/lr_no_tables.md`.
 """
 
 import argparse
-import statistics
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from benchmarks import equal_params as ep, transfer
 from benchmarks._meta import RESULTS, recorded
-from examples.seeds import paired_gap
+from examples.seeds import Stat, paired_gap
 from examples.tasks import CharLMConfig, DigitsConfig, MLPConfig
 
-# name: (equal_params' task, genome, the free tensors' rate, factors, seeds)
+
+class PNet(NamedTuple):
+    """A p-net and its genome as this benchmark trains them."""
+
+    label: str  # as the report names it
+    task: str  # equal_params' task
+    genome: dict
+    free_lr: float  # the free tensors' rate: the main job's dense rate
+    factors: tuple[float, ...]  # multiples of the default rates; 1.0 is the default
+    seeds: int
+
+
+# equal_params' "~20x" tiled genome of the transformer (no tables), its second.
+CHARLM_TILED = ep.TASKS["charlm"].genomes[1][2]
 PNETS = {
-    "digits MLP, row g-nets (digits-rows)": (
+    "mlp": PNet(
+        "digits MLP, row g-nets (digits-rows)",
         "mlp",
         ep.ROWS_GENOME,
         MLPConfig().lr_dense,
         (1.0, 2.0, 3.0),
         10,
     ),
-    "digits CNN, tiled genome": ("cnn", ep.TILED_CNN, DigitsConfig().lr_dense, (1.0, 2.0, 3.0), 10),
-    "character transformer, tiled genome": (
+    "cnn": PNet(
+        "digits CNN, tiled genome",
+        "cnn",
+        ep.TILED_CNN,
+        DigitsConfig().lr_dense,
+        (1.0, 2.0, 3.0),
+        10,
+    ),
+    "charlm": PNet(
+        "character transformer, tiled genome",
         "charlm",
-        ep.TASKS["charlm"].genomes[1][2],
+        CHARLM_TILED,
         CharLMConfig().lr_dense,
         (1.0, 2.0),
         6,
@@ -51,54 +74,54 @@ PNETS = {
 
 
 def run(pnet: str, factor: float, seed: int) -> float:
-    """The validation score of `pnet` (accuracy in %, or loss in nats for text) with every
-    g-net leaf at `factor` times its default rate."""
+    """The validation score of `PNETS[pnet]` (accuracy in %, or loss in nats for text) with
+    every g-net leaf at `factor` times its default rate."""
     torch.set_num_threads(1)
-    name, genome, free_lr, _, _ = PNETS[pnet]
-    task = ep.TASKS[name]
+    spec = PNETS[pnet]
+    task = ep.TASKS[spec.task]
     loss, accuracy, _ = transfer.train_gbfunc(
-        task, genome, seed, task.data(), free_lr, lambda *_: factor
+        task, spec.genome, seed, task.data(), spec.free_lr, lambda *_: factor
     )
     return loss if task.metric == "val_loss" else 100 * accuracy
 
 
 def report(scores: dict[tuple[str, float], dict[int, float]]) -> None:
-    """Per p-net and factor: the mean, its standard error and seed spread, and the gap to the
-    default paired by seed (labelled by `examples.seeds`' paired t-test at 5%)."""
+    """Per p-net (`PNETS`' key) and factor: the mean, its standard error and seed spread, and
+    the gap to the default paired by seed (labelled by `examples.seeds`' paired t-test at 5%)."""
     print("| p-net | factor | mean | s.e. | spread | factor - default, paired |")
     print("|---|---:|---:|---:|---:|---|")
-    for pnet, (name, *_) in PNETS.items():
-        unit = "nats" if ep.TASKS[name].metric == "val_loss" else "%"
+    for pnet, spec in PNETS.items():
+        unit = "nats" if ep.TASKS[spec.task].metric == "val_loss" else "%"
         default = scores.get((pnet, 1.0), {})
         for factor in sorted(f for p, f in scores if p == pnet):
             by_seed = scores[pnet, factor]
-            values = [by_seed[s] for s in sorted(by_seed)]
-            error = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else 0.0
+            stat = Stat.of([by_seed[s] for s in sorted(by_seed)])
             gap = "-"
             if factor != 1.0 and default:
                 seeds = sorted(set(by_seed) & set(default))
-                stat = paired_gap([by_seed[s] for s in seeds], [default[s] for s in seeds])
-                gap = f"{stat.mean:+.3f} +- {stat.se:.3f} {unit} ({stat.label})"
+                diff = paired_gap([by_seed[s] for s in seeds], [default[s] for s in seeds])
+                gap = f"{diff.mean:+.3f} +- {diff.se:.3f} {unit} ({diff.label})"
             print(
-                f"| {pnet} | {factor:g}x | {statistics.fmean(values):.3f} {unit} "
-                f"| {error:.3f} | {max(values) - min(values):.3f} | {gap} |"
+                f"| {spec.label} | {factor:g}x | {stat.mean:.3f} {unit} "
+                f"| {stat.se:.3f} | {stat.spread:.3f} | {gap} |"
             )
     print("\naccuracy: higher is better (360 validation images, 0.28 points each); nats: lower")
 
 
 def main() -> None:
+    """Train every job (text first: the longest), two processes, and write the report."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pnets", nargs="+", choices=tuple(PNETS), default=tuple(PNETS))
     parser.add_argument("--seeds", type=int, help="default: each p-net's own (10 or 6)")
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS / "lr_no_tables.md")
     args = parser.parse_args()
-    slow_first = sorted(args.pnets, key=lambda pnet: PNETS[pnet][0] != "charlm")
+    slow_first = sorted(args.pnets, key=lambda pnet: pnet != "charlm")
     jobs = [
         (pnet, factor, seed)
         for pnet in slow_first
-        for factor in PNETS[pnet][3]
-        for seed in range(args.seeds or PNETS[pnet][4])
+        for factor in PNETS[pnet].factors
+        for seed in range(args.seeds or PNETS[pnet].seeds)
     ]
     with ProcessPoolExecutor(args.processes) as pool:
         results = list(pool.map(run, *zip(*jobs, strict=True)))

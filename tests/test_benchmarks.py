@@ -233,10 +233,10 @@ def test_lr_no_tables_reports_each_factor_against_the_default_paired_by_seed(cap
 
     image, text = "digits CNN, tiled genome", "character transformer, tiled genome"
     scores = {
-        (image, 1.0): {0: 96.0, 1: 97.0},
-        (image, 3.0): {0: 97.0, 1: 97.5},
-        (text, 1.0): {0: 2.0, 1: 2.1, 2: 2.2},
-        (text, 2.0): {0: 2.3, 1: 2.4, 2: 2.5},
+        ("cnn", 1.0): {0: 96.0, 1: 97.0},
+        ("cnn", 3.0): {0: 97.0, 1: 97.5},
+        ("charlm", 1.0): {0: 2.0, 1: 2.1, 2: 2.2},
+        ("charlm", 2.0): {0: 2.3, 1: 2.4, 2: 2.5},
     }
     lr_no_tables.report(scores)
     printed = capsys.readouterr().out

@@ -69,6 +69,12 @@ def test_the_loops_and_kernels_import_only_the_plan_and_the_specification(folder
     assert not offenders, f"imports above the plan and the specification: {offenders}"
 
 
+def test_what_torch_does_to_the_call_imports_nothing_of_gbfunc():
+    """The loops may read `_tracing` because it stands on torch alone: an import of gbfunc
+    there would let the loops reach above the plan and the specification through it."""
+    assert gbfunc_imports(ROOT / "gbfunc/_tracing.py", "gbfunc") == set()
+
+
 # Above the paths: what no module of `gbfunc/generate/` may import.
 ABOVE_THE_PATHS = ("gbfunc._dispatch", "gbfunc._apply")
 # The runners, whose private names (and private modules) the dispatcher may not read.
