@@ -385,7 +385,9 @@ def _packed_tile_hash_op(positions: int, buckets: int, device: torch.device) -> 
     so that the compiled code may reuse its memory without touching the cache. Packed,
     bucket and sign copy 4 bytes a position, not 12 (int64 and float32), and unpack inside
     the gather's kernel, which lowers a compiled step's peak (measured:
-    `benchmarks/results/design_measurements.md`)."""
+    `benchmarks/results/design_measurements.md`). A constant of the graph instead
+    (`torch.compiler.assume_constant_result`) failed in torch 2.13's inductor for a plan of
+    two hashed stacks ("ConstantSource(...) already in seen_sources")."""
     return cached(packed_tile_hash, positions, buckets, device).clone()
 
 
