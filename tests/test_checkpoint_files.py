@@ -1,13 +1,14 @@
 """Files that are not checkpoints, crafted checkpoints whose hash was recomputed, and the
 umask: every failure is a `gb.CheckpointError` naming the file, and nothing hangs."""
 
+import contextlib
 import json
 import math
 import os
 import stat
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -96,18 +97,25 @@ def test_crafted_step_and_integer_tensors_are_refused(saved):
     load_fails(path, model, "inconsistent contents")
 
 
+@contextlib.contextmanager
+def umask(mask: int) -> Iterator[None]:
+    """The process's umask set to `mask` for the block, then restored."""
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
 def test_new_files_follow_the_umask_and_existing_files_keep_their_mode(tmp_path):
     plan = gb.plan(nn.Linear(8, 8), tile=(4, 4))
     gparams = gb.init(plan)
-    old = os.umask(0o077)
-    try:
+    with umask(0o077):
         gb.save(tmp_path / "private.safetensors", gparams, plan)
         existing = tmp_path / "shared.safetensors"
         existing.write_bytes(b"")
         existing.chmod(0o640)
         gb.save(existing, gparams, plan)
-    finally:
-        os.umask(old)
     assert stat.S_IMODE((tmp_path / "private.safetensors").stat().st_mode) == 0o600
     assert stat.S_IMODE(existing.stat().st_mode) == 0o640
 
@@ -127,11 +135,8 @@ def test_a_file_is_replaced_whole_keeping_its_mode_and_giving_others_no_more(tmp
         modes.append(stat.S_IMODE(os.stat(tmp).st_mode))
         Path(tmp).write_bytes(b"new")
 
-    umask = os.umask(0o022)
-    try:
+    with umask(0o022):
         write_atomic(str(existing), write)
-    finally:
-        os.umask(umask)
     assert modes[0] & 0o600 == 0o600
     assert modes[0] & 0o077 & ~(mode & 0o077) == 0
     assert stat.S_IMODE(existing.stat().st_mode) == mode
