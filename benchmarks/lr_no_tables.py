@@ -29,7 +29,7 @@ import torch
 from benchmarks import equal_params as ep, transfer
 from benchmarks._meta import RESULTS, recorded
 from examples.seeds import Stat, paired_gap
-from examples.tasks import CharLMConfig, DigitsConfig, MLPConfig
+from examples.tasks import CharLMConfig, DigitsConfig
 
 
 class PNet(NamedTuple):
@@ -45,12 +45,13 @@ class PNet(NamedTuple):
 
 # equal_params' "~20x" tiled genome of the transformer (no tables), its second.
 CHARLM_TILED = ep.TASKS["charlm"].genomes[1][2]
+_, MLP_TASK, ROWS_GENOME, MLP_FREE_LR = transfer.TASKS["digits-rows"]  # transfer's, as it runs
 PNETS = {
     "mlp": PNet(
         "digits MLP, row g-nets (digits-rows)",
-        "mlp",
-        ep.ROWS_GENOME,
-        MLPConfig().lr_dense,
+        MLP_TASK,
+        ROWS_GENOME,
+        MLP_FREE_LR,
         (1.0, 2.0, 3.0),
         10,
     ),
