@@ -1,5 +1,6 @@
 // Part of gbfunc's CPU loops (gbfunc/cpu): see the Python module that runs it.
 #include <cstdint>
+#include "block_products.h"
 // out (T, TH, Q, P): out[t, i, q] = b_out[t] + sum_h relu(row[t, i, h] + b[t, q, h]) w_out[t, h].
 template <int BLOCK>
 static inline void positions(const float* row, const float* b, const float* w,
@@ -14,14 +15,7 @@ static inline void positions(const float* row, const float* b, const float* w,
 #pragma omp simd
     for (int p = 0; p < OUTPUTS; ++p) acc[k][p] = bias[p];
   }
-  for (int h = 0; h < HIDDEN; ++h) {
-    const float* w_h = w + h * OUTPUTS;
-    for (int k = 0; k < BLOCK; ++k) {
-      const float x = hidden[k][h];
-#pragma omp simd
-      for (int p = 0; p < OUTPUTS; ++p) acc[k][p] += x * w_h[p];
-    }
-  }
+  add_block_products<BLOCK, HIDDEN, OUTPUTS>(acc, hidden, w);
   for (int k = 0; k < BLOCK; ++k)
 #pragma omp simd
     for (int p = 0; p < OUTPUTS; ++p) out[k * OUTPUTS + p] = acc[k][p];

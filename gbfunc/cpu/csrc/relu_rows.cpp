@@ -1,5 +1,6 @@
 // Part of gbfunc's CPU loops (gbfunc/cpu): see the Python module that runs it.
 #include <cstdint>
+#include "block_products.h"
 #include "placement.h"
 #include <string.h>
 
@@ -78,14 +79,7 @@ static inline void hidden_gradients(const float* const* g, const float* wt,
   float acc[BLOCK][PADDED];
   for (int k = 0; k < BLOCK; ++k)
     for (int h = 0; h < PADDED; ++h) acc[k][h] = 0.0f;
-  for (int p = 0; p < OUTPUTS; ++p) {
-    const float* w = wt + p * PADDED;
-    for (int k = 0; k < BLOCK; ++k) {
-      const float x = g[k][p];
-#pragma omp simd
-      for (int h = 0; h < PADDED; ++h) acc[k][h] += x * w[h];
-    }
-  }
+  add_block_products<BLOCK, OUTPUTS, PADDED>(acc, g, wt);
   for (int k = 0; k < BLOCK; ++k)
     for (int h = 0; h < PADDED; ++h) gh[k][h] = acc[k][h];
 }
