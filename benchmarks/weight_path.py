@@ -89,8 +89,10 @@ DEFINITIONS = (
     "`gbfunc.kernels` for `triton`, the tile MLP's bodies `generate._bodies` for `torch`), so "
     "that its runner's layers (custom op, loader, launch, bodies) are not steps; a unit "
     "imports another when one of its modules imports one of the "
-    "other's. The `torch` path's traced forms call the C++ loops as sub-ops: there the "
-    "`cpu-loops` unit is a second path crossed.",
+    "other's. A runner's layer that two paths share (`SHARED_LAYERS`: the compile cache of "
+    "`graph` and `compiled-mlp`) is the layer of the path that entered it: its frames are "
+    "left out, so that its calls are that path's. The `torch` path's traced forms call the "
+    "C++ loops as sub-ops: there the `cpu-loops` unit is a second path crossed.",
 )
 
 # The units of the third view: each path's module and the native package it drives.
@@ -143,8 +145,17 @@ def import_graph() -> dict[str, set[str]]:
     return graph
 
 
-def unit_of(module: str) -> str:
-    """The unit `module` belongs to in the third view: its path's, else itself."""
+# Runner layers that more than one path drives, each counted as the entering path's layer.
+SHARED_LAYERS = {
+    "gbfunc.generate._compiled": "the compile cache (compiles a path's function, runs it)",
+}
+
+
+def unit_of(module: str) -> str | None:
+    """The unit `module` belongs to in the third view: its path's, else itself; None for a
+    shared runner layer (`SHARED_LAYERS`), whose calls are those of the path entering it."""
+    if module in SHARED_LAYERS:
+        return None
     for prefix, unit in PATH_UNITS.items():
         if module == prefix or module.startswith(prefix + "."):
             return unit
@@ -152,11 +163,12 @@ def unit_of(module: str) -> str:
 
 
 def unit_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
-    """`graph` between units: a unit imports the units its modules' imports reach."""
+    """`graph` between units: a unit imports the units its modules' imports reach (a shared
+    layer, in no way of the third view, stands as itself)."""
+    named = lambda module: unit_of(module) or module
     units: dict[str, set[str]] = {}
     for module, imported in graph.items():
-        unit = unit_of(module)
-        units.setdefault(unit, set()).update(unit_of(name) for name in imported)
+        units.setdefault(named(module), set()).update(map(named, imported))
     return {unit: imported - {unit} for unit, imported in units.items()}
 
 
@@ -513,7 +525,8 @@ def report(rows: list[dict[str, Any]]) -> str:
     leaves = ", ".join(f"`{name}` ({why})" for name, why in LEAF_UTILITIES.items())
     text = "## Definitions\n\n" + "".join(f"- {line}\n" for line in DEFINITIONS)
     units = ", ".join(f"`{module}` in {unit}" for module, unit in PATH_UNITS.items())
-    text += f"- Leaf utilities: {leaves}.\n- Path units: {units}.\n"
+    shared = ", ".join(f"`{name}` ({why})" for name, why in SHARED_LAYERS.items())
+    text += f"- Leaf utilities: {leaves}.\n- Path units: {units}.\n- Shared layers: {shared}.\n"
     text += f"- The issue's target: {TARGET}.\n\n## Summary\n\n"
     columns = [("genome", "l"), ("scenario", "l"), ("stacks' paths", "l")] + [
         (f"{title} ({view})", "r")
@@ -570,6 +583,7 @@ def main() -> None:
             "definitions": DEFINITIONS,
             "leaf_utilities": LEAF_UTILITIES,
             "path_units": PATH_UNITS,
+            "shared_layers": SHARED_LAYERS,
             "rows": rows,
         }
         print(json.dumps(body, indent=1, ensure_ascii=False))

@@ -2,7 +2,8 @@
 
 A stack's g-nets as per-tile terms of the separable first layer (`Terms`, `stack_terms`),
 the position-code tables they read (`code_tables`), the activations and their derivatives,
-the tile hash and a hashed table's signed gather (`signed_buckets`, and its gradient), and
+the tile hash (cached, and as one opaque op for traced code: `tile_hash_op`) and a
+hashed table's signed gather (`signed_buckets`, and its gradient), and
 `reference`: the tile MLP in plain autograd, which defines what every generation path (the
 compiled torch forms, the C loops, the Triton kernels) must return.
 `gbfunc.cpu` and `gbfunc.kernels` import this module, the plan and `_function` (the loops
@@ -188,8 +189,26 @@ def code_tables(stack: Stack, w_in: Tensor) -> Tensors:
 
 def cached_tile_hash(positions: int, buckets: int, device: torch.device) -> Tensor:
     """`packed_tile_hash`, cached: for code that reads it outside any traced graph (the C
-    loops of `_hash_weights`), where no copy is needed (`_packed_tile_hash_op`'s)."""
+    loops of `_hash_weights`), where no copy is needed (`tile_hash_op`'s)."""
     return cached(packed_tile_hash, positions, buckets, device)
+
+
+@torch.library.custom_op("gbfunc::tile_hash", mutates_args=())
+def tile_hash_op(positions: int, buckets: int, device: torch.device) -> Tensor:
+    """`cached_tile_hash` as one opaque operation for traced code (`torch.compile`): traced,
+    the hash's argsort and integer arithmetic would run in every compiled step. Returns a
+    copy, so that the compiled code may reuse its memory without touching the cache. Packed,
+    bucket and sign copy 4 bytes a position, not 12 (int64 and float32), and unpack inside
+    the gather's kernel, which lowers a compiled step's peak (measured:
+    `benchmarks/results/design_measurements.md`). A constant of the graph instead
+    (`torch.compiler.assume_constant_result`) failed in torch 2.13's inductor for a plan of
+    two hashed stacks ("ConstantSource(...) already in seen_sources")."""
+    return cached_tile_hash(positions, buckets, device).clone()
+
+
+@tile_hash_op.register_fake
+def _(positions: int, buckets: int, device: torch.device) -> Tensor:
+    return torch.empty(positions, dtype=torch.int32, device=device)
 
 
 def _constant(make: Callable[..., Tensors], *args: Hashable) -> Tensors:

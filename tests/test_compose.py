@@ -700,9 +700,8 @@ def test_eager_graph_checks_only_its_tensors_and_torchs_global_state(monkeypatch
     """Dynamo checks a compiled function's guards on every call. gb.apply's graph had 436 on
     the MLP with row g-nets, most on the plan's layout, which its cache key fixes (0.2 ms a
     step); only those on the g-nets' tensors and on global state (grad mode...) are kept."""
-    from gbfunc import _compiled
-    from gbfunc._compiled import CompiledCache
-    from gbfunc.generate import graph as _graph
+    from gbfunc.generate import _compiled, graph as _graph
+    from gbfunc.generate._compiled import CompiledCache
 
     kept, dropped = [], []
 
@@ -805,7 +804,7 @@ def test_what_the_plan_fixes_is_computed_once_not_traced(monkeypatch):
 def test_eager_compiles_fuse_multiply_adds_without_touching_inductors_settings(monkeypatch):
     from torch._inductor import config as inductor_config
 
-    from gbfunc._compiled import CompiledCache
+    from gbfunc.generate._compiled import CompiledCache
 
     seen = []
 
@@ -834,9 +833,8 @@ def test_eager_compiles_fuse_multiply_adds_without_touching_inductors_settings(m
     ids=["compile failed", "recompile limit"],
 )
 def test_a_plan_that_fails_to_compile_warns_once_and_runs_op_by_op(monkeypatch, error):
-    from gbfunc import _compiled as _compiled_module
-    from gbfunc._compiled import CompiledCache
-    from gbfunc.generate import graph as _graph
+    from gbfunc.generate import _compiled as _compiled_module, graph as _graph
+    from gbfunc.generate._compiled import CompiledCache
 
     calls = []
 
@@ -872,8 +870,8 @@ def test_the_graph_is_compiled_per_grad_mode_and_leaf_dtypes_and_flags(monkeypat
     """Dynamo recompiles one code object for a new grad mode, dtype or `requires_grad`, and
     with fullgraph=True raised past its limit of 8 (a freezing schedule, with evaluation
     between, reached it). Each of them is now part of the key, so each compiles its own copy."""
-    from gbfunc._compiled import CompiledCache
     from gbfunc.generate import graph as _graph
+    from gbfunc.generate._compiled import CompiledCache
 
     keys = []
     cache = CompiledCache("gb.apply's graph")
@@ -908,8 +906,8 @@ class _Recording(dict):
 def test_eager_apply_runs_op_by_op_while_dynamo_is_switched_off(monkeypatch):
     """`torch._dynamo.config.disable` (a debugging setting) made gb.apply's compiled graph
     raise "found no compiled frames"; it now runs op by op, with no warning."""
-    from gbfunc._compiled import CompiledCache
     from gbfunc.generate import compiled_mlp, graph as _graph
+    from gbfunc.generate._compiled import CompiledCache
 
     monkeypatch.setattr(_graph, "_GRAPHS", CompiledCache("gb.apply's graph"))
     monkeypatch.setattr(compiled_mlp, "_BODIES", CompiledCache("the tile MLP"))

@@ -8,7 +8,7 @@ tiles (`by-units`), or the C loop `relu_one_output`; its backward is vectorised 
 over the positions (`one_output_backward`, or the C loop `relu_unit_sums`). One layer with
 few outputs is a written-out sum over the units (`unrolled`) or the C loop
 `relu_layer_forward` and its backward (`c-loops`). Hashed tables are gathered through an
-opaque hash op (`hashed_tiles`).
+opaque hash op (`hashed_tiles`, `_spec.tile_hash_op`).
 """
 
 from collections.abc import Mapping
@@ -23,11 +23,10 @@ from .._spec import (
     Terms,
     activate,
     activate_grad,
-    cached,
     code_tables,
-    packed_tile_hash,
     per_tile,
     signed_buckets,
+    tile_hash_op,
 )
 from ..cpu import _relu_loops
 from ..cpu._hash_gradient import signed_gather
@@ -368,7 +367,7 @@ def hashed_tiles(stack: Stack, table: Tensor, *, plain: bool = False) -> Tensor:
     """Each tile's hashed weights `(T, TH, TW * K)` from its table `(T, buckets)`, traced:
     the hash an opaque op, the gather's backward the C loop where it runs (`plain`: where
     dynamo traces no autograd.Function, `Context.plain`, torch's)."""
-    packed = _packed_tile_hash_op(stack.tile_positions, stack.genome.hashed, table.device)
+    packed = tile_hash_op(stack.tile_positions, stack.genome.hashed, table.device)
     # A view: under `torch.func.grad`, dynamo drops the backward of a Function applied to the
     # transformed function's own argument and differentiates its forward instead
     # (pytorch/pytorch#193279, torch 2.13), which kept torch's scatter-add and the int64
@@ -376,21 +375,3 @@ def hashed_tiles(stack: Stack, table: Tensor, *, plain: bool = False) -> Tensor:
     gather = signed_buckets if plain else signed_gather
     shared = gather(table.view_as(table), packed) * HASH_GAIN
     return shared.reshape(table.shape[0], stack.tile[0], -1)
-
-
-@torch.library.custom_op("gbfunc::tile_hash", mutates_args=())
-def _packed_tile_hash_op(positions: int, buckets: int, device: torch.device) -> Tensor:
-    """The cached `packed_tile_hash` as one opaque operation for `torch.compile`: traced, the
-    hash's argsort and integer arithmetic would run in every compiled step. Returns a copy,
-    so that the compiled code may reuse its memory without touching the cache. Packed,
-    bucket and sign copy 4 bytes a position, not 12 (int64 and float32), and unpack inside
-    the gather's kernel, which lowers a compiled step's peak (measured:
-    `benchmarks/results/design_measurements.md`). A constant of the graph instead
-    (`torch.compiler.assume_constant_result`) failed in torch 2.13's inductor for a plan of
-    two hashed stacks ("ConstantSource(...) already in seen_sources")."""
-    return cached(packed_tile_hash, positions, buckets, device).clone()
-
-
-@_packed_tile_hash_op.register_fake
-def _(positions: int, buckets: int, device: torch.device) -> Tensor:
-    return torch.empty(positions, dtype=torch.int32, device=device)

@@ -12,10 +12,10 @@ from functools import partial
 
 from torch import Tensor
 
-from .._compiled import CompiledCache
 from .._spec import Terms, tile_rows
 from . import torch_ops
 from ._bodies import backward_recompute, forward_no_save
+from ._compiled import CompiledCache
 from ._policy import (
     AUTO_COMPILE_ELEMENTS,
     Call,

@@ -21,7 +21,6 @@ import torch
 from torch import Tensor
 
 from .._check_gparams import TASKS
-from .._compiled import CompiledCache
 from .._condition import task_number
 from .._plan import Plan, Stack
 from .._tiling import parameters
@@ -29,6 +28,7 @@ from .._tracing import legacy_batched
 from .._tree import GParams, first_leaf
 from ..cpu import loops_state
 from . import compiled_mlp, cpu_loops, triton
+from ._compiled import CompiledCache
 from ._policy import (
     AUTO_COMPILE_ELEMENTS,
     AUTO_GRAPH_WEIGHTS,

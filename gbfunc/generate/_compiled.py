@@ -6,7 +6,7 @@ from collections.abc import Callable, Hashable
 
 import torch
 
-from ._tracing import dynamo_disabled
+from .._tracing import dynamo_disabled
 
 
 class CompiledCache:
