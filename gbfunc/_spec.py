@@ -2,10 +2,11 @@
 
 A stack's g-nets as per-tile terms of the separable first layer (`Terms`, `stack_terms`),
 the position-code tables they read (`code_tables`), the activations and their derivatives,
-the tile hash (cached, and as one opaque op for traced code: `tile_hash_op`) and a
-hashed table's signed gather (`signed_buckets`, and its gradient), and
+the tile hash and a hashed table's signed gather (`signed_buckets`, and its gradient), and
 `reference`: the tile MLP in plain autograd, which defines what every generation path (the
-compiled torch forms, the C loops, the Triton kernels) must return.
+compiled torch forms, the C loops, the Triton kernels) must return. One helper serves how
+rather than what: for traced code, the tile hash as one opaque op that reads its cache
+(`tile_hash_op`), so that a compiled step does not recompute it.
 `gbfunc.cpu` and `gbfunc.kernels` import this module, the plan and `_function` (the loops
 `_tracing` too, the kernels' reference the tiling), nothing above them
 (`tests/test_import_graph.py`). What torch does to a call (tracing, transforms, autocast)
