@@ -9,8 +9,6 @@ g-nets are trained and stored.
     out = torch.func.functional_call(model, params, (x,))
 """
 
-import importlib
-
 from . import (
     _environ,  # first: it notes the environment before the modules below load
     compat as compat,
@@ -57,6 +55,8 @@ def __getattr__(name: str) -> object:
     """`gb.dist`, imported on first use (docstrings and messages name it so), as
     `import gbfunc.dist` imports it."""
     if name == "dist":
+        import importlib  # here, not at the top: `gb.importlib` would be public
+
         return importlib.import_module(".dist", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

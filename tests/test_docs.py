@@ -78,6 +78,20 @@ def test_every_public_name_has_an_api_entry(module, init, page):
     assert not missing, f"docs/api/{page} has no `::: {module.__name__}.NAME` for {missing}"
 
 
+@pytest.mark.parametrize("module", [gb, gbd])
+def test_no_public_name_beyond_all_but_the_packages_own_modules(module):
+    """`dir(gb)` holds no helper the package imported for itself (`gb.importlib` did), only
+    `__all__` and gbfunc's own subpackages that Python binds on import."""
+    extra = [
+        n
+        for n in dir(module)
+        if not n.startswith("_")
+        and n not in module.__all__
+        and not getattr(getattr(module, n), "__name__", "").startswith(f"{module.__name__}.")
+    ]
+    assert not extra, f"{module.__name__} binds public names outside __all__: {extra}"
+
+
 def test_bottlenecks_constructor_has_its_own_docstring():
     """`help(gb.Bottleneck.__init__)` shows gbfunc's arguments, not nn.Module's docstring."""
     doc = gb.Bottleneck.__init__.__doc__
