@@ -261,18 +261,21 @@ def launch(
 def _argument(loop: Loop, value: object) -> object:
     """`value` as the loop's C function takes it (`launch`), its tensors checked."""
     if isinstance(value, Tensor):
-        return _readable(loop, value).data_ptr()
+        return _pointer(loop, value)
     if isinstance(value, list):
-        held = [None if t is None else _readable(loop, t).data_ptr() for t in value]
+        held = [None if t is None else _pointer(loop, t) for t in value]
         return (ctypes.c_void_p * len(held))(*held)
     return value
 
 
-def _readable(loop: Loop, t: Tensor) -> Tensor:
-    """`t`, if a loop can read it: a CPU tensor with data, float32 if it holds floats."""
-    readable = t.device.type == "cpu" and (t.numel() == 0 or t.data_ptr() != 0)
-    if readable and (t.dtype == torch.float32 or not t.is_floating_point()):
-        return t
+def _pointer(loop: Loop, t: Tensor) -> int:
+    """`t`'s data pointer, if a loop can read it: a CPU tensor with data, float32 if it holds
+    floats. A training step checks dozens of tensors, hence `is_cpu` and `is` (no
+    `torch.device` object, no dtype comparison through Python) and one `data_ptr` call."""
+    if t.is_cpu:
+        pointer = t.data_ptr()
+        if (pointer or not t.numel()) and (t.dtype is torch.float32 or not t.is_floating_point()):
+            return pointer
     raise RuntimeError(
         f"gbfunc.cpu: the loop {loop.name} takes CPU tensors with data, float32 where they hold "
         f"floats, got {t.dtype} on {t.device}; gbfunc's dispatcher should not have sent it "
