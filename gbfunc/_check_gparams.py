@@ -1,6 +1,8 @@
 """Checks that `gparams` fit a plan, raising errors that name the leaf and the shapes."""
 
+import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -49,18 +51,13 @@ def check_gparams(
             f"{where}: gparams must be the dict made by gb.init with keys {list(top)}, got {got}."
         )
     hint = "Were these gparams made by gb.init with a different plan?"
-    expected = expected_shapes(plan)
-    # Integer and bool parameters can only be frozen; they keep the model's dtype.
-    exact = {
-        ("frozen", p.name): getattr(torch, p.dtype)
-        for p in plan.free
-        if not getattr(torch, p.dtype).is_floating_point
-    }
+    layout = _layout(plan)
+    missing = lambda path: f"{where}: {path} is missing. {hint}"
     stack_first: dict[str, tuple[tuple[str, ...], Tensor]] = {}
     stack_floats: list[tuple[tuple[str, ...], Tensor]] = []
     free_floats: list[tuple[tuple[str, ...], Tensor]] = []  # free and frozen
-    for keys, shape in expected.items():
-        node = _leaf(gparams, keys, lambda path: f"{where}: {path} is missing. {hint}")
+    for keys, shape, exact in layout.leaves:
+        node = _leaf(gparams, keys, missing)
         if not isinstance(node, Tensor):
             raise TypeError(f"{where}: {_path(keys)} must be a Tensor, got {type(node).__name__}.")
         fewer_rows = shard and keys[0] == "stacks"
@@ -70,11 +67,10 @@ def check_gparams(
                 f"{where}: {_path(keys)} has shape {tuple(node.shape)}; expected {shape}{rows}. "
                 f"{hint}"
             )
-        if keys in exact and node.dtype != exact[keys]:
-            raise TypeError(
-                f"{where}: {_path(keys)} has dtype {node.dtype}; expected {exact[keys]}."
-            )
-        if keys not in exact and not node.is_floating_point():
+        floating = node.is_floating_point()
+        if exact is not None and node.dtype != exact:
+            raise TypeError(f"{where}: {_path(keys)} has dtype {node.dtype}; expected {exact}.")
+        if exact is None and not floating:
             raise TypeError(
                 f"{where}: {_path(keys)} has dtype {node.dtype}; expected a floating dtype."
             )
@@ -86,7 +82,7 @@ def check_gparams(
                     f"{_path(first_keys)} is {first.dtype} on {first.device}; the leaves of a "
                     "stack must share dtype and device."
                 )
-        if node.is_floating_point():
+        if floating:
             (stack_floats if keys[0] == "stacks" else free_floats).append((keys, node))
         if values and node.is_meta:
             raise ValueError(f"{where}: {_path(keys)} is on the meta device: it has no values.")
@@ -94,8 +90,38 @@ def check_gparams(
             raise ValueError(f"{where}: {_path(keys)} contains NaN or inf.")
     _check_free_dtypes(free_floats, stack_floats, plan, where)
     for keys in _paths(gparams, plan):
-        if keys not in expected:
+        if keys not in layout.paths:
             raise ValueError(f"{where}: {_path(keys)} is not in the plan. {hint}")
+
+
+class _Layout(NamedTuple):
+    """What `check_gparams` compares a plan's gparams with: each leaf's path, shape and exact
+    dtype (None: any floating one), and the set of the paths."""
+
+    leaves: tuple[tuple[tuple[str, ...], tuple[int, ...], torch.dtype | None], ...]
+    paths: frozenset[tuple[str, ...]]
+
+
+def _layout(plan: Plan) -> _Layout:
+    """`plan`'s layout, remembered for eager calls (every `gb.apply` checks its gparams, and
+    a layout costs more to build than the leaves to check), built afresh where torch.compile
+    traces (no cache to guard on)."""
+    return _layout_of(plan) if torch.compiler.is_compiling() else _remembered(plan)
+
+
+def _layout_of(plan: Plan) -> _Layout:
+    # Integer and bool parameters can only be frozen; they keep the model's dtype.
+    exact = {
+        ("frozen", p.name): getattr(torch, p.dtype)
+        for p in plan.free
+        if not getattr(torch, p.dtype).is_floating_point
+    }
+    shapes = expected_shapes(plan)
+    leaves = tuple((keys, shape, exact.get(keys)) for keys, shape in shapes.items())
+    return _Layout(leaves, frozenset(shapes))
+
+
+_remembered = functools.lru_cache(maxsize=64)(_layout_of)
 
 
 def _fits(got: tuple[int, ...], want: tuple[int, ...], fewer_rows: bool) -> bool:

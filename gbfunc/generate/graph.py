@@ -147,8 +147,9 @@ def generate(
     leaf = first_leaf(stacks)
     device = torch.device("cpu") if leaf is None else leaf.device
     # (entered only where needed: the context is a torch function mode, which every torch
-    # call in the compiled code's Python wrappers would go through)
-    with nullcontext() if torch.get_default_device() == device else device:
+    # call in the compiled code's Python wrappers would go through; with no function mode on,
+    # the default is the CPU, known without `torch.get_default_device`'s 10 us)
+    with nullcontext() if _default_is(device) else device:
         graph = _GRAPHS.call(key, _generated, op_by_op, plan, *traced, task)
     if graph is None:
         return None
@@ -172,6 +173,14 @@ def generate(
         tied = _Gradient.apply(compiled, *(o.detach() for o in outputs), *inputs)
         graph = {p.name: w for p, w in zip(plan.generated, tied, strict=True)}
     return parameters(plan.params, gparams, graph)
+
+
+def _default_is(device: torch.device) -> bool:
+    """Whether `device` is torch's default device (`torch.set_default_device`'s or a `with
+    torch.device(...)`'s, both torch function modes)."""
+    if torch._C._len_torch_function_stack() == 0:
+        return device.type == "cpu"
+    return torch.get_default_device() == device
 
 
 class _Compiled:
