@@ -643,6 +643,14 @@ def test_eager_apply_through_the_plans_graph_matches_plain_eager_and_compiles_on
     for leaf, ref in zip(leaves, once, strict=True):
         torch.testing.assert_close(leaf.grad, 2 * ref, rtol=1e-4, atol=1e-7)
     assert counters["stats"]["unique_graphs"] - before == 1  # still the one graph
+    # A frozen stack (its weight made without gradient) in a double backward: this raised
+    # "element 0 of tensors does not require grad" before 2026-12-02's hooks.
+    frozen, *_ = gparams["stacks"].values()
+    for tensor in frozen.values():
+        tensor.requires_grad_(False)
+    leaves = [leaf for leaf in leaves if leaf.requires_grad]
+    for leaf, ref in zip(penalty_grads(True), penalty_grads(False), strict=True):
+        torch.testing.assert_close(leaf, ref, rtol=1e-4, atol=1e-7)
 
 
 def runs_as_graph(plan: gb.Plan, compile: bool | None) -> bool:

@@ -7,18 +7,20 @@ compiled as one graph (AOTAutograd) those become a few fused kernels, and the ti
 runs as under an outer `torch.compile` (the `cpu-loops` stacks run their loops inside it).
 Taken eagerly where compiling is asked for and every stack fits one graph: `compile=True`,
 or `None` with gradients on and a plan where it pays (`compiling_asked`).
-The graph's compiled backward cannot be differentiated again nor take batched gradients
-(`is_grads_batched`): there, the gradient is made op by op from the graph's inputs
-(`_Gradient`), so that gradient penalties, MAML and Jacobians work whatever path
-`compile=None` chose.
+The graph runs on the g-nets' own leaves. Its compiled backward cannot be differentiated
+again nor take batched gradients (`is_grads_batched`): there, hooks on its autograd node
+make the gradient op by op from the same leaves (`_OpByOpWhereNeeded`), so that gradient
+penalties, MAML and Jacobians work whatever path `compile=None` chose; every other backward
+costs the compiled one alone.
 """
 
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import Node, get_gradient_edge
 
 from .._check_gparams import TASKS
 from .._condition import task_number
@@ -115,33 +117,16 @@ def generate(
     stacks = gparams["stacks"]
     # What dynamo would otherwise recompile one code object for, past its limit of 8 (each
     # key compiles its own copy): the grad mode and each leaf's dtype and requires_grad.
-    leaves = tuple(
+    signature = tuple(
         (k, tuple((n, t.dtype, t.requires_grad) for n, t in v.items())) for k, v in stacks.items()
     )
     # The loops' state too: a graph traced with them keeps calling them (dynamo's guards on
     # it are dropped), so switching them off would not reach it.
-    key = (plan, leaves, torch.is_grad_enabled(), loops_state())
+    key = (plan, signature, torch.is_grad_enabled(), loops_state())
     tasks = gparams.get(TASKS) if task is not None else None
     if task is not None and not isinstance(task, Tensor):  # numpy's integers too, checked
         task = torch.tensor(task_number(task, plan.tasks, "gb.apply"))
-    # Where gradients flow, the graph runs on leaves of its own, tied to these by `_Gradient`.
-    grads_on = torch.is_grad_enabled()
-    inputs: list[Tensor] = []  # the leaves that require grad, in order
-    own: list[Tensor] = []  # the graph's own leaves standing for them
-
-    def own_leaf(x: Tensor | None) -> Tensor | None:
-        if not (grads_on and x is not None and x.requires_grad):
-            return x
-        inputs.append(x)
-        own.append(x.detach().requires_grad_())
-        return own[-1]
-
-    traced = (
-        {k: {n: own_leaf(t) for n, t in v.items()} for k, v in stacks.items()},
-        own_leaf(tasks),
-        own_leaf(condition),
-    )
-    differentiable = bool(inputs)
+    args = (op_by_op, plan, stacks, tasks, condition, task)
     # On the g-nets' device whatever the default (`with torch.device("meta")`, FSDP2's way to
     # build a model, put the constants the trace makes, the code tables, on meta).
     leaf = first_leaf(stacks)
@@ -150,28 +135,20 @@ def generate(
     # call in the compiled code's Python wrappers would go through; with no function mode on,
     # the default is the CPU, known without `torch.get_default_device`'s 10 us)
     with nullcontext() if _default_is(device) else device:
-        graph = _GRAPHS.call(key, _generated, op_by_op, plan, *traced, task)
+        compiles = _compiles()
+        graph = _GRAPHS.call(key, _generated, *args)
     if graph is None:
         return None
-    if differentiable:
-
-        def eager(*leaves: Tensor) -> tuple[Tensor, ...]:
-            swap = dict(zip(map(id, own), leaves, strict=True))
-            other = lambda x: swap.get(id(x), x)
-            made = _generated(
-                op_by_op,
-                plan,
-                {k: {n: other(t) for n, t in v.items()} for k, v in traced[0].items()},
-                other(traced[1]),
-                other(traced[2]),
-                task,
-            )
-            return tuple(made[p.name] for p in plan.generated)
-
-        outputs = tuple(graph[p.name] for p in plan.generated)
-        compiled = _Compiled(outputs, own, eager)
-        tied = _Gradient.apply(compiled, *(o.detach() for o in outputs), *inputs)
-        graph = {p.name: w for p, w in zip(plan.generated, tied, strict=True)}
+    outputs = [graph[p.name] for p in plan.generated]
+    node = next((o.grad_fn for o in outputs if o.grad_fn is not None), None)
+    if type(node).__name__ == "CompiledFunctionBackward":
+        differentiable = (o for o in enumerate(outputs) if o[1].grad_fn is not None)
+        if any(o.grad_fn is not node or o.output_nr != i for i, o in differentiable):
+            return None  # not the compiled graph's own outputs: no hooks fit, run op by op
+        leaves = _leaves(stacks, tasks, condition)
+        if _compiles() != compiles:  # a new graph (or a recompile of one)
+            _compile_backward_keeping_graphs(outputs, leaves)
+        _OpByOpWhereNeeded(node, leaves, lambda: _generated(*args))
     return parameters(plan.params, gparams, graph)
 
 
@@ -183,64 +160,92 @@ def _default_is(device: torch.device) -> bool:
     return torch.get_default_device() == device
 
 
-class _Compiled:
-    """One call's graph as `_Gradient` needs it: its outputs, the leaves of its own that it
-    ran on, and how to make the outputs op by op from other leaves (`eager`)."""
+def _compiles() -> int:
+    """How many graphs dynamo has compiled in this process (imported here: dynamo is loaded
+    by then, and importing gbfunc does not load it)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def _leaves(
+    stacks: dict[str, dict[str, Tensor]], tasks: Tensor | None, condition: Tensor | None
+) -> list[Tensor]:
+    """The graph's inputs that require grad, in order."""
+    tensors = [t for v in stacks.values() for t in v.values()] + [tasks, condition]
+    return [t for t in tensors if t is not None and t.requires_grad]
+
+
+def _compile_backward_keeping_graphs(outputs: list[Tensor], leaves: list[Tensor]) -> None:
+    """Run a new graph's first backward with its graph retained (gradient zero, discarded).
+    AOTAutograd compiles the backward on its first run, and one that frees the graph lets it
+    reuse the saved tensors' memory ("donated buffers"), after which every backward that
+    keeps the graph (a retained graph's second, a double backward) raises. Compiled this way,
+    the backward donates nothing; the outputs' graph stays whole for the caller's backward."""
+    live = [o for o in outputs if o.grad_fn is not None]
+    zeros = [torch.zeros_like(o) for o in live]
+    torch.autograd.grad(live, leaves, zeros, retain_graph=True, allow_unused=True)
+
+
+class _OpByOpWhereNeeded:
+    """Hooks on one call's compiled backward `node` for what a compiled backward cannot do: a
+    double backward (gradients enabled in the backward: `create_graph=True`) and batched
+    gradients (`is_grads_batched`). There, the node's gradients are replaced by ones made op
+    by op (`op_by_op()`, the graph's outputs from the same `leaves`): differentiable again,
+    batched where the outputs' gradients are. The compiled backward is handed zeros then and
+    its result dropped. Every other backward is the compiled one alone."""
 
     def __init__(
-        self,
-        outputs: tuple[Tensor, ...],
-        leaves: list[Tensor],
-        eager: Callable[..., tuple[Tensor, ...]],
+        self, node: Node, leaves: list[Tensor], op_by_op: Callable[[], dict[str, Tensor]]
     ) -> None:
-        self.outputs: tuple[Tensor, ...] | None = outputs
-        self.leaves, self.eager = leaves, eager
+        self.leaves, self.op_by_op = leaves, op_by_op
+        self.grads: tuple[Tensor | None, ...] | None = None
+        self.node = weakref.ref(node)  # the node holds this object: no cycle through it
+        node.register_prehook(self.before)
+        node.register_hook(self.after)
 
-    def gradients(self, grads: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
-        """The leaves' gradients through the compiled backward, which runs once: its graph
-        is freed then, as a plain backward frees it."""
-        outputs, self.outputs = self.outputs, None
-        return _vjp(outputs, self.leaves, grads)
+    def before(self, grads: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...] | None:
+        """Keep the outputs' gradients where the compiled backward cannot take them, and hand
+        it zeros instead."""
+        if not (torch.is_grad_enabled() or legacy_batched(grads)):
+            return None
+        self.grads = grads
+        return tuple(
+            None if g is None else torch.zeros(g.shape, dtype=g.dtype, device=g.device)
+            for g in grads
+        )
 
-
-def _vjp(
-    outputs: tuple[Tensor, ...], leaves: Sequence[Tensor], grads: tuple[Tensor | None, ...]
-) -> tuple[Tensor | None, ...]:
-    """The gradients of `leaves` from `outputs`' gradients `grads` (None: that output's is
-    zero), differentiable again where gradients are enabled (a double backward's)."""
-    pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None]
-    return torch.autograd.grad(
-        [o for o, _ in pairs],
-        leaves,
-        [g for _, g in pairs],
-        create_graph=torch.is_grad_enabled(),
-        allow_unused=True,
-    )
-
-
-class _Gradient(torch.autograd.Function):
-    """The graph's outputs (computed already, passed detached), tied to the leaves it read.
-    The backward gives the leaves their gradients through the compiled backward; where that
-    cannot take them (a double backward's `create_graph=True`, batched gradients, a second
-    backward of a retained graph) it makes them op by op from the leaves instead,
-    differentiable again and batched where the outputs' gradients are."""
-
-    @staticmethod
-    def forward(ctx: Any, compiled: _Compiled, *tensors: Tensor) -> tuple[Tensor, ...]:
-        count = len(compiled.leaves)
-        ctx.compiled = compiled
-        ctx.save_for_backward(*tensors[-count:])
-        return tensors[:-count]
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
-        compiled, leaves = ctx.compiled, ctx.saved_tensors
-        eager = torch.is_grad_enabled() or legacy_batched(grads)
-        if not eager and compiled.outputs is not None:
-            return (None, *(None for _ in grads), *compiled.gradients(grads))
+    def after(self, _: object, __: object) -> tuple[Tensor | None, ...] | None:
+        """The node's gradients made op by op, where `before` kept the outputs'."""
+        grads, self.grads = self.grads, None
+        node = self.node()
+        if grads is None or node is None:
+            return None
         with torch.enable_grad():
-            outputs = compiled.eager(*leaves)
-        return (None, *(None for _ in grads), *_vjp(outputs, leaves, grads))
+            made = self.op_by_op()
+        # The node's gradients go to its edges, each leaf's edge at most once (dynamo passes
+        # a tensor given twice once).
+        edge_of = {_edge(x): x for x in reversed(self.leaves)}
+        targets = [edge_of.get(edge) for edge in node.next_functions]
+        wanted = [x for x in targets if x is not None]
+        pairs = [(o, g) for o, g in zip(made.values(), grads, strict=True) if g is not None]
+        if not (wanted and pairs):
+            return tuple(None for _ in targets)
+        leaf_grads = torch.autograd.grad(
+            [o for o, _ in pairs],
+            wanted,
+            [g for _, g in pairs],
+            create_graph=torch.is_grad_enabled(),
+            allow_unused=True,
+        )
+        by_leaf = dict(zip(map(id, wanted), leaf_grads, strict=True))
+        return tuple(None if x is None else by_leaf[id(x)] for x in targets)
+
+
+def _edge(tensor: Tensor) -> tuple[Node, int]:
+    """Where autograd sends `tensor`'s gradient: a node (compared by identity) and its input."""
+    edge = get_gradient_edge(tensor)
+    return edge.node, edge.output_nr
 
 
 def _generated(
