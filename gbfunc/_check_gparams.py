@@ -1,6 +1,5 @@
 """Checks that `gparams` fit a plan, raising errors that name the leaf and the shapes."""
 
-import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -8,6 +7,7 @@ import torch
 from torch import Tensor
 
 from ._plan import Plan, check_is_plan, shared_dtype
+from ._tracing import eager_memo
 
 _GROUPS = ("stacks", "free", "frozen")
 TASKS = "tasks"  # the task embeddings, a tensor of its own, where the plan has them
@@ -102,14 +102,10 @@ class _Layout(NamedTuple):
     paths: frozenset[tuple[str, ...]]
 
 
+@eager_memo
 def _layout(plan: Plan) -> _Layout:
-    """`plan`'s layout, remembered for eager calls (every `gb.apply` checks its gparams, and
-    a layout costs more to build than the leaves to check), built afresh where torch.compile
-    traces (no cache to guard on)."""
-    return _layout_of(plan) if torch.compiler.is_compiling() else _remembered(plan)
-
-
-def _layout_of(plan: Plan) -> _Layout:
+    """`plan`'s expected leaves, remembered for eager calls: every `gb.apply` checks its
+    gparams, and a layout costs more to build than the leaves to check."""
     # Integer and bool parameters can only be frozen; they keep the model's dtype.
     exact = {
         ("frozen", p.name): getattr(torch, p.dtype)
@@ -119,9 +115,6 @@ def _layout_of(plan: Plan) -> _Layout:
     shapes = expected_shapes(plan)
     leaves = tuple((keys, shape, exact.get(keys)) for keys, shape in shapes.items())
     return _Layout(leaves, frozenset(shapes))
-
-
-_remembered = functools.lru_cache(maxsize=64)(_layout_of)
 
 
 def _fits(got: tuple[int, ...], want: tuple[int, ...], fewer_rows: bool) -> bool:

@@ -7,7 +7,6 @@ without a condition, unchanged: forward, backward (into `w_cond` and `z`) and un
 `torch.func.vmap` over conditions alike.
 """
 
-import functools
 from collections.abc import Mapping
 from dataclasses import replace
 
@@ -17,7 +16,7 @@ from torch import Tensor
 from ._check_gparams import TASKS
 from ._numbers import as_integer
 from ._plan import Plan
-from ._tracing import transforms
+from ._tracing import eager_memo, transforms
 from ._tree import GParams
 
 COND_LEAF = "w_cond"
@@ -200,19 +199,13 @@ def folded(
     return gparams, plan
 
 
+@eager_memo
 def unconditioned(plan: Plan) -> Plan:
     """`plan` with no condition: its stacks' genomes read none and it has no task
-    embeddings, naming no model (generation reads none). Cached eagerly, one object per
-    plan as for a plan without a condition; traced by torch.compile, built afresh."""
-    return _unconditioned(plan) if torch.compiler.is_compiling() else _cached(plan)
-
-
-def _unconditioned(plan: Plan) -> Plan:
+    embeddings, naming no model (generation reads none). One object per plan for eager
+    calls, as for a plan without a condition."""
     stacks = tuple(
         replace(s, genome=replace(s.genome, condition=0)) if s.genome.condition else s
         for s in plan.stacks
     )
     return replace(plan, stacks=stacks, tasks=0, source=None, buffer_names=())
-
-
-_cached = functools.lru_cache(maxsize=64)(_unconditioned)

@@ -12,9 +12,15 @@ Read directly, the flag is right under both (checked on 2.11 and 2.13: `False` i
 """
 
 import contextlib
+import functools
+from collections.abc import Callable, Hashable
+from typing import TypeVar
 
 import torch
 from torch import Tensor
+
+_Key = TypeVar("_Key", bound=Hashable)
+_Value = TypeVar("_Value")
 
 
 def exporting() -> bool:
@@ -52,6 +58,18 @@ def functions_traceable() -> bool:
     if kind.Jvp in kinds or kinds.count(kind.Grad) > 1:
         return False
     return kind.Grad not in kinds or kind.Vmap not in kinds[: kinds.index(kind.Grad)]
+
+
+def eager_memo(build: Callable[[_Key], _Value]) -> Callable[[_Key], _Value]:
+    """`build`, remembered per argument for eager calls (the last 64), called afresh where
+    torch.compile traces: dynamo would guard on the cache, and its graph keeps the result."""
+    remembered = functools.lru_cache(maxsize=64)(build)
+
+    @functools.wraps(build)
+    def memo(key: _Key) -> _Value:
+        return build(key) if torch.compiler.is_compiling() else remembered(key)
+
+    return memo
 
 
 def plain_eager() -> bool:
