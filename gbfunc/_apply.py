@@ -48,10 +48,9 @@ def apply(
             `AUTO_GRAPH_WEIGHTS` weights or more; stacks of `AUTO_COMPILE_ELEMENTS` hidden
             activations); with gradients off, no graph unless `True` (the C loops, or a large
             stack's compiled tile MLP). `False`: never
-            (for debugging). A double backward, batched gradients or a retained graph's
-            second backward take the graph's gradient op by op (its compiled backward
-            cannot). The first compiling call takes seconds; the result is the same either
-            way, to rounding.
+            (for debugging). A double backward or batched gradients take the graph's
+            gradient op by op (its compiled backward cannot). The first compiling call
+            takes seconds; the result is the same either way, to rounding.
 
     Returns:
         A dict of every parameter by name, ready for
@@ -93,7 +92,7 @@ def _generate(
     path = route(routed, stacks, context_of(stacks, backend=backend, compile=compile))
     if path.plan == graph.NAME:  # folds the condition in inside, so that its inputs stay leaves
         params = graph.generate(plan, gparams, condition, task, op_by_op)
-        if params is not None:  # None: the compile failed (warned), so op by op
+        if params is not None:  # None: the graph cannot be used (warned), so op by op
             return params
     if z is not None:  # the other paths run the plan without a condition, `z` folded in
         gparams, plan = conditioned(gparams, plan, z)

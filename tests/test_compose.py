@@ -653,6 +653,51 @@ def test_eager_apply_through_the_plans_graph_matches_plain_eager_and_compiles_on
         torch.testing.assert_close(leaf, ref, rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.slow
+def test_the_plans_graph_keeps_its_stacks_order_where_the_models_differs():
+    """Two stacks whose weights interleave in the model (0 and 2 in one, 1 in the other):
+    the compiled graph returns them stack by stack. Read in the model's order, its outputs
+    did not line up with its backward node's, and every call ran op by op after the
+    compiled forward, without a word (2026-12-02, found in review)."""
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32))
+    wide = {"1.weight": {"hidden": 16}}
+    plan = gb.plan(model, tile=(16, 16), hidden=8, activation="gelu", overrides=wide)
+    assert len(plan.stacks) == 2
+    gparams = gb.init(plan, seed=1)
+    weights = gb.apply(gparams, plan, compile=True)
+    assert {type(weights[f"{i}.weight"].grad_fn).__name__ for i in range(3)} == {
+        "CompiledFunctionBackward"
+    }
+    leaves, x = gb.trainable_leaves(gparams), torch.randn(4, 32)
+
+    def penalty_grads(compile: bool) -> tuple[torch.Tensor, ...]:
+        out = functional_call(model, gb.apply(gparams, plan, compile=compile), (x,))
+        first = torch.autograd.grad(out.square().mean(), leaves, create_graph=True)
+        return torch.autograd.grad(sum(g.square().sum() for g in first), leaves)
+
+    for leaf, ref in zip(penalty_grads(True), penalty_grads(False), strict=True):
+        torch.testing.assert_close(leaf, ref, rtol=1e-4, atol=1e-7)
+
+
+def test_a_compiled_backward_that_donates_its_buffers_is_refused_not_raised():
+    """A compiled backward whose first run freed its graph reuses the saved tensors' memory
+    and raises on any backward that keeps the graph; the graph path's first retained
+    backward reports that (and then runs op by op) instead of failing `gb.apply`."""
+    from gbfunc.generate.graph import _compile_backward_keeping_graphs
+
+    a = torch.randn(8, 8, requires_grad=True)
+    compiled = torch.compile(lambda a: torch.tanh(a @ a.T) @ a, fullgraph=True)
+    compiled(a).sum().backward()  # the first backward frees the graph: buffers donated
+    refused = _compile_backward_keeping_graphs([compiled(a)], [a])
+    assert "donated buffers" in (refused or "")
+    # Another graph (the same one would be loaded from AOTAutograd's cache, donating).
+    fresh = torch.compile(lambda a: torch.sin(a @ a.T) @ a, fullgraph=True)
+    out = fresh(a)
+    assert _compile_backward_keeping_graphs([out], [a]) is None  # compiled keeping them
+    out.sum().backward(retain_graph=True)
+    out.sum().backward()  # a retained graph's second backward
+
+
 def runs_as_graph(plan: gb.Plan, compile: bool | None) -> bool:
     """Whether eager `gb.apply(compile=compile)` would compile `plan` as one graph, the CPU
     loops aside (they run in the graph, or on their own where they take every stack)."""

@@ -62,14 +62,18 @@ class CompiledCache:
             torch._dynamo.exc.BackendCompilerFailed,
             torch._dynamo.exc.FailOnRecompileLimitHit,  # fullgraph=True raises, not falls back
         ) as error:
-            self._compiled[key] = None
-            warnings.warn(
-                f"gbfunc: compiling {self.what} failed ({type(error).__name__}: {error}); it "
-                "runs op by op. gb.apply(..., compile=False) skips compiling.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+            self.forget(key, f"compiling {self.what} failed ({type(error).__name__}: {error})")
             return None
+
+    def forget(self, key: Hashable, why: str) -> None:
+        """Warn, saying `why`, that `key`'s compiled code is not used, and remember it:
+        `call` returns None for the key from now on."""
+        self._compiled[key] = None
+        warnings.warn(
+            f"gbfunc: {why}; it runs op by op. gb.apply(..., compile=False) skips compiling.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
 
 def _options() -> dict[str, object]:

@@ -7,7 +7,7 @@ compiled as one graph (AOTAutograd) those become a few fused kernels, and the ti
 runs as under an outer `torch.compile` (the `cpu-loops` stacks run their loops inside it).
 Taken eagerly where compiling is asked for and every stack fits one graph: `compile=True`,
 or `None` with gradients on and a plan where it pays (`compiling_asked`).
-The graph runs on the g-nets' own leaves. Its compiled backward cannot be differentiated
+The graph runs on the g-nets' leaves themselves. Its compiled backward cannot be differentiated
 again nor take batched gradients (`is_grads_batched`): there, hooks on its autograd node
 make the gradient op by op from the same leaves (`_OpByOpWhereNeeded`), so that gradient
 penalties, MAML and Jacobians work whatever path `compile=None` chose; every other backward
@@ -126,7 +126,6 @@ def generate(
     tasks = gparams.get(TASKS) if task is not None else None
     if task is not None and not isinstance(task, Tensor):  # numpy's integers too, checked
         task = torch.tensor(task_number(task, plan.tasks, "gb.apply"))
-    args = (op_by_op, plan, stacks, tasks, condition, task)
     # On the g-nets' device whatever the default (`with torch.device("meta")`, FSDP2's way to
     # build a model, put the constants the trace makes, the code tables, on meta).
     leaf = first_leaf(stacks)
@@ -136,20 +135,38 @@ def generate(
     # the default is the CPU, known without `torch.get_default_device`'s 10 us)
     with nullcontext() if _default_is(device) else device:
         compiles = _compiles()
-        graph = _GRAPHS.call(key, _generated, *args)
+        graph = _GRAPHS.call(key, _generated, op_by_op, plan, stacks, tasks, condition, task)
     if graph is None:
         return None
-    outputs = [graph[p.name] for p in plan.generated]
+    # The compiled node's outputs, in the order of the dict it returns (stack by stack).
+    outputs = list(graph.values())
     node = next((o.grad_fn for o in outputs if o.grad_fn is not None), None)
-    if type(node).__name__ == "CompiledFunctionBackward":
-        differentiable = (o for o in enumerate(outputs) if o[1].grad_fn is not None)
-        if any(o.grad_fn is not node or o.output_nr != i for i, o in differentiable):
-            return None  # not the compiled graph's own outputs: no hooks fit, run op by op
-        leaves = _leaves(stacks, tasks, condition)
-        if _compiles() != compiles:  # a new graph (or a recompile of one)
-            _compile_backward_keeping_graphs(outputs, leaves)
-        _OpByOpWhereNeeded(node, leaves, lambda: _generated(*args))
+    # Nothing to differentiate, or op-by-op outputs (`torch.compile` replaced, in tests)
+    # that take every backward (AOTAutograd's node: a name private to torch, which
+    # `tests/test_compose.py`'s double backward through the graph would see change).
+    if type(node).__name__ != "CompiledFunctionBackward":
+        return parameters(plan.params, gparams, graph)
+    if refused := _misaligned(node, outputs):
+        _GRAPHS.forget(key, f"{_GRAPHS.what} is not used ({refused})")
+        return None
+    # What the op-by-op gradient reads, fixed now (the caller may change its dicts later).
+    args = (op_by_op, plan, {k: dict(v) for k, v in stacks.items()}, tasks, condition, task)
+    leaves = _leaves(*args[2:5])
+    new = _compiles() != compiles  # a new graph (or a recompile of one)
+    if new and (refused := _compile_backward_keeping_graphs(outputs, leaves)):
+        _GRAPHS.forget(key, f"{_GRAPHS.what} is not used ({refused})")
+        return None
+    _OpByOpWhereNeeded(node, leaves, lambda: _generated(*args))
     return parameters(plan.params, gparams, graph)
+
+
+def _misaligned(node: Node, outputs: list[Tensor]) -> str | None:
+    """Why the op-by-op gradients cannot be hooked onto the graph's backward `node` (None:
+    they can): every output that requires grad must come straight from it, in order."""
+    for i, output in enumerate(outputs):
+        if output.grad_fn is not None and (output.grad_fn is not node or output.output_nr != i):
+            return f"output {i} is not the compiled graph's own (a view?)"
+    return None
 
 
 def _default_is(device: torch.device) -> bool:
@@ -176,15 +193,24 @@ def _leaves(
     return [t for t in tensors if t is not None and t.requires_grad]
 
 
-def _compile_backward_keeping_graphs(outputs: list[Tensor], leaves: list[Tensor]) -> None:
-    """Run a new graph's first backward with its graph retained (gradient zero, discarded).
+def _compile_backward_keeping_graphs(outputs: list[Tensor], leaves: list[Tensor]) -> str | None:
+    """Run a new graph's first backward with its graph retained (gradient zero, discarded);
+    why the graph cannot be used where that fails (None: it can).
     AOTAutograd compiles the backward on its first run, and one that frees the graph lets it
     reuse the saved tensors' memory ("donated buffers"), after which every backward that
     keeps the graph (a retained graph's second, a double backward) raises. Compiled this way,
-    the backward donates nothing; the outputs' graph stays whole for the caller's backward."""
+    the backward donates nothing; the outputs' graph stays whole for the caller's backward.
+    A backward that donates already (loaded from AOTAutograd's cache, written by a gbfunc
+    before 2026-12-02 for this graph) raises here."""
     live = [o for o in outputs if o.grad_fn is not None]
     zeros = [torch.zeros_like(o) for o in live]
-    torch.autograd.grad(live, leaves, zeros, retain_graph=True, allow_unused=True)
+    try:
+        torch.autograd.grad(live, leaves, zeros, retain_graph=True, allow_unused=True)
+    except RuntimeError as error:
+        if "donated buffer" not in str(error):
+            raise
+        return "its compiled backward reuses the saved tensors' memory (donated buffers)"
+    return None
 
 
 class _OpByOpWhereNeeded:
@@ -207,15 +233,19 @@ class _OpByOpWhereNeeded:
     def before(self, grads: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...] | None:
         """Keep the outputs' gradients where the compiled backward cannot take them, and hand
         it zeros instead."""
-        if not (torch.is_grad_enabled() or legacy_batched(grads)):
+        # Set on every call: a stash left by a backward that failed must not reach the next.
+        needed = torch.is_grad_enabled() or legacy_batched(grads)
+        self.grads = grads if needed else None
+        if not needed:
             return None
-        self.grads = grads
         return tuple(
             None if g is None else torch.zeros(g.shape, dtype=g.dtype, device=g.device)
             for g in grads
         )
 
-    def after(self, _: object, __: object) -> tuple[Tensor | None, ...] | None:
+    def after(
+        self, grad_inputs: tuple[Tensor | None, ...], grad_outputs: tuple[Tensor | None, ...]
+    ) -> tuple[Tensor | None, ...] | None:
         """The node's gradients made op by op, where `before` kept the outputs'."""
         grads, self.grads = self.grads, None
         node = self.node()
@@ -223,12 +253,13 @@ class _OpByOpWhereNeeded:
             return None
         with torch.enable_grad():
             made = self.op_by_op()
-        # The node's gradients go to its edges, each leaf's edge at most once (dynamo passes
-        # a tensor given twice once).
+        # The node's gradients go to its edges, each leaf's to the first edge that is its
+        # (dynamo passes a tensor given twice once).
         edge_of = {_edge(x): x for x in reversed(self.leaves)}
-        targets = [edge_of.get(edge) for edge in node.next_functions]
+        targets = [edge_of.pop(edge, None) for edge in node.next_functions]
         wanted = [x for x in targets if x is not None]
-        pairs = [(o, g) for o, g in zip(made.values(), grads, strict=True) if g is not None]
+        user = grads[: len(made)]  # the graph's outputs come first (`_misaligned`)
+        pairs = [(o, g) for o, g in zip(made.values(), user, strict=True) if g is not None]
         if not (wanted and pairs):
             return tuple(None for _ in targets)
         leaf_grads = torch.autograd.grad(
