@@ -199,7 +199,8 @@ def _compile_backward_keeping_graphs(outputs: list[Tensor], leaves: list[Tensor]
     AOTAutograd compiles the backward on its first run, and one that frees the graph lets it
     reuse the saved tensors' memory ("donated buffers"), after which every backward that
     keeps the graph (a retained graph's second, a double backward) raises. Compiled this way,
-    the backward donates nothing; the outputs' graph stays whole for the caller's backward.
+    the backward donates nothing; the outputs' graph stays whole for the caller's backward
+    (hooks on the leaves see that zero gradient once, on the call that compiles).
     A backward that donates already (loaded from AOTAutograd's cache, written by a gbfunc
     before 2026-12-02 for this graph) raises here."""
     live = [o for o in outputs if o.grad_fn is not None]
