@@ -20,6 +20,7 @@ from contextlib import nullcontext
 
 import torch
 from torch import Tensor
+from torch._dynamo.utils import counters
 from torch.autograd.graph import Node, get_gradient_edge
 
 from .._check_gparams import TASKS
@@ -178,10 +179,7 @@ def _default_is(device: torch.device) -> bool:
 
 
 def _compiles() -> int:
-    """How many graphs dynamo has compiled in this process (imported here: dynamo is loaded
-    by then, and importing gbfunc does not load it)."""
-    from torch._dynamo.utils import counters
-
+    """How many graphs dynamo has compiled in this process."""
     return counters["stats"]["unique_graphs"]
 
 
