@@ -946,3 +946,41 @@ def test_stability_draws_the_tables_from_their_own_seed_and_the_rest_from_the_ge
     table = gb.optim.TABLE_LEAF
     assert not torch.equal(of_1["stacks"][key][table], of_0["stacks"][key][table])
     assert not torch.equal(of_1["stacks"][key]["w_in"], of_0["stacks"][key]["w_in"])
+
+
+def test_bench_allocator_runs_each_process_under_glibcs_defaults_or_both_thresholds(
+    monkeypatch,
+):
+    """A stray `MALLOC_*` variable of the caller's would measure neither setting; one threshold
+    alone turns glibc's adaptation off, so the fixed run sets both."""
+    from benchmarks import bench_allocator
+
+    envs = []
+
+    def run(command, env, **_):
+        envs.append(env)
+        assert command[1:4] == ["-m", "benchmarks.bench_allocator", "--child"]
+        return subprocess.CompletedProcess(command, 0, stdout='noise\n{"ratio": 2.0}\n')
+
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
+    monkeypatch.setattr(bench_allocator.subprocess, "run", run)
+    for fixed in (False, True):
+        assert bench_allocator.in_fresh_process("g", fixed, 1, 1, 2) == {"ratio": 2.0}
+    default, fixed = ({k: v for k, v in e.items() if k.startswith("MALLOC_")} for e in envs)
+    assert default == {}
+    assert fixed == bench_allocator.FIXED
+    assert set(fixed) == {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"}
+
+
+def test_bench_allocator_charges_page_faults_to_the_step_that_made_them(monkeypatch):
+    from benchmarks import bench_allocator
+
+    def touching() -> None:  # 64 MiB: above glibc's largest mmap threshold, mapped every call
+        torch.ones(16 << 20)
+
+    monkeypatch.setattr(bench_allocator, "gb_steps", lambda *_: (touching, None))
+    monkeypatch.setattr(bench_allocator, "dense_steps", lambda *_: (lambda: None, None))
+    result = bench_allocator.measure(bench_allocator.QUICK_GENOME, rounds=2, inner=2)
+    assert result["gbfunc faults"] >= 16  # at least one per 2 MiB huge page
+    assert result["plain faults"] < result["gbfunc faults"] / 4
+    assert result["ratio"] > 1
