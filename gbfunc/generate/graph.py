@@ -147,14 +147,13 @@ def generate(
     # `tests/test_compose.py`'s double backward through the graph would see change).
     if type(node).__name__ != "CompiledFunctionBackward":
         return parameters(plan.params, gparams, graph)
-    if refused := _misaligned(node, outputs):
-        _GRAPHS.forget(key, f"{_GRAPHS.what} is not used ({refused})")
-        return None
     # What the op-by-op gradient reads, fixed now (the caller may change its dicts later).
     args = (op_by_op, plan, {k: dict(v) for k, v in stacks.items()}, tasks, condition, task)
     leaves = _leaves(*args[2:5])
-    new = _compiles() != compiles  # a new graph (or a recompile of one)
-    if new and (refused := _compile_backward_keeping_graphs(outputs, leaves)):
+    refused = _misaligned(node, outputs)
+    if refused is None and _compiles() != compiles:  # a new graph (or a recompile of one)
+        refused = _compile_backward_keeping_graphs(outputs, leaves)
+    if refused is not None:
         _GRAPHS.forget(key, f"{_GRAPHS.what} is not used ({refused})")
         return None
     _OpByOpWhereNeeded(node, leaves, lambda: _generated(*args))
