@@ -23,11 +23,12 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 import gbfunc as gb
-from benchmarks._meta import cpu_benchmark_args, recorded
+from benchmarks._meta import RESULTS, benchmark_parser, recorded
 from benchmarks.bench_step import MLP_GENOMES, Timing, cross_entropy, dense_steps, gb_steps, mlp
 
 FIXED = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 20)}
@@ -83,11 +84,20 @@ def in_fresh_process(genome: str, fixed: bool, rounds: int, inner: int, threads:
 
 
 def main() -> None:
-    args = cpu_benchmark_args(
-        __doc__, "bench_allocator.md", quick=f"{QUICK_GENOME!r} only, fewer rounds"
+    parser = benchmark_parser(__doc__, quick=f"{QUICK_GENOME!r} only, fewer rounds")
+    parser.add_argument("--out", type=Path, default=RESULTS / "bench_allocator.md")
+    parser.add_argument("--rounds", type=int, default=25)
+    parser.add_argument("--inner", type=int, default=10, help="steps per round")
+    parser.add_argument(
+        "--child", metavar="GENOME", help="measure GENOME in this process, print it as JSON"
     )
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.child is not None:  # one of the fresh processes
+        print(json.dumps(measure(args.child, args.rounds, args.inner)))
+        return
     genomes = [QUICK_GENOME] if args.quick else list(MLP_GENOMES)
-    rounds, inner = (5, 5) if args.quick else (25, 10)
+    rounds, inner = (5, 5) if args.quick else (args.rounds, args.inner)
     with recorded(args.out, "An eager CPU step in a fresh process: glibc trimming vs fixed"):
         print(f"MLP 784-512-512-10, batch 128; {rounds} rounds x {inner} steps per process")
         print(f"fixed: {' '.join(f'{k}={v}' for k, v in FIXED.items())}\n")
@@ -105,15 +115,5 @@ def main() -> None:
             print(f"| {genome} | {cells[0]} | {cells[1]} |", flush=True)
 
 
-def child() -> None:
-    """`--child GENOME --rounds R --inner I --threads T`: print `measure`'s result as JSON."""
-    genome = sys.argv[sys.argv.index("--child") + 1]
-    rounds, inner, threads = (
-        int(sys.argv[sys.argv.index(flag) + 1]) for flag in ("--rounds", "--inner", "--threads")
-    )
-    torch.set_num_threads(threads)
-    print(json.dumps(measure(genome, rounds, inner)))
-
-
 if __name__ == "__main__":
-    child() if "--child" in sys.argv else main()
+    main()
