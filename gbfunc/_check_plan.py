@@ -136,6 +136,7 @@ def _check_param_fields(plan: Plan, i: int, p: object) -> None:
     scale, largest = as_finite(p.scale), torch.finfo(dtype).max
     ok = scale is not None and 0 < scale <= largest
     _need(ok, f"{at}.scale", p.scale, f"a number in (0, {largest:g}], the largest {p.dtype}")
+    _need(_is_int(p.fan_in, 1), f"{at}.fan_in", p.fan_in, "an integer >= 1")
     _need(isinstance(p.center, bool), f"{at}.center", p.center, "a bool")
     start = as_finite(p.start)
     ok = start is not None and start > 0 and start * scale <= largest

@@ -72,6 +72,10 @@ class Generated(Shaped):
 
     With `center`, each row (output neuron) has its mean over the inputs removed, so the
     g-nets cannot spend capacity on, nor be thrown off by, a neuron's overall input sum.
+
+    `fan_in`, the weight's inputs per output (1 for a vector), sets its stack's default
+    learning rate (`gb.optim.gnet_lr`); it follows from the shape and the layer, like
+    `scale`, so equality leaves it out.
     """
 
     name: str
@@ -81,6 +85,7 @@ class Generated(Shaped):
     blocks: tuple[Block, ...]
     split_dim: int
     scale: float
+    fan_in: int = field(compare=False)
     center: bool = False
     start: float = 1.0
 

@@ -40,7 +40,7 @@ from ._plan import (
     tile_buckets,
     tile_grid,
 )
-from ._rules import Layout, free_init, step_scale
+from ._rules import Layout, free_init, step_scale, weight_fan_in
 from ._search import SCOPES, Goal, UnreachableError, search_tile, size_tables
 
 
@@ -362,6 +362,7 @@ def _build(entries: list[Entry], options: list[dict[str, object]], flags: dict[s
         _check_outputs_are_rows(entry.name, layout, genome, center)
         where = {"stack_index": stack_id, "blocks": tuple(blocks), "split_dim": split_dim}
         scale = step_scale(layout.init_std, shape, layout.inputs_first)
+        fan_in = weight_fan_in(shape, layout.inputs_first)
         params.append(
             Generated(
                 entry.name,
@@ -369,6 +370,7 @@ def _build(entries: list[Entry], options: list[dict[str, object]], flags: dict[s
                 entry.dtype,
                 **where,
                 scale=scale,
+                fan_in=fan_in,
                 center=center,
                 start=1.0 if scale == layout.init_std else layout.init_std / scale,
             )

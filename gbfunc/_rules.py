@@ -183,8 +183,16 @@ def step_scale(init_std: float, shape: tuple[int, ...], inputs_first: bool = Fal
     """
     if len(shape) < 2:
         return init_std
-    fan_in = max(1, shape[0] * math.prod(shape[2:])) if inputs_first else _fan_in(shape)
-    return min(init_std, 1.0 / math.sqrt(fan_in))
+    return min(init_std, 1.0 / math.sqrt(weight_fan_in(shape, inputs_first)))
+
+
+def weight_fan_in(shape: tuple[int, ...], inputs_first: bool = False) -> int:
+    """Inputs per output of a weight of `shape` (at least 1): torch's reading (`shape[1]`
+    times a kernel window's size), or `shape[0]` times it for a weight stored
+    `(inputs, outputs, ...)` (`Layout.inputs_first`). A vector (a bias) has 1."""
+    if len(shape) < 2:
+        return 1
+    return max(1, shape[0] * math.prod(shape[2:])) if inputs_first else _fan_in(shape)
 
 
 def _fan_in(shape: tuple[int, ...]) -> int:

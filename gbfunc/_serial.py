@@ -15,6 +15,7 @@ from torch import Tensor
 from ._files import check_readable_back
 from ._genome import Genome
 from ._plan import Block, Free, Generated, Plan, Stack, stack_fields
+from ._rules import weight_fan_in
 
 PLAN_VERSION = 2  # the plan JSON `plan_to_json` writes
 # Fields that plan JSON version 1 named otherwise: `kernel` meant two things there.
@@ -70,6 +71,10 @@ def _param(d: dict, version: int) -> Generated | Free:
     kind = d.pop("kind")
     if kind == "generated":
         d = _renamed(d, "generated", version)
+        if "fan_in" not in d:  # written before plans had it: torch's reading of the shape
+            shape = d.get("shape")
+            whole = isinstance(shape, tuple) and all(isinstance(n, int) for n in shape)
+            d["fan_in"] = weight_fan_in(shape) if whole else 1  # a bad shape: check_plan's
         return Generated(**{**d, "blocks": tuple(Block(**b) for b in d["blocks"])})
     if kind == "free":
         return Free(**d)

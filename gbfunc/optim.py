@@ -4,7 +4,8 @@
 g-nets' default learning rates, which depend on the genome: g-nets with a bounded activation
 (tanh) take steps ten times larger than unbounded ones (ReLU, GELU, SiLU), which diverge
 there, and the hashed tables theirs (`GNET_LR`, `TABLE_LR`; measured in
-`benchmarks/results/lr_rule.md`).
+`benchmarks/results/lr_rule.md`); g-nets whose weights have few inputs per output take up
+to three times larger steps (`fan_in_factor`; `benchmarks/results/lr_first_layer.md`).
 
 `torch.optim` works on gparams' leaves as on any parameters; the pure AdamW here exists so a
 step (generate, forward, loss, grad, update) can run under `torch.compile(fullgraph=True)`.
@@ -44,11 +45,44 @@ AdamState = dict[str, Any]
 GNET_LR = {"tanh": 0.3, "relu": 0.03, "gelu": 0.03, "silu": 0.03}
 TABLE_LR = 0.03
 TABLE_LEAF = "tile_hash"
+# A stack's g-nets take `FULL_FAN_IN / fan-in` times their rate, between 1 and
+# `MOST_FAN_IN_FACTOR`, where the fan-in is the largest of the weights it generates.
+FULL_FAN_IN = 128
+MOST_FAN_IN_FACTOR = 3.0
 
 
-def gnet_lr(stack: Stack, leaf: str) -> float:
-    """The default peak learning rate of one leaf of `stack` (see `GNET_LR`, `TABLE_LR`)."""
-    return TABLE_LR if leaf == TABLE_LEAF else GNET_LR[stack.genome.activation]
+def gnet_lr(plan: Plan, stack: Stack, leaf: str) -> float:
+    """The default peak learning rate of one leaf of `plan`'s `stack`: a hashed table's
+    `TABLE_LR`; a g-net leaf's `GNET_LR` by activation, times `fan_in_factor`.
+
+    Examples:
+        >>> plan = gb.plan(nn.Linear(64, 256), tile="full", hidden=4)
+        >>> gb.optim.gnet_lr(plan, plan.stacks[0], "w_out")  # 0.03 * 128 / 64
+        0.06
+    """
+    if leaf == TABLE_LEAF:
+        return TABLE_LR
+    return GNET_LR[stack.genome.activation] * fan_in_factor(plan, stack)
+
+
+def fan_in_factor(plan: Plan, stack: Stack) -> float:
+    """How much larger than `GNET_LR` the g-nets of `plan`'s `stack` step: `FULL_FAN_IN`
+    over the largest fan-in of the weights the stack generates, clipped to
+    `[1, MOST_FAN_IN_FACTOR]`; 1 for a stack of vectors (biases).
+
+    A generated weight is `scale * raw` with `scale` about `1 / sqrt(fan_in)`, and Adam moves
+    `raw` by about the rate whatever the layer, so at one rate a layer of small fan-in (a
+    small image's first layer, a 3x3 convolution's of few channels) changes its outputs
+    less per step than the layers after it. On the digits MLP (64 inputs) its stack at 2-3x
+    the rate lowered the validation loss on 10 of 10 seeds, while the same layer fed 784
+    inputs gained nothing; `FULL_FAN_IN` leaves the transformers measured, whose weights
+    all have fan-in 128 or more, as they were (`benchmarks/results/lr_first_layer.md`).
+    """
+    index = plan.stacks.index(stack)
+    fan_ins = [p.fan_in for p in plan.generated_by(index) if len(p.shape) >= 2]
+    if not fan_ins:
+        return 1.0
+    return min(MOST_FAN_IN_FACTOR, max(1.0, FULL_FAN_IN / max(fan_ins)))
 
 
 def param_groups(
@@ -56,19 +90,19 @@ def param_groups(
 ) -> list[dict[str, Any]]:
     """`torch.optim` parameter groups of `gparams`' trainable leaves at the default rates.
 
-    One group per distinct rate: g-net leaves at `gnet_lr` times `scale`, free parameters at
-    `free_lr` (the rate the dense model would train at), task embeddings at the largest rate
-    of the g-nets they feed (an embedding and its `w_cond` make one product, which learns
-    as a g-net's first layer does). Where the default does not hold,
-    sweep `scale` (e.g. 1/3, 1, 3). `gparams` may be a rank's shard
+    One group per distinct rate: g-net leaves at `gnet_lr` (by activation and fan-in) times
+    `scale`, free parameters at `free_lr` (the rate the dense model would train at), task
+    embeddings at the largest rate of the g-nets they feed (an embedding and its `w_cond`
+    make one product, which learns as a g-net's first layer does). Where the default does
+    not hold, sweep `scale` (e.g. 1/3, 1, 3). `gparams` may be a rank's shard
     (`gb.dist.RankOwned.shard`, fewer g-nets per stack).
 
     Examples:
         >>> model = nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 4))
         >>> plan = gb.plan(model, tile="full", hidden=4, hashed=16)
         >>> groups = gb.optim.param_groups(gb.init(plan), plan, free_lr=1e-3)
-        >>> sorted(g["lr"] for g in groups)
-        [0.001, 0.03]
+        >>> sorted(g["lr"] for g in groups)  # free, tables, fan-in 64 (2x), fan-in 32 (3x)
+        [0.001, 0.03, 0.06, 0.09]
         >>> opt = torch.optim.AdamW(groups)
     """
     check_gparams(gparams, plan, "gb.optim.param_groups", shard=True)
@@ -79,7 +113,7 @@ def param_groups(
         by_rate.setdefault(free_lr, []).extend(gparams["free"].values())
     if plan.tasks:
         fed = [s for s in plan.stacks if s.genome.condition]
-        rate = max(gnet_lr(s, COND_LEAF) for s in fed) * scale
+        rate = max(gnet_lr(plan, s, COND_LEAF) for s in fed) * scale
         by_rate.setdefault(rate, []).append(gparams[TASKS])
     return [{"params": params, "lr": rate} for rate, params in by_rate.items()]
 
@@ -143,7 +177,7 @@ def _leaves_by_rate(
     by_rate: dict[float, list[Tensor]] = {}
     for stack in plan.stacks:
         for leaf, tensor in stacks[stack.key].items():
-            by_rate.setdefault(gnet_lr(stack, leaf) * scale, []).append(tensor)
+            by_rate.setdefault(gnet_lr(plan, stack, leaf) * scale, []).append(tensor)
     return by_rate
 
 

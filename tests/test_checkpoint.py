@@ -69,6 +69,22 @@ def test_plan_json_round_trip_gives_an_equal_plan(model, kwargs):
     assert again == plan
     assert hash(again) == hash(plan)
     assert again.fingerprint() == plan.fingerprint()
+    assert [p.fan_in for p in again.generated] == [p.fan_in for p in plan.generated]
+
+
+def test_a_plan_written_before_fan_ins_reads_them_from_its_shapes():
+    """Plan JSON without `fan_in` (gbfunc before 2026-12-02): torch's reading of each shape,
+    the plan and its fingerprint as they were."""
+    plan = gb.plan(nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8, 5)), tile=(4, 4))
+    data = json.loads(plan_to_json(plan))
+    for p in data["params"]:
+        p.pop("fan_in", None)
+    old = plan_from_json(json.dumps(data))
+    assert old == plan
+    assert old.fingerprint() == plan.fingerprint()
+    assert {p.name: p.fan_in for p in old.generated} == {"0.weight": 27, "2.weight": 8} | {
+        p.name: 1 for p in old.generated if len(p.shape) == 1
+    }
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])

@@ -230,6 +230,10 @@ CRAFTED_MESSAGES = [
         r"params\[0\] \('0\.weight'\)\.split_dim is 1; expected 0 for one block\.",
     ),
     (
+        lambda p: _generated(p).update(fan_in=0),
+        r"params\[0\] \('0\.weight'\)\.fan_in is 0; expected an integer >= 1\.",
+    ),
+    (
         _stack(tile=[16, 4]),
         r"stacks\[0\]\.tile is \(16, 4\); expected a tile no larger than params\[0\] "
         r"\('0\.weight'\)\.blocks\[0\] \(8x8\), as gb\.plan clips it\.",

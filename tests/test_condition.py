@@ -294,7 +294,7 @@ def test_checkpoints_module_export_report_and_optimizer_keep_the_task_embeddings
     ).stored_params + 12 + sum(s.num_gnets * 15 for s in plan.stacks)
     groups = gb.optim.param_groups(gparams, plan, free_lr=1e-3)
     (rate,) = [g["lr"] for g in groups if any(p is gparams["tasks"] for p in g["params"])]
-    assert rate == gb.optim.GNET_LR["relu"]
+    assert rate == 3 * gb.optim.GNET_LR["relu"]  # fan-ins 12 and 10: `fan_in_factor` 3
     assert gb.trainable_leaves(gparams)[-1] is gparams["tasks"]
     state = gb.optim.adamw_init(gparams)
     grads = grad(lambda g: functional_call(model, gb.apply(g, plan, task=1), (x,)).sum())(gparams)

@@ -68,7 +68,7 @@ def test_fit_can_take_each_leafs_training_rate(activation):
         for leaf in ("w_out", "b_out", "tile_hash"):
             before = start["stacks"][stack.key][leaf]
             moved = (stepped["stacks"][stack.key][leaf] - before).detach().abs().max()
-            want = gb.optim.gnet_lr(stack, leaf)
+            want = gb.optim.gnet_lr(plan, stack, leaf)
             assert float(moved) == pytest.approx(want, rel=1e-3), (leaf, want)
 
 

@@ -4,14 +4,18 @@ import itertools
 
 import pytest
 import torch
+from conv1d import Conv1D
 from torch import nn
 
 import gbfunc as gb
+from examples.models import CharTransformer
+from examples.tasks import CharLMConfig
 
 
 def model() -> nn.Sequential:
+    """Weights of fan-in 128: at `GNET_LR` itself (`fan_in_factor` 1)."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(24, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+    return nn.Sequential(nn.Linear(128, 128), nn.LayerNorm(128), nn.Linear(128, 4))
 
 
 def rates(groups: list[dict]) -> dict[int, float]:
@@ -42,7 +46,7 @@ def test_the_groups_train_with_torch_optim():
     plan = gb.plan(net, tile=(8, 8), hidden=4)
     gparams = gb.init(plan)
     opt = torch.optim.AdamW(gb.optim.param_groups(gparams, plan, free_lr=1e-2))
-    x, y = torch.randn(64, 24), torch.randn(64, 4)
+    x, y = torch.randn(64, 128), torch.randn(64, 4)
     losses = []
     for _ in range(30):
         out = torch.func.functional_call(net, gb.apply(gparams, plan), (x,))
@@ -92,7 +96,9 @@ def test_a_ranks_shard_gets_its_leaves_rates():
     stack_leaves = [t for leaves in shard["stacks"].values() for t in leaves.values()]
     assert {by_id[id(t)] for t in stack_leaves} == {0.3}
     wider = gb.plan(model(), tile=(8, 8), hidden=6, activation="tanh")
-    with pytest.raises(ValueError, match=r"has shape \(6, 6, 6\); expected \(6, 6, 4\) \(a shard"):
+    with pytest.raises(
+        ValueError, match=r"has shape \(256, 6, 6\); expected \(256, 6, 4\) \(a shard"
+    ):
         gb.optim.param_groups(gb.init(wider), plan, free_lr=1e-3)
     del shard["stacks"][plan.stacks[0].key]["w_out"]
     with pytest.raises(ValueError, match=r"\['w_out'\] is missing"):
@@ -150,10 +156,64 @@ def test_the_schedule_warms_up_over_a_quarter_then_decays_to_its_final_fraction(
     ],
 )
 def test_task_embeddings_take_the_largest_rate_of_the_gnets_they_feed(override, rate):
-    mlp = nn.Sequential(nn.Linear(12, 8), nn.ReLU(), nn.Linear(8, 4))
+    mlp = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 4))  # factor 1
     plan = gb.plan(
-        mlp, tile=(4, 4), hidden=5, condition=3, tasks=2, overrides={"2.weight": override}
+        mlp, tile=(16, 16), hidden=5, condition=3, tasks=2, overrides={"2.weight": override}
     )
     gparams = gb.init(plan)
     groups = gb.optim.param_groups(gparams, plan, free_lr=1e-3)
     assert rates(groups)[id(gparams["tasks"])] == rate
+
+
+@pytest.mark.parametrize(("inputs", "factor"), [(16, 3.0), (64, 2.0), (100, 1.28), (128, 1.0)])
+def test_gnets_of_weights_with_few_inputs_step_up_to_three_times(inputs, factor):
+    """`fan_in_factor`: 128 / fan-in, clipped to [1, 3]; the hashed table keeps its rate."""
+    plan = gb.plan(nn.Linear(inputs, 8), tile="full", hidden=4, hashed=8, activation="tanh")
+    gparams = gb.init(plan)
+    (stack,) = plan.stacks
+    assert gb.optim.fan_in_factor(plan, stack) == pytest.approx(factor)
+    by_id = rates(gb.optim.param_groups(gparams, plan, free_lr=1e-3))
+    for leaf, t in gparams["stacks"][stack.key].items():
+        want = 0.03 if leaf == "tile_hash" else 0.3 * factor
+        assert by_id[id(t)] == pytest.approx(want), leaf
+        assert gb.optim.gnet_lr(plan, stack, leaf) == pytest.approx(want), leaf
+
+
+def test_a_stack_takes_the_largest_fan_in_of_its_weights_and_ignores_vectors():
+    """One stack of 8x8 tiles over weights of fan-in 64 and 8: 128 / 64. A stack of
+    biases alone, and a stack whose largest fan-in is 128, step at `GNET_LR`."""
+    mixed = gb.plan(nn.Sequential(nn.Linear(64, 8), nn.Linear(8, 8)), tile=(8, 8), hidden=4)
+    (stack,) = mixed.stacks
+    assert [p.fan_in for p in mixed.generated] == [64, 8]
+    assert gb.optim.fan_in_factor(mixed, stack) == 2.0
+    net = nn.Sequential(nn.Linear(8, 8), nn.Linear(128, 8))
+    plan = gb.plan(net, tile=(8, 8), hidden=4, biases=True)  # biases: a stack of their own
+    names = {tuple(p.name for p in plan.generated_by(i)) for i in range(len(plan.stacks))}
+    assert names == {("0.weight", "1.weight"), ("0.bias", "1.bias")}
+    assert {gb.optim.fan_in_factor(plan, s) for s in plan.stacks} == {1.0}
+    small = gb.plan(nn.Linear(8, 8), tile=(8, 8), hidden=4, biases=True)  # fan-in 8: 3x
+    assert [gb.optim.fan_in_factor(small, s) for s in small.stacks] == [3.0, 1.0]
+
+
+def test_a_weight_stored_inputs_first_counts_its_first_dimension():
+    """transformers' `Conv1D` keeps its weight `(inputs, outputs)`: 32 inputs, factor 3, where
+    torch's reading of `(32, 256)` would give 256 inputs and factor 1."""
+    net = nn.Sequential(Conv1D(256, 32))
+    plan = gb.plan(net, tile="full", hidden=4)
+    assert [p.fan_in for p in plan.generated] == [32]
+    assert gb.optim.fan_in_factor(plan, plan.stacks[0]) == 3.0
+
+
+def test_the_main_jobs_transformer_keeps_its_rates():
+    """Every weight the character transformer's genome generates has fan-in 128 or more, so
+    the fan-in rule leaves its text results as they were measured."""
+    cfg = CharLMConfig()
+    net = CharTransformer(96, cfg.context, cfg.width, cfg.depth, cfg.heads)
+    plan = gb.plan(net, **cfg.plan)
+    assert min(p.fan_in for p in plan.generated if len(p.shape) >= 2) == 128
+    gparams = gb.init(plan)
+    by_id = rates(gb.optim.param_groups(gparams, plan, free_lr=1e-3))
+    for stack in plan.stacks:
+        for leaf, t in gparams["stacks"][stack.key].items():
+            base = gb.optim.TABLE_LR if leaf == "tile_hash" else gb.optim.GNET_LR["relu"]
+            assert by_id[id(t)] == base, (stack.key, leaf)
