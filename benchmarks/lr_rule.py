@@ -31,6 +31,8 @@ such means is biased up by about that much). The held-out corpus takes 6.
     python -m benchmarks.lr_rule --parts held-out
     python -m benchmarks.lr_rule --parts without-tables \
         --out benchmarks/results/lr_rule_without_tables.md
+    python -m benchmarks.lr_rule --parts main held-out --tasks mlp cnn --rerun-default \
+        --rows benchmarks/results/lr_rule.json   # after a change to the default rates
 """
 
 import argparse
@@ -222,6 +224,18 @@ def _one(job: tuple) -> dict:
     return {"part": part, **run(task, options, rule, seed)}
 
 
+def replaced(rows: list[dict], fresh: list[dict]) -> list[dict]:
+    """`rows` with each run that `fresh` repeats (same part, task, compression, rule and
+    seed) replaced by the fresh one, in `rows`' order; fresh runs new to `rows` at the end."""
+
+    def key(r: dict) -> tuple:
+        return r["part"], r["task"], r["compression"], json.dumps(r["rule"]), r["seed"]
+
+    new = {key(r): r for r in fresh}
+    kept = [new.pop(key(r), r) for r in rows]
+    return kept + list(new.values())
+
+
 def _is_text(task: str) -> bool:
     return task.startswith("charlm")
 
@@ -292,9 +306,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--rows", type=Path, help="report the runs saved in this JSON file instead of running"
     )
+    parser.add_argument(
+        "--rerun-default",
+        action="store_true",
+        help="with --rows: rerun the default rule's runs of --parts (and --tasks) and put them "
+        "in the file in place of the old ones, after a change to gb.optim's defaults (the "
+        "swept rules set every rate themselves)",
+    )
+    parser.add_argument("--tasks", nargs="+", help="with --rerun-default: only these tasks")
     args = parser.parse_args(argv)
+    if args.rerun_default and not args.rows:
+        parser.error("--rerun-default needs --rows")
     if args.rows:
         rows = json.loads(args.rows.read_text())
+        if args.rerun_default:
+            todo = [
+                j
+                for j in jobs(args.parts)
+                if j[3] == "default" and (args.tasks is None or j[1] in args.tasks)
+            ]
+            with ProcessPoolExecutor(args.workers) as pool:
+                rows = replaced(rows, list(pool.map(_one, todo)))
+            args.rows.write_text(json.dumps(rows, indent=1) + "\n")
     else:
         with ProcessPoolExecutor(args.workers) as pool:
             rows = list(pool.map(_one, jobs(args.parts)))

@@ -800,6 +800,21 @@ def test_lr_rule_report_sets_the_default_beside_the_best_swept_rate(capsys):
     assert charlm in summary
 
 
+def test_lr_rule_rerun_default_replaces_the_default_runs_in_place():
+    from benchmarks import lr_rule
+
+    def row(rule, seed, acc, compression=5.0):
+        return {"part": "main", "task": "mlp", "compression": compression, "rule": rule,
+                "seed": seed, "val_acc": acc}  # fmt: skip
+
+    rows = [row("default", 0, 0.1), row(0.3, 0, 0.2), row("default", 1, 0.3), row([1, 2], 0, 4)]
+    fresh = [row("default", 1, 0.9), row("default", 0, 0.8), row("default", 0, 0.7, 9.0)]
+    assert lr_rule.replaced(rows, fresh) == [
+        row("default", 0, 0.8), row(0.3, 0, 0.2), row("default", 1, 0.9), row([1, 2], 0, 4),
+        row("default", 0, 0.7, 9.0),
+    ]  # fmt: skip
+
+
 def test_lr_rule_without_tables_runs_relu_genomes_without_tables_at_each_rule():
     """The part sweeps ReLU genomes that have no hashed tables (every other ReLU genome of
     lr_rule has them), each at the default and the swept rates, over the part's seeds."""
