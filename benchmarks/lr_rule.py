@@ -31,8 +31,8 @@ such means is biased up by about that much). The held-out corpus takes 6.
     python -m benchmarks.lr_rule --parts held-out
     python -m benchmarks.lr_rule --parts without-tables \
         --out benchmarks/results/lr_rule_without_tables.md
-    python -m benchmarks.lr_rule --parts main held-out --tasks mlp cnn --rerun-default \
-        --rows benchmarks/results/lr_rule.json   # after a change to the default rates
+    python -m benchmarks.lr_rule --parts main held-out --tasks mlp cnn --rerun \
+        --rows benchmarks/results/lr_rule.json   # those runs again, the others kept
 """
 
 import argparse
@@ -307,24 +307,19 @@ def main(argv: list[str] | None = None) -> None:
         "--rows", type=Path, help="report the runs saved in this JSON file instead of running"
     )
     parser.add_argument(
-        "--rerun-default",
+        "--rerun",
         action="store_true",
-        help="with --rows: rerun the default rule's runs of --parts (and --tasks) and put them "
-        "in the file in place of the old ones, after a change to gb.optim's defaults (the "
-        "swept rules set every rate themselves)",
+        help="with --rows: rerun the runs of --parts (only --tasks' if given) and put them in "
+        "the file in place of the old ones, keeping the rest",
     )
-    parser.add_argument("--tasks", nargs="+", help="with --rerun-default: only these tasks")
+    parser.add_argument("--tasks", nargs="+", help="with --rerun: only these tasks")
     args = parser.parse_args(argv)
-    if args.rerun_default and not args.rows:
-        parser.error("--rerun-default needs --rows")
+    if args.rerun and not args.rows:
+        parser.error("--rerun needs --rows")
     if args.rows:
         rows = json.loads(args.rows.read_text())
-        if args.rerun_default:
-            todo = [
-                j
-                for j in jobs(args.parts)
-                if j[3] == "default" and (args.tasks is None or j[1] in args.tasks)
-            ]
+        if args.rerun:
+            todo = [j for j in jobs(args.parts) if args.tasks is None or j[1] in args.tasks]
             with ProcessPoolExecutor(args.workers) as pool:
                 rows = replaced(rows, list(pool.map(_one, todo)))
             args.rows.write_text(json.dumps(rows, indent=1) + "\n")

@@ -800,7 +800,7 @@ def test_lr_rule_report_sets_the_default_beside_the_best_swept_rate(capsys):
     assert charlm in summary
 
 
-def test_lr_rule_rerun_default_replaces_the_default_runs_in_place():
+def test_lr_rule_rerun_replaces_the_runs_it_repeats_in_place():
     from benchmarks import lr_rule
 
     def row(rule, seed, acc, compression=5.0):
