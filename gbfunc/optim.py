@@ -101,7 +101,8 @@ def param_groups(
         >>> model = nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 4))
         >>> plan = gb.plan(model, tile="full", hidden=4, hashed=16)
         >>> groups = gb.optim.param_groups(gb.init(plan), plan, free_lr=1e-3)
-        >>> sorted(g["lr"] for g in groups)  # free, tables, fan-in 64 (2x), fan-in 32 (3x)
+        >>> # free, tables, g-nets of fan-in 64 (2x), of fan-in 32 (3x)
+        >>> sorted(g["lr"] for g in groups)
         [0.001, 0.03, 0.06, 0.09]
         >>> opt = torch.optim.AdamW(groups)
     """
