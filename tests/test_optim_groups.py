@@ -195,6 +195,13 @@ def test_a_stack_takes_the_largest_fan_in_of_its_weights_and_ignores_vectors():
     assert [gb.optim.fan_in_factor(small, s) for s in small.stacks] == [3.0, 1.0]
 
 
+def test_a_stack_of_another_plan_is_named():
+    plan = gb.plan(nn.Linear(64, 8), tile="full", hidden=4)
+    other = gb.plan(nn.Linear(32, 8), tile="full", hidden=4)
+    with pytest.raises(ValueError, match=r"stack 's0_8x32' is not one of the plan's stacks"):
+        gb.optim.gnet_lr(plan, other.stacks[0], "w_out")
+
+
 def test_a_weight_stored_inputs_first_counts_its_first_dimension():
     """transformers' `Conv1D` keeps its weight `(inputs, outputs)`: 32 inputs, factor 3, where
     torch's reading of `(32, 256)` would give 256 inputs and factor 1."""
